@@ -1,0 +1,90 @@
+"""Schedule builders, one module per family, and `build_schedule`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..lowering import gc_paused
+from ..schedule import Schedule
+from .dualpipe import build_dualpipe, build_dualpipev
+from .gpipe import build_forward_only, build_gpipe
+from .interleaved import build_interleaved_1f1b, build_interleaved_zb, build_looped_bfs
+from .one_f_one_b import build_1f1b
+from .zero_bubble_v import build_zbv
+
+
+@dataclass(frozen=True)
+class _Spec:
+    build: Callable[[int, int, int], Schedule]
+    default_stages_per_rank: int
+    allowed_stages_per_rank: tuple[int, ...] | None  # None: any >= 1
+    summary: str
+
+
+_SPECS: dict[str, _Spec] = {
+    "gpipe": _Spec(build_gpipe, 1, (1,), "all forwards, then all backwards"),
+    "1f1b": _Spec(build_1f1b, 1, (1,), "one forward, one backward in steady state"),
+    "interleaved_1f1b": _Spec(build_interleaved_1f1b, 2, None, "Megatron's depth-first interleaving, loop placement"),
+    "looped_bfs": _Spec(build_looped_bfs, 2, None, "breadth-first over a rank's stages, loop placement"),
+    "interleaved_zb": _Spec(build_interleaved_zb, 2, None, "zero bubble (ZB-H1 at 1 stage per rank): I/W split, W fills bubbles"),
+    "zbv": _Spec(build_zbv, 2, (2,), "zero bubble V: rank r holds stages r and 2R-1-r"),
+    "dualpipe": _Spec(build_dualpipe, 2, (2,), "DeepSeek's bidirectional DualPipe: mirrored stages r and R-1-r"),
+    "dualpipev": _Spec(build_dualpipev, 2, (2,), "DualPipe folded into a V: overlapped F&B pairs"),
+    "forward_only": _Spec(build_forward_only, 1, None, "inference: forwards only"),
+}
+
+SCHEDULES: tuple[str, ...] = tuple(_SPECS)
+
+_ALIASES = {
+    "gpipe": "gpipe", "1f1b": "1f1b", "interleaved1f1b": "interleaved_1f1b", "loopedbfs": "looped_bfs",
+    "bfs": "looped_bfs", "interleavedzb": "interleaved_zb", "interleavedzerobubble": "interleaved_zb",
+    "zb1p": "interleaved_zb", "zbh1": "interleaved_zb", "zbv": "zbv", "zbvzerobubble": "zbv",
+    "dualpipe": "dualpipe", "dualpipev": "dualpipev", "forwardonly": "forward_only", "inference": "forward_only",
+}
+
+
+def canonical_name(name: str) -> str:
+    """The schedule name in `SCHEDULES` for `name` (also accepts torch's class names)."""
+    if not isinstance(name, str):
+        raise ValueError(f"schedule name must be a string, one of {', '.join(SCHEDULES)}; got {name!r}")
+    key = name.lower().replace("_", "").replace("-", "").replace(" ", "")
+    key = key.removeprefix("schedule")
+    if key not in _ALIASES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)}")
+    return _ALIASES[key]
+
+
+def build_schedule(name: str, num_ranks: int, num_microbatches: int,
+                   stages_per_rank: int | None = None) -> Schedule:
+    """The compute-only schedule `name` for `num_ranks` ranks and `num_microbatches` microbatches.
+
+    `stages_per_rank` defaults to 1 for gpipe, 1f1b and forward_only and to 2 for the rest.
+    Raises ValueError for combinations the schedule does not support, saying what is allowed.
+    """
+    canon = canonical_name(name)
+    spec = _SPECS[canon]
+    for label, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{label} must be a positive integer, got {value!r}")
+    if stages_per_rank is None:
+        stages_per_rank = spec.default_stages_per_rank
+    if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1:
+        raise ValueError(f"stages_per_rank must be a positive integer, got {stages_per_rank!r}")
+    allowed = spec.allowed_stages_per_rank
+    if allowed is not None and stages_per_rank not in allowed:
+        hint = "interleaved_1f1b, looped_bfs or interleaved_zb" if allowed == (1,) else "the default"
+        raise ValueError(
+            f"{canon} runs {' or '.join(map(str, allowed))} stage(s) per rank, got stages_per_rank={stages_per_rank}"
+            f" (for several stages per rank use {hint})")
+    if num_ranks * stages_per_rank >= 1 << 16:
+        raise ValueError(f"at most {(1 << 16) - 1} stages are supported")
+    if num_microbatches >= 1 << 31:
+        raise ValueError("at most 2**31 - 1 microbatches are supported")
+    with gc_paused():
+        return spec.build(num_ranks, num_microbatches, stages_per_rank)
+
+
+def describe() -> dict[str, str]:
+    """One line per schedule: what it does."""
+    return {name: spec.summary for name, spec in _SPECS.items()}

@@ -1,0 +1,42 @@
+"""CSV in/out in torch.distributed.pipelining's format: one row per rank, one action per cell."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+from .action import Action, decode
+from .errors import ScheduleError
+
+
+def write_csv(schedule, path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        for row in schedule.codes:
+            writer.writerow([str(decode(c)) for c in row])
+
+
+def read_csv(path, *, num_stages=None, num_microbatches=None, placement=None, name=None):
+    from .schedule import Schedule
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"schedule CSV {path!s} does not exist")
+    rows: list[list[Action]] = []
+    with open(path, newline="") as f:
+        for r, cells in enumerate(csv.reader(f)):
+            row = []
+            for col, cell in enumerate(cells):
+                if not cell.strip():
+                    continue  # torch writes None as an empty cell
+                try:
+                    row.append(Action.parse(cell))
+                except ScheduleError as exc:
+                    raise ScheduleError(f"{path}: row {r + 1} (rank {r}), column {col + 1}: {exc}") from None
+            rows.append(row)
+    if not rows:
+        raise ScheduleError(f"{path}: empty schedule CSV (expected one row per rank)")
+    try:
+        return Schedule(rows, num_stages, num_microbatches, placement=placement,
+                        name=name or os.path.splitext(os.path.basename(str(path)))[0])
+    except ScheduleError as exc:
+        raise ScheduleError(f"{path}: {exc}") from None

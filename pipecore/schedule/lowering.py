@@ -1,0 +1,296 @@
+"""Lowering passes: from a compute-only schedule to the one the executor runs.
+
+All passes work on integer action codes (see action.py) so that lowering a pp=32 x 2 stages x
+256 microbatch schedule takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterable
+from contextlib import contextmanager
+
+from .action import MB_SHIFT, STAGE_SHIFT, SUB_SHIFT, Kind, decode, encode
+from .errors import ScheduleError
+
+F, I, W, B = int(Kind.F), int(Kind.I), int(Kind.W), int(Kind.B)
+SEND_F, RECV_F, SEND_B, RECV_B = int(Kind.SEND_F), int(Kind.RECV_F), int(Kind.SEND_B), int(Kind.RECV_B)
+UNSHARD, RESHARD, REDUCE_GRAD, OVERLAP = int(Kind.UNSHARD), int(Kind.RESHARD), int(Kind.REDUCE_GRAD), int(Kind.OVERLAP_F_B)
+_SUB_MASK = (1 << SUB_SHIFT) - 1
+_STAGE_MASK = (1 << 16) - 1
+
+
+def leaf_codes(code: int) -> list[int]:
+    """Codes of the actions a step runs (sub-actions of an OVERLAP_F_B container)."""
+    if code & 0xF != OVERLAP:
+        return [code]
+    out, rest = [], code >> STAGE_SHIFT
+    while rest:
+        out.append(rest & _SUB_MASK)
+        rest >>= SUB_SHIFT
+    return out
+
+
+def lower(schedule, *, merge_iw: bool = True, reduce_grad: bool = True,
+          sharded: Iterable[int] | bool = (), max_active_stages: int = 3):
+    with gc_paused():
+        return _lower(schedule, merge_iw, reduce_grad, sharded, max_active_stages)
+
+
+@contextmanager
+def gc_paused():
+    """Pause the cyclic GC: lowering allocates many small lists but never cycles, and collections
+    triggered by those allocations cost more than the pass itself."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _lower(schedule, merge_iw, reduce_grad, sharded, max_active_stages):
+    from .schedule import Schedule
+
+    topo = schedule.topology
+    codes = schedule.compute_only().codes
+    if merge_iw:
+        codes = [merge_adjacent_iw(row) for row in codes]
+    if sharded is True:
+        sharded = range(topo.num_stages)
+    sharded = frozenset(sharded or ())
+    bad = [s for s in sharded if not 0 <= s < topo.num_stages]
+    if bad:
+        raise ScheduleError(f"sharded stages {bad} do not exist: stages are 0..{topo.num_stages - 1}")
+    if sharded:
+        codes = [add_unshard_reshard(row, sharded, max_active_stages) for row in codes]
+    if reduce_grad and any((c & 0xF) in (I, W, B, OVERLAP) for row in codes for c in row):
+        counts = [len(m) for m in topo.microbatches]
+        codes = [add_reduce_grad(row, counts) for row in codes]
+    codes = add_send_recv(codes, topo)
+    return Schedule._from_codes(codes, topo, schedule.name)
+
+
+def merge_adjacent_iw(row: list[int]) -> list[int]:
+    """I followed directly by W of the same stage and microbatch becomes one full B."""
+    out: list[int] = []
+    append = out.append
+    n, k = len(row), 0
+    while k < n:
+        c = row[k]
+        if c & 0xF == I and k + 1 < n and row[k + 1] == c + 1:  # W code = I code + 1
+            append(c + 2)  # B code = I code + 2
+            k += 2
+        else:
+            append(c)
+            k += 1
+    return out
+
+
+def add_reduce_grad(row: list[int], mb_counts: list[int]) -> list[int]:
+    """REDUCE_GRAD for a stage right after its last weight-gradient action (B or W)."""
+    out: list[int] = []
+    seen: dict[int, int] = {}
+    for c in row:
+        out.append(c)
+        for leaf in leaf_codes(c) if c & 0xF == OVERLAP else (c,):
+            kind = leaf & 0xF
+            if kind == B or kind == W:
+                stage = (leaf >> STAGE_SHIFT) & _STAGE_MASK
+                n = seen.get(stage, 0) + 1
+                seen[stage] = n
+                if n == mb_counts[stage]:
+                    out.append(REDUCE_GRAD | (stage << STAGE_SHIFT))
+    return out
+
+
+def add_unshard_reshard(row: list[int], sharded: frozenset[int], max_active: int) -> list[int]:
+    """Keep at most `max_active` sharded stages unsharded, prefetching the next ones a rank computes
+    (UNSHARD before first use, RESHARD when a stage is not among the next `max_active`)."""
+    stages_at = [[(leaf >> STAGE_SHIFT) & _STAGE_MASK for leaf in leaf_codes(c)] for c in row]
+    out: list[int] = []
+    active: list[int] = []
+    for k, c in enumerate(row):
+        upcoming: list[int] = []
+        for stages in stages_at[k:]:
+            for s in stages:
+                if s in sharded and s not in upcoming:
+                    upcoming.append(s)
+            if len(upcoming) >= max_active:
+                break
+        for s in [s for s in active if s not in upcoming]:
+            active.remove(s)
+            out.append(RESHARD | (s << STAGE_SHIFT))
+        for s in upcoming:
+            if s not in active:
+                active.append(s)
+                out.append(UNSHARD | (s << STAGE_SHIFT))
+        out.append(c)
+    for s in active:
+        out.append(RESHARD | (s << STAGE_SHIFT))
+    return out
+
+
+def add_send_recv(codes: list[list[int]], topo) -> list[list[int]]:
+    """Insert SEND_*/RECV_* between stages on different ranks.
+
+    Ranks advance in lock-step rounds (one step per rank per round; a blocked rank sleeps until the
+    action it needs is done). When an action produces data for another rank, its SEND goes right
+    after it and the matching RECV is appended to the peer's list at that moment. The result is one
+    global order in which every SEND is directly followed by its RECV, so it cannot deadlock, even
+    with rendezvous (blocking) sends, and both ends of every channel see the same message order.
+    """
+    num_ranks = len(codes)
+    stage_rank = topo.stage_rank
+    # Per stage: code offsets from an action to what it needs / what its peer receives. "Done"
+    # markers are the action's code with kind bits 1 (forward done), 2 (grad-input done), 3 (W done).
+    fwd_need, fwd_peer, fwd_recv = [], [], []
+    bwd_need, bwd_peer, bwd_recv = [], [], []
+    for s, r in enumerate(stage_rank):
+        p, n = topo.prev_stage[s], topo.next_stage[s]
+        fwd_need.append(None if p < 0 else ((p - s) << STAGE_SHIFT) + 1)
+        bwd_need.append(None if n < 0 else ((n - s) << STAGE_SHIFT) + 2)
+        cross_next = n >= 0 and stage_rank[n] != r
+        fwd_peer.append(stage_rank[n] if cross_next else -1)
+        fwd_recv.append(((n - s) << STAGE_SHIFT) + RECV_F if cross_next else 0)
+        cross_prev = p >= 0 and stage_rank[p] != r
+        bwd_peer.append(stage_rank[p] if cross_prev else -1)
+        bwd_recv.append(((p - s) << STAGE_SHIFT) + RECV_B if cross_prev else 0)
+
+    out: list[list[int]] = [[] for _ in range(num_ranks)]
+    pos = [0] * num_ranks
+    lengths = [len(row) for row in codes]
+    done: set[int] = set()
+    waiting: dict[int, list[int]] = {}
+    blocked: dict[int, int] = {}
+    current = [r for r in range(num_ranks) if lengths[r]]
+    smask = _STAGE_MASK
+    kind_mask = ~0xF
+
+    def wait(r: int, need: int) -> None:
+        w = waiting.get(need)
+        if w is None:
+            waiting[need] = [r]
+        else:
+            w.append(r)
+        blocked[r] = need
+
+    while current:
+        woken: list[int] = []
+        for r in current:
+            p = pos[r]
+            c = codes[r][p]
+            kind = c & 0xF
+            s = (c >> STAGE_SHIFT) & smask
+            # the common single actions inline; containers take the general path below
+            if kind == F:
+                d = fwd_need[s]
+                if d is not None and c + d not in done:
+                    wait(r, c + d)
+                    continue
+                dst = out[r]
+                dst.append(c)
+                peer = fwd_peer[s]
+                if peer >= 0:
+                    dst.append(c | SEND_F)
+                    out[peer].append(c + fwd_recv[s])
+                mark = c | 1
+                done.add(mark)
+                if mark in waiting:
+                    woken.extend(waiting.pop(mark))
+            elif kind == B or kind == I:
+                base = c & kind_mask
+                if base | 1 not in done:
+                    wait(r, base | 1)
+                    continue
+                d = bwd_need[s]
+                if d is not None and base + d not in done:
+                    wait(r, base + d)
+                    continue
+                dst = out[r]
+                dst.append(c)
+                peer = bwd_peer[s]
+                if peer >= 0:
+                    dst.append(base | SEND_B)
+                    out[peer].append(base + bwd_recv[s])
+                mark = base | 2
+                done.add(mark)
+                if mark in waiting:
+                    woken.extend(waiting.pop(mark))
+                if kind == B:
+                    done.add(base | 3)
+            elif kind == W:
+                base = c & kind_mask
+                if base | 2 not in done:
+                    wait(r, base | 2)
+                    continue
+                out[r].append(c)
+                done.add(base | 3)
+            elif kind == OVERLAP:
+                leaves = leaf_codes(c)
+                need = 0
+                for leaf in leaves:
+                    lk, ls, base = leaf & 0xF, (leaf >> STAGE_SHIFT) & smask, leaf & kind_mask
+                    if lk == F:
+                        d = fwd_need[ls]
+                        if d is not None and leaf + d not in done:
+                            need = leaf + d
+                    elif lk == W:
+                        if base | 2 not in done:
+                            need = base | 2
+                    elif base | 1 not in done:
+                        need = base | 1
+                    elif bwd_need[ls] is not None and base + bwd_need[ls] not in done:
+                        need = base + bwd_need[ls]
+                    if need:
+                        break
+                if need:
+                    wait(r, need)
+                    continue
+                dst = out[r]
+                dst.append(c)
+                for leaf in leaves:
+                    lk, ls, base = leaf & 0xF, (leaf >> STAGE_SHIFT) & smask, leaf & kind_mask
+                    if lk == F:
+                        marks = (base | 1,)
+                        if fwd_peer[ls] >= 0:
+                            dst.append(base | SEND_F)
+                            out[fwd_peer[ls]].append(base + fwd_recv[ls])
+                    elif lk == W:
+                        marks = (base | 3,)
+                    else:
+                        marks = (base | 2, base | 3) if lk == B else (base | 2,)
+                        if bwd_peer[ls] >= 0:
+                            dst.append(base | SEND_B)
+                            out[bwd_peer[ls]].append(base + bwd_recv[ls])
+                    for mark in marks:
+                        done.add(mark)
+                        if mark in waiting:
+                            woken.extend(waiting.pop(mark))
+            else:  # REDUCE_GRAD, UNSHARD, RESHARD: never wait
+                out[r].append(c)
+            p += 1
+            pos[r] = p
+            if p < lengths[r]:
+                woken.append(r)
+        current = woken
+    stuck = [r for r in range(num_ranks) if pos[r] < lengths[r]]
+    if stuck:
+        lines = [f"rank {r}, step {pos[r]}, action {decode(codes[r][pos[r]])} waits for "
+                 f"{_describe_key(blocked[r])}" for r in stuck]
+        raise ScheduleError("schedule deadlocks, cannot insert communication:\n  " + "\n  ".join(lines)
+                            + "\nrun schedule.validate() for the full diagnosis")
+    return out
+
+
+def _describe_key(key: int) -> str:
+    phase = key & 3
+    stage = (key >> STAGE_SHIFT) & _STAGE_MASK
+    mb = (key >> MB_SHIFT) - 1
+    kind = {1: "F", 2: "I/B", 3: "W"}[phase]
+    return f"{stage}{kind}{mb}"
+
+
+__all__ = ["lower", "merge_adjacent_iw", "add_reduce_grad", "add_unshard_reshard", "add_send_recv",
+           "leaf_codes", "encode"]

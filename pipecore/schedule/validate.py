@@ -1,0 +1,295 @@
+"""The schedule validator: placement, completeness, order, communication and deadlock freedom.
+
+Every error names the rank, the step (index in that rank's list) and the action, and shows the
+timeline around it.
+"""
+
+from __future__ import annotations
+
+from .action import MB_SHIFT, STAGE_SHIFT, Kind, decode
+from .errors import ScheduleError
+from .lowering import leaf_codes
+
+F, I, W, B = int(Kind.F), int(Kind.I), int(Kind.W), int(Kind.B)
+SEND_F, RECV_F, SEND_B, RECV_B = int(Kind.SEND_F), int(Kind.RECV_F), int(Kind.SEND_B), int(Kind.RECV_B)
+UNSHARD, RESHARD, REDUCE_GRAD, OVERLAP = int(Kind.UNSHARD), int(Kind.RESHARD), int(Kind.REDUCE_GRAD), int(Kind.OVERLAP_F_B)
+_COMPUTE = (F, I, W, B)
+_STAGE_MASK = (1 << 16) - 1
+
+
+def _stage(code: int) -> int:
+    return (code >> STAGE_SHIFT) & _STAGE_MASK
+
+
+def _mb(code: int) -> int:
+    return (code >> MB_SHIFT) - 1
+
+
+def _with_stage(code: int, stage: int) -> int:
+    return (code & ~(_STAGE_MASK << STAGE_SHIFT)) | (stage << STAGE_SHIFT)
+
+
+def _with_kind(code: int, kind: int) -> int:
+    return (code & ~0xF) | kind
+
+
+class _Reporter:
+    def __init__(self, schedule):
+        self.schedule = schedule
+
+    def fail(self, rank: int, step: int, problem: str) -> None:
+        from .timeline import format_table
+
+        codes = self.schedule.codes
+        if 0 <= step < len(codes[rank]):
+            head = f"rank {rank}, step {step}, action {decode(codes[rank][step])}: {problem}"
+        else:
+            head = f"rank {rank}, step {step} (end of its list): {problem}"
+        lo = max(0, step - 6)
+        hi = min(max(map(len, codes), default=0), step + 7)
+        table = format_table(self.schedule, aligned=False, steps=range(lo, max(hi, lo + 1)),
+                             highlight=(rank, step))
+        raise ScheduleError(f"{head}\n\ntimeline (steps {lo}..{hi - 1}, list order):\n{table}")
+
+
+def validate(schedule) -> None:
+    topo = schedule.topology
+    codes = schedule.codes
+    rep = _Reporter(schedule)
+    num_ranks, num_stages = len(codes), topo.num_stages
+    if topo.num_ranks != num_ranks:
+        raise ScheduleError(f"placement is for {topo.num_ranks} ranks but the schedule has {num_ranks}")
+    if num_ranks == 0:
+        raise ScheduleError("a schedule needs at least one rank")
+    stage_rank, prev_stage, next_stage = topo.stage_rank, topo.prev_stage, topo.next_stage
+
+    # -- 1. static per-action checks; where every action is ------------------------------
+    where: dict[int, tuple[int, int]] = {}  # leaf code -> (rank, step)
+    lowered = False
+    training = False
+    for r, row in enumerate(codes):
+        for k, c in enumerate(row):
+            kind = c & 0xF
+            if kind == OVERLAP:
+                leaves = leaf_codes(c)
+                if len(leaves) < 2 or any((lc & 0xF) not in _COMPUTE for lc in leaves):
+                    rep.fail(r, k, "OVERLAP_F_B must hold two or more compute actions")
+            else:
+                leaves = (c,)
+            for lc in leaves:
+                lk, s = lc & 0xF, _stage(lc)
+                if s >= num_stages:
+                    rep.fail(r, k, f"stage {s} does not exist (stages 0..{num_stages - 1})")
+                if stage_rank[s] != r:
+                    rep.fail(r, k, f"stage {s} is placed on rank {stage_rank[s]} ({topo.style} placement), not rank {r}")
+                if lk in (UNSHARD, RESHARD, REDUCE_GRAD):
+                    lowered = True
+                    if lk == REDUCE_GRAD:
+                        if lc in where:
+                            rep.fail(r, k, f"stage {s} reduces its gradients twice (first at step {where[lc][1]})")
+                        where[lc] = (r, k)
+                    continue
+                mb = _mb(lc)
+                if mb not in topo.microbatches[s]:
+                    mbs = topo.microbatches[s]
+                    rep.fail(r, k, f"microbatch {mb} is not one of stage {s}'s ({mbs.start}..{mbs.stop - 1})")
+                if lk == SEND_F and (next_stage[s] < 0 or stage_rank[next_stage[s]] == r):
+                    rep.fail(r, k, f"stage {s} sends no activations to another rank")
+                if lk == RECV_F and (prev_stage[s] < 0 or stage_rank[prev_stage[s]] == r):
+                    rep.fail(r, k, f"stage {s} receives no activations from another rank")
+                if lk == SEND_B and (prev_stage[s] < 0 or stage_rank[prev_stage[s]] == r):
+                    rep.fail(r, k, f"stage {s} sends no gradients to another rank")
+                if lk == RECV_B and (next_stage[s] < 0 or stage_rank[next_stage[s]] == r):
+                    rep.fail(r, k, f"stage {s} receives no gradients from another rank")
+                if lk in (SEND_F, RECV_F, SEND_B, RECV_B):
+                    lowered = True
+                if lk in (I, W, B):
+                    training = True
+                if lc in where:
+                    rep.fail(r, k, f"{decode(lc)} appears twice (first at rank {where[lc][0]}, step {where[lc][1]})")
+                where[lc] = (r, k)
+
+    # -- 2. completeness and same-rank order ---------------------------------------------
+    for s in range(num_stages):
+        r = stage_rank[s]
+        end = len(codes[r])
+        base = s << STAGE_SHIFT
+        for mb in topo.microbatches[s]:
+            key = base | ((mb + 1) << MB_SHIFT)
+            f_at = where.get(key | F)
+            if f_at is None:
+                rep.fail(r, end, f"missing {s}F{mb}: every stage runs forward on each of its microbatches")
+            if not training:
+                continue
+            b_at, i_at, w_at = where.get(key | B), where.get(key | I), where.get(key | W)
+            if b_at is not None and (i_at is not None or w_at is not None):
+                rep.fail(r, b_at[1], f"{s}B{mb} runs a full backward but {s}I{mb}/{s}W{mb} also appear")
+            if b_at is None and i_at is None:
+                rep.fail(r, end, f"missing the backward of {s}F{mb}: add {s}B{mb}, or {s}I{mb} and {s}W{mb}")
+            back = b_at or i_at
+            if back[1] < f_at[1]:
+                rep.fail(r, back[1], f"backward runs before its forward {s}F{mb} (step {f_at[1]})")
+            if i_at is not None:
+                if w_at is None:
+                    rep.fail(r, i_at[1], f"{s}I{mb} has no matching {s}W{mb}: weight gradients would be lost")
+                if w_at[1] < i_at[1]:
+                    rep.fail(r, w_at[1], f"{s}W{mb} runs before {s}I{mb} (step {i_at[1]})")
+            elif w_at is not None:
+                rep.fail(r, w_at[1], f"{s}W{mb} has no {s}I{mb} before it")
+        if training:
+            rg = where.get(base | REDUCE_GRAD)
+            if rg is not None:
+                last = max(where.get(base | ((mb + 1) << MB_SHIFT) | kind, (r, -1))[1]
+                           for mb in topo.microbatches[s] for kind in (B, W))
+                if rg[1] < last:
+                    rep.fail(r, rg[1], f"REDUCE_GRAD of stage {s} comes before its last backward (step {last})")
+    if lowered:
+        _check_sharding(codes, rep)
+        _check_comms(schedule, where, training, rep)
+    _check_progress(schedule, lowered, rep)
+
+
+def _check_sharding(codes, rep) -> None:
+    for r, row in enumerate(codes):
+        state: dict[int, bool] = {}
+        for k, c in enumerate(row):
+            kind = c & 0xF
+            if kind == UNSHARD:
+                state[_stage(c)] = True
+            elif kind == RESHARD:
+                if not state.get(_stage(c)):
+                    rep.fail(r, k, f"stage {_stage(c)} is resharded while not unsharded")
+                state[_stage(c)] = False
+        if not state:
+            continue
+        sharded = set(state)
+        state = {}
+        for k, c in enumerate(row):
+            kind = c & 0xF
+            if kind == UNSHARD:
+                state[_stage(c)] = True
+            elif kind == RESHARD:
+                state[_stage(c)] = False
+            elif kind in (F, I, W, B, OVERLAP):
+                for lc in leaf_codes(c):
+                    if _stage(lc) in sharded and not state.get(_stage(lc)):
+                        rep.fail(r, k, f"stage {_stage(lc)} computes while its parameters are sharded (UNSHARD first)")
+
+
+def _check_comms(schedule, where, training, rep) -> None:
+    """Every cross-rank edge has exactly its SEND after the producer and its RECV before the
+    consumer, and both ends of every channel agree on message order."""
+    topo = schedule.topology
+    stage_rank, prev_stage, next_stage = topo.stage_rank, topo.prev_stage, topo.next_stage
+    for s in range(topo.num_stages):
+        r = stage_rank[s]
+        base = s << STAGE_SHIFT
+        for mb in topo.microbatches[s]:
+            key = base | ((mb + 1) << MB_SHIFT)
+            n = next_stage[s]
+            if n >= 0 and stage_rank[n] != r:
+                _check_edge(key | F, key | SEND_F, _with_stage(key, n) | RECV_F, _with_stage(key, n) | F, where, rep)
+            p = prev_stage[s]
+            if training and p >= 0 and stage_rank[p] != r:
+                producer = key | B if (key | B) in where else key | I
+                consumer = _with_stage(key, p)
+                consumer = consumer | B if (consumer | B) in where else consumer | I
+                _check_edge(producer, key | SEND_B, _with_stage(key, p) | RECV_B, consumer, where, rep)
+    # channel order: the i-th message a sends to b is the i-th b receives from a
+    codes = schedule.codes
+    sent: dict[tuple[int, int], list[int]] = {}
+    received: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for r, row in enumerate(codes):
+        for k, c in enumerate(row):
+            kind = c & 0xF
+            s = _stage(c)
+            if kind == SEND_F:
+                sent.setdefault((r, stage_rank[next_stage[s]]), []).append(_with_stage(c, next_stage[s]) - SEND_F + RECV_F)
+            elif kind == SEND_B:
+                sent.setdefault((r, stage_rank[prev_stage[s]]), []).append(_with_stage(c, prev_stage[s]) - SEND_B + RECV_B)
+            elif kind == RECV_F:
+                received.setdefault((stage_rank[prev_stage[s]], r), []).append((c, k))
+            elif kind == RECV_B:
+                received.setdefault((stage_rank[next_stage[s]], r), []).append((c, k))
+    for (a, b), recvs in received.items():
+        sends = sent.get((a, b), [])
+        for idx, (c, k) in enumerate(recvs):
+            if idx >= len(sends) or sends[idx] != c:
+                expected = decode(sends[idx]) if idx < len(sends) else "nothing"
+                rep.fail(b, k, f"message {idx} from rank {a} is received as {decode(c)} but rank {a} sends "
+                               f"{expected} as its message {idx} to rank {b}: both sides must agree on the order")
+
+
+def _check_edge(producer, send, recv, consumer, where, rep) -> None:
+    prod_at, send_at, recv_at, cons_at = where.get(producer), where.get(send), where.get(recv), where.get(consumer)
+    if send_at is None:
+        rep.fail(prod_at[0], prod_at[1], f"{decode(producer)} needs {decode(send)}: its output goes to another rank")
+    if send_at[1] < prod_at[1]:
+        rep.fail(send_at[0], send_at[1], f"{decode(send)} comes before {decode(producer)} computes what it sends")
+    if cons_at is None:
+        return  # reported by completeness
+    if recv_at is None:
+        rep.fail(cons_at[0], cons_at[1], f"{decode(consumer)} needs {decode(recv)} before it")
+    if recv_at[1] > cons_at[1]:
+        rep.fail(recv_at[0], recv_at[1], f"{decode(recv)} comes after {decode(consumer)} that needs its data")
+
+
+def _check_progress(schedule, lowered: bool, rep) -> None:
+    """Run the schedule: sends and receives are posted without blocking, a compute action waits for
+    its inputs (the peer's SEND when they come from another rank). Fails when ranks get stuck."""
+    topo = schedule.topology
+    codes = schedule.codes
+    stage_rank, prev_stage, next_stage = topo.stage_rank, topo.prev_stage, topo.next_stage
+    num_ranks = len(codes)
+    pos = [0] * num_ranks
+    done: set[int] = set()
+    waiting: dict[int, list[int]] = {}
+    blocked_on: dict[int, int] = {}
+    ready = [r for r in range(num_ranks) if codes[r]]
+    while ready:
+        r = ready.pop()
+        row = codes[r]
+        n = len(row)
+        while pos[r] < n:
+            c = row[pos[r]]
+            need = -1
+            for lc in (leaf_codes(c) if c & 0xF == OVERLAP else (c,)):
+                kind, s = lc & 0xF, _stage(lc)
+                if kind == F:
+                    p = prev_stage[s]
+                    if p >= 0:
+                        src = _with_stage(lc, p)
+                        need = (src | SEND_F) if lowered and stage_rank[p] != r else (src | F)
+                elif kind == I or kind == B:
+                    nx = next_stage[s]
+                    if nx >= 0:
+                        src = _with_stage(lc, nx) & ~0xF
+                        if lowered and stage_rank[nx] != r:
+                            need = src | SEND_B
+                        else:
+                            need = src | 0xF  # "grad-input of src done", set by its I or B
+                if need >= 0 and need not in done:
+                    break
+                need = -1
+            if need >= 0:
+                waiting.setdefault(need, []).append(r)
+                blocked_on[r] = need
+                break
+            blocked_on.pop(r, None)
+            for lc in (leaf_codes(c) if c & 0xF == OVERLAP else (c,)):
+                marks = (lc, (lc & ~0xF) | 0xF) if (lc & 0xF) in (I, B) else (lc,)
+                for m in marks:
+                    done.add(m)
+                    if m in waiting:
+                        ready.extend(waiting.pop(m))
+            pos[r] += 1
+    stuck = [r for r in range(num_ranks) if pos[r] < len(codes[r])]
+    if stuck:
+        details = []
+        for r in stuck:
+            need = blocked_on[r]
+            what = decode(need) if need & 0xF != 0xF else f"the backward of {_stage(need)}B{_mb(need)}"
+            holder = stage_rank[_stage(need)]
+            details.append(f"rank {r} at step {pos[r]} ({decode(codes[r][pos[r]])}) waits for {what} on rank {holder}")
+        r0 = stuck[0]
+        rep.fail(r0, pos[r0], "deadlock: no rank can make progress:\n  " + "\n  ".join(details))

@@ -1,0 +1,174 @@
+"""Every schedule, over a grid of ranks x microbatches: complete, dependency-correct, its lowered
+form deadlock-free, and no slower (simulated) than torch.distributed.pipelining's."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pipecore as pc
+from pipecore.torch_compat import TORCH_CLASSES, torch_order
+
+RANKS = [1, 2, 3, 4, 8]
+MICROBATCHES = [1, 2, 3, 4, 6, 8, 16]
+COSTS = [
+    {"F": 1, "B": 2, "I": 1, "W": 1},
+    {"F": 1, "B": 2, "I": 1, "W": 1, "comm": 0.25},
+    {"F": 1, "B": 3, "I": 2, "W": 1, "comm": 1},
+]
+
+
+def _supported(name, R, m, V=None):
+    try:
+        return pc.build_schedule(name, R, m, V)
+    except ValueError:
+        return None
+
+
+def _grid():
+    for name in pc.SCHEDULES:
+        for R in RANKS:
+            for m in MICROBATCHES:
+                yield name, R, m
+
+
+@pytest.mark.parametrize("name, R, m", list(_grid()))
+def test_schedule_is_complete_and_runs(name, R, m):
+    s = _supported(name, R, m)
+    if s is None:
+        pytest.skip("combination not supported (checked in test_unsupported_combinations_say_why)")
+    assert s.num_ranks == R and s.num_microbatches == m
+    assert not s.is_lowered
+    s.validate()
+    low = s.lower()
+    low.validate()
+    assert low.compute_only().num_ranks == R
+    # no communication between stages that share a rank
+    for rank, row in enumerate(low.actions):
+        for a in row:
+            if a.is_comm:
+                peer_stage = a.stage + 1 if a.kind in (pc.Kind.SEND_F, pc.Kind.RECV_B) else a.stage - 1
+                if s.placement == "dualpipe":
+                    peer_stage = (s.topology.next_stage if a.kind in (pc.Kind.SEND_F, pc.Kind.RECV_B)
+                                  else s.topology.prev_stage)[a.stage]
+                assert s.stage_to_rank(peer_stage) != rank, (rank, a)
+    result = s.simulate(COSTS[0])
+    assert result.makespan > 0 and 0 <= result.bubble_ratio < 1
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_CLASSES))
+@pytest.mark.parametrize("R", [1, 2, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 6, 8, 16])
+def test_no_worse_than_torch(name, R, m):
+    V = 1 if name in ("gpipe", "1f1b") else 2
+    ours = _supported(name, R, m, V)
+    if ours is None:
+        pytest.skip("not supported")
+    try:
+        reference = torch_order(name, R, m, V)
+    except Exception as exc:  # torch refuses the combination too
+        pytest.skip(f"torch cannot build it: {exc}")
+    theirs = pc.Schedule(reference, ours.num_stages, m, placement=ours.placement)
+    theirs.validate()
+    for costs in COSTS:
+        assert ours.simulate(costs).makespan <= theirs.simulate(costs).makespan + 1e-9, costs
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_CLASSES))
+@pytest.mark.parametrize("R, m", [(2, 4), (4, 8), (4, 12)])
+def test_torch_validator_accepts_ours(name, R, m):
+    from torch.distributed.pipelining.schedules import _Action, _add_send_recv, _simulate_comms_compute, _validate_schedule
+
+    V = 1 if name in ("gpipe", "1f1b") else 2
+    s = pc.build_schedule(name, R, m, V)
+    order = {r: [_Action.from_str(str(a)) for a in row] for r, row in enumerate(s.actions)}
+    mapping = _validate_schedule(order, R, s.num_stages, m)
+    assert all(mapping[st] == s.stage_to_rank(st) for st in mapping)
+    if name == "dualpipev":
+        return  # torch's comm simulator does not take OVERLAP_F_B containers
+    low = s.lower(reduce_grad=False)
+    lowered = {r: [_Action.from_str(str(a)) for a in row] for r, row in enumerate(low.actions)}
+    _simulate_comms_compute(lowered, s.stage_to_rank, s.num_stages)  # raises if it cannot progress
+    _add_send_recv({r: list(v) for r, v in order.items()}, s.stage_to_rank, s.num_stages)
+
+
+def test_same_actions_as_torch_where_torch_is_correct():
+    for name in TORCH_CLASSES:
+        V = 1 if name in ("gpipe", "1f1b") else 2
+        for R, m in [(2, 4), (4, 8), (3, 6), (4, 16)]:
+            ours = [[str(a) for a in row] for row in pc.build_schedule(name, R, m, V).actions]
+            assert ours == torch_order(name, R, m, V), (name, R, m)
+
+
+@pytest.mark.parametrize("name, args, needle", [
+    ("nope", (2, 4), "choose one of"),
+    ("gpipe", (2, 4, 2), "stage(s) per rank"),
+    ("1f1b", (2, 4, 3), "stage(s) per rank"),
+    ("zbv", (2, 4, 3), "2 stage(s) per rank"),
+    ("dualpipe", (3, 6), "even number of ranks"),
+    ("dualpipe", (2, 3), "even number of microbatches"),
+    ("dualpipe", (4, 6), "at least 2 * ranks = 8"),
+    ("dualpipev", (4, 7), "at least 2 * ranks = 8"),
+    ("interleaved_1f1b", (4, 9), "multiple of the number of rounds"),
+    ("interleaved_zb", (3, 7), "multiple of the number of rounds"),
+    ("gpipe", (0, 4), "num_ranks must be a positive integer"),
+    ("gpipe", (2, 0), "num_microbatches must be a positive integer"),
+    ("looped_bfs", (2, 4, 0), "stages_per_rank must be a positive integer"),
+])
+def test_unsupported_combinations_say_why(name, args, needle):
+    with pytest.raises(ValueError) as info:
+        pc.build_schedule(name, *args)
+    assert needle in str(info.value)
+
+
+def test_names_and_aliases():
+    assert pc.SCHEDULES == ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv",
+                            "dualpipe", "dualpipev", "forward_only")
+    assert pc.build_schedule("Interleaved1F1B", 2, 4).name == "interleaved_1f1b"
+    assert pc.build_schedule("ScheduleZBVZeroBubble", 2, 4).name == "zbv"
+
+
+def test_placements():
+    s = pc.build_schedule("interleaved_1f1b", 4, 8, 3)
+    assert [s.stage_to_rank(x) for x in range(12)] == [x % 4 for x in range(12)]
+    v = pc.build_schedule("zbv", 4, 8)
+    assert [v.stage_to_rank(x) for x in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert v.rank_stages(1) == [1, 6]
+    d = pc.build_schedule("dualpipe", 4, 8)
+    assert d.num_stages == 8 and d.rank_stages(0) == [0, 7] and d.rank_stages(3) == [3, 4]
+    assert d.topology.model_stage == (0, 1, 2, 3, 0, 1, 2, 3)
+    assert d.topology.microbatches[0] == range(0, 4) and d.topology.microbatches[4] == range(4, 8)
+    with pytest.raises(pc.ScheduleError, match="out of range"):
+        s.stage_to_rank(12)
+
+
+def test_dualpipe_runs_both_directions_and_overlaps():
+    d = pc.build_schedule("dualpipe", 4, 16)
+    kinds = {a.kind for row in d.actions for a in row}
+    assert pc.Kind.OVERLAP_F_B in kinds and pc.Kind.I in kinds and pc.Kind.W in kinds
+    # rank 0 starts the down pipeline (stage 0), rank 3 the up pipeline (stage 4 = model stage 0)
+    assert d.actions[0][0] == pc.Action.parse("0F0")
+    assert d.actions[3][0] == pc.Action.parse("4F8")
+    # each direction alone is a pipeline over R ranks: bubble well below GPipe's
+    assert d.simulate({"F": 1, "B": 2}).bubble_ratio < pc.build_schedule("gpipe", 4, 16).simulate({"F": 1, "B": 2}).bubble_ratio
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(pc.SCHEDULES), R=st.integers(1, 10), m=st.integers(1, 40), V=st.integers(1, 4))
+def test_property_random_configs(name, R, m, V):
+    s = _supported(name, R, m, V)
+    if s is None:
+        return
+    s.validate()
+    low = s.lower()
+    low.validate()
+    counts = {}
+    for row in s.actions:
+        for a in row:
+            for leaf in a.leaves():
+                counts[leaf.kind] = counts.get(leaf.kind, 0) + 1
+    stages = s.num_stages
+    per_stage = m if s.placement != "dualpipe" else m // 2
+    assert counts[pc.Kind.F] == stages * per_stage
+    if name != "forward_only":
+        assert counts.get(pc.Kind.B, 0) + counts.get(pc.Kind.I, 0) == stages * per_stage
+        assert counts.get(pc.Kind.I, 0) == counts.get(pc.Kind.W, 0)

@@ -1,0 +1,80 @@
+"""The simulator agrees with the analytic bubbles."""
+
+import pytest
+
+import pipecore as pc
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 4, 8, 16, 32])
+def test_1f1b_bubble_matches_formula(p, m):
+    r = pc.build_schedule("1f1b", p, m).simulate({"F": 1, "B": 1})
+    assert r.bubble_ratio == pytest.approx((p - 1) / (m + p - 1))
+    assert r.makespan == pytest.approx(2 * (m + p - 1))
+    assert r.peak_activations == [min(p - rank, m) for rank in range(p)]
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (4, 16), (8, 16), (8, 32)])
+def test_gpipe_makespan_and_memory(p, m):
+    r = pc.build_schedule("gpipe", p, m).simulate({"F": 1, "B": 2})
+    assert r.makespan == pytest.approx(3 * (m + p - 1))
+    assert r.peak_activations == [m] * p
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (4, 16), (8, 16), (8, 32)])
+def test_zb_h1_bubble_is_about_a_third_of_1f1b(p, m):
+    costs = {"F": 1, "I": 1, "W": 1}
+    zb = pc.build_schedule("interleaved_zb", p, m, 1).simulate(costs)
+    f1b = pc.build_schedule("1f1b", p, m).simulate(costs)
+    idle_zb = zb.makespan - 3 * m
+    idle_1f1b = f1b.makespan - 3 * m
+    assert idle_1f1b == pytest.approx(3 * (p - 1))
+    assert idle_zb == pytest.approx((p - 1))  # ZB-H1: (p-1)(F+I-W) against (p-1)(F+I+W)
+    assert zb.peak_activations[0] <= p  # same memory as 1F1B on the first rank
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_zbv_zero_bubble_in_steady_state(p):
+    costs = {"F": 1, "I": 1, "W": 1}
+    spans = [pc.build_schedule("zbv", p, m).simulate(costs).makespan for m in (4 * p, 8 * p, 16 * p)]
+    # every extra microbatch adds exactly its own work (2 stages x 3 units) per rank: no new bubble
+    assert spans[1] - spans[0] == pytest.approx(6 * 4 * p)
+    assert spans[2] - spans[1] == pytest.approx(6 * 8 * p)
+
+
+def test_comm_latency_and_per_stage_costs():
+    s = pc.build_schedule("gpipe", 2, 1)
+    assert s.simulate({"F": 1, "B": 2, "comm": 0.5}).makespan == pytest.approx(1 + 0.5 + 1 + 2 + 0.5 + 2)
+    assert s.simulate({"F": [1, 3], "B": [2, 6]}).makespan == pytest.approx(12)
+    # a lowered schedule simulates the same (comm actions cost no rank time)
+    assert s.lower().simulate({"F": 1, "B": 2, "comm": 0.5}).makespan == pytest.approx(7)
+
+
+def test_cost_errors():
+    s = pc.build_schedule("gpipe", 2, 2)
+    with pytest.raises(ValueError, match="unknown cost keys"):
+        s.simulate({"X": 1})
+    with pytest.raises(ValueError, match="one number per stage"):
+        s.simulate({"F": [1, 2, 3]})
+    with pytest.raises(ValueError, match="must not be negative"):
+        s.simulate({"F": -1})
+
+
+def test_result_fields():
+    r = pc.build_schedule("interleaved_1f1b", 2, 4).simulate({"F": 1, "B": 2})
+    assert len(r.busy) == 2 and len(r.timeline) == 2 and len(r.idle) == 2
+    assert all(end > start for row in r.timeline for _, start, end in row)
+    assert r.bubble_ratio == pytest.approx(1 - sum(r.busy) / (2 * r.makespan))
+
+
+def test_overlap_cost_function():
+    s = pc.build_schedule("dualpipev", 2, 8)
+    serial = s.simulate({"F": 1, "B": 2}).makespan
+    hidden = s.simulate({"F": 1, "B": 2, "OVERLAP_F_B": max}).makespan
+    assert hidden < serial
+
+
+def test_simulating_a_deadlocked_schedule_raises_the_validator_error():
+    s = pc.Schedule([["0F0", "0B0", "0F1", "0B1"], ["1F1", "1B1", "1F0", "1B0"]])
+    with pytest.raises(pc.ScheduleError, match="deadlock"):
+        s.simulate()
