@@ -1,10 +1,8 @@
-// pipecore._C -- native extension entry point.
-//
-// Keep the includes narrow: <torch/extension.h> pulls in all of ATen and the
-// autograd API and costs ~20 s per translation unit. This file only needs
-// pybind11 (torch's bundled copy, via torch's include path) and the
-// header-only version macros.
-#include <pybind11/pybind11.h>
+// pipecore._C: Python bindings of the executor.
+#include <torch/csrc/utils/pybind.h>
+
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
 
 #if defined(__has_include)
 #if __has_include(<torch/headeronly/version.h>)
@@ -13,6 +11,8 @@
 #include <torch/version.h>
 #endif
 #endif
+
+#include "executor.h"
 
 #ifndef TORCH_EXTENSION_NAME
 #error "TORCH_EXTENSION_NAME must be defined (set by torch.utils.cpp_extension or CMakeLists.txt)"
@@ -42,11 +42,54 @@ py::dict build_info() {
   return info;
 }
 
+// Specs arrive as meta tensors (shape, dtype, requires_grad) from Python.
+std::vector<pipecore::TensorSpec> to_specs(const std::vector<at::Tensor>& metas) {
+  std::vector<pipecore::TensorSpec> specs;
+  specs.reserve(metas.size());
+  for (const auto& t : metas) {
+    specs.push_back({t.sizes().vec(), t.scalar_type(), t.requires_grad()});
+  }
+  return specs;
+}
+
+void run(pipecore::Executor& self, py::function forward) {
+  // The loop runs without the GIL; only a stage's forward (user Python) takes it.
+  pipecore::ForwardFn fn = [&forward](int64_t stage, int64_t mb, std::vector<at::Tensor>& inputs,
+                                      std::vector<at::Tensor>& outputs, at::Tensor& loss, double& seed) {
+    py::gil_scoped_acquire gil;
+    py::object result = forward(stage, mb, inputs);
+    auto tup = result.cast<py::tuple>();
+    outputs = tup[0].cast<std::vector<at::Tensor>>();
+    if (!tup[1].is_none()) loss = tup[1].cast<at::Tensor>();
+    seed = tup[2].cast<double>();
+  };
+  py::gil_scoped_release nogil;
+  self.run(fn);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "pipecore native extension";
+  m.doc() = "pipecore native extension: the pipeline executor";
   m.def("build_info", &build_info,
-        "Compile-time configuration of pipecore._C: "
-        "{'cuda': bool, 'nvtx': bool, 'torch_version': str}.");
+        "Compile-time configuration of pipecore._C: {'cuda': bool, 'nvtx': bool, 'torch_version': str}.");
+
+  py::class_<pipecore::Executor>(m, "Executor")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, int64_t, int64_t, double>(), py::arg("group"),
+           py::arg("num_stages"), py::arg("num_microbatches"), py::arg("timeout"))
+      .def("set_program", &pipecore::Executor::set_program, py::arg("instructions"), py::arg("labels"))
+      .def(
+          "set_specs",
+          [](pipecore::Executor& self, int64_t stage, int64_t mb, const std::vector<at::Tensor>& recv_f,
+             const std::vector<at::Tensor>& recv_b, const at::Tensor& like) {
+            self.set_specs(stage, mb, to_specs(recv_f), to_specs(recv_b), like.options());
+          },
+          py::arg("stage"), py::arg("mb"), py::arg("recv_f"), py::arg("recv_b"), py::arg("like"))
+      .def("set_links", &pipecore::Executor::set_links, py::arg("stage"), py::arg("next_local"),
+           py::arg("prev_local"))
+      .def("set_timeout", &pipecore::Executor::set_timeout, py::arg("seconds"))
+      .def("run", &run, py::arg("forward"))
+      .def("reset", &pipecore::Executor::reset, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("rank", &pipecore::Executor::rank)
+      .def_property_readonly("freed_outputs", &pipecore::Executor::freed_outputs);
 }

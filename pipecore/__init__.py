@@ -1,4 +1,8 @@
-"""pipecore: a performance-first executor for pipeline-parallel training in PyTorch."""
+"""pipecore: a performance-first executor for pipeline-parallel training in PyTorch.
+
+The schedule layer (`pipecore.schedule`) is pure Python; the runtime names (`Pipeline`,
+`PipelineStage`) import torch on first use.
+"""
 
 from .schedule import (SCHEDULES, Action, Kind, Schedule, ScheduleError, SimResult, Topology,
                        build_schedule)
@@ -6,4 +10,19 @@ from .schedule import (SCHEDULES, Action, Kind, Schedule, ScheduleError, SimResu
 __version__ = "0.1.0"
 
 __all__ = ["Action", "Kind", "Schedule", "ScheduleError", "SimResult", "Topology", "SCHEDULES",
-           "build_schedule", "__version__"]
+           "build_schedule", "Pipeline", "PipelineStage", "__version__"]
+
+_LAZY = {"Pipeline": ("runtime", "Pipeline"), "PipelineStage": ("stage", "PipelineStage"),
+         "microbatch": ("microbatch", None)}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        mod = importlib.import_module(f".{module}", __name__)
+        value = mod if attr is None else getattr(mod, attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'pipecore' has no attribute {name!r}")

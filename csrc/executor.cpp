@@ -1,0 +1,301 @@
+#include "executor.h"
+
+#include <ATen/ops/full_like.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <sstream>
+#include <stdexcept>
+
+#include "backward.h"
+#include "comm.h"
+#include "trace.h"
+
+namespace pipecore {
+
+namespace {
+const char* kOpNames[] = {"F", "I", "W", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B",
+                          "UNSHARD", "RESHARD", "REDUCE_GRAD", "OVERLAP_BEGIN", "OVERLAP_END"};
+constexpr int kTag = 0;  // channel order, agreed by both sides, matches messages
+}  // namespace
+
+Executor::Executor(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t num_stages, int64_t num_microbatches,
+                   double timeout_s)
+    : pg_(std::move(pg)),
+      rank_(pg_->getRank()),
+      num_stages_(num_stages),
+      num_microbatches_(num_microbatches),
+      timeout_(std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000))),
+      slots_(num_stages * num_microbatches),
+      recv_f_specs_(num_stages * num_microbatches),
+      recv_b_specs_(num_stages * num_microbatches),
+      options_(num_stages * num_microbatches),
+      next_local_(num_stages, -1),
+      prev_local_(num_stages, -1) {}
+
+Executor::~Executor() = default;
+
+void Executor::set_links(int64_t stage, int64_t next_local, int64_t prev_local) {
+  TORCH_CHECK(stage >= 0 && stage < num_stages_, "pipecore: bad stage index ", stage);
+  next_local_[stage] = next_local;
+  prev_local_[stage] = prev_local;
+}
+
+std::vector<at::Tensor> Executor::take_input_grads(Slot& s) {
+  // one gradient per input that needs one, in input order (zeros where none flowed)
+  std::vector<at::Tensor> grads;
+  for (size_t k = 0; k < s.inputs.size(); ++k) {
+    if (!s.inputs[k].requires_grad()) continue;
+    at::Tensor g = k < s.input_grads.size() ? s.input_grads[k] : at::Tensor();
+    grads.push_back(g.defined() ? g : at::zeros_like(s.inputs[k]));
+  }
+  s.input_grads.clear();
+  s.inputs.clear();
+  return grads;
+}
+
+void Executor::set_timeout(double seconds) {
+  timeout_ = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+void Executor::set_program(std::vector<int64_t> flat, std::vector<std::string> labels) {
+  TORCH_CHECK(flat.size() % 5 == 0, "pipecore: program must hold 5 integers per instruction");
+  program_.clear();
+  program_.reserve(flat.size() / 5);
+  for (size_t i = 0; i < flat.size(); i += 5) {
+    Instr in{flat[i], flat[i + 1], flat[i + 2], flat[i + 3], flat[i + 4]};
+    TORCH_CHECK(in.op >= 0 && in.op <= kOverlapEnd, "pipecore: bad opcode ", in.op);
+    if (in.op != kOverlapBegin && in.op != kOverlapEnd && in.op != kReduceGrad && in.op != kUnshard &&
+        in.op != kReshard) {
+      TORCH_CHECK(in.stage >= 0 && in.stage < num_stages_ && in.mb >= 0 && in.mb < num_microbatches_,
+                  "pipecore: instruction ", i / 5, " names stage ", in.stage, " microbatch ", in.mb,
+                  " outside this executor's ", num_stages_, " stages x ", num_microbatches_, " microbatches");
+    }
+    TORCH_CHECK(in.label >= 0 && in.label < static_cast<int64_t>(labels.size()), "pipecore: bad label index");
+    program_.push_back(in);
+  }
+  labels_ = std::move(labels);
+}
+
+void Executor::set_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> recv_f, std::vector<TensorSpec> recv_b,
+                         at::TensorOptions options) {
+  TORCH_CHECK(stage >= 0 && stage < num_stages_ && mb >= 0 && mb < num_microbatches_, "pipecore: bad spec index");
+  recv_f_specs_[stage * num_microbatches_ + mb] = std::move(recv_f);
+  recv_b_specs_[stage * num_microbatches_ + mb] = std::move(recv_b);
+  options_[stage * num_microbatches_ + mb] = options;
+}
+
+std::string Executor::where(const Instr& in) const {
+  std::ostringstream os;
+  os << "pipecore rank " << rank_ << ", action " << labels_[in.label];
+  return os.str();
+}
+
+void Executor::reset() {
+  for (auto& s : slots_) s = Slot();
+  sends_.clear();
+}
+
+void Executor::wait_recv(c10::intrusive_ptr<c10d::Work>& work, const Instr& in, const char* what) {
+  if (!work) return;
+  try {
+    work->wait(timeout_);
+  } catch (const std::exception& e) {
+    std::ostringstream os;
+    os << where(in) << ": waiting for " << what << " of microbatch " << in.mb << " failed: " << e.what();
+    throw std::runtime_error(os.str());
+  }
+  work.reset();
+}
+
+void Executor::reap_sends(bool all) {
+  while (!sends_.empty()) {
+    auto& s = sends_.front();
+    if (!all && !s.work->isCompleted()) break;
+    try {
+      s.work->wait(timeout_);
+    } catch (const std::exception& e) {
+      std::ostringstream os;
+      os << where(program_[s.instr]) << ": send to rank " << program_[s.instr].peer << " failed: " << e.what();
+      throw std::runtime_error(os.str());
+    }
+    sends_.pop_front();
+  }
+}
+
+void Executor::run(const ForwardFn& forward) {
+  reset();
+  freed_outputs_ = 0;
+  try {
+    for (size_t i = 0; i < program_.size(); ++i) exec(i, forward);
+    reap_sends(/*all=*/true);
+  } catch (...) {
+    while (!open_scopes_.empty()) open_scopes_.pop_back();
+    sends_.clear();
+    throw;
+  }
+  // everything of this step is done: drop graphs, buffers and received tensors
+  for (auto& s : slots_) s = Slot();
+}
+
+void Executor::exec(size_t index, const ForwardFn& forward) {
+  const Instr& in = program_[index];
+  if (in.op == kOverlapBegin) {  // the container's range spans its sub-actions
+    open_scopes_.push_back(std::make_unique<ActionScope>(labels_[in.label]));
+    return;
+  }
+  if (in.op == kOverlapEnd) {
+    if (!open_scopes_.empty()) open_scopes_.pop_back();
+    return;
+  }
+  ActionScope scope(labels_[in.label]);
+  switch (in.op) {
+    case kF:
+      do_forward(in, forward);
+      break;
+    case kB:
+      do_backward(in, /*split=*/false);
+      break;
+    case kI:
+      do_backward(in, /*split=*/true);
+      break;
+    case kW:
+      do_weight(in);
+      break;
+    case kRecvF: {
+      Slot& s = slot(in.stage, in.mb);
+      const auto& specs = recv_f_specs_[in.stage * num_microbatches_ + in.mb];
+      TORCH_CHECK(!specs.empty(), where(in), ": no activation shapes known for this receive");
+      s.recv_f_buf = alloc_message(specs, options_[in.stage * num_microbatches_ + in.mb]);
+      std::vector<at::Tensor> bufs{s.recv_f_buf};
+      s.recv_f_work = pg_->recv(bufs, static_cast<int>(in.peer), kTag);
+      break;
+    }
+    case kRecvB: {
+      Slot& s = slot(in.stage, in.mb);
+      const auto& specs = recv_b_specs_[in.stage * num_microbatches_ + in.mb];
+      if (specs.empty()) break;  // nothing of this stage's output needs a gradient
+      s.recv_b_buf = alloc_message(specs, options_[in.stage * num_microbatches_ + in.mb]);
+      std::vector<at::Tensor> bufs{s.recv_b_buf};
+      s.recv_b_work = pg_->recv(bufs, static_cast<int>(in.peer), kTag);
+      break;
+    }
+    case kSendF: {
+      Slot& s = slot(in.stage, in.mb);
+      TORCH_CHECK(!s.outputs.empty(), where(in), ": nothing to send (forward produced no tensors)");
+      std::vector<at::Tensor> bufs{pack(s.outputs)};
+      auto work = pg_->send(bufs, static_cast<int>(in.peer), kTag);
+      // The outputs are freed once sent: the buffer keeps the data alive until the send completes,
+      // the autograd graph lives on through the stored gradient edges.
+      s.outputs.clear();
+      ++freed_outputs_;
+      sends_.push_back(PendingSend{std::move(work), std::move(bufs[0]), static_cast<int64_t>(index)});
+      break;
+    }
+    case kSendB: {
+      Slot& s = slot(in.stage, in.mb);
+      std::vector<at::Tensor> grads = take_input_grads(s);
+      if (grads.empty()) break;
+      std::vector<at::Tensor> bufs{pack(grads)};
+      auto work = pg_->send(bufs, static_cast<int>(in.peer), kTag);
+      sends_.push_back(PendingSend{std::move(work), std::move(bufs[0]), static_cast<int64_t>(index)});
+      break;
+    }
+    case kReduceGrad:
+    case kUnshard:
+    case kReshard:
+    case kOverlapBegin:
+    case kOverlapEnd:
+      break;  // ranges only: gradient reduction and sharding run in Python around the step
+    default:
+      TORCH_CHECK(false, "pipecore: unknown opcode ", in.op);
+  }
+}
+
+void Executor::do_forward(const Instr& in, const ForwardFn& forward) {
+  Slot& s = slot(in.stage, in.mb);
+  const size_t key = in.stage * num_microbatches_ + in.mb;
+  if (s.recv_f_buf.defined()) {
+    wait_recv(s.recv_f_work, in, "activations");
+    const auto& specs = recv_f_specs_[key];
+    s.inputs = unpack(s.recv_f_buf, specs);
+    for (size_t k = 0; k < specs.size(); ++k) {
+      if (specs.size() > 1) s.inputs[k] = s.inputs[k].detach();
+      if (specs[k].requires_grad) s.inputs[k].requires_grad_(true);
+    }
+    s.recv_f_buf.reset();
+  }
+  at::Tensor loss;
+  double seed = 1.0;
+  s.outputs.clear();
+  forward(in.stage, in.mb, s.inputs, s.outputs, loss, seed);
+  s.out_edges.clear();
+  for (const auto& t : s.outputs) {
+    if (t.defined() && t.requires_grad()) s.out_edges.push_back(torch::autograd::impl::gradient_edge(t));
+  }
+  if (next_local_[in.stage] >= 0) {
+    // the next stage lives on this rank: its inputs are new leaves over these outputs
+    Slot& dst = slot(next_local_[in.stage], in.mb);
+    dst.inputs.clear();
+    for (const auto& t : s.outputs) {
+      at::Tensor leaf = t.detach();
+      if (t.requires_grad()) leaf.requires_grad_(true);
+      dst.inputs.push_back(leaf);
+    }
+    s.outputs.clear();
+  }
+  if (loss.defined()) {
+    s.has_loss = true;
+    if (loss.requires_grad()) {
+      s.loss_edge = torch::autograd::impl::gradient_edge(loss);
+      s.loss_seed = at::full_like(loss, seed);
+    }
+  }
+}
+
+void Executor::do_backward(const Instr& in, bool split) {
+  reap_sends(/*all=*/false);
+  Slot& s = slot(in.stage, in.mb);
+  torch::autograd::edge_list roots;
+  std::vector<at::Tensor> grads;
+  if (s.has_loss) {
+    if (s.loss_edge.is_valid()) {
+      roots.push_back(s.loss_edge);
+      grads.push_back(s.loss_seed);
+    }
+  } else {
+    if (s.recv_b_buf.defined()) {
+      wait_recv(s.recv_b_work, in, "output gradients");
+      s.out_grads = unpack(s.recv_b_buf, recv_b_specs_[in.stage * num_microbatches_ + in.mb]);
+      s.recv_b_buf.reset();
+    }
+    TORCH_CHECK(s.out_grads.size() == s.out_edges.size(), where(in), ": received ", s.out_grads.size(),
+                " output gradients for ", s.out_edges.size(), " outputs that need one");
+    roots = s.out_edges;
+    grads = s.out_grads;
+  }
+  if (split) {
+    s.input_grads = backward_input(roots, grads, s.inputs, s.weight_tasks);
+  } else {
+    backward_full(roots, grads);
+    s.input_grads.assign(s.inputs.size(), at::Tensor());
+    for (size_t k = 0; k < s.inputs.size(); ++k) {
+      if (s.inputs[k].requires_grad()) s.input_grads[k] = s.inputs[k].grad();
+    }
+  }
+  s.out_edges.clear();
+  s.out_grads.clear();
+  s.loss_edge = torch::autograd::Edge();
+  s.loss_seed.reset();
+  if (prev_local_[in.stage] >= 0) {
+    slot(prev_local_[in.stage], in.mb).out_grads = take_input_grads(s);
+  }
+}
+
+void Executor::do_weight(const Instr& in) {
+  Slot& s = slot(in.stage, in.mb);
+  backward_weight(s.weight_tasks);
+}
+
+}  // namespace pipecore

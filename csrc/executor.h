@@ -1,0 +1,128 @@
+// pipecore executor: the per-rank action loop (dispatch, P2P, freeing, backward).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/function.h>  // Node must be complete for Edge
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <string>
+#include <memory>
+#include <vector>
+
+namespace pipecore {
+
+class ActionScope;
+
+// Instruction opcodes: the schedule's action kinds, plus the bracket of an OVERLAP_F_B container.
+enum Op : int64_t {
+  kF = 0, kI = 1, kW = 2, kB = 3,
+  kSendF = 4, kRecvF = 5, kSendB = 6, kRecvB = 7,
+  kUnshard = 8, kReshard = 9, kReduceGrad = 10,
+  kOverlapBegin = 11, kOverlapEnd = 12,
+};
+
+struct Instr {
+  int64_t op;
+  int64_t stage;  // index into this rank's stages
+  int64_t mb;     // microbatch (global index)
+  int64_t peer;   // group rank for SEND/RECV, else -1
+  int64_t label;  // index into labels ("PP:1F0")
+};
+
+// Shape, dtype and autograd flag of one tensor crossing a stage boundary.
+struct TensorSpec {
+  std::vector<int64_t> shape;
+  c10::ScalarType dtype;
+  bool requires_grad;
+};
+
+// Deferred weight-gradient work of a split backward (I now, W later).
+struct WeightTask {
+  torch::autograd::edge_list roots;
+  std::vector<at::Tensor> grads;
+  torch::autograd::edge_list params;
+};
+
+// State of one (stage, microbatch) during a step.
+struct Slot {
+  std::vector<at::Tensor> inputs;           // received activations (leaves)
+  at::Tensor recv_f_buf;                    // buffer of a posted activation receive
+  c10::intrusive_ptr<c10d::Work> recv_f_work;
+  std::vector<at::Tensor> outputs;          // until sent
+  torch::autograd::edge_list out_edges;     // gradient edges of outputs that need grad
+  torch::autograd::Edge loss_edge;          // last stage: the loss
+  at::Tensor loss_seed;                     // d(total loss)/d(this loss)
+  at::Tensor recv_b_buf;
+  c10::intrusive_ptr<c10d::Work> recv_b_work;
+  std::vector<at::Tensor> out_grads;        // received output gradients
+  std::vector<at::Tensor> input_grads;      // to be sent back
+  std::vector<WeightTask> weight_tasks;     // for W
+  bool has_loss = false;
+};
+
+struct PendingSend {
+  c10::intrusive_ptr<c10d::Work> work;
+  at::Tensor buffer;  // keeps the sent data alive until the send completes
+  int64_t instr;
+};
+
+// What the executor calls back into Python for: a stage's forward.
+// Returns (outputs to send, loss or undefined, loss seed).
+using ForwardFn = std::function<void(int64_t stage, int64_t mb, std::vector<at::Tensor>& inputs,
+                                     std::vector<at::Tensor>& outputs, at::Tensor& loss, double& seed)>;
+
+class Executor {
+ public:
+  ~Executor();
+  Executor(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t num_stages, int64_t num_microbatches,
+           double timeout_s);
+
+  void set_program(std::vector<int64_t> flat, std::vector<std::string> labels);
+  void set_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> recv_f, std::vector<TensorSpec> recv_b,
+                 at::TensorOptions options);
+  void set_timeout(double seconds);
+  // Stages that hand their data over on this rank, without communication (-1: none).
+  void set_links(int64_t stage, int64_t next_local, int64_t prev_local);
+  // Runs the program once. `forward` is called for every F (with the GIL taken by the caller's wrapper).
+  void run(const ForwardFn& forward);
+  // Drops every tensor and graph of the last step (also after an error).
+  void reset();
+
+  int64_t rank() const { return rank_; }
+  // Stats of the last run, for tests and benchmarks.
+  int64_t freed_outputs() const { return freed_outputs_; }
+  const std::vector<Instr>& program() const { return program_; }
+
+ private:
+  Slot& slot(int64_t stage, int64_t mb) { return slots_[stage * num_microbatches_ + mb]; }
+  void exec(size_t index, const ForwardFn& forward);
+  void do_forward(const Instr& in, const ForwardFn& forward);
+  void do_backward(const Instr& in, bool split);
+  void do_weight(const Instr& in);
+  void wait_recv(c10::intrusive_ptr<c10d::Work>& work, const Instr& in, const char* what);
+  void reap_sends(bool all);
+  std::vector<at::Tensor> take_input_grads(Slot& s);
+  std::string where(const Instr& in) const;
+
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  int64_t rank_;
+  int64_t num_stages_;
+  int64_t num_microbatches_;
+  std::chrono::milliseconds timeout_;
+  std::vector<Instr> program_;
+  std::vector<std::string> labels_;
+  std::vector<Slot> slots_;
+  std::vector<std::vector<TensorSpec>> recv_f_specs_;  // [stage * M + mb]
+  std::vector<std::vector<TensorSpec>> recv_b_specs_;
+  std::vector<at::TensorOptions> options_;             // [stage * M + mb]
+  std::deque<PendingSend> sends_;
+  std::vector<int64_t> next_local_, prev_local_;
+  std::vector<std::unique_ptr<ActionScope>> open_scopes_;  // OVERLAP_F_B containers
+  int64_t freed_outputs_ = 0;
+};
+
+}  // namespace pipecore

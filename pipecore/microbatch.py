@@ -1,0 +1,78 @@
+"""Split a batch into microbatches and merge per-microbatch outputs back.
+
+Tensors (anywhere inside tuples, lists and dicts) are split along dim 0 into near-equal chunks
+(`torch.tensor_split`: the first `batch % n` chunks get one row more); everything else is passed
+to every microbatch unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+class SplitError(ValueError):
+    """The batch cannot be split into the requested microbatches."""
+
+
+def batch_size(tree: Any) -> int | None:
+    """Rows along dim 0 of the first tensor in `tree` (None when it holds no tensor)."""
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return leaf.shape[0]
+    return None
+
+
+def split(tree: Any, n: int, what: str = "input") -> list[Any]:
+    """`n` microbatches of `tree`. Raises SplitError saying why when it cannot be split."""
+    if n < 1:
+        raise SplitError(f"cannot split into {n} microbatches: need at least one")
+    leaves, spec = tree_flatten(tree)
+    rows = None
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        if leaf.dim() == 0:
+            raise SplitError(f"{what} leaf {i} is a 0-dim tensor: it has no batch dimension to split into "
+                             f"{n} microbatches (pass it through a closure or as a 1-row tensor)")
+        if rows is None:
+            rows = leaf.shape[0]
+        elif leaf.shape[0] != rows:
+            raise SplitError(f"{what} tensors disagree on the batch size (dim 0): {rows} and {leaf.shape[0]} "
+                             f"(leaf {i}); every tensor must have the same number of rows")
+    if rows is not None and rows < n:
+        raise SplitError(f"cannot split a batch of {rows} rows into {n} microbatches: every microbatch needs at "
+                         f"least one row (use at most {rows} microbatches or a larger batch)")
+    chunks = [[] for _ in range(n)]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            for c, part in zip(chunks, torch.tensor_split(leaf, n, dim=0)):
+                c.append(part)
+        else:
+            for c in chunks:
+                c.append(leaf)
+    return [tree_unflatten(c, spec) for c in chunks]
+
+
+def chunk_rows(rows: int, n: int) -> list[int]:
+    """Rows per microbatch of a `rows`-row batch split into `n` (as `split` does)."""
+    base, extra = divmod(rows, n)
+    return [base + 1 if i < extra else base for i in range(n)]
+
+
+def merge(chunks: list[Any]) -> Any:
+    """Concatenate per-microbatch outputs along dim 0 (non-tensors: the first microbatch's)."""
+    if not chunks:
+        return None
+    flat = [tree_flatten(c) for c in chunks]
+    spec = flat[0][1]
+    out = []
+    for i, leaf in enumerate(flat[0][0]):
+        if isinstance(leaf, torch.Tensor):
+            parts = [f[0][i] for f in flat]
+            out.append(torch.cat(parts, dim=0) if leaf.dim() > 0 else torch.stack(parts))
+        else:
+            out.append(leaf)
+    return tree_unflatten(out, spec)

@@ -1,0 +1,161 @@
+"""What crosses each stage boundary: shapes, dtypes and structure, found once per batch shape.
+
+Every stage's output structure is computed on meta tensors (no real compute; a real forward on
+placeholder inputs where an op has no meta kernel) and passed down the pipeline once, so that
+receivers can post buffers of the right size before the data arrives.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.func import functional_call
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "TensorMeta":
+        return TensorMeta(tuple(t.shape), t.dtype, bool(t.requires_grad and t.is_floating_point()))
+
+    def meta_tensor(self) -> torch.Tensor:
+        t = torch.empty(self.shape, dtype=self.dtype, device="meta")
+        return t.requires_grad_(self.requires_grad) if self.requires_grad else t
+
+
+def describe(tree: Any) -> Any:
+    """`tree` with every tensor replaced by its TensorMeta (picklable, comparable)."""
+    return tree_map(lambda x: TensorMeta.of(x) if isinstance(x, torch.Tensor) else x, tree)
+
+
+def signature(obj: Any) -> int:
+    """A stable 62-bit hash of a description (equal shapes/dtypes/values give equal hashes)."""
+    data = pickle.dumps(obj, protocol=4)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & ((1 << 62) - 1)
+
+
+def tensor_leaves(desc: Any) -> list[TensorMeta]:
+    return [x for x in tree_flatten(desc)[0] if isinstance(x, TensorMeta)]
+
+
+def rebuild(desc: Any, tensors: list[torch.Tensor]) -> Any:
+    """The structure `desc` describes, with its tensors taken in order from `tensors`."""
+    leaves, spec = tree_flatten(desc)
+    it = iter(tensors)
+    out = [next(it) if isinstance(x, TensorMeta) else x for x in leaves]
+    return tree_unflatten(out, spec)
+
+
+def as_call(value: Any) -> tuple[tuple, dict]:
+    """How a stage's output feeds the next stage: tuple/list -> positional args, dict -> kwargs."""
+    if isinstance(value, dict):
+        return (), dict(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(value), {}
+    return (value,), {}
+
+
+def output_description(module: torch.nn.Module, args_desc: Any, kwargs_desc: Any, device: torch.device,
+                       training: bool) -> Any:
+    """Describe module(*args, **kwargs) without computing it: on meta tensors, or, where an op has
+    no meta kernel, a real forward on zero inputs (module state restored afterwards)."""
+    grad_mode = torch.enable_grad() if training else torch.no_grad()
+    try:
+        state = {n: torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
+                 for n, p in module.named_parameters()}
+        state.update({n: torch.empty_like(b, device="meta") for n, b in module.named_buffers()})
+        to_meta = lambda x: x.meta_tensor() if isinstance(x, TensorMeta) else x  # noqa: E731
+        with grad_mode:
+            out = functional_call(module, state, tree_map(to_meta, args_desc), tree_map(to_meta, kwargs_desc))
+        return describe(out)
+    except Exception:  # an op without a meta kernel, or data-dependent control flow
+        pass
+
+    def to_real(x):
+        if not isinstance(x, TensorMeta):
+            return x
+        t = torch.zeros(x.shape, dtype=x.dtype, device=device)
+        return t.requires_grad_(x.requires_grad) if x.requires_grad else t
+
+    saved = copy.deepcopy({n: b for n, b in module.named_buffers()})
+    try:
+        with grad_mode:
+            out = module(*tree_map(to_real, args_desc), **tree_map(to_real, kwargs_desc))
+        return describe(out)
+    finally:
+        with torch.no_grad():
+            for n, b in module.named_buffers():
+                b.copy_(saved[n])
+
+
+@dataclass
+class StagePlan:
+    """Per microbatch: what the stage receives (description of its inputs) and what it returns."""
+    inputs: dict[int, Any]   # mb -> description of the previous stage's output (None: first stage)
+    outputs: dict[int, Any]  # mb -> description of this stage's output
+
+
+def send_object(obj: Any, peer: int, group) -> None:
+    dist.send_object_list([obj], dst=dist.get_global_rank(group, peer), group=group)
+
+
+def recv_object(peer: int, group) -> Any:
+    box = [None]
+    dist.recv_object_list(box, src=dist.get_global_rank(group, peer), group=group)
+    return box[0]
+
+
+def discover(pipe, first_inputs: dict[int, tuple[Any, Any]], training: bool) -> dict[int, StagePlan]:
+    """Walk every pipeline chain in order; each rank describes its stages' outputs for all
+    microbatches and hands the descriptions to the next stage's rank."""
+    topo = pipe.schedule.topology
+    rank = pipe.rank
+    plans: dict[int, StagePlan] = {}
+    chains: list[list[int]] = []
+    for s in range(topo.num_stages):
+        if topo.prev_stage[s] < 0:
+            chain = [s]
+            while topo.next_stage[chain[-1]] >= 0:
+                chain.append(topo.next_stage[chain[-1]])
+            chains.append(chain)
+    for chain in chains:
+        for s in chain:
+            if topo.stage_rank[s] != rank:
+                continue
+            stage = pipe.stage_by_index[s]
+            mbs = topo.microbatches[s]
+            prev = topo.prev_stage[s]
+            if prev < 0:
+                in_desc = {mb: None for mb in mbs}
+            elif topo.stage_rank[prev] == rank:
+                in_desc = dict(plans[prev].outputs)
+            else:
+                in_desc = recv_object(topo.stage_rank[prev], pipe.group)
+            out_desc: dict[int, Any] = {}
+            cache: dict[int, Any] = {}
+            for mb in mbs:
+                if in_desc[mb] is None:
+                    args, kwargs = first_inputs[mb]
+                    a_desc, k_desc = describe(args), describe(kwargs)
+                else:
+                    a_desc, k_desc = as_call(in_desc[mb])
+                key = signature((a_desc, k_desc))
+                if key not in cache:
+                    cache[key] = output_description(stage.module, a_desc, k_desc, stage.device, training)
+                out_desc[mb] = cache[key]
+            plans[s] = StagePlan(in_desc, out_desc)
+            nxt = topo.next_stage[s]
+            if nxt >= 0 and topo.stage_rank[nxt] != rank:
+                send_object(out_desc, topo.stage_rank[nxt], pipe.group)
+    return plans

@@ -1,0 +1,306 @@
+"""`Pipeline`: runs a schedule over this rank's stages with the C++ executor."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_map
+
+from . import plan as planning
+from .microbatch import batch_size, merge, split
+from .schedule import Action, Kind, Schedule, ScheduleError, build_schedule
+from .stage import PipelineStage
+
+DEFAULT_TIMEOUT_S = 300.0
+
+# executor opcodes (csrc/executor.h): the schedule kinds plus an OVERLAP_F_B bracket
+_OVERLAP_BEGIN, _OVERLAP_END = 11, 12
+
+
+def _native():
+    from . import _C
+
+    return _C
+
+
+class Pipeline:
+    """Pipeline-parallel training of this rank's `stages` under `schedule`.
+
+    `step(*args, target=..., losses=...)` has torch.distributed.pipelining's meaning: inputs go on
+    the rank(s) holding a first stage, targets on the rank(s) holding a last stage; it returns the
+    merged last-stage outputs there (None elsewhere), appends per-microbatch losses to `losses`,
+    and accumulates into every parameter's `.grad` what single-process training on the whole batch
+    would (`scale_grads`: each microbatch's loss is weighted by its share of the batch rows, which
+    equals the mean over the batch for mean-reduced losses; only this step's contribution is scaled).
+    """
+
+    def __init__(self, stages: PipelineStage | Sequence[PipelineStage], schedule: str | Schedule,
+                 num_microbatches: int, loss_fn: Callable | None = None, group=None, scale_grads: bool = True,
+                 timeout: float | None = None, trace: bool = False):
+        if not dist.is_initialized():
+            raise RuntimeError("Pipeline needs torch.distributed: call dist.init_process_group first")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
+        if not stages or not all(isinstance(s, PipelineStage) for s in stages):
+            raise TypeError("stages must be a PipelineStage or a non-empty list of them")
+        if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
+        self.num_microbatches = num_microbatches
+        if isinstance(schedule, str):
+            schedule = build_schedule(schedule, self.world, num_microbatches, len(stages))
+        elif not isinstance(schedule, Schedule):
+            raise TypeError(f"schedule must be a name from pc.SCHEDULES or a Schedule, got {type(schedule).__name__}")
+        if schedule.num_ranks != self.world:
+            raise ValueError(f"the schedule is for {schedule.num_ranks} ranks but the group has {self.world}")
+        if schedule.num_microbatches != num_microbatches:
+            raise ValueError(f"the schedule has {schedule.num_microbatches} microbatches, Pipeline was given "
+                             f"num_microbatches={num_microbatches}")
+        num_stages = {s.num_stages for s in stages}
+        if num_stages != {schedule.num_stages}:
+            raise ValueError(f"the schedule has {schedule.num_stages} stages but the stages say num_stages="
+                             f"{sorted(num_stages)}")
+        mine = schedule.rank_stages(self.rank)
+        given = sorted(s.stage_index for s in stages)
+        if given != mine:
+            raise ValueError(f"rank {self.rank} must hold stages {mine} under {schedule.name or 'this'} schedule's "
+                             f"{schedule.placement} placement, but was given stages {given}")
+        schedule.compute_only().validate()
+        self.schedule = schedule
+        self.stages = sorted(stages, key=lambda s: s.stage_index)
+        self.stage_by_index = {s.stage_index: s for s in self.stages}
+        self.local_index = {s.stage_index: i for i, s in enumerate(self.stages)}
+        self.loss_fn = loss_fn
+        self.scale_grads = scale_grads
+        self.timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
+        self.trace_enabled = trace
+        topo = schedule.topology
+        self.has_first = any(topo.prev_stage[s.stage_index] < 0 for s in self.stages)
+        self.has_last = any(topo.next_stage[s.stage_index] < 0 for s in self.stages)
+        self.is_dualpipe = topo.style == "dualpipe"
+        self._programs: dict[bool, tuple[list[int], list[str]]] = {
+            True: self._encode(schedule.lower()),
+            False: self._encode(_forward_only(schedule).lower()),
+        }
+        self._executor = _native().Executor(self.group, len(self.stages), num_microbatches, self.timeout)
+        for s in self.stages:
+            nxt, prv = topo.next_stage[s.stage_index], topo.prev_stage[s.stage_index]
+            self._executor.set_links(
+                self.local_index[s.stage_index],
+                self.local_index[nxt] if nxt >= 0 and topo.stage_rank[nxt] == self.rank else -1,
+                self.local_index[prv] if prv >= 0 and topo.stage_rank[prv] == self.rank else -1)
+        self._plans: dict[tuple[int, bool], dict] = {}
+        self._loaded: tuple[int, bool] | None = None
+
+    # -- program ------------------------------------------------------------------------
+    def _encode(self, lowered: Schedule) -> tuple[list[int], list[str]]:
+        topo = lowered.topology
+        flat: list[int] = []
+        labels: list[str] = []
+
+        def emit(op: int, stage: int, mb: int, peer: int, label: str) -> None:
+            flat.extend((op, stage, mb, peer, len(labels)))
+            labels.append(label)
+
+        for a in lowered.actions[self.rank]:
+            if a.kind is Kind.OVERLAP_F_B:
+                emit(_OVERLAP_BEGIN, 0, 0, -1, f"PP:{a}")
+                for sub in a.sub_actions:
+                    emit(int(sub.kind), self.local_index[sub.stage], sub.microbatch, -1, f"PP:{sub}")
+                emit(_OVERLAP_END, 0, 0, -1, f"PP:{a}")
+                continue
+            peer = -1
+            if a.kind in (Kind.SEND_F, Kind.RECV_B):
+                peer = topo.stage_rank[topo.next_stage[a.stage]]
+            elif a.kind in (Kind.SEND_B, Kind.RECV_F):
+                peer = topo.stage_rank[topo.prev_stage[a.stage]]
+            mb = a.microbatch if a.microbatch is not None else 0
+            emit(int(a.kind), self.local_index[a.stage], mb, peer, f"PP:{a}")
+        return flat, labels
+
+    # -- public -------------------------------------------------------------------------
+    def step(self, *args, target=None, losses: list | None = None, **kwargs):
+        """One training step over `num_microbatches` microbatches (see the class doc)."""
+        return self._run(args, kwargs, target, losses, training=True)
+
+    def eval(self, *args, target=None, losses: list | None = None, **kwargs):
+        """Forward only (no gradients); losses are computed when a target and loss_fn are given."""
+        with torch.no_grad():
+            return self._run(args, kwargs, target, losses, training=False)
+
+    # -- step ---------------------------------------------------------------------------
+    def _run(self, args, kwargs, target, losses, training: bool):
+        topo = self.schedule.topology
+        m = self.num_microbatches
+        if training and self.has_last and self.loss_fn is None:
+            raise ValueError(f"rank {self.rank} holds a last stage: training needs loss_fn")
+        inputs: dict[int, tuple[Any, Any]] = {}
+        if self.has_first:
+            if not args and not kwargs:
+                raise ValueError(f"rank {self.rank} holds a first stage: step() needs its inputs")
+            for mb, (a, k) in enumerate(zip(split(args, m, "input"), split(kwargs, m, "keyword input"))):
+                inputs[mb] = (a, k)
+        targets: list | None = None
+        self._rows = None
+        if self.has_last and target is not None:
+            targets = split(target, m, "target")
+            rows = batch_size(target)
+            if rows is not None:
+                self._rows = [batch_size(t) for t in targets]
+        # one small all-reduce tells every rank whether the batch's shapes changed
+        desc = planning.signature((planning.describe(args), planning.describe(kwargs), training)) if self.has_first else 0
+        sig = self._agree(desc, training)
+        key = (sig, training)
+        if key not in self._plans:
+            self._plans[key] = planning.discover(self, inputs, training)
+        if self._loaded != key:
+            self._load(self._plans[key], training)
+            self._loaded = key
+
+        self._inputs = inputs
+        self._targets = targets
+        self._outputs: dict[int, Any] = {}
+        self._losses: dict[int, torch.Tensor] = {}
+        self._training = training
+        stash = self._stash_mirrored_grads() if training and self.is_dualpipe else None
+        try:
+            self._executor.run(self._forward)
+        finally:
+            self._inputs = self._targets = None
+        if stash is not None:
+            self._sum_mirrored_grads(stash)
+        if losses is not None and self._losses:
+            losses.extend(self._losses.get(mb) for mb in range(m))
+        result = None
+        if self._outputs:
+            result = merge([self._outputs[mb] for mb in sorted(self._outputs)])
+        self._outputs = {}
+        self._losses = {}
+        return result
+
+    def _agree(self, local_sig: int, training: bool) -> int:
+        if self.world == 1:
+            return local_sig
+        t = torch.tensor([local_sig], dtype=torch.int64, device=self._comm_device())
+        dist.all_reduce(t, group=self.group)
+        return int(t.item())
+
+    def _comm_device(self) -> torch.device:
+        backend = dist.get_backend(self.group)
+        return self.stages[0].device if backend == "nccl" else torch.device("cpu")
+
+    def _load(self, plans: dict, training: bool) -> None:
+        topo = self.schedule.topology
+        flat, labels = self._programs[training]
+        self._executor.set_program(flat, labels)
+        self._plans_in_use = plans
+        for s in self.stages:
+            p = plans[s.stage_index]
+            like = torch.empty(0, device=s.device)
+            for mb in topo.microbatches[s.stage_index]:
+                recv_f = [t.meta_tensor() for t in planning.tensor_leaves(p.inputs[mb])] if p.inputs[mb] is not None else []
+                recv_b = [t.meta_tensor() for t in planning.tensor_leaves(p.outputs[mb]) if t.requires_grad]
+                if not training:
+                    recv_f = [t.detach() for t in recv_f]
+                self._executor.set_specs(self.local_index[s.stage_index], mb, recv_f, recv_b, like)
+
+    def _forward(self, local: int, mb: int, received: list[torch.Tensor]):
+        stage = self.stages[local]
+        s = stage.stage_index
+        topo = self.schedule.topology
+        plan = self._plans_in_use[s]
+        if plan.inputs[mb] is None:
+            args, kwargs = self._inputs[mb]
+        else:
+            args, kwargs = planning.as_call(planning.rebuild(plan.inputs[mb], received))
+        out = stage.module(*args, **kwargs)
+        if topo.next_stage[s] >= 0:
+            tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            # a view would keep its base alive after the send: send a viewless copy instead
+            tensors = [t.clone() if t._is_view() else t for t in tensors]
+            return tensors, None, 1.0
+        self._outputs[mb] = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
+        loss = None
+        seed = 1.0
+        if self.loss_fn is not None and (self._training or self._targets is not None):
+            if self._targets is not None:
+                loss = self.loss_fn(out, self._targets[mb])
+            else:
+                loss = self.loss_fn(out)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                                f"{' of shape ' + str(tuple(loss.shape)) if isinstance(loss, torch.Tensor) else ''}")
+            self._losses[mb] = loss.detach()
+            if self.scale_grads:
+                seed = self._loss_weight(mb)
+        if not self._training:
+            loss = None
+        return [], loss, seed
+
+    def _loss_weight(self, mb: int) -> float:
+        """This microbatch's share of the batch: n_mb / N (1/m when rows are unknown)."""
+        if self._rows:
+            return self._rows[mb] / sum(self._rows)
+        return 1.0 / self.num_microbatches
+
+    # -- dualpipe: mirrored stages hold copies of one model stage ----------------------------
+    def _stash_mirrored_grads(self):
+        stash = {}
+        for s in self.stages:
+            for name, p in s.module.named_parameters():
+                stash[(s.stage_index, name)] = p.grad
+                p.grad = None
+        return stash
+
+    def _sum_mirrored_grads(self, stash) -> None:
+        topo = self.schedule.topology
+        R = self.world
+        partner = R - 1 - self.rank
+        by_model = sorted(self.stages, key=lambda s: topo.model_stage[s.stage_index])
+        mine = []
+        params = []
+        for s in by_model:
+            for name, p in s.module.named_parameters():
+                if p.requires_grad:
+                    params.append((s.stage_index, name, p))
+                    mine.append((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1))
+        flat = torch.cat(mine) if mine else torch.zeros(0)
+        theirs = torch.empty_like(flat)
+        peer = dist.get_global_rank(self.group, partner)
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, flat, peer, self.group),
+                                       dist.P2POp(dist.irecv, theirs, peer, self.group)])
+        for r in reqs:
+            r.wait()
+        if theirs.numel() != flat.numel():
+            raise RuntimeError("dualpipe mirrored stages differ in size")
+        total = flat + theirs
+        offset = 0
+        for stage_index, name, p in params:
+            n = p.numel()
+            g = total[offset:offset + n].view_as(p).clone()
+            offset += n
+            prev = stash.get((stage_index, name))
+            p.grad = g if prev is None else prev + g
+
+    def __repr__(self) -> str:
+        return (f"Pipeline(rank={self.rank}/{self.world}, stages={[s.stage_index for s in self.stages]}, "
+                f"schedule={self.schedule.name!r}, microbatches={self.num_microbatches})")
+
+
+def _forward_only(schedule: Schedule) -> Schedule:
+    """The schedule's forwards, in its order (same placement): what eval() runs."""
+    rows = []
+    for row in schedule.compute_only().actions:
+        out = []
+        for a in row:
+            for leaf in a.leaves():
+                if leaf.kind is Kind.F:
+                    out.append(leaf)
+        rows.append(out)
+    topo = schedule.topology
+    return Schedule._from_codes([[a.code for a in row] for row in rows], topo, (schedule.name or "") + ":forward")

@@ -1,0 +1,103 @@
+"""A pool of gloo ranks (spawned once per world size) that runs test cases on every rank.
+
+Each case is a module-level function `fn(rank, world, *args)` run on all ranks at once; the pool
+returns the per-rank results or raises with every failing rank's traceback. A case that does not
+finish within its timeout tears the pool down (the next case gets a fresh one).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, tasks, results):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        case_id, fn, args = item
+        try:
+            results.put((case_id, rank, True, fn(rank, world, *args)))
+        except BaseException:  # report everything, keep serving
+            results.put((case_id, rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world: int):
+        self.world = world
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+        self.case = 0
+        self.broken = False
+
+    def run(self, fn, *args, timeout: float = 120.0):
+        self.case += 1
+        for q in self.tasks:
+            q.put((self.case, fn, args))
+        out: dict[int, object] = {}
+        errors: dict[int, str] = {}
+        while len(out) + len(errors) < self.world:
+            try:
+                case_id, rank, ok, value = self.results.get(timeout=timeout)
+            except queue.Empty:
+                self.broken = True
+                missing = sorted(set(range(self.world)) - set(out) - set(errors))
+                raise AssertionError(f"ranks {missing} did not finish within {timeout}s; errors so far: {errors}")
+            if case_id != self.case:
+                continue  # a late answer of an earlier, failed case
+            (out if ok else errors)[rank] = value
+        if errors:
+            raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+        return [out[r] for r in range(self.world)]
+
+    def close(self):
+        for q in self.tasks:
+            try:
+                q.put(None)
+            except Exception:
+                pass
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+
+_POOLS: dict[int, RankPool] = {}
+
+
+def pool(world: int) -> RankPool:
+    p = _POOLS.get(world)
+    if p is None or p.broken or not all(proc.is_alive() for proc in p.procs):
+        if p is not None:
+            p.close()
+        p = _POOLS[world] = RankPool(world)
+    return p
+
+
+def close_all():
+    for p in _POOLS.values():
+        p.close()
+    _POOLS.clear()

@@ -1,0 +1,95 @@
+"""Small models for pipeline tests: lists of stage modules plus a single-process reference."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipecore.plan import as_call
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+class TransformerishBlock(nn.Module):
+    """LayerNorm, GELU MLP and a residual."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+class TwoStreamBlock(nn.Module):
+    """Several tensors per boundary: (hidden, skip, integer ids, a flag)."""
+
+    def __init__(self, width, first=False):
+        super().__init__()
+        self.first = first
+        self.mix = nn.Linear(width, width)
+        self.gate = nn.Linear(width, width)
+
+    def forward(self, x, skip=None, ids=None, scale=1.0):
+        if self.first:
+            ids = (x.abs().sum(-1) * 10).long() % 7  # integer tensor that travels along, needs no grad
+            skip = x
+        h = torch.relu(self.mix(x)) * scale + torch.sigmoid(self.gate(skip))
+        h = h + ids.unsqueeze(-1).to(h.dtype) * 0.01
+        return h, skip * 0.5 + h, ids, scale
+
+
+class Head(nn.Module):
+    def __init__(self, width, classes=5):
+        super().__init__()
+        self.out = nn.Linear(width, classes)
+
+    def forward(self, x, *rest):
+        return self.out(x)
+
+
+def make_stages(kind: str, num_stages: int, width: int = 16, seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    if kind == "mlp":
+        stages = [MLPBlock(width) for _ in range(num_stages)]
+        stages[-1] = nn.Sequential(MLPBlock(width), Head(width))
+    elif kind == "transformer":
+        stages = [TransformerishBlock(width) for _ in range(num_stages)]
+        stages[-1] = nn.Sequential(TransformerishBlock(width), Head(width))
+    elif kind == "multi":
+        stages = [TwoStreamBlock(width, first=(i == 0)) for i in range(num_stages)]
+        stages[-1] = _MultiHead(TwoStreamBlock(width, first=(num_stages == 1)), Head(width))
+    else:
+        raise ValueError(kind)
+    return stages
+
+
+class _MultiHead(nn.Module):
+    def __init__(self, block, head):
+        super().__init__()
+        self.block, self.head = block, head
+
+    def forward(self, *args, **kwargs):
+        return self.head(*self.block(*args, **kwargs))
+
+
+def reference_forward(stages: list[nn.Module], x):
+    value = x
+    for i, stage in enumerate(stages):
+        args, kwargs = ((value,), {}) if i == 0 else as_call(value)
+        value = stage(*args, **kwargs)
+    return value
+
+
+def make_batch(rows: int, width: int = 16, classes: int = 5, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, width, generator=g), torch.randint(0, classes, (rows,), generator=g)

@@ -1,0 +1,47 @@
+"""Every schedule trains exactly like one process: loss of every microbatch and every gradient."""
+
+import pytest
+
+import pipecore as pc
+from dist_pool import pool
+from pipeline_cases import train_and_compare
+
+CONFIGS = []
+for name in pc.SCHEDULES:
+    if name == "forward_only":
+        continue
+    for world, m in [(2, 4), (2, 6), (4, 8)]:
+        V = 1 if name in ("gpipe", "1f1b") else 2
+        try:
+            pc.build_schedule(name, world, m, V)
+        except ValueError:
+            continue
+        CONFIGS.append((name, world, m, V))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "transformer", "multi"])
+@pytest.mark.parametrize("name, world, m, V", CONFIGS)
+def test_matches_single_process(name, world, m, V, kind):
+    rows = 3 * m + 1  # uneven: the last microbatch is smaller
+    pool(world).run(train_and_compare, name, m, V, kind, rows)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved_zb", "zbv", "dualpipev", "dualpipe"])
+def test_two_steps_with_optimizer(name):
+    V = 1 if name == "1f1b" else 2
+    pool(2).run(train_and_compare, name, 4, V, "transformer", 16, 2, True, True)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "interleaved_zb", "dualpipe"])
+def test_gradients_accumulate_across_steps(name):
+    V = 1 if name == "gpipe" else 2
+    pool(2).run(train_and_compare, name, 4, V, "mlp", 12, 2, True, False, True)
+
+
+def test_sum_reduction_without_scaling():
+    pool(2).run(train_and_compare, "1f1b", 4, 1, "mlp", 10, 1, False)
+
+
+@pytest.mark.parametrize("V", [1, 3])
+def test_interleaved_stage_counts(V):
+    pool(2).run(train_and_compare, "interleaved_1f1b", 4, V, "transformer", 9)
