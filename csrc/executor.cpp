@@ -113,6 +113,26 @@ void Executor::reap_sends(bool all) {
   while (!sends_.empty()) {
     auto& s = sends_.front();
     if (!all && !s.work->isCompleted()) break;
+    wait_send_front();
+  }
+}
+
+void Executor::reap_sends_through(int64_t stage, int64_t mb) {
+  // Waiting on sends later than where they were posted cannot deadlock: the lowered schedule runs
+  // even if every send blocks where it is posted. The activation of (stage, mb) has been received
+  // when its gradient is due, so this returns at once and releases the buffers.
+  for (size_t k = 0; k < sends_.size(); ++k) {
+    const Instr& in = program_[sends_[k].instr];
+    if (in.op == kSendF && in.stage == stage && in.mb == mb) {
+      for (size_t j = 0; j <= k; ++j) wait_send_front();
+      return;
+    }
+  }
+}
+
+void Executor::wait_send_front() {
+  {
+    auto& s = sends_.front();
     try {
       s.work->wait(timeout_);
     } catch (const std::exception& e) {
@@ -255,7 +275,7 @@ void Executor::do_forward(const Instr& in, const ForwardFn& forward) {
 }
 
 void Executor::do_backward(const Instr& in, bool split) {
-  reap_sends(/*all=*/false);
+  reap_sends_through(in.stage, in.mb);
   Slot& s = slot(in.stage, in.mb);
   torch::autograd::edge_list roots;
   std::vector<at::Tensor> grads;

@@ -105,6 +105,8 @@ class Executor {
   void do_weight(const Instr& in);
   void wait_recv(c10::intrusive_ptr<c10d::Work>& work, const Instr& in, const char* what);
   void reap_sends(bool all);
+  void reap_sends_through(int64_t stage, int64_t mb);
+  void wait_send_front();
   std::vector<at::Tensor> take_input_grads(Slot& s);
   std::string where(const Instr& in) const;
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import pickle
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,10 +67,36 @@ def as_call(value: Any) -> tuple[tuple, dict]:
     return (value,), {}
 
 
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+@contextmanager
+def hooks_silenced(module: torch.nn.Module):
+    """The user's module hooks do not see the shape-finding forward."""
+    saved = []
+    for mod in module.modules():
+        for name in _HOOK_DICTS:
+            hooks = getattr(mod, name, None)
+            if hooks:
+                saved.append((mod, name, hooks))
+                setattr(mod, name, type(hooks)())
+    try:
+        yield
+    finally:
+        for mod, name, hooks in saved:
+            setattr(mod, name, hooks)
+
+
 def output_description(module: torch.nn.Module, args_desc: Any, kwargs_desc: Any, device: torch.device,
                        training: bool) -> Any:
     """Describe module(*args, **kwargs) without computing it: on meta tensors, or, where an op has
     no meta kernel, a real forward on zero inputs (module state restored afterwards)."""
+    with hooks_silenced(module):
+        return _output_description(module, args_desc, kwargs_desc, device, training)
+
+
+def _output_description(module, args_desc, kwargs_desc, device, training):
     grad_mode = torch.enable_grad() if training else torch.no_grad()
     try:
         state = {n: torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)

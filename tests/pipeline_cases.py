@@ -72,3 +72,132 @@ def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=
             for p in params + ref_params:
                 p.grad = None
     return worst
+
+
+def split_backward_defers_weight_grads(rank, world):
+    """I computes input gradients only; the weight gradients appear at W, equal to a full backward."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8), nn.Linear(8, 3))
+    ref = copy.deepcopy(module)
+    sched = pc.Schedule([["0F0", "0I0", "0F1", "0W0", "0I1", "0F2", "0I2", "0W1", "0W2"]])
+    seen_at_f = []
+
+    def check(mod, args):
+        seen_at_f.append([p.grad is None for p in mod.parameters()])
+
+    module.register_forward_pre_hook(check)
+    pipe = pc.Pipeline(pc.PipelineStage(module, 0, 1), sched, 3, loss_fn=lambda out, y: out.pow(2).mean())
+    x = torch.randn(6, 8, requires_grad=True)
+    pipe.step(x, target=torch.zeros(6))
+    # F1 runs after I0 but before W0: no weight gradient accumulated yet
+    assert seen_at_f[1] == [True] * 6, seen_at_f
+    # F2 runs after W0: every weight has its gradient
+    assert seen_at_f[2] == [False] * 6, seen_at_f
+    out = nn.Sequential(*ref)(x.detach())
+    out.pow(2).mean().backward()
+    for (n, p), q in zip(module.named_parameters(), ref.parameters()):
+        _assert_grads_close(p.grad, q.grad, n)
+    return True
+
+
+def sent_outputs_freed(rank, world, name):
+    """Sent activations are released (storage too) before their backward; after step() nothing of
+    the step (outputs, received buffers, saved activations) is alive."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    V = 1 if name in ("gpipe", "1f1b") else 2
+    sched = pc.build_schedule(name, world, 4, V)
+    model = make_stages("transformer", sched.num_stages)
+    mine = [pc.PipelineStage(model[s], s, sched.num_stages) for s in sched.rank_stages(rank)]
+    refs: dict = {}
+    problems: list = []
+
+    def keep(stage_index):
+        def hook(mod, args, out):
+            mb = len(refs.setdefault(("out", stage_index), []))
+            refs[("out", stage_index)].append(StorageWeakRef(out.untyped_storage()))
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    refs.setdefault(("in", stage_index), []).append(StorageWeakRef(a.untyped_storage()))
+            last = sched.topology.next_stage[stage_index] < 0
+            if not last and sched.stage_to_rank(stage_index + 1) != rank:
+                # backward of this microbatch: by then the sent output must be gone
+                def on_grad(g, mb=mb, stage_index=stage_index):
+                    if not refs[("out", stage_index)][mb].expired():
+                        problems.append(f"stage {stage_index} microbatch {mb}: output alive at its backward")
+                out.grad_fn.register_prehook(lambda grads: on_grad(grads))
+        return hook
+
+    for s in mine:
+        s.module.register_forward_hook(keep(s.stage_index))
+    pipe = pc.Pipeline(mine, sched, 4, loss_fn=nn.CrossEntropyLoss())
+    x, y = make_batch(8)
+    pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
+    assert not problems, problems
+    alive = [k for k, lst in refs.items() for r in lst if not r.expired()]
+    # the first stage's inputs are the caller's batch (alive by design); everything else is gone
+    alive = [k for k in alive if not (k[0] == "in" and sched.topology.prev_stage[k[1]] < 0)]
+    assert not alive, f"still alive after step: {alive}"
+    return True
+
+
+def profiler_events(rank, world):
+    from torch.profiler import profile
+
+    sched = pc.build_schedule("1f1b", world, 2)
+    model = make_stages("mlp", world)
+    pipe = pc.Pipeline(pc.PipelineStage(model[rank], rank, world), sched, 2, loss_fn=nn.CrossEntropyLoss())
+    x, y = make_batch(4)
+    with profile() as prof:
+        pipe.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
+    names = {e.name for e in prof.events()}
+    expected = {f"PP:{a}" for a in sched.lower().actions[rank]}
+    missing = expected - names
+    assert not missing, f"profiler lacks {sorted(missing)}"
+    return sorted(n for n in names if n.startswith("PP:"))
+
+
+def eval_matches(rank, world, name):
+    V = 1 if name in ("gpipe", "1f1b", "forward_only") else 2
+    sched = pc.build_schedule(name, world, 4, V)
+    topo = sched.topology
+    n_model = world if topo.style == "dualpipe" else topo.num_stages
+    model = make_stages("multi", n_model)
+    mine = [pc.PipelineStage(copy.deepcopy(model[topo.model_stage[s]]), s, sched.num_stages)
+            for s in sched.rank_stages(rank)]
+    loss_fn = nn.CrossEntropyLoss()
+    pipe = pc.Pipeline(mine, sched, 4, loss_fn=loss_fn)
+    x, y = make_batch(10)
+    losses: list = []
+    out = pipe.eval(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None, losses=losses)
+    for s in mine:
+        assert all(p.grad is None for p in s.module.parameters())
+    if pipe.has_last:
+        with torch.no_grad():
+            chunks = [reference_forward(model, xc) for xc in torch.tensor_split(x, 4)]
+        computed = [mb for mb in range(4) if losses[mb] is not None]
+        torch.testing.assert_close(out, torch.cat([chunks[mb] for mb in computed]), rtol=1e-6, atol=1e-7)
+        for mb, yc in zip(computed, [torch.tensor_split(y, 4)[mb] for mb in computed]):
+            torch.testing.assert_close(losses[mb], loss_fn(chunks[mb], yc), rtol=1e-6, atol=1e-7)
+    return True
+
+
+def view_outputs_are_copied(rank, world):
+    class Slicer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 16)
+
+        def forward(self, x):
+            return self.fc(x)[:, :8]  # a view of a larger activation
+
+    torch.manual_seed(0)
+    model = [Slicer(), nn.Linear(8, 3)]
+    ref = copy.deepcopy(model)
+    pipe = pc.Pipeline(pc.PipelineStage(model[rank], rank, 2), "gpipe", 2, loss_fn=nn.CrossEntropyLoss())
+    x, y = make_batch(4, width=8, classes=3)
+    pipe.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
+    nn.CrossEntropyLoss()(ref[1](ref[0](x)), y).backward()
+    for p, q in zip(model[rank].parameters(), ref[rank].parameters()):
+        _assert_grads_close(p.grad, q.grad, "view stage")
+    return True

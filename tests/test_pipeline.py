@@ -4,7 +4,8 @@ import pytest
 
 import pipecore as pc
 from dist_pool import pool
-from pipeline_cases import train_and_compare
+from pipeline_cases import (eval_matches, profiler_events, sent_outputs_freed,
+                            split_backward_defers_weight_grads, train_and_compare, view_outputs_are_copied)
 
 CONFIGS = []
 for name in pc.SCHEDULES:
@@ -45,3 +46,28 @@ def test_sum_reduction_without_scaling():
 @pytest.mark.parametrize("V", [1, 3])
 def test_interleaved_stage_counts(V):
     pool(2).run(train_and_compare, "interleaved_1f1b", 4, V, "transformer", 9)
+
+
+def test_split_backward_defers_weight_gradients():
+    pool(1).run(split_backward_defers_weight_grads)
+
+
+@pytest.mark.parametrize("name, world", [("gpipe", 2), ("1f1b", 2), ("interleaved_1f1b", 2), ("zbv", 2),
+                                         ("1f1b", 4)])
+def test_sent_outputs_are_freed(name, world):
+    pool(world).run(sent_outputs_freed, name)
+
+
+def test_profiler_sees_every_action():
+    names = pool(2).run(profiler_events)
+    assert "PP:0F0" in names[0] and "PP:1B1" in names[1]
+
+
+@pytest.mark.parametrize("name, world", [("forward_only", 2), ("1f1b", 2), ("zbv", 2), ("dualpipe", 2),
+                                         ("interleaved_1f1b", 4)])
+def test_eval_matches_reference(name, world):
+    pool(world).run(eval_matches, name)
+
+
+def test_view_outputs_train_correctly():
+    pool(2).run(view_outputs_are_copied)
