@@ -1,0 +1,85 @@
+"""Shared benchmark plumbing: spawn gloo ranks on this machine, time alternating blocks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch.multiprocessing as mp
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn, args, results):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        results.put((rank, fn(rank, world, *args)))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world: int, *args):
+    """Run fn(rank, world, *args) on `world` gloo ranks; returns the per-rank results."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = {}
+    for _ in procs:
+        rank, value = results.get()
+        out[rank] = value
+    for p in procs:
+        p.join()
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"a benchmark rank failed: exit codes {[p.exitcode for p in procs]}")
+    return [out[r] for r in range(world)]
+
+
+def timed_blocks(runners: dict[str, Callable[[], None]], blocks: int, steps: int, barrier: Callable[[], None]):
+    """Alternate `steps`-step timed blocks of each runner; per runner, the per-step times."""
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    for _ in range(blocks):
+        for name, run in runners.items():
+            barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                run()
+            barrier()
+            times[name].append((time.perf_counter() - t0) / steps)
+    return times
+
+
+def median_ms(values: list[float]) -> float:
+    return statistics.median(values) * 1e3
+
+
+def table(headers: list[str], rows: list[list], title: str | None = None) -> str:
+    cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else f"{c:.3g}" if isinstance(c, float) else str(c)
+                                             for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    if title:
+        lines.append(title)
+    lines.append("  ".join(h.rjust(w) for h, w in zip(cells[0], widths)))
+    lines.append("  ".join("-" * w for w in widths))
+    for r in cells[1:]:
+        lines.append("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    return "\n".join(lines)

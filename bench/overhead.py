@@ -1,0 +1,84 @@
+"""Executor overhead per action: host time pipecore adds around the module's own compute.
+
+One rank runs a schedule whose stages all live on it (so there is no wire), with tiny Linear
+stages. The same forwards and backwards are also run as plain PyTorch (module call, loss,
+torch.autograd.backward) in the same process; the difference, divided by the number of actions
+the executor ran, is its cost per action (dispatch, bookkeeping, freeing, callbacks, split/merge).
+
+    python bench/overhead.py [--stages 4] [--microbatches 64] [--width 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import _harness  # noqa: F401
+from _harness import spawn, table
+
+
+def _measure(rank, world, name, V, m, width, repeats):
+    import torch
+    from torch import nn
+
+    import pipecore as pc
+
+    torch.manual_seed(0)
+    sched = pc.build_schedule(name, 1, m, V)
+    modules = [nn.Linear(width, width) for _ in range(sched.num_stages)]
+    stages = [pc.PipelineStage(mod, s, sched.num_stages) for s, mod in enumerate(modules)]
+    loss_fn = nn.MSELoss()
+    pipe = pc.Pipeline(stages, sched, m, loss_fn=loss_fn)
+    x, y = torch.randn(m, width), torch.randn(m, width)
+    n_actions = len(pipe._programs[True][1])
+
+    def run_pipecore():
+        pipe.step(x, target=y)
+
+    xs, ys = torch.tensor_split(x, m), torch.tensor_split(y, m)
+
+    def run_plain():
+        # what the schedule computes, as a plain loop: per microbatch and stage a forward with a
+        # fresh leaf input, then the backwards in reverse with the received gradient
+        for xc, yc in zip(xs, ys):
+            saved = []
+            h = xc
+            for i, mod in enumerate(modules):
+                inp = h.detach().requires_grad_(i > 0)
+                h = mod(inp)
+                saved.append((inp, h))
+            loss_fn(h, yc).backward()
+            for i in range(len(saved) - 2, -1, -1):
+                torch.autograd.backward(saved[i][1], saved[i + 1][0].grad)
+
+    times = {"pipecore": [], "plain": []}
+    for fn in (run_pipecore, run_plain):
+        fn()
+    for _ in range(repeats):
+        for key, fn in (("pipecore", run_pipecore), ("plain", run_plain)):
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return med["pipecore"], med["plain"], n_actions
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stages", type=int, default=4, help="stages on the one rank")
+    ap.add_argument("--microbatches", type=int, default=64)
+    ap.add_argument("--width", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=21)
+    a = ap.parse_args(argv)
+    rows = []
+    for name in ("interleaved_1f1b", "interleaved_zb", "looped_bfs"):
+        ours, plain, n = spawn(_measure, 1, name, a.stages, a.microbatches, a.width, a.repeats)[0]
+        rows.append([name, n, ours * 1e3, plain * 1e3, (ours - plain) / n * 1e6])
+    print(table(["schedule", "actions/step", "pipecore ms", "plain torch ms", "overhead us/action"], rows,
+                f"1 rank, {a.stages} stages of Linear({a.width}), {a.microbatches} microbatches; "
+                f"median of {a.repeats} steps"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Step time: pipecore against torch.distributed.pipelining, side by side in one run.
+
+The same stage modules, the same schedule and the same gloo group run through both, in
+alternating timed blocks; the table gives the median ms/step of each and torch/pipecore.
+
+    python bench/vs_torch.py                      # overhead-dominated: 2 ranks, 32 microbatches, width 64
+    python bench/vs_torch.py --width 1024 --rows 256   # larger stages
+    python bench/vs_torch.py --plot out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import _harness  # noqa: F401  (puts the repo on sys.path)
+from _harness import median_ms, spawn, table, timed_blocks
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"]
+TORCH_CLASS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+               "interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+
+
+def _bench_rank(rank, world, name, m, width, depth, rows, blocks, steps):
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage as TorchStage
+    from torch.distributed.pipelining import schedules as ts
+
+    import pipecore as pc
+
+    V = 1 if name in ("gpipe", "1f1b") else 2
+    sched = pc.build_schedule(name, world, m, V)
+    torch.manual_seed(0)
+    model = [nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]) for _ in range(sched.num_stages)]
+    mine = sched.rank_stages(rank)
+    loss_fn = nn.MSELoss()
+    dev = torch.device("cpu")
+    # pipecore
+    pstages = [pc.PipelineStage(copy.deepcopy(model[s]), s, sched.num_stages) for s in mine]
+    pipe = pc.Pipeline(pstages, sched, m, loss_fn=loss_fn)
+    # torch: same modules, same group
+    tstages = [TorchStage(copy.deepcopy(model[s]), s, sched.num_stages, dev) for s in mine]
+    cls = getattr(ts, TORCH_CLASS[name])
+    tsched = cls(tstages[0] if V == 1 else tstages, m, loss_fn=loss_fn)
+    x = torch.randn(rows, width)
+    y = torch.randn(rows, width)
+    first = sched.topology.stage_rank[0] == rank
+    last = sched.topology.stage_rank[sched.num_stages - 1] == rank
+
+    def run_torch():
+        kwargs = {"target": y} if last else {}
+        tsched.step(*((x,) if first else ()), **kwargs)
+
+    def run_pipecore():
+        pipe.step(*((x,) if first else ()), target=y if last else None)
+
+    for _ in range(2):  # warm up both (shape inference, allocator)
+        run_torch()
+        run_pipecore()
+    times = timed_blocks({"torch": run_torch, "pipecore": run_pipecore}, blocks, steps, dist.barrier)
+    return {k: median_ms(v) for k, v in times.items()}
+
+
+def run(schedules, world, m, width, depth, rows, blocks, steps):
+    out = []
+    for name in schedules:
+        per_rank = spawn(_bench_rank, world, name, m, width, depth, rows, blocks, steps)
+        t = max(r["torch"] for r in per_rank)
+        p = max(r["pipecore"] for r in per_rank)
+        out.append((name, t, p))
+    return out
+
+
+def plot(rows, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r[0] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    xs = range(len(names))
+    ax.bar([i - 0.2 for i in xs], [r[1] for r in rows], width=0.4, label="torch.distributed.pipelining")
+    ax.bar([i + 0.2 for i in xs], [r[2] for r in rows], width=0.4, label="pipecore")
+    ax.set_xticks(list(xs), names, rotation=15)
+    ax.set_ylabel("ms / step (median)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--schedules", nargs="*", default=SCHEDULES, choices=SCHEDULES)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=32)
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--depth", type=int, default=1, help="Linear layers per stage")
+    ap.add_argument("--rows", type=int, default=64, help="batch rows (split into the microbatches)")
+    ap.add_argument("--blocks", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=5, help="steps per timed block")
+    ap.add_argument("--plot", default=None)
+    a = ap.parse_args(argv)
+    rows = run(a.schedules, a.ranks, a.microbatches, a.width, a.depth, a.rows, a.blocks, a.steps)
+    title = (f"{a.ranks} gloo ranks, {a.microbatches} microbatches, {a.depth} x Linear({a.width}) per stage, "
+             f"batch {a.rows}; median of {a.blocks} alternating blocks of {a.steps} steps")
+    print(table(["schedule", "torch ms", "pipecore ms", "pipecore/torch"],
+                [[n, t, p, f"{p / t:.2f}x"] for n, t, p in rows], title))
+    if a.plot:
+        plot(rows, a.plot, title)
+        print(f"wrote {a.plot}")
+
+
+if __name__ == "__main__":
+    main()
