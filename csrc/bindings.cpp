@@ -88,6 +88,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_links", &pipecore::Executor::set_links, py::arg("stage"), py::arg("next_local"),
            py::arg("prev_local"))
       .def("set_timeout", &pipecore::Executor::set_timeout, py::arg("seconds"))
+      .def("set_free_outputs", &pipecore::Executor::set_free_outputs, py::arg("free"))
       .def("run", &run, py::arg("forward"))
       .def("reset", &pipecore::Executor::reset, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &pipecore::Executor::rank)

@@ -95,6 +95,7 @@ std::string Executor::where(const Instr& in) const {
 void Executor::reset() {
   for (auto& s : slots_) s = Slot();
   sends_.clear();
+  kept_.clear();
 }
 
 void Executor::wait_recv(c10::intrusive_ptr<c10d::Work>& work, const Instr& in, const char* what) {
@@ -118,30 +119,35 @@ void Executor::reap_sends(bool all) {
 }
 
 void Executor::reap_sends_through(int64_t stage, int64_t mb) {
-  // Waiting on sends later than where they were posted cannot deadlock: the lowered schedule runs
-  // even if every send blocks where it is posted. The activation of (stage, mb) has been received
-  // when its gradient is due, so this returns at once and releases the buffers.
-  for (size_t k = 0; k < sends_.size(); ++k) {
+  // Before a backward: release the activation sent for it (received, since its gradient is due)
+  // and the gradients sent by earlier backwards, so that at most one backward's worth of sent
+  // gradients is held. Waiting on a send after it was posted cannot deadlock: the lowered
+  // schedule runs even if every send blocks where it is posted.
+  for (size_t k = 0; k < sends_.size();) {
     const Instr& in = program_[sends_[k].instr];
-    if (in.op == kSendF && in.stage == stage && in.mb == mb) {
-      for (size_t j = 0; j <= k; ++j) wait_send_front();
-      return;
+    if (in.op == kSendB || (in.op == kSendF && in.stage == stage && in.mb == mb)) {
+      wait_send(k);
+      sends_.erase(sends_.begin() + static_cast<std::ptrdiff_t>(k));
+    } else {
+      ++k;
     }
   }
 }
 
-void Executor::wait_send_front() {
-  {
-    auto& s = sends_.front();
-    try {
-      s.work->wait(timeout_);
-    } catch (const std::exception& e) {
-      std::ostringstream os;
-      os << where(program_[s.instr]) << ": send to rank " << program_[s.instr].peer << " failed: " << e.what();
-      throw std::runtime_error(os.str());
-    }
-    sends_.pop_front();
+void Executor::wait_send(size_t k) {
+  auto& s = sends_[k];
+  try {
+    s.work->wait(timeout_);
+  } catch (const std::exception& e) {
+    std::ostringstream os;
+    os << where(program_[s.instr]) << ": send to rank " << program_[s.instr].peer << " failed: " << e.what();
+    throw std::runtime_error(os.str());
   }
+}
+
+void Executor::wait_send_front() {
+  wait_send(0);
+  sends_.pop_front();
 }
 
 void Executor::run(const ForwardFn& forward) {
@@ -157,6 +163,7 @@ void Executor::run(const ForwardFn& forward) {
   }
   // everything of this step is done: drop graphs, buffers and received tensors
   for (auto& s : slots_) s = Slot();
+  kept_.clear();
 }
 
 void Executor::exec(size_t index, const ForwardFn& forward) {
@@ -208,8 +215,12 @@ void Executor::exec(size_t index, const ForwardFn& forward) {
       auto work = pg_->send(bufs, static_cast<int>(in.peer), kTag);
       // The outputs are freed once sent: the buffer keeps the data alive until the send completes,
       // the autograd graph lives on through the stored gradient edges.
+      if (free_outputs_) {
+        ++freed_outputs_;
+      } else {
+        kept_.insert(kept_.end(), s.outputs.begin(), s.outputs.end());
+      }
       s.outputs.clear();
-      ++freed_outputs_;
       sends_.push_back(PendingSend{std::move(work), std::move(bufs[0]), static_cast<int64_t>(index)});
       break;
     }

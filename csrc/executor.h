@@ -85,6 +85,8 @@ class Executor {
   void set_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> recv_f, std::vector<TensorSpec> recv_b,
                  at::TensorOptions options);
   void set_timeout(double seconds);
+  // Benchmarks only: keep sent outputs alive until the end of the step (as torch does).
+  void set_free_outputs(bool free) { free_outputs_ = free; }
   // Stages that hand their data over on this rank, without communication (-1: none).
   void set_links(int64_t stage, int64_t next_local, int64_t prev_local);
   // Runs the program once. `forward` is called for every F (with the GIL taken by the caller's wrapper).
@@ -107,6 +109,7 @@ class Executor {
   void reap_sends(bool all);
   void reap_sends_through(int64_t stage, int64_t mb);
   void wait_send_front();
+  void wait_send(size_t k);
   std::vector<at::Tensor> take_input_grads(Slot& s);
   std::string where(const Instr& in) const;
 
@@ -125,6 +128,8 @@ class Executor {
   std::vector<int64_t> next_local_, prev_local_;
   std::vector<std::unique_ptr<ActionScope>> open_scopes_;  // OVERLAP_F_B containers
   int64_t freed_outputs_ = 0;
+  bool free_outputs_ = true;
+  std::vector<at::Tensor> kept_;  // sent outputs when free_outputs_ is off
 };
 
 }  // namespace pipecore
