@@ -83,3 +83,25 @@ def table(headers: list[str], rows: list[list], title: str | None = None) -> str
     for r in cells[1:]:
         lines.append("  ".join(c.rjust(w) for c, w in zip(r, widths)))
     return "\n".join(lines)
+
+
+def bar_plot(path: str, labels: list[str], series: dict[str, list[float]], ylabel: str, title: str) -> None:
+    """Grouped bars, one group per label, one bar per series (matplotlib, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels) + 2), 3.8))
+    n = len(series)
+    width = 0.8 / max(n, 1)
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([x + (i - (n - 1) / 2) * width for x in range(len(labels))], values, width=width, label=name)
+    ax.set_xticks(list(range(len(labels))), labels, rotation=15, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")

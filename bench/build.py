@@ -17,6 +17,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pipecore as pc  # noqa: E402
 from pipecore.torch_compat import TORCH_CLASSES, torch_build, torch_lower  # noqa: E402
@@ -79,12 +80,20 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--torch-budget", type=float, default=30.0, help="seconds allowed per torch measurement")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
     print(f"# schedule build + lower, median of {args.repeats} (pipecore) / up to 3 (torch) runs; "
           f"'+Action objs' also materialises every Action object")
     rows = run(args.schedules, args.ranks, args.microbatches, args.stages_per_rank, args.repeats,
                args.torch_budget, not args.no_torch)
     print_table(rows)
+    if args.plot:
+        from _harness import bar_plot
+
+        with_torch = [r for r in rows if r[6] is not None]
+        bar_plot(args.plot, [f"{r[0]} pp{r[1]} m{r[3]}" for r in with_torch],
+                 {"torch": [r[6] for r in with_torch], "pipecore": [r[4] for r in with_torch]},
+                 "build + lower ms", "schedule build + lowering")
 
 
 if __name__ == "__main__":

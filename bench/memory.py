@@ -16,7 +16,7 @@ import copy
 import os
 
 import _harness  # noqa: F401
-from _harness import spawn, table
+from _harness import bar_plot, spawn, table
 from vs_torch import TORCH_CLASS
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zbv"]
@@ -96,6 +96,7 @@ def main(argv=None):
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--plot", default=None)
     a = ap.parse_args(argv)
     act_mib = a.rows // a.microbatches * a.width * 4 / 2**20
     rows = []
@@ -105,9 +106,12 @@ def main(argv=None):
         for r in range(a.ranks):
             t, k, p = res["torch"][r], res["pipecore-keep"][r], res["pipecore"][r]
             rows.append([name, r, t, k, p, f"{p / t:.2f}x"])
-    print(table(["schedule", "rank", "torch MiB", "pipecore no-free MiB", "pipecore MiB", "pipecore/torch"], rows,
-                f"peak RSS during the first {a.steps} steps above the RSS before them; {a.ranks} ranks, {a.microbatches} microbatches, "
-                f"stage = Linear-GELU-Linear({a.width}), one activation = {act_mib:.1f} MiB"))
+    title = (f"peak RSS during the first {a.steps} steps above the RSS before them; {a.ranks} ranks, {a.microbatches} microbatches, "
+                f"stage = Linear-GELU-Linear({a.width}), one activation = {act_mib:.1f} MiB")
+    print(table(["schedule", "rank", "torch MiB", "pipecore no-free MiB", "pipecore MiB", "pipecore/torch"], rows, title))
+    if a.plot:
+        bar_plot(a.plot, [f"{r[0]} r{r[1]}" for r in rows], {"torch": [r[2] for r in rows],
+                 "pipecore, freeing off": [r[3] for r in rows], "pipecore": [r[4] for r in rows]}, "peak MiB", title)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import statistics
 import time
 
 import _harness  # noqa: F401
-from _harness import spawn, table
+from _harness import bar_plot, spawn, table
 
 
 def _measure(rank, world, name, V, m, width, repeats):
@@ -70,14 +70,18 @@ def main(argv=None):
     ap.add_argument("--microbatches", type=int, default=64)
     ap.add_argument("--width", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=21)
+    ap.add_argument("--plot", default=None)
     a = ap.parse_args(argv)
     rows = []
     for name in ("interleaved_1f1b", "interleaved_zb", "looped_bfs"):
         ours, plain, n = spawn(_measure, 1, name, a.stages, a.microbatches, a.width, a.repeats)[0]
         rows.append([name, n, ours * 1e3, plain * 1e3, (ours - plain) / n * 1e6])
-    print(table(["schedule", "actions/step", "pipecore ms", "plain torch ms", "overhead us/action"], rows,
-                f"1 rank, {a.stages} stages of Linear({a.width}), {a.microbatches} microbatches; "
-                f"median of {a.repeats} steps"))
+    title = (f"1 rank, {a.stages} stages of Linear({a.width}), {a.microbatches} microbatches; "
+             f"median of {a.repeats} steps")
+    print(table(["schedule", "actions/step", "pipecore ms", "plain torch ms", "overhead us/action"], rows, title))
+    if a.plot:
+        bar_plot(a.plot, [r[0] for r in rows], {"plain PyTorch": [r[3] for r in rows], "pipecore": [r[2] for r in rows]},
+                 "ms / step", title)
 
 
 if __name__ == "__main__":

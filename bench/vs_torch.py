@@ -14,7 +14,7 @@ import argparse
 import copy
 
 import _harness  # noqa: F401  (puts the repo on sys.path)
-from _harness import median_ms, spawn, table, timed_blocks
+from _harness import bar_plot, median_ms, spawn, table, timed_blocks
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"]
 TORCH_CLASS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -73,25 +73,6 @@ def run(schedules, world, m, width, depth, rows, blocks, steps):
     return out
 
 
-def plot(rows, path, title):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r[0] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    xs = range(len(names))
-    ax.bar([i - 0.2 for i in xs], [r[1] for r in rows], width=0.4, label="torch.distributed.pipelining")
-    ax.bar([i + 0.2 for i in xs], [r[2] for r in rows], width=0.4, label="pipecore")
-    ax.set_xticks(list(xs), names, rotation=15)
-    ax.set_ylabel("ms / step (median)")
-    ax.set_title(title, fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--schedules", nargs="*", default=SCHEDULES, choices=SCHEDULES)
@@ -110,8 +91,8 @@ def main(argv=None):
     print(table(["schedule", "torch ms", "pipecore ms", "pipecore/torch"],
                 [[n, t, p, f"{p / t:.2f}x"] for n, t, p in rows], title))
     if a.plot:
-        plot(rows, a.plot, title)
-        print(f"wrote {a.plot}")
+        bar_plot(a.plot, [r[0] for r in rows], {"torch.distributed.pipelining": [r[1] for r in rows],
+                                                "pipecore": [r[2] for r in rows]}, "ms / step (median)", title)
 
 
 if __name__ == "__main__":
