@@ -90,6 +90,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_timeout", &pipecore::Executor::set_timeout, py::arg("seconds"))
       .def("set_free_outputs", &pipecore::Executor::set_free_outputs, py::arg("free"))
       .def("run", &run, py::arg("forward"))
+      .def("set_trace", &pipecore::Executor::set_trace, py::arg("on"))
+      .def("trace",
+           [](const pipecore::Executor& self) {
+             py::list out;
+             for (const auto& e : self.trace()) out.append(py::make_tuple(self.label(e.label), e.start_us, e.end_us));
+             return out;
+           })
       .def("reset", &pipecore::Executor::reset, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &pipecore::Executor::rank)
       .def_property_readonly("freed_outputs", &pipecore::Executor::freed_outputs);

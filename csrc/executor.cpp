@@ -15,8 +15,9 @@
 namespace pipecore {
 
 namespace {
-const char* kOpNames[] = {"F", "I", "W", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B",
-                          "UNSHARD", "RESHARD", "REDUCE_GRAD", "OVERLAP_BEGIN", "OVERLAP_END"};
+double now_us() {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 constexpr int kTag = 0;  // channel order, agreed by both sides, matches messages
 }  // namespace
 
@@ -153,8 +154,31 @@ void Executor::wait_send_front() {
 void Executor::run(const ForwardFn& forward) {
   reset();
   freed_outputs_ = 0;
+  trace_.clear();
+  open_trace_.clear();
   try {
-    for (size_t i = 0; i < program_.size(); ++i) exec(i, forward);
+    for (size_t i = 0; i < program_.size(); ++i) {
+      if (!trace_on_) {
+        exec(i, forward);
+        continue;
+      }
+      const Instr& in = program_[i];
+      if (in.op == kOverlapBegin) {
+        open_trace_.push_back(trace_.size());
+        trace_.push_back({in.label, now_us(), 0.0});
+        exec(i, forward);
+      } else if (in.op == kOverlapEnd) {
+        exec(i, forward);
+        if (!open_trace_.empty()) {
+          trace_[open_trace_.back()].end_us = now_us();
+          open_trace_.pop_back();
+        }
+      } else {
+        double t0 = now_us();
+        exec(i, forward);
+        trace_.push_back({in.label, t0, now_us()});
+      }
+    }
     reap_sends(/*all=*/true);
   } catch (...) {
     while (!open_scopes_.empty()) open_scopes_.pop_back();

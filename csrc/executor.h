@@ -87,6 +87,15 @@ class Executor {
   void set_timeout(double seconds);
   // Benchmarks only: keep sent outputs alive until the end of the step (as torch does).
   void set_free_outputs(bool free) { free_outputs_ = free; }
+  // Per-action start/end times (steady clock, microseconds) of the last run, when enabled.
+  void set_trace(bool on) { trace_on_ = on; }
+  struct TraceEvent {
+    int64_t label;
+    double start_us;
+    double end_us;
+  };
+  const std::vector<TraceEvent>& trace() const { return trace_; }
+  const std::string& label(int64_t i) const { return labels_[i]; }
   // Stages that hand their data over on this rank, without communication (-1: none).
   void set_links(int64_t stage, int64_t next_local, int64_t prev_local);
   // Runs the program once. `forward` is called for every F (with the GIL taken by the caller's wrapper).
@@ -129,6 +138,9 @@ class Executor {
   std::vector<std::unique_ptr<ActionScope>> open_scopes_;  // OVERLAP_F_B containers
   int64_t freed_outputs_ = 0;
   bool free_outputs_ = true;
+  bool trace_on_ = false;
+  std::vector<TraceEvent> trace_;
+  std::vector<size_t> open_trace_;  // trace_ entries of open OVERLAP_F_B containers
   std::vector<at::Tensor> kept_;  // sent outputs when free_outputs_ is off
 };
 

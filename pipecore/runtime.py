@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+from contextlib import nullcontext
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +19,19 @@ DEFAULT_TIMEOUT_S = 300.0
 
 # executor opcodes (csrc/executor.h): the schedule kinds plus an OVERLAP_F_B bracket
 _OVERLAP_BEGIN, _OVERLAP_END = 11, 12
+
+
+def _range(name: str):
+    """An NVTX range from Python (the `nvtx` package; no-op without it)."""
+    if _nvtx is None:
+        return nullcontext()
+    return _nvtx.annotate(name, domain="pipecore")
+
+
+try:  # Python-side phases show in Nsight Systems beside the executor's per-action ranges
+    import nvtx as _nvtx
+except ImportError:  # pragma: no cover - optional
+    _nvtx = None
 
 
 def _native():
@@ -94,6 +107,9 @@ class Pipeline:
                 self.local_index[s.stage_index],
                 self.local_index[nxt] if nxt >= 0 and topo.stage_rank[nxt] == self.rank else -1,
                 self.local_index[prv] if prv >= 0 and topo.stage_rank[prv] == self.rank else -1)
+        self._executor.set_trace(bool(trace))
+        self._trace: list[dict] = []
+        self._step_count = 0
         self._plans: dict[tuple[int, bool], dict] = {}
         self._loaded: tuple[int, bool] | None = None
 
@@ -126,12 +142,20 @@ class Pipeline:
     # -- public -------------------------------------------------------------------------
     def step(self, *args, target=None, losses: list | None = None, **kwargs):
         """One training step over `num_microbatches` microbatches (see the class doc)."""
-        return self._run(args, kwargs, target, losses, training=True)
+        with _range("pipecore.step"):
+            return self._run(args, kwargs, target, losses, training=True)
 
     def eval(self, *args, target=None, losses: list | None = None, **kwargs):
         """Forward only (no gradients); losses are computed when a target and loss_fn are given."""
-        with torch.no_grad():
+        with _range("pipecore.eval"), torch.no_grad():
             return self._run(args, kwargs, target, losses, training=False)
+
+    def trace(self) -> list[dict]:
+        """This rank's actions of the last step: name ("PP:1F0"), start_us and end_us on the
+        host's monotonic clock (shared by all processes of one machine). Needs trace=True."""
+        if not self.trace_enabled:
+            raise RuntimeError("tracing is off: create the Pipeline with trace=True")
+        return list(self._trace)
 
     # -- step ---------------------------------------------------------------------------
     def _run(self, args, kwargs, target, losses, training: bool):
@@ -139,19 +163,8 @@ class Pipeline:
         m = self.num_microbatches
         if training and self.has_last and self.loss_fn is None:
             raise ValueError(f"rank {self.rank} holds a last stage: training needs loss_fn")
-        inputs: dict[int, tuple[Any, Any]] = {}
-        if self.has_first:
-            if not args and not kwargs:
-                raise ValueError(f"rank {self.rank} holds a first stage: step() needs its inputs")
-            for mb, (a, k) in enumerate(zip(split(args, m, "input"), split(kwargs, m, "keyword input"))):
-                inputs[mb] = (a, k)
-        targets: list | None = None
-        self._rows = None
-        if self.has_last and target is not None:
-            targets = split(target, m, "target")
-            rows = batch_size(target)
-            if rows is not None:
-                self._rows = [batch_size(t) for t in targets]
+        with _range("pipecore.split"):
+            inputs, targets = self._split(args, kwargs, target)
         # one small all-reduce tells every rank whether the batch's shapes changed
         desc = planning.signature((planning.describe(args), planning.describe(kwargs), training)) if self.has_first else 0
         sig = self._agree(desc, training)
@@ -174,14 +187,36 @@ class Pipeline:
             self._inputs = self._targets = None
         if stash is not None:
             self._sum_mirrored_grads(stash)
+        if self.trace_enabled:
+            self._trace = [{"rank": self.rank, "step": self._step_count, "name": name, "start_us": t0, "end_us": t1}
+                           for name, t0, t1 in self._executor.trace()]
+        self._step_count += 1
         if losses is not None and self._losses:
             losses.extend(self._losses.get(mb) for mb in range(m))
         result = None
         if self._outputs:
-            result = merge([self._outputs[mb] for mb in sorted(self._outputs)])
+            with _range("pipecore.merge"):
+                result = merge([self._outputs[mb] for mb in sorted(self._outputs)])
         self._outputs = {}
         self._losses = {}
         return result
+
+    def _split(self, args, kwargs, target):
+        """Microbatches of the inputs (ranks with a first stage) and targets (with a last stage)."""
+        m = self.num_microbatches
+        inputs: dict[int, tuple[Any, Any]] = {}
+        if self.has_first:
+            if not args and not kwargs:
+                raise ValueError(f"rank {self.rank} holds a first stage: step() needs its inputs")
+            for mb, (a, k) in enumerate(zip(split(args, m, "input"), split(kwargs, m, "keyword input"))):
+                inputs[mb] = (a, k)
+        targets: list | None = None
+        self._rows = None
+        if self.has_last and target is not None:
+            targets = split(target, m, "target")
+            if batch_size(target) is not None:
+                self._rows = [batch_size(t) for t in targets]
+        return inputs, targets
 
     def _agree(self, local_sig: int, training: bool) -> int:
         if self.world == 1:

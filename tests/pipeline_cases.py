@@ -201,3 +201,40 @@ def view_outputs_are_copied(rank, world):
     for p, q in zip(model[rank].parameters(), ref[rank].parameters()):
         _assert_grads_close(p.grad, q.grad, "view stage")
     return True
+
+
+def nvtx_step(rank, world, fail):
+    """One step (1 rank: a stage that raises when `fail`); returns the action ranges expected."""
+    sched = pc.build_schedule("1f1b", world, 4)
+    model = make_stages("mlp", world)
+    module = model[rank]
+    if fail:
+        def boom(mod, args):
+            raise RuntimeError("boom")
+        module.register_forward_pre_hook(boom)
+    pipe = pc.Pipeline(pc.PipelineStage(module, rank, world), sched, 4, loss_fn=nn.CrossEntropyLoss())
+    x, y = make_batch(8)
+    try:
+        pipe.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
+    except RuntimeError as exc:
+        if not fail:
+            raise
+        assert "boom" in str(exc)
+    return [f"PP:{a}" for a in sched.lower().actions[rank]]
+
+
+def traced_step(rank, world, out_dir):
+    from pipecore.profiling import draw_trace, gather_trace, to_chrome_trace
+
+    sched = pc.build_schedule("1f1b", world, 4)
+    model = make_stages("mlp", world)
+    pipe = pc.Pipeline(pc.PipelineStage(model[rank], rank, world), sched, 4, loss_fn=nn.CrossEntropyLoss(),
+                       trace=True)
+    x, y = make_batch(8)
+    pipe.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
+    events = gather_trace(pipe)
+    if rank == 0:
+        to_chrome_trace(events, f"{out_dir}/trace.json")
+        draw_trace(events, f"{out_dir}/timeline.png", schedule=sched)
+        draw_trace(events, f"{out_dir}/timeline.svg")
+    return events
