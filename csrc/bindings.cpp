@@ -52,7 +52,7 @@ std::vector<pipecore::TensorSpec> to_specs(const std::vector<at::Tensor>& metas)
   return specs;
 }
 
-void run(pipecore::Executor& self, py::function forward) {
+void run(pipecore::Executor& self, py::function forward, py::function on_abort) {
   // The loop runs without the GIL; only a stage's forward (user Python) takes it.
   pipecore::ForwardFn fn = [&forward](int64_t stage, int64_t mb, std::vector<at::Tensor>& inputs,
                                       std::vector<at::Tensor>& outputs, at::Tensor& loss, double& seed) {
@@ -63,8 +63,19 @@ void run(pipecore::Executor& self, py::function forward) {
     if (!tup[1].is_none()) loss = tup[1].cast<at::Tensor>();
     seed = tup[2].cast<double>();
   };
+  pipecore::AbortFn abort_fn = [&on_abort](const std::string& error, const std::string& action) {
+    py::gil_scoped_acquire gil;
+    py::error_scope keep;  // a pending Python error (the failure itself) is set aside meanwhile
+    try {
+      on_abort(py::str(PyUnicode_DecodeUTF8(error.data(), static_cast<Py_ssize_t>(error.size()), "replace"),
+                       /*borrowed=*/false),
+               action);
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("pipecore: reporting a failure to the other ranks");
+    }
+  };
   py::gil_scoped_release nogil;
-  self.run(fn);
+  self.run(fn, abort_fn);
 }
 
 }  // namespace
@@ -74,6 +85,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("build_info", &build_info,
         "Compile-time configuration of pipecore._C: {'cuda': bool, 'nvtx': bool, 'torch_version': str}.");
 
+  py::register_exception<pipecore::PeerAbort>(m, "PeerAbort", PyExc_RuntimeError);
+  py::register_exception<pipecore::CommError>(m, "CommError", PyExc_RuntimeError);
+
   py::class_<pipecore::Executor>(m, "Executor")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, int64_t, int64_t, double>(), py::arg("group"),
            py::arg("num_stages"), py::arg("num_microbatches"), py::arg("timeout"))
@@ -81,15 +95,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "set_specs",
           [](pipecore::Executor& self, int64_t stage, int64_t mb, const std::vector<at::Tensor>& recv_f,
-             const std::vector<at::Tensor>& recv_b, const at::Tensor& like) {
-            self.set_specs(stage, mb, to_specs(recv_f), to_specs(recv_b), like.options());
+             const std::vector<at::Tensor>& recv_b, const std::vector<at::Tensor>& send_f, const at::Tensor& like) {
+            self.set_specs(stage, mb, to_specs(recv_f), to_specs(recv_b), to_specs(send_f), like.options());
           },
-          py::arg("stage"), py::arg("mb"), py::arg("recv_f"), py::arg("recv_b"), py::arg("like"))
+          py::arg("stage"), py::arg("mb"), py::arg("recv_f"), py::arg("recv_b"), py::arg("send_f"), py::arg("like"))
+      .def("set_delays", &pipecore::Executor::set_delays, py::arg("max_us"), py::arg("seed"))
       .def("set_links", &pipecore::Executor::set_links, py::arg("stage"), py::arg("next_local"),
            py::arg("prev_local"))
       .def("set_timeout", &pipecore::Executor::set_timeout, py::arg("seconds"))
       .def("set_free_outputs", &pipecore::Executor::set_free_outputs, py::arg("free"))
-      .def("run", &run, py::arg("forward"))
+      .def("run", &run, py::arg("forward"), py::arg("on_abort"))
       .def("set_trace", &pipecore::Executor::set_trace, py::arg("on"))
       .def("trace",
            [](const pipecore::Executor& self) {

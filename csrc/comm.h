@@ -1,4 +1,7 @@
-// Point-to-point messages between stages: several tensors travel as one message.
+// Point-to-point messages between stages. A message is the bytes of its tensors (each 16-byte
+// aligned) followed by a 16-byte trailer: a status word (ok / the sender's step was aborted) and a
+// magic number. The status lets an aborted step run to its end on every rank with no rank left
+// waiting (see Executor::run).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -9,11 +12,17 @@
 
 namespace pipecore {
 
-// One contiguous buffer holding `tensors` (the tensor itself when there is one contiguous tensor).
+enum MessageStatus : int64_t { kMessageOk = 0, kMessageAborted = 1 };
+
+// One byte buffer holding `tensors` and an "ok" trailer.
 at::Tensor pack(const std::vector<at::Tensor>& tensors);
-// A buffer to receive what `pack` made of tensors shaped like `specs`.
+// A message of the size `specs` describe whose trailer says the step was aborted.
+at::Tensor abort_message(const std::vector<TensorSpec>& specs, const at::TensorOptions& options);
+// A buffer to receive a message of tensors shaped like `specs`.
 at::Tensor alloc_message(const std::vector<TensorSpec>& specs, const at::TensorOptions& options);
-// The tensors inside a received buffer.
+// The status in a received message's trailer (throws if the trailer is not pipecore's).
+int64_t message_status(const at::Tensor& buffer);
+// The tensors inside a received buffer (views of it).
 std::vector<at::Tensor> unpack(const at::Tensor& buffer, const std::vector<TensorSpec>& specs);
 
 }  // namespace pipecore

@@ -7,6 +7,7 @@
 
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 #include "backward.h"
 #include "comm.h"
@@ -31,6 +32,7 @@ Executor::Executor(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t num_stages
       slots_(num_stages * num_microbatches),
       recv_f_specs_(num_stages * num_microbatches),
       recv_b_specs_(num_stages * num_microbatches),
+      send_f_specs_(num_stages * num_microbatches),
       options_(num_stages * num_microbatches),
       next_local_(num_stages, -1),
       prev_local_(num_stages, -1) {}
@@ -80,10 +82,11 @@ void Executor::set_program(std::vector<int64_t> flat, std::vector<std::string> l
 }
 
 void Executor::set_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> recv_f, std::vector<TensorSpec> recv_b,
-                         at::TensorOptions options) {
+                         std::vector<TensorSpec> send_f, at::TensorOptions options) {
   TORCH_CHECK(stage >= 0 && stage < num_stages_ && mb >= 0 && mb < num_microbatches_, "pipecore: bad spec index");
   recv_f_specs_[stage * num_microbatches_ + mb] = std::move(recv_f);
   recv_b_specs_[stage * num_microbatches_ + mb] = std::move(recv_b);
+  send_f_specs_[stage * num_microbatches_ + mb] = std::move(send_f);
   options_[stage * num_microbatches_ + mb] = options;
 }
 
@@ -99,16 +102,31 @@ void Executor::reset() {
   kept_.clear();
 }
 
-void Executor::wait_recv(c10::intrusive_ptr<c10d::Work>& work, const Instr& in, const char* what) {
+void Executor::wait_recv(c10::intrusive_ptr<c10d::Work>& work, const Instr& in, const char* what, int64_t peer) {
   if (!work) return;
   try {
     work->wait(timeout_);
   } catch (const std::exception& e) {
     std::ostringstream os;
-    os << where(in) << ": waiting for " << what << " of microbatch " << in.mb << " failed: " << e.what();
-    throw std::runtime_error(os.str());
+    os << where(in) << ": waiting for " << what << " of microbatch " << in.mb << " from rank " << peer
+       << " failed (timeout " << timeout_.count() / 1000.0 << " s): " << e.what();
+    throw CommError(os.str());
   }
   work.reset();
+}
+
+void Executor::check_message(const at::Tensor& buffer, const Instr& in, const char* what) {
+  if (message_status(buffer) == kMessageAborted) {
+    std::ostringstream os;
+    os << where(in) << ": the " << what << " of microbatch " << in.mb << " say the sender's step was aborted";
+    throw PeerAbort(os.str());
+  }
+}
+
+void Executor::maybe_delay() {
+  if (delay_us_ <= 0) return;
+  std::uniform_int_distribution<int64_t> dist(0, delay_us_);
+  std::this_thread::sleep_for(std::chrono::microseconds(dist(rng_)));
 }
 
 void Executor::reap_sends(bool all) {
@@ -141,8 +159,9 @@ void Executor::wait_send(size_t k) {
     s.work->wait(timeout_);
   } catch (const std::exception& e) {
     std::ostringstream os;
-    os << where(program_[s.instr]) << ": send to rank " << program_[s.instr].peer << " failed: " << e.what();
-    throw std::runtime_error(os.str());
+    os << where(program_[s.instr]) << ": send to rank " << program_[s.instr].peer << " failed (timeout "
+       << timeout_.count() / 1000.0 << " s): " << e.what();
+    throw CommError(os.str());
   }
 }
 
@@ -151,43 +170,157 @@ void Executor::wait_send_front() {
   sends_.pop_front();
 }
 
-void Executor::run(const ForwardFn& forward) {
+void Executor::run(const ForwardFn& forward, const AbortFn& on_abort) {
   reset();
   freed_outputs_ = 0;
   trace_.clear();
   open_trace_.clear();
+  size_t i = 0;
+  std::exception_ptr origin;  // this rank's own failure
+  std::string failure;        // what stopped the normal run
+  enum { kNone, kOrigin, kPeer, kComm } why = kNone;
   try {
-    for (size_t i = 0; i < program_.size(); ++i) {
-      if (!trace_on_) {
-        exec(i, forward);
-        continue;
-      }
-      const Instr& in = program_[i];
-      if (in.op == kOverlapBegin) {
-        open_trace_.push_back(trace_.size());
-        trace_.push_back({in.label, now_us(), 0.0});
-        exec(i, forward);
-      } else if (in.op == kOverlapEnd) {
-        exec(i, forward);
-        if (!open_trace_.empty()) {
-          trace_[open_trace_.back()].end_us = now_us();
-          open_trace_.pop_back();
-        }
-      } else {
-        double t0 = now_us();
-        exec(i, forward);
-        trace_.push_back({in.label, t0, now_us()});
-      }
-    }
+    for (; i < program_.size(); ++i) exec_traced(i, forward);
     reap_sends(/*all=*/true);
+  } catch (const PeerAbort& e) {
+    why = kPeer;
+    failure = e.what();
+  } catch (const CommError& e) {
+    why = kComm;
+    failure = e.what();
   } catch (...) {
-    while (!open_scopes_.empty()) open_scopes_.pop_back();
-    sends_.clear();
-    throw;
+    why = kOrigin;
+    origin = std::current_exception();
   }
-  // everything of this step is done: drop graphs, buffers and received tensors
+  if (why == kNone) {
+    for (auto& s : slots_) s = Slot();  // the step is done: drop graphs, buffers, received tensors
+    kept_.clear();
+    return;
+  }
+  // Abort: drop this step's compute state, tell whoever listens, then run the rest of the program
+  // without compute so that every peer gets every message it waits for.
+  open_scopes_.clear();
+  open_trace_.clear();
+  const std::string action = i < program_.size() ? labels_[program_[i].label] : std::string("end of step");
+  if (why == kOrigin && on_abort) {
+    std::string text = "unknown error";
+    try {
+      std::rethrow_exception(origin);
+    } catch (const std::exception& e) {
+      text = e.what();
+    } catch (...) {
+    }
+    try {
+      on_abort(text, action);
+    } catch (...) {
+    }
+  }
+  for (auto& s : slots_) {  // graphs and activations are not needed any more
+    s.out_edges.clear();
+    s.loss_edge = torch::autograd::Edge();
+    s.outputs.clear();
+    s.weight_tasks.clear();
+    s.input_grads.clear();
+    s.out_grads.clear();
+  }
+  std::string comm_failure;
+  for (size_t j = i + 1; j < program_.size(); ++j) {
+    try {
+      // after a broken connection or a timeout, waiting again could take a timeout per receive:
+      // only post the sends then
+      exec_aborted(j, /*wait=*/why != kComm);
+    } catch (const std::exception& e) {
+      if (comm_failure.empty()) comm_failure = e.what();
+    }
+  }
+  if (why != kComm) {
+    try {
+      reap_sends(/*all=*/true);
+    } catch (const std::exception& e) {
+      if (comm_failure.empty()) comm_failure = e.what();
+    }
+  }
+  sends_.clear();
   for (auto& s : slots_) s = Slot();
   kept_.clear();
+  if (why == kOrigin) std::rethrow_exception(origin);
+  if (why == kComm) throw CommError(failure);
+  if (!comm_failure.empty()) throw CommError(failure + "; then: " + comm_failure);
+  throw PeerAbort(failure);
+}
+
+void Executor::exec_traced(size_t i, const ForwardFn& forward) {
+  if (!trace_on_) {
+    exec(i, forward);
+    return;
+  }
+  const Instr& in = program_[i];
+  if (in.op == kOverlapBegin) {
+    open_trace_.push_back(trace_.size());
+    trace_.push_back({in.label, now_us(), 0.0});
+    exec(i, forward);
+  } else if (in.op == kOverlapEnd) {
+    exec(i, forward);
+    if (!open_trace_.empty()) {
+      trace_[open_trace_.back()].end_us = now_us();
+      open_trace_.pop_back();
+    }
+  } else {
+    double t0 = now_us();
+    exec(i, forward);
+    trace_.push_back({in.label, t0, now_us()});
+  }
+}
+
+void Executor::exec_aborted(size_t index, bool wait) {
+  const Instr& in = program_[index];
+  const size_t key = in.stage * num_microbatches_ + in.mb;
+  switch (in.op) {
+    case kRecvF:
+    case kRecvB: {  // post as usual: the peer's send must complete
+      Slot& s = slot(in.stage, in.mb);
+      const auto& specs = in.op == kRecvF ? recv_f_specs_[key] : recv_b_specs_[key];
+      if (specs.empty()) break;
+      auto& buf = in.op == kRecvF ? s.recv_f_buf : s.recv_b_buf;
+      auto& work = in.op == kRecvF ? s.recv_f_work : s.recv_b_work;
+      buf = alloc_message(specs, options_[key]);
+      std::vector<at::Tensor> bufs{buf};
+      maybe_delay();
+      work = pg_->recv(bufs, static_cast<int>(in.peer), kTag);
+      (in.op == kRecvF ? s.recv_f_peer : s.recv_b_peer) = in.peer;
+      break;
+    }
+    case kF:
+    case kB:
+    case kI: {  // drain what this action would have consumed
+      Slot& s = slot(in.stage, in.mb);
+      auto& work = in.op == kF ? s.recv_f_work : s.recv_b_work;
+      auto& buf = in.op == kF ? s.recv_f_buf : s.recv_b_buf;
+      if (work && wait) wait_recv(work, in, in.op == kF ? "activations" : "output gradients",
+                          in.op == kF ? s.recv_f_peer : s.recv_b_peer);
+      buf.reset();
+      break;
+    }
+    case kSendF:
+    case kSendB: {
+      std::vector<TensorSpec> specs;
+      if (in.op == kSendF) {
+        specs = send_f_specs_[key];
+      } else {
+        for (const auto& sp : recv_f_specs_[key]) {
+          if (sp.requires_grad) specs.push_back(sp);
+        }
+      }
+      if (specs.empty()) break;
+      std::vector<at::Tensor> bufs{abort_message(specs, options_[key])};
+      maybe_delay();
+      auto work = pg_->send(bufs, static_cast<int>(in.peer), kTag);
+      sends_.push_back(PendingSend{std::move(work), std::move(bufs[0]), static_cast<int64_t>(index)});
+      break;
+    }
+    default:
+      break;
+  }
 }
 
 void Executor::exec(size_t index, const ForwardFn& forward) {
@@ -220,7 +353,9 @@ void Executor::exec(size_t index, const ForwardFn& forward) {
       TORCH_CHECK(!specs.empty(), where(in), ": no activation shapes known for this receive");
       s.recv_f_buf = alloc_message(specs, options_[in.stage * num_microbatches_ + in.mb]);
       std::vector<at::Tensor> bufs{s.recv_f_buf};
+      maybe_delay();
       s.recv_f_work = pg_->recv(bufs, static_cast<int>(in.peer), kTag);
+      s.recv_f_peer = in.peer;
       break;
     }
     case kRecvB: {
@@ -229,13 +364,16 @@ void Executor::exec(size_t index, const ForwardFn& forward) {
       if (specs.empty()) break;  // nothing of this stage's output needs a gradient
       s.recv_b_buf = alloc_message(specs, options_[in.stage * num_microbatches_ + in.mb]);
       std::vector<at::Tensor> bufs{s.recv_b_buf};
+      maybe_delay();
       s.recv_b_work = pg_->recv(bufs, static_cast<int>(in.peer), kTag);
+      s.recv_b_peer = in.peer;
       break;
     }
     case kSendF: {
       Slot& s = slot(in.stage, in.mb);
       TORCH_CHECK(!s.outputs.empty(), where(in), ": nothing to send (forward produced no tensors)");
       std::vector<at::Tensor> bufs{pack(s.outputs)};
+      maybe_delay();
       auto work = pg_->send(bufs, static_cast<int>(in.peer), kTag);
       // The outputs are freed once sent: the buffer keeps the data alive until the send completes,
       // the autograd graph lives on through the stored gradient edges.
@@ -253,6 +391,7 @@ void Executor::exec(size_t index, const ForwardFn& forward) {
       std::vector<at::Tensor> grads = take_input_grads(s);
       if (grads.empty()) break;
       std::vector<at::Tensor> bufs{pack(grads)};
+      maybe_delay();
       auto work = pg_->send(bufs, static_cast<int>(in.peer), kTag);
       sends_.push_back(PendingSend{std::move(work), std::move(bufs[0]), static_cast<int64_t>(index)});
       break;
@@ -272,11 +411,11 @@ void Executor::do_forward(const Instr& in, const ForwardFn& forward) {
   Slot& s = slot(in.stage, in.mb);
   const size_t key = in.stage * num_microbatches_ + in.mb;
   if (s.recv_f_buf.defined()) {
-    wait_recv(s.recv_f_work, in, "activations");
+    wait_recv(s.recv_f_work, in, "activations", s.recv_f_peer);
+    check_message(s.recv_f_buf, in, "activations");
     const auto& specs = recv_f_specs_[key];
     s.inputs = unpack(s.recv_f_buf, specs);
     for (size_t k = 0; k < specs.size(); ++k) {
-      if (specs.size() > 1) s.inputs[k] = s.inputs[k].detach();
       if (specs[k].requires_grad) s.inputs[k].requires_grad_(true);
     }
     s.recv_f_buf.reset();
@@ -321,7 +460,8 @@ void Executor::do_backward(const Instr& in, bool split) {
     }
   } else {
     if (s.recv_b_buf.defined()) {
-      wait_recv(s.recv_b_work, in, "output gradients");
+      wait_recv(s.recv_b_work, in, "output gradients", s.recv_b_peer);
+      check_message(s.recv_b_buf, in, "output gradients");
       s.out_grads = unpack(s.recv_b_buf, recv_b_specs_[in.stage * num_microbatches_ + in.mb]);
       s.recv_b_buf.reset();
     }

@@ -11,6 +11,8 @@
 #include <functional>
 #include <string>
 #include <memory>
+#include <random>
+#include <stdexcept>
 #include <vector>
 
 namespace pipecore {
@@ -52,6 +54,8 @@ struct Slot {
   std::vector<at::Tensor> inputs;           // received activations (leaves)
   at::Tensor recv_f_buf;                    // buffer of a posted activation receive
   c10::intrusive_ptr<c10d::Work> recv_f_work;
+  int64_t recv_f_peer = -1;
+  int64_t recv_b_peer = -1;
   std::vector<at::Tensor> outputs;          // until sent
   torch::autograd::edge_list out_edges;     // gradient edges of outputs that need grad
   torch::autograd::Edge loss_edge;          // last stage: the loss
@@ -70,6 +74,19 @@ struct PendingSend {
   int64_t instr;
 };
 
+// A peer's step failed: its messages say so. This rank ran its program to the end without compute.
+struct PeerAbort : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// A wait timed out or a peer's connection broke: the group cannot be trusted any more.
+struct CommError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Told once when this rank's own action fails (before its peers are told), with the error text.
+using AbortFn = std::function<void(const std::string& error, const std::string& action)>;
+
 // What the executor calls back into Python for: a stage's forward.
 // Returns (outputs to send, loss or undefined, loss seed).
 using ForwardFn = std::function<void(int64_t stage, int64_t mb, std::vector<at::Tensor>& inputs,
@@ -83,7 +100,12 @@ class Executor {
 
   void set_program(std::vector<int64_t> flat, std::vector<std::string> labels);
   void set_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> recv_f, std::vector<TensorSpec> recv_b,
-                 at::TensorOptions options);
+                 std::vector<TensorSpec> send_f, at::TensorOptions options);
+  // Tests: sleep a random 0..max_us before every send and receive.
+  void set_delays(int64_t max_us, uint64_t seed) {
+    delay_us_ = max_us;
+    rng_.seed(seed);
+  }
   void set_timeout(double seconds);
   // Benchmarks only: keep sent outputs alive until the end of the step (as torch does).
   void set_free_outputs(bool free) { free_outputs_ = free; }
@@ -98,8 +120,11 @@ class Executor {
   const std::string& label(int64_t i) const { return labels_[i]; }
   // Stages that hand their data over on this rank, without communication (-1: none).
   void set_links(int64_t stage, int64_t next_local, int64_t prev_local);
-  // Runs the program once. `forward` is called for every F (with the GIL taken by the caller's wrapper).
-  void run(const ForwardFn& forward);
+  // Runs the program once. `forward` is called for every F. When an action fails, the rest of the
+  // program still runs, without compute, sending "aborted" messages of the right sizes so that no
+  // peer is left waiting; then the original error is rethrown (PeerAbort on ranks that were told
+  // by a message, CommError where a wait timed out or a connection broke).
+  void run(const ForwardFn& forward, const AbortFn& on_abort);
   // Drops every tensor and graph of the last step (also after an error).
   void reset();
 
@@ -111,10 +136,14 @@ class Executor {
  private:
   Slot& slot(int64_t stage, int64_t mb) { return slots_[stage * num_microbatches_ + mb]; }
   void exec(size_t index, const ForwardFn& forward);
+  void exec_traced(size_t index, const ForwardFn& forward);
+  void exec_aborted(size_t index, bool wait);
+  void check_message(const at::Tensor& buffer, const Instr& in, const char* what);
+  void maybe_delay();
   void do_forward(const Instr& in, const ForwardFn& forward);
   void do_backward(const Instr& in, bool split);
   void do_weight(const Instr& in);
-  void wait_recv(c10::intrusive_ptr<c10d::Work>& work, const Instr& in, const char* what);
+  void wait_recv(c10::intrusive_ptr<c10d::Work>& work, const Instr& in, const char* what, int64_t peer);
   void reap_sends(bool all);
   void reap_sends_through(int64_t stage, int64_t mb);
   void wait_send_front();
@@ -132,6 +161,7 @@ class Executor {
   std::vector<Slot> slots_;
   std::vector<std::vector<TensorSpec>> recv_f_specs_;  // [stage * M + mb]
   std::vector<std::vector<TensorSpec>> recv_b_specs_;
+  std::vector<std::vector<TensorSpec>> send_f_specs_;
   std::vector<at::TensorOptions> options_;             // [stage * M + mb]
   std::deque<PendingSend> sends_;
   std::vector<int64_t> next_local_, prev_local_;
@@ -139,6 +169,8 @@ class Executor {
   int64_t freed_outputs_ = 0;
   bool free_outputs_ = true;
   bool trace_on_ = false;
+  int64_t delay_us_ = 0;
+  std::mt19937_64 rng_;
   std::vector<TraceEvent> trace_;
   std::vector<size_t> open_trace_;  // trace_ entries of open OVERLAP_F_B containers
   std::vector<at::Tensor> kept_;  // sent outputs when free_outputs_ is off

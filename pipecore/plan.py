@@ -133,14 +133,37 @@ class StagePlan:
     outputs: dict[int, Any]  # mb -> description of this stage's output
 
 
-def send_object(obj: Any, peer: int, group) -> None:
-    dist.send_object_list([obj], dst=dist.get_global_rank(group, peer), group=group)
+def send_object(obj: Any, peer: int, pipe) -> None:
+    """Pickled `obj` to group rank `peer`: its length, then its bytes (waits bounded by the timeout)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=4)), dtype=torch.uint8)
+    device = pipe._comm_device()
+    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    dst = dist.get_global_rank(pipe.group, peer)
+    for t in (length, data.to(device)):
+        _wait(dist.isend(t, dst, group=pipe.group), pipe, f"sending stage shapes to rank {peer}")
 
 
-def recv_object(peer: int, group) -> Any:
-    box = [None]
-    dist.recv_object_list(box, src=dist.get_global_rank(group, peer), group=group)
-    return box[0]
+def recv_object(peer: int, pipe) -> Any:
+    device = pipe._comm_device()
+    src = dist.get_global_rank(pipe.group, peer)
+    length = torch.zeros(1, dtype=torch.int64, device=device)
+    _wait(dist.irecv(length, src, group=pipe.group), pipe, f"waiting for stage shapes from rank {peer}")
+    data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    _wait(dist.irecv(data, src, group=pipe.group), pipe, f"waiting for stage shapes from rank {peer}")
+    return pickle.loads(data.cpu().numpy().tobytes())
+
+
+def _wait(work, pipe, what: str) -> None:
+    from datetime import timedelta
+
+    from .errors import CommunicationError
+
+    try:
+        work.wait(timeout=timedelta(seconds=pipe.timeout))
+    except Exception as exc:
+        pipe._broken = str(exc)
+        raise CommunicationError(f"rank {pipe.rank}: {what} failed within {pipe.timeout} s ({exc}); "
+                                 "a rank hung or died: rebuild the process group") from None
 
 
 def discover(pipe, first_inputs: dict[int, tuple[Any, Any]], training: bool) -> dict[int, StagePlan]:
@@ -168,7 +191,7 @@ def discover(pipe, first_inputs: dict[int, tuple[Any, Any]], training: bool) -> 
             elif topo.stage_rank[prev] == rank:
                 in_desc = dict(plans[prev].outputs)
             else:
-                in_desc = recv_object(topo.stage_rank[prev], pipe.group)
+                in_desc = recv_object(topo.stage_rank[prev], pipe)
             out_desc: dict[int, Any] = {}
             cache: dict[int, Any] = {}
             for mb in mbs:
@@ -184,5 +207,5 @@ def discover(pipe, first_inputs: dict[int, tuple[Any, Any]], training: bool) -> 
             plans[s] = StagePlan(in_desc, out_desc)
             nxt = topo.next_stage[s]
             if nxt >= 0 and topo.stage_rank[nxt] != rank:
-                send_object(out_desc, topo.stage_rank[nxt], pipe.group)
+                send_object(out_desc, topo.stage_rank[nxt], pipe)
     return plans

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
+from datetime import timedelta
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,6 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from . import plan as planning
 from .microbatch import batch_size, merge, split
 from .schedule import Action, Kind, Schedule, ScheduleError, build_schedule
+from .errors import CommunicationError, InputError, PeerFailedError
 from .stage import PipelineStage
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -51,9 +54,11 @@ class Pipeline:
     equals the mean over the batch for mean-reduced losses; only this step's contribution is scaled).
     """
 
+    _instances = 0  # per process; SPMD code creates pipelines in the same order on every rank
+
     def __init__(self, stages: PipelineStage | Sequence[PipelineStage], schedule: str | Schedule,
                  num_microbatches: int, loss_fn: Callable | None = None, group=None, scale_grads: bool = True,
-                 timeout: float | None = None, trace: bool = False):
+                 timeout: float | None = None, trace: bool = False, *, check_finite: bool = False):
         if not dist.is_initialized():
             raise RuntimeError("Pipeline needs torch.distributed: call dist.init_process_group first")
         self.group = group if group is not None else dist.group.WORLD
@@ -92,6 +97,9 @@ class Pipeline:
         self.scale_grads = scale_grads
         self.timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
         self.trace_enabled = trace
+        self.check_finite = check_finite
+        if self.timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
         topo = schedule.topology
         self.has_first = any(topo.prev_stage[s.stage_index] < 0 for s in self.stages)
         self.has_last = any(topo.next_stage[s.stage_index] < 0 for s in self.stages)
@@ -112,6 +120,12 @@ class Pipeline:
         self._step_count = 0
         self._plans: dict[tuple[int, bool], dict] = {}
         self._loaded: tuple[int, bool] | None = None
+        self._broken: str | None = None
+        self._outputs_done: dict = {}
+        self._loss_wants_target = _takes_two_args(loss_fn)
+        self._store = dist.distributed_c10d._get_default_store() if self.world > 1 else None
+        Pipeline._instances += 1
+        self._uid = f"{dist.distributed_c10d._get_process_group_name(self.group)}/{Pipeline._instances}"
 
     # -- program ------------------------------------------------------------------------
     def _encode(self, lowered: Schedule) -> tuple[list[int], list[str]]:
@@ -159,47 +173,120 @@ class Pipeline:
 
     # -- step ---------------------------------------------------------------------------
     def _run(self, args, kwargs, target, losses, training: bool):
-        topo = self.schedule.topology
+        if self._broken is not None:
+            raise CommunicationError(f"rank {self.rank}: this Pipeline's process group broke in an earlier step "
+                                     f"({self._broken}); rebuild the group and the Pipeline before stepping again")
         m = self.num_microbatches
-        if training and self.has_last and self.loss_fn is None:
-            raise ValueError(f"rank {self.rank} holds a last stage: training needs loss_fn")
-        with _range("pipecore.split"):
-            inputs, targets = self._split(args, kwargs, target)
-        # one small all-reduce tells every rank whether the batch's shapes changed
-        desc = planning.signature((planning.describe(args), planning.describe(kwargs), training)) if self.has_first else 0
-        sig = self._agree(desc, training)
+        step = self._step_count
+        self._step_count += 1
+        # 1. everything that can be checked before communicating; a failure is shared with all
+        #    ranks through the agreement below, so that none of them waits for this one
+        problem = None
+        inputs: dict[int, tuple[Any, Any]] = {}
+        targets = None
+        try:
+            self._check_inputs(args, kwargs, target, training)
+            with _range("pipecore.split"):
+                inputs, targets = self._split(args, kwargs, target)
+            desc = planning.signature((planning.describe(args), planning.describe(kwargs), training)) \
+                if self.has_first else 0
+        except (ValueError, TypeError) as exc:
+            problem = exc
+            desc = 0
+            self._publish_error(step, f"{type(exc).__name__}: {exc}", "input checks")
+        sig, failed = self._agree(desc, problem is not None)
+        if problem is not None:
+            raise problem
+        if failed:
+            raise InputError(f"rank {self.rank}: step {step} not run: {self._peer_error(step)}")
+        # 2. shapes crossing every boundary (found once per batch shape)
         key = (sig, training)
         if key not in self._plans:
             self._plans[key] = planning.discover(self, inputs, training)
         if self._loaded != key:
             self._load(self._plans[key], training)
             self._loaded = key
-
-        self._inputs = inputs
-        self._targets = targets
+        # 3. the step
+        self._inputs, self._targets = inputs, targets
         self._outputs: dict[int, Any] = {}
         self._losses: dict[int, torch.Tensor] = {}
         self._training = training
         stash = self._stash_mirrored_grads() if training and self.is_dualpipe else None
+        native = _native()
         try:
-            self._executor.run(self._forward)
+            self._executor.run(self._forward, lambda error, action: self._publish_error(step, error, action))
+        except native.PeerAbort as exc:
+            if stash is not None:
+                self._restore_grads(stash)
+            raise PeerFailedError(f"rank {self.rank}: step {step} aborted because {self._peer_error(step)} "
+                                  f"(noticed here: {exc}). The group is fine: zero the gradients and step again."
+                                  ) from None
+        except native.CommError as exc:
+            self._broken = str(exc)
+            raise CommunicationError(f"{exc}. A peer hung or died: rebuild the process group and the Pipeline."
+                                     ) from None
+        except BaseException:
+            if stash is not None:
+                self._restore_grads(stash)
+            raise
         finally:
             self._inputs = self._targets = None
+            self._outputs_done = self._outputs
+            self._outputs = {}
         if stash is not None:
             self._sum_mirrored_grads(stash)
         if self.trace_enabled:
-            self._trace = [{"rank": self.rank, "step": self._step_count, "name": name, "start_us": t0, "end_us": t1}
+            self._trace = [{"rank": self.rank, "step": step, "name": name, "start_us": t0, "end_us": t1}
                            for name, t0, t1 in self._executor.trace()]
-        self._step_count += 1
         if losses is not None and self._losses:
             losses.extend(self._losses.get(mb) for mb in range(m))
         result = None
-        if self._outputs:
+        done = self._outputs_done
+        if done:
             with _range("pipecore.merge"):
-                result = merge([self._outputs[mb] for mb in sorted(self._outputs)])
-        self._outputs = {}
+                result = merge([done[mb] for mb in sorted(done)])
+        self._outputs_done = {}
         self._losses = {}
         return result
+
+    def _check_inputs(self, args, kwargs, target, training: bool) -> None:
+        if training and self.has_last and self.loss_fn is None:
+            raise InputError(f"rank {self.rank} holds a last stage ({self._last_stages()}): training needs loss_fn")
+        if self.has_first and not args and not kwargs:
+            raise InputError(f"rank {self.rank} holds a first stage: step() needs the batch's inputs here")
+        if training and self.has_last and target is None and self.loss_fn is not None and self._loss_wants_target:
+            raise InputError(f"rank {self.rank} holds a last stage ({self._last_stages()}): step() needs target= "
+                             "for loss_fn(output, target) (or give a loss_fn that takes the output alone)")
+
+    def _last_stages(self) -> str:
+        topo = self.schedule.topology
+        return ", ".join(f"stage {s.stage_index}" for s in self.stages if topo.next_stage[s.stage_index] < 0)
+
+    # -- failures shared between ranks -----------------------------------------------------
+    def _store_key(self, step: int) -> str:
+        return f"pipecore/{self._uid}/step{step}/error"
+
+    def _publish_error(self, step: int, error: str, action: str) -> None:
+        """First failing rank of a step: leave its error where the other ranks will look."""
+        if self.world == 1:
+            return
+        text = f"rank {self.rank} failed in {action}: {error.strip().splitlines()[0] if error.strip() else error}"
+        try:
+            self._store.compare_set(self._store_key(step), "", text)
+        except Exception:  # pragma: no cover - the store is best effort for the message only
+            pass
+
+    def _peer_error(self, step: int) -> str:
+        try:
+            self._store.wait([self._store_key(step)], timedelta(seconds=10))
+            return self._store.get(self._store_key(step)).decode()
+        except Exception:
+            return "another rank failed (its error message did not arrive)"
+
+    def _restore_grads(self, stash) -> None:
+        for s in self.stages:
+            for name, p in s.module.named_parameters():
+                p.grad = stash.get((s.stage_index, name))
 
     def _split(self, args, kwargs, target):
         """Microbatches of the inputs (ranks with a first stage) and targets (with a last stage)."""
@@ -218,12 +305,20 @@ class Pipeline:
                 self._rows = [batch_size(t) for t in targets]
         return inputs, targets
 
-    def _agree(self, local_sig: int, training: bool) -> int:
+    def _agree(self, local_sig: int, failed: bool) -> tuple[int, bool]:
+        """One small all-reduce: the batch signature (did shapes change?) and whether any rank's
+        input checks failed."""
         if self.world == 1:
-            return local_sig
-        t = torch.tensor([local_sig], dtype=torch.int64, device=self._comm_device())
-        dist.all_reduce(t, group=self.group)
-        return int(t.item())
+            return local_sig, failed
+        t = torch.tensor([local_sig, int(failed)], dtype=torch.int64, device=self._comm_device())
+        work = dist.all_reduce(t, group=self.group, async_op=True)
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout))
+        except Exception as exc:
+            self._broken = str(exc)
+            raise CommunicationError(f"rank {self.rank}: the ranks did not all reach step() within {self.timeout} s "
+                                     f"({exc}); a rank hung or died: rebuild the process group") from None
+        return int(t[0].item()), bool(t[1].item())
 
     def _comm_device(self) -> torch.device:
         backend = dist.get_backend(self.group)
@@ -239,10 +334,10 @@ class Pipeline:
             like = torch.empty(0, device=s.device)
             for mb in topo.microbatches[s.stage_index]:
                 recv_f = [t.meta_tensor() for t in planning.tensor_leaves(p.inputs[mb])] if p.inputs[mb] is not None else []
-                recv_b = [t.meta_tensor() for t in planning.tensor_leaves(p.outputs[mb]) if t.requires_grad]
-                if not training:
-                    recv_f = [t.detach() for t in recv_f]
-                self._executor.set_specs(self.local_index[s.stage_index], mb, recv_f, recv_b, like)
+                outs = planning.tensor_leaves(p.outputs[mb])
+                recv_b = [t.meta_tensor() for t in outs if t.requires_grad]
+                send_f = [t.meta_tensor() for t in outs]
+                self._executor.set_specs(self.local_index[s.stage_index], mb, recv_f, recv_b, send_f, like)
 
     def _forward(self, local: int, mb: int, received: list[torch.Tensor]):
         stage = self.stages[local]
@@ -256,6 +351,15 @@ class Pipeline:
         out = stage.module(*args, **kwargs)
         if topo.next_stage[s] >= 0:
             tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            expected = planning.tensor_leaves(plan.outputs[mb])
+            if len(tensors) != len(expected) or any(
+                    tuple(t.shape) != e.shape or t.dtype != e.dtype for t, e in zip(tensors, expected)):
+                got = [(tuple(t.shape), str(t.dtype)) for t in tensors]
+                want = [(e.shape, str(e.dtype)) for e in expected]
+                raise InputError(
+                    f"rank {self.rank}: stage {s} returned tensors {got} for microbatch {mb}, but stage "
+                    f"{topo.next_stage[s]} expects {want} (found on the first step with this batch shape); a stage's "
+                    f"output shapes may depend only on its input shapes")
             # a view would keep its base alive after the send: send a viewless copy instead
             tensors = [t.clone() if t._is_view() else t for t in tensors]
             return tensors, None, 1.0
@@ -271,6 +375,9 @@ class Pipeline:
                 raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
                                 f"{' of shape ' + str(tuple(loss.shape)) if isinstance(loss, torch.Tensor) else ''}")
             self._losses[mb] = loss.detach()
+            if self.check_finite and not torch.isfinite(loss.detach()).all():
+                raise FloatingPointError(f"rank {self.rank}: loss of microbatch {mb} is {loss.item()} "
+                                         "(check_finite=True)")
             if self.scale_grads:
                 seed = self._loss_weight(mb)
         if not self._training:
@@ -310,7 +417,7 @@ class Pipeline:
         reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, flat, peer, self.group),
                                        dist.P2POp(dist.irecv, theirs, peer, self.group)])
         for r in reqs:
-            r.wait()
+            planning._wait(r, self, f"summing mirrored dualpipe gradients with rank {partner}")
         if theirs.numel() != flat.numel():
             raise RuntimeError("dualpipe mirrored stages differ in size")
         total = flat + theirs
@@ -325,6 +432,20 @@ class Pipeline:
     def __repr__(self) -> str:
         return (f"Pipeline(rank={self.rank}/{self.world}, stages={[s.stage_index for s in self.stages]}, "
                 f"schedule={self.schedule.name!r}, microbatches={self.num_microbatches})")
+
+
+def _takes_two_args(fn) -> bool:
+    """Does loss_fn take (output, target)? (True when it cannot be told.)"""
+    if fn is None:
+        return False
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind in (p.VAR_POSITIONAL,) for p in params):
+        return True
+    required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(required) >= 2
 
 
 def _forward_only(schedule: Schedule) -> Schedule:

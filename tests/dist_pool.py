@@ -53,19 +53,33 @@ class RankPool:
         self.case = 0
         self.broken = False
 
-    def run(self, fn, *args, timeout: float = 120.0):
+    def run(self, fn, *args, timeout: float = 120.0, allow_dead: bool = False):
+        """fn(rank, world, *args) on every rank. With allow_dead, a rank whose process dies counts
+        as a result of None (and the pool is rebuilt for the next case)."""
+        import time
+
         self.case += 1
         for q in self.tasks:
             q.put((self.case, fn, args))
         out: dict[int, object] = {}
         errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
         while len(out) + len(errors) < self.world:
             try:
-                case_id, rank, ok, value = self.results.get(timeout=timeout)
+                case_id, rank, ok, value = self.results.get(timeout=0.25)
             except queue.Empty:
-                self.broken = True
-                missing = sorted(set(range(self.world)) - set(out) - set(errors))
-                raise AssertionError(f"ranks {missing} did not finish within {timeout}s; errors so far: {errors}")
+                for r, p in enumerate(self.procs):
+                    if not p.is_alive() and r not in out and r not in errors:
+                        self.broken = True
+                        if allow_dead:
+                            out[r] = None
+                        else:
+                            errors[r] = f"process died with exit code {p.exitcode}"
+                if time.monotonic() > deadline:
+                    self.broken = True
+                    missing = sorted(set(range(self.world)) - set(out) - set(errors))
+                    raise AssertionError(f"ranks {missing} did not finish within {timeout}s; errors so far: {errors}")
+                continue
             if case_id != self.case:
                 continue  # a late answer of an earlier, failed case
             (out if ok else errors)[rank] = value

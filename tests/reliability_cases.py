@@ -1,0 +1,186 @@
+"""Failure cases run on every rank of a gloo pool; each returns what its rank saw."""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import pipecore as pc
+from models import make_batch, make_stages, reference_forward
+from pipecore.errors import CommunicationError, InputError, PeerFailedError
+
+
+def _pipe(rank, world, name="1f1b", m=4, kind="mlp", group=None, timeout=30, model=None, **kw):
+    V = 1 if name in ("gpipe", "1f1b") else 2
+    sched = pc.build_schedule(name, world, m, V)
+    topo = sched.topology
+    n_model = world if topo.style == "dualpipe" else topo.num_stages
+    model = model if model is not None else make_stages(kind, n_model)
+    stages = [pc.PipelineStage(copy.deepcopy(model[topo.model_stage[s]]), s, sched.num_stages)
+              for s in sched.rank_stages(rank)]
+    return pc.Pipeline(stages, sched, m, loss_fn=nn.CrossEntropyLoss(), group=group, timeout=timeout, **kw), model
+
+
+def _step(pipe, x, y):
+    return pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
+
+
+def _outcome(fn):
+    t0 = time.monotonic()
+    try:
+        fn()
+        return ("ok", "", time.monotonic() - t0)
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return (type(exc).__name__, str(exc), time.monotonic() - t0)
+
+
+def failing_stage(rank, world, name, bad_rank, where):
+    """A stage raising in forward / loss / backward on `bad_rank`; then a clean step must match the
+    reference (the pipeline recovered)."""
+    group = dist.new_group(backend="gloo")
+    pipe, model = _pipe(rank, world, name, group=group)
+    fail = {"on": True}
+    stage = pipe.stages[0]
+    if rank == bad_rank:
+        if where == "forward":
+            def hook(mod, args):
+                if fail["on"]:
+                    raise RuntimeError("boom in forward")
+            stage.module.register_forward_pre_hook(hook)
+        elif where == "backward":
+            def bhook(mod, grad_in, grad_out):
+                if fail["on"]:
+                    raise RuntimeError("boom in backward")
+            stage.module.register_full_backward_hook(bhook)
+    if where == "loss" and pipe.has_last:
+        inner = pipe.loss_fn
+
+        def loss(out, y):
+            if fail["on"]:
+                raise RuntimeError("boom in loss")
+            return inner(out, y)
+        pipe.loss_fn = loss
+    x, y = make_batch(8)
+    first = _outcome(lambda: _step(pipe, x, y))
+    fail["on"] = False
+    for s in pipe.stages:
+        s.module.zero_grad(set_to_none=True)
+    second = _outcome(lambda: _step(pipe, x, y))
+    # the recovered step equals single-process training
+    ref = copy.deepcopy(model)
+    nn.CrossEntropyLoss()(reference_forward(ref, x), y).backward()
+    topo = pipe.schedule.topology
+    for s in pipe.stages:
+        for p, q in zip(s.module.parameters(), ref[topo.model_stage[s.stage_index]].parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    dist.destroy_process_group(group)
+    return first, second
+
+
+def hanging_rank(rank, world, bad_rank):
+    """A rank stuck in its forward longer than the timeout: its peers fail with a clear error."""
+    group = dist.new_group(backend="gloo")
+    pipe, _ = _pipe(rank, world, "1f1b", group=group, timeout=2)
+    if rank == bad_rank:
+        pipe.stages[0].module.register_forward_pre_hook(lambda mod, args: time.sleep(6))
+    x, y = make_batch(8)
+    result = _outcome(lambda: _step(pipe, x, y))
+    after = _outcome(lambda: _step(pipe, x, y))
+    return result, after
+
+
+def dying_rank(rank, world, bad_rank):
+    group = dist.new_group(backend="gloo")
+    pipe, _ = _pipe(rank, world, "1f1b", group=group, timeout=20)
+    if rank == bad_rank:
+        pipe.stages[0].module.register_forward_pre_hook(lambda mod, args: os._exit(3))
+    x, y = make_batch(8)
+    return _outcome(lambda: _step(pipe, x, y))
+
+
+def bad_input(rank, world, case):
+    pipe, _ = _pipe(rank, world, "1f1b", m=4, timeout=20, check_finite=(case == "nan"))
+    x, y = make_batch(8)
+    if case == "unsplittable" and rank == 0:
+        x = x[:3]
+    if case == "no_target" and pipe.has_last:
+        y = None
+    if case == "nan" and pipe.has_last:
+        inner = pipe.loss_fn
+        pipe.loss_fn = lambda out, t: inner(out, t) * float("nan")
+    if case == "shape":
+        mod = pipe.stages[0].module
+        calls = {"n": 0}
+
+        def grow(m_, args, out):  # data-dependent output shape: differs from what was planned
+            calls["n"] += 1
+            return torch.cat([out, out[:1]]) if rank == 0 and calls["n"] > 2 else out
+        mod.register_forward_hook(grow)
+    first = _outcome(lambda: pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None))
+    return first
+
+
+def no_loss_fn(rank, world):
+    sched = pc.build_schedule("1f1b", world, 2)
+    model = make_stages("mlp", world)
+    pipe = pc.Pipeline(pc.PipelineStage(model[rank], rank, world), sched, 2, loss_fn=None, timeout=20)
+    x, y = make_batch(4)
+    return _outcome(lambda: _step(pipe, x, y))
+
+
+def construction_errors(rank, world):
+    model = make_stages("mlp", 4)
+    out = {}
+    out["wrong_count"] = _outcome(lambda: pc.Pipeline(pc.PipelineStage(model[rank], rank, 4), "1f1b", 4))
+    out["wrong_index"] = _outcome(lambda: pc.Pipeline(pc.PipelineStage(model[0], 1 - rank, 2), "1f1b", 4))
+    out["too_few_microbatches"] = _outcome(lambda: pc.Pipeline(
+        [pc.PipelineStage(model[rank], rank, 4), pc.PipelineStage(model[3 - rank], 3 - rank, 4)], "dualpipev", 3))
+    bad = pc.Schedule([["0F0", "0B0", "0F1", "0B1"], ["1F1", "1B1", "1F0", "1B0"]])
+    out["bad_schedule"] = _outcome(lambda: pc.Pipeline(pc.PipelineStage(model[0], rank, 2), bad, 2))
+    return out
+
+
+def stress(rank, world, name, steps, max_delay_us, seed):
+    """Random delays before every send and receive; many steps with an optimizer; every step equal
+    to single-process training."""
+    pipe, model = _pipe(rank, world, name, m=4, kind="transformer")
+    pipe._executor.set_delays(max_delay_us, seed + rank)
+    ref = copy.deepcopy(model)
+    params = [p for s in pipe.stages for p in s.module.parameters()]
+    opt = torch.optim.SGD(params, lr=0.05)
+    ref_opt = torch.optim.SGD([p for s in ref for p in s.parameters()], lr=0.05)
+    topo = pipe.schedule.topology
+    for step in range(steps):
+        x, y = make_batch(10, seed=step)
+        _step(pipe, x, y)
+        nn.CrossEntropyLoss()(reference_forward(ref, x), y).backward()
+        for s in pipe.stages:
+            for p, q in zip(s.module.parameters(), ref[topo.model_stage[s.stage_index]].parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+    return True
+
+
+def memory_is_flat(rank, world, steps):
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    pipe, _ = _pipe(rank, world, "interleaved_1f1b", m=4, kind="transformer")
+    x, y = make_batch(64)
+
+    def rss():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+    for _ in range(5):
+        _step(pipe, x, y)
+    before = rss()
+    for _ in range(steps):
+        _step(pipe, x, y)
+    return rss() - before

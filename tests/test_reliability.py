@@ -1,0 +1,85 @@
+"""No hang, no silent corruption, a clear error for every fault (multi-rank gloo, bounded time)."""
+
+import pytest
+
+from dist_pool import pool
+from reliability_cases import (bad_input, construction_errors, dying_rank, failing_stage, hanging_rank,
+                               memory_is_flat, no_loss_fn, stress)
+
+
+@pytest.mark.parametrize("name, world, bad_rank, where", [
+    ("1f1b", 2, 0, "forward"), ("1f1b", 4, 2, "forward"), ("1f1b", 2, 1, "loss"), ("interleaved_zb", 2, 1, "forward"),
+    ("zbv", 2, 0, "backward"), ("dualpipev", 2, 1, "forward"), ("gpipe", 4, 3, "loss"), ("dualpipe", 2, 0, "forward"),
+])
+def test_a_failing_rank_ends_the_step_everywhere_and_the_next_step_works(name, world, bad_rank, where):
+    results = pool(world).run(failing_stage, name, bad_rank, where, timeout=60)
+    for rank, (first, second) in enumerate(results):
+        kind, msg, seconds = first
+        assert seconds < 10, (rank, first)
+        if rank == bad_rank or (where == "loss" and kind == "RuntimeError"):
+            assert kind == "RuntimeError" and f"boom in {where}" in msg, (rank, first)
+        else:
+            assert kind == "PeerFailedError", (rank, first)
+            assert f"rank {bad_rank} failed" in msg and f"boom in {where}" in msg, (rank, msg)
+        assert second[0] == "ok", (rank, second)
+
+
+def test_a_hanging_rank_times_out_with_a_clear_error():
+    p = pool(2)
+    results = p.run(hanging_rank, 0, timeout=90)
+    p.broken = True  # its subgroup is broken by design; start the next test on fresh ranks
+    kind, msg, seconds = results[1][0]
+    assert kind == "CommunicationError", results[1]
+    assert "rank 1" in msg and "PP:1F0" in msg and "from rank 0" in msg and "microbatch 0" in msg
+    assert seconds < 10
+    for rank in (0, 1):  # afterwards the Pipeline says the group must be rebuilt
+        after = results[rank][1]
+        assert after[0] == "CommunicationError" and "rebuild" in after[1], (rank, after)
+
+
+def test_a_dead_rank_is_noticed():
+    results = pool(2).run(dying_rank, 1, timeout=60, allow_dead=True)
+    assert results[1] is None
+    kind, msg, seconds = results[0]
+    assert kind == "CommunicationError" and "rank 0" in msg and "rank 1" in msg, results[0]
+    assert seconds < 20
+
+
+@pytest.mark.parametrize("case, bad_rank, bad_kind, needle", [
+    ("unsplittable", 0, "SplitError", "cannot split a batch of 3 rows into 4 microbatches"),
+    ("no_target", 1, "InputError", "needs target="),
+    ("nan", 1, "FloatingPointError", "loss of microbatch 0 is nan"),
+    ("shape", 0, "InputError", "expects [((2, 16), 'torch.float32')]"),
+])
+def test_bad_input_gets_a_specific_error_on_every_rank(case, bad_rank, bad_kind, needle):
+    results = pool(2).run(bad_input, case, timeout=60)
+    kind, msg, seconds = results[bad_rank]
+    assert kind == bad_kind and needle in msg, results[bad_rank]
+    other = results[1 - bad_rank]
+    assert other[0] in ("InputError", "PeerFailedError") and f"rank {bad_rank}" in other[1], other
+    assert max(r[2] for r in results) < 10
+
+
+def test_missing_loss_fn():
+    results = pool(2).run(no_loss_fn, timeout=60)
+    assert results[1][0] == "InputError" and "needs loss_fn" in results[1][1]
+    assert results[0][0] == "InputError" and "rank 1" in results[0][1]
+
+
+def test_construction_errors_say_what_is_wrong():
+    out = pool(2).run(construction_errors, timeout=60)[0]
+    assert out["wrong_count"][0] == "ValueError" and "stages say num_stages=[4]" in out["wrong_count"][1]
+    assert out["wrong_index"][0] == "ValueError" and "must hold stages [0]" in out["wrong_index"][1]
+    assert out["too_few_microbatches"][0] == "ValueError" and "at least 2 * ranks" in out["too_few_microbatches"][1]
+    assert out["bad_schedule"][0] == "ScheduleError" and "deadlock" in out["bad_schedule"][1]
+
+
+@pytest.mark.parametrize("name, world", [("1f1b", 2), ("interleaved_zb", 2), ("zbv", 2), ("dualpipev", 2),
+                                         ("interleaved_1f1b", 4)])
+def test_stress_random_delays_many_steps(name, world):
+    pool(world).run(stress, name, 8, 2000, 7, timeout=240)
+
+
+def test_repeated_steps_do_not_grow_memory():
+    growth = pool(2).run(memory_is_flat, 40, timeout=120)
+    assert max(growth) < 8, growth
