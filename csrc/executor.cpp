@@ -139,18 +139,23 @@ void Executor::reap_sends(bool all) {
 
 void Executor::reap_sends_through(int64_t stage, int64_t mb) {
   // Before a backward: release the activation sent for it (received, since its gradient is due)
-  // and the gradients sent by earlier backwards, so that at most one backward's worth of sent
-  // gradients is held. Waiting on a send after it was posted cannot deadlock: the lowered
+  // and all but the latest gradient sent by earlier backwards (the latest may still be on the wire:
+  // waiting for it would put a round trip on the critical path), so that at most two backwards'
+  // gradients are held. Waiting on a send after it was posted cannot deadlock: the lowered
   // schedule runs even if every send blocks where it is posted.
-  for (size_t k = 0; k < sends_.size();) {
+  size_t last_send_b = sends_.size();  // index of the latest gradient send, if any
+  for (size_t k = 0; k < sends_.size(); ++k) {
+    if (program_[sends_[k].instr].op == kSendB) last_send_b = k;
+  }
+  std::vector<size_t> done;
+  for (size_t k = 0; k < sends_.size(); ++k) {
     const Instr& in = program_[sends_[k].instr];
-    if (in.op == kSendB || (in.op == kSendF && in.stage == stage && in.mb == mb)) {
+    if ((in.op == kSendB && k != last_send_b) || (in.op == kSendF && in.stage == stage && in.mb == mb)) {
       wait_send(k);
-      sends_.erase(sends_.begin() + static_cast<std::ptrdiff_t>(k));
-    } else {
-      ++k;
+      done.push_back(k);
     }
   }
+  for (size_t j = done.size(); j-- > 0;) sends_.erase(sends_.begin() + static_cast<std::ptrdiff_t>(done[j]));
 }
 
 void Executor::wait_send(size_t k) {
