@@ -90,18 +90,30 @@ def merge_adjacent_iw(row: list[int]) -> list[int]:
 
 def add_reduce_grad(row: list[int], mb_counts: list[int]) -> list[int]:
     """REDUCE_GRAD for a stage right after its last weight-gradient action (B or W)."""
+    last: dict[int, int] = {}  # stage -> index of its last B/W in this row
+    for idx in range(len(row) - 1, -1, -1):
+        c = row[idx]
+        kind = c & 0xF
+        if kind == B or kind == W:
+            stage = (c >> STAGE_SHIFT) & _STAGE_MASK
+            if stage not in last:
+                last[stage] = idx
+        elif kind == OVERLAP:
+            for leaf in leaf_codes(c):
+                if leaf & 0xF in (B, W):
+                    last.setdefault((leaf >> STAGE_SHIFT) & _STAGE_MASK, idx)
+    if not last:
+        return list(row)
+    at: dict[int, list[int]] = {}
+    for stage, idx in last.items():
+        at.setdefault(idx, []).append(REDUCE_GRAD | (stage << STAGE_SHIFT))
     out: list[int] = []
-    seen: dict[int, int] = {}
-    for c in row:
-        out.append(c)
-        for leaf in leaf_codes(c) if c & 0xF == OVERLAP else (c,):
-            kind = leaf & 0xF
-            if kind == B or kind == W:
-                stage = (leaf >> STAGE_SHIFT) & _STAGE_MASK
-                n = seen.get(stage, 0) + 1
-                seen[stage] = n
-                if n == mb_counts[stage]:
-                    out.append(REDUCE_GRAD | (stage << STAGE_SHIFT))
+    prev = 0
+    for idx in sorted(at):
+        out.extend(row[prev:idx + 1])
+        out.extend(sorted(at[idx]))
+        prev = idx + 1
+    out.extend(row[prev:])
     return out
 
 
