@@ -87,6 +87,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::register_exception<pipecore::PeerAbort>(m, "PeerAbort", PyExc_RuntimeError);
   py::register_exception<pipecore::CommError>(m, "CommError", PyExc_RuntimeError);
+  py::register_exception<pipecore::PeerReplan>(m, "PeerReplan", PyExc_RuntimeError);
 
   py::class_<pipecore::Executor>(m, "Executor")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, int64_t, int64_t, double>(), py::arg("group"),
@@ -99,6 +100,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             self.set_specs(stage, mb, to_specs(recv_f), to_specs(recv_b), to_specs(send_f), like.options());
           },
           py::arg("stage"), py::arg("mb"), py::arg("recv_f"), py::arg("recv_b"), py::arg("send_f"), py::arg("like"))
+      .def("run_aborted", &pipecore::Executor::run_aborted, py::arg("status"),
+           py::call_guard<py::gil_scoped_release>())
       .def("set_delays", &pipecore::Executor::set_delays, py::arg("max_us"), py::arg("seed"))
       .def("set_links", &pipecore::Executor::set_links, py::arg("stage"), py::arg("next_local"),
            py::arg("prev_local"))

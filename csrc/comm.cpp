@@ -58,9 +58,9 @@ at::Tensor pack(const std::vector<at::Tensor>& tensors) {
   return buffer;
 }
 
-at::Tensor abort_message(const std::vector<TensorSpec>& specs, const at::TensorOptions& options) {
+at::Tensor abort_message(const std::vector<TensorSpec>& specs, const at::TensorOptions& options, int64_t status) {
   auto buffer = at::zeros({payload_bytes(specs) + kTrailer}, options.dtype(at::kByte));
-  write_trailer(buffer, kMessageAborted);
+  write_trailer(buffer, status);
   return buffer;
 }
 

@@ -12,12 +12,12 @@
 
 namespace pipecore {
 
-enum MessageStatus : int64_t { kMessageOk = 0, kMessageAborted = 1 };
+enum MessageStatus : int64_t { kMessageOk = 0, kMessageAborted = 1, kMessageReplan = 2 };
 
 // One byte buffer holding `tensors` and an "ok" trailer.
 at::Tensor pack(const std::vector<at::Tensor>& tensors);
-// A message of the size `specs` describe whose trailer says the step was aborted.
-at::Tensor abort_message(const std::vector<TensorSpec>& specs, const at::TensorOptions& options);
+// A message of the size `specs` describe whose trailer carries `status` instead of data.
+at::Tensor abort_message(const std::vector<TensorSpec>& specs, const at::TensorOptions& options, int64_t status);
 // A buffer to receive a message of tensors shaped like `specs`.
 at::Tensor alloc_message(const std::vector<TensorSpec>& specs, const at::TensorOptions& options);
 // The status in a received message's trailer (throws if the trailer is not pipecore's).

@@ -116,10 +116,27 @@ void Executor::wait_recv(c10::intrusive_ptr<c10d::Work>& work, const Instr& in, 
 }
 
 void Executor::check_message(const at::Tensor& buffer, const Instr& in, const char* what) {
-  if (message_status(buffer) == kMessageAborted) {
+  const int64_t status = message_status(buffer);
+  if (status == kMessageReplan) {
+    std::ostringstream os;
+    os << where(in) << ": the " << what << " of microbatch " << in.mb << " say a first stage's batch changed shape";
+    throw PeerReplan(os.str());
+  }
+  if (status == kMessageAborted) {
     std::ostringstream os;
     os << where(in) << ": the " << what << " of microbatch " << in.mb << " say the sender's step was aborted";
     throw PeerAbort(os.str());
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> Executor::post(bool send, std::vector<at::Tensor>& bufs, const Instr& in) {
+  try {
+    return send ? pg_->send(bufs, static_cast<int>(in.peer), kTag) : pg_->recv(bufs, static_cast<int>(in.peer), kTag);
+  } catch (const std::exception& e) {
+    std::ostringstream os;
+    os << where(in) << ": " << (send ? "sending to" : "receiving from") << " rank " << in.peer
+       << " failed: " << e.what();
+    throw CommError(os.str());
   }
 }
 
@@ -183,12 +200,15 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort) {
   size_t i = 0;
   std::exception_ptr origin;  // this rank's own failure
   std::string failure;        // what stopped the normal run
-  enum { kNone, kOrigin, kPeer, kComm } why = kNone;
+  enum { kNone, kOrigin, kPeer, kReplan, kComm } why = kNone;
   try {
     for (; i < program_.size(); ++i) exec_traced(i, forward);
     reap_sends(/*all=*/true);
   } catch (const PeerAbort& e) {
     why = kPeer;
+    failure = e.what();
+  } catch (const PeerReplan& e) {
+    why = kReplan;
     failure = e.what();
   } catch (const CommError& e) {
     why = kComm;
@@ -233,7 +253,7 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort) {
     try {
       // after a broken connection or a timeout, waiting again could take a timeout per receive:
       // only post the sends then
-      exec_aborted(j, /*wait=*/why != kComm);
+      exec_aborted(j, /*wait=*/why != kComm, why == kReplan ? kMessageReplan : kMessageAborted);
     } catch (const std::exception& e) {
       if (comm_failure.empty()) comm_failure = e.what();
     }
@@ -251,7 +271,28 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort) {
   if (why == kOrigin) std::rethrow_exception(origin);
   if (why == kComm) throw CommError(failure);
   if (!comm_failure.empty()) throw CommError(failure + "; then: " + comm_failure);
+  if (why == kReplan) throw PeerReplan(failure);
   throw PeerAbort(failure);
+}
+
+void Executor::run_aborted(int64_t status) {
+  reset();
+  std::string comm_failure;
+  for (size_t j = 0; j < program_.size(); ++j) {
+    try {
+      exec_aborted(j, /*wait=*/true, status);
+    } catch (const std::exception& e) {
+      if (comm_failure.empty()) comm_failure = e.what();
+    }
+  }
+  try {
+    reap_sends(/*all=*/true);
+  } catch (const std::exception& e) {
+    if (comm_failure.empty()) comm_failure = e.what();
+  }
+  sends_.clear();
+  for (auto& s : slots_) s = Slot();
+  if (!comm_failure.empty()) throw CommError(comm_failure);
 }
 
 void Executor::exec_traced(size_t i, const ForwardFn& forward) {
@@ -277,7 +318,7 @@ void Executor::exec_traced(size_t i, const ForwardFn& forward) {
   }
 }
 
-void Executor::exec_aborted(size_t index, bool wait) {
+void Executor::exec_aborted(size_t index, bool wait, int64_t status) {
   const Instr& in = program_[index];
   const size_t key = in.stage * num_microbatches_ + in.mb;
   switch (in.op) {
@@ -291,7 +332,7 @@ void Executor::exec_aborted(size_t index, bool wait) {
       buf = alloc_message(specs, options_[key]);
       std::vector<at::Tensor> bufs{buf};
       maybe_delay();
-      work = pg_->recv(bufs, static_cast<int>(in.peer), kTag);
+      work = post(false, bufs, in);
       (in.op == kRecvF ? s.recv_f_peer : s.recv_b_peer) = in.peer;
       break;
     }
@@ -317,9 +358,9 @@ void Executor::exec_aborted(size_t index, bool wait) {
         }
       }
       if (specs.empty()) break;
-      std::vector<at::Tensor> bufs{abort_message(specs, options_[key])};
+      std::vector<at::Tensor> bufs{abort_message(specs, options_[key], status)};
       maybe_delay();
-      auto work = pg_->send(bufs, static_cast<int>(in.peer), kTag);
+      auto work = post(true, bufs, in);
       sends_.push_back(PendingSend{std::move(work), std::move(bufs[0]), static_cast<int64_t>(index)});
       break;
     }
@@ -359,7 +400,7 @@ void Executor::exec(size_t index, const ForwardFn& forward) {
       s.recv_f_buf = alloc_message(specs, options_[in.stage * num_microbatches_ + in.mb]);
       std::vector<at::Tensor> bufs{s.recv_f_buf};
       maybe_delay();
-      s.recv_f_work = pg_->recv(bufs, static_cast<int>(in.peer), kTag);
+      s.recv_f_work = post(false, bufs, in);
       s.recv_f_peer = in.peer;
       break;
     }
@@ -370,7 +411,7 @@ void Executor::exec(size_t index, const ForwardFn& forward) {
       s.recv_b_buf = alloc_message(specs, options_[in.stage * num_microbatches_ + in.mb]);
       std::vector<at::Tensor> bufs{s.recv_b_buf};
       maybe_delay();
-      s.recv_b_work = pg_->recv(bufs, static_cast<int>(in.peer), kTag);
+      s.recv_b_work = post(false, bufs, in);
       s.recv_b_peer = in.peer;
       break;
     }
@@ -379,7 +420,7 @@ void Executor::exec(size_t index, const ForwardFn& forward) {
       TORCH_CHECK(!s.outputs.empty(), where(in), ": nothing to send (forward produced no tensors)");
       std::vector<at::Tensor> bufs{pack(s.outputs)};
       maybe_delay();
-      auto work = pg_->send(bufs, static_cast<int>(in.peer), kTag);
+      auto work = post(true, bufs, in);
       // The outputs are freed once sent: the buffer keeps the data alive until the send completes,
       // the autograd graph lives on through the stored gradient edges.
       if (free_outputs_) {
@@ -397,7 +438,7 @@ void Executor::exec(size_t index, const ForwardFn& forward) {
       if (grads.empty()) break;
       std::vector<at::Tensor> bufs{pack(grads)};
       maybe_delay();
-      auto work = pg_->send(bufs, static_cast<int>(in.peer), kTag);
+      auto work = post(true, bufs, in);
       sends_.push_back(PendingSend{std::move(work), std::move(bufs[0]), static_cast<int64_t>(index)});
       break;
     }

@@ -79,6 +79,11 @@ struct PeerAbort : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A first stage's batch changed shape: this step was not run; agree on the new shapes, run again.
+struct PeerReplan : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 // A wait timed out or a peer's connection broke: the group cannot be trusted any more.
 struct CommError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -125,6 +130,9 @@ class Executor {
   // peer is left waiting; then the original error is rethrown (PeerAbort on ranks that were told
   // by a message, CommError where a wait timed out or a connection broke).
   void run(const ForwardFn& forward, const AbortFn& on_abort);
+  // Runs the whole program without compute, sending "aborted" (status 1) or "shapes changed"
+  // (status 2) messages: how a rank that cannot start its step releases its peers.
+  void run_aborted(int64_t status);
   // Drops every tensor and graph of the last step (also after an error).
   void reset();
 
@@ -137,9 +145,10 @@ class Executor {
   Slot& slot(int64_t stage, int64_t mb) { return slots_[stage * num_microbatches_ + mb]; }
   void exec(size_t index, const ForwardFn& forward);
   void exec_traced(size_t index, const ForwardFn& forward);
-  void exec_aborted(size_t index, bool wait);
+  void exec_aborted(size_t index, bool wait, int64_t status);
   void check_message(const at::Tensor& buffer, const Instr& in, const char* what);
   void maybe_delay();
+  c10::intrusive_ptr<c10d::Work> post(bool send, std::vector<at::Tensor>& bufs, const Instr& in);
   void do_forward(const Instr& in, const ForwardFn& forward);
   void do_backward(const Instr& in, bool split);
   void do_weight(const Instr& in);

@@ -121,6 +121,8 @@ class Pipeline:
         self._plans: dict[tuple[int, bool], dict] = {}
         self._loaded: tuple[int, bool] | None = None
         self._broken: str | None = None
+        self._agreed: dict[bool, int] = {}  # per mode (train/eval): the signature all ranks agreed on
+        self._last_desc: dict[bool, int] = {}  # first-stage ranks: the batch description it came from
         self._outputs_done: dict = {}
         self._loss_wants_target = _takes_two_args(loss_fn)
         self._store = dist.distributed_c10d._get_default_store() if self.world > 1 else None
@@ -179,33 +181,38 @@ class Pipeline:
         m = self.num_microbatches
         step = self._step_count
         self._step_count += 1
-        # 1. everything that can be checked before communicating; a failure is shared with all
-        #    ranks through the agreement below, so that none of them waits for this one
+        # 1. everything that can be checked before communicating
         problem = None
         inputs: dict[int, tuple[Any, Any]] = {}
         targets = None
+        desc = 0
         try:
             self._check_inputs(args, kwargs, target, training)
             with _range("pipecore.split"):
                 inputs, targets = self._split(args, kwargs, target)
-            desc = planning.signature((planning.describe(args), planning.describe(kwargs), training)) \
-                if self.has_first else 0
+            if self.has_first:
+                desc = planning.signature((planning.describe(args), planning.describe(kwargs), training))
         except (ValueError, TypeError) as exc:
             problem = exc
-            desc = 0
-            self._publish_error(step, f"{type(exc).__name__}: {exc}", "input checks")
-        sig, failed = self._agree(desc, problem is not None)
+        agreed = self._agreed.get(training)
         if problem is not None:
+            self._publish_error(step, f"{type(problem).__name__}: {problem}", "input checks")
+            if agreed is None:  # first step of this mode: the ranks agree on shapes anyway
+                self._agree(0, True)
+            else:  # release the peers: they get "aborted" messages instead of data
+                self._ensure_loaded(agreed, training)
+                self._run_aborted(1)
             raise problem
-        if failed:
-            raise InputError(f"rank {self.rank}: step {step} not run: {self._peer_error(step)}")
-        # 2. shapes crossing every boundary (found once per batch shape)
-        key = (sig, training)
-        if key not in self._plans:
-            self._plans[key] = planning.discover(self, inputs, training)
-        if self._loaded != key:
-            self._load(self._plans[key], training)
-            self._loaded = key
+        # 2. shapes crossing every boundary. They are agreed on once per batch shape: a first stage
+        #    whose batch changed shape tells its peers by running the step as "shapes changed"
+        #    messages, then all ranks agree again; no collective runs while shapes stay the same.
+        if agreed is not None and self.has_first and desc != self._last_desc.get(training):
+            self._ensure_loaded(agreed, training)
+            self._run_aborted(2)
+            agreed = None
+        if agreed is None:
+            agreed = self._agree_and_plan(step, desc, inputs, training)
+        self._ensure_loaded(agreed, training)
         # 3. the step
         self._inputs, self._targets = inputs, targets
         self._outputs: dict[int, Any] = {}
@@ -214,7 +221,14 @@ class Pipeline:
         stash = self._stash_mirrored_grads() if training and self.is_dualpipe else None
         native = _native()
         try:
-            self._executor.run(self._forward, lambda error, action: self._publish_error(step, error, action))
+            while True:
+                try:
+                    self._executor.run(self._forward, lambda error, action: self._publish_error(step, error, action))
+                    break
+                except native.PeerReplan:  # a first stage's batch changed shape: agree, then run again
+                    agreed = self._agree_and_plan(step, desc, inputs, training)
+                    self._ensure_loaded(agreed, training)
+                    self._outputs, self._losses = {}, {}
         except native.PeerAbort as exc:
             if stash is not None:
                 self._restore_grads(stash)
@@ -248,6 +262,31 @@ class Pipeline:
         self._outputs_done = {}
         self._losses = {}
         return result
+
+    def _agree_and_plan(self, step: int, desc: int, inputs, training: bool) -> int:
+        sig, failed = self._agree(desc, False)
+        if failed:  # pragma: no cover - only the first step shares input failures this way
+            raise InputError(f"rank {self.rank}: step {step} not run: {self._peer_error(step)}")
+        self._agreed[training] = sig
+        if self.has_first:
+            self._last_desc[training] = desc
+        if (sig, training) not in self._plans:
+            self._plans[(sig, training)] = planning.discover(self, inputs, training)
+        return sig
+
+    def _ensure_loaded(self, sig: int, training: bool) -> None:
+        key = (sig, training)
+        if self._loaded != key:
+            self._load(self._plans[key], training)
+            self._loaded = key
+
+    def _run_aborted(self, status: int) -> None:
+        try:
+            self._executor.run_aborted(status)
+        except _native().CommError as exc:
+            self._broken = str(exc)
+            raise CommunicationError(f"{exc}. A peer hung or died: rebuild the process group and the Pipeline."
+                                     ) from None
 
     def _check_inputs(self, args, kwargs, target, training: bool) -> None:
         if training and self.has_last and self.loss_fn is None:

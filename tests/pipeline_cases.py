@@ -238,3 +238,30 @@ def traced_step(rank, world, out_dir):
         draw_trace(events, f"{out_dir}/timeline.png", schedule=sched)
         draw_trace(events, f"{out_dir}/timeline.svg")
     return events
+
+
+def changing_batch_shapes(rank, world, name):
+    """Batches of different sizes step after step (and eval in between): each step equals
+    single-process training; shapes are agreed on again only when they change."""
+    V = 1 if name in ("gpipe", "1f1b") else 2
+    sched = pc.build_schedule(name, world, 4, V)
+    topo = sched.topology
+    n_model = world if topo.style == "dualpipe" else topo.num_stages
+    model = make_stages("multi", n_model)
+    ref = copy.deepcopy(model)
+    mine = [pc.PipelineStage(copy.deepcopy(model[topo.model_stage[s]]), s, sched.num_stages)
+            for s in sched.rank_stages(rank)]
+    pipe = pc.Pipeline(mine, sched, 4, loss_fn=nn.CrossEntropyLoss(), timeout=60)
+    for i, rows in enumerate([12, 12, 9, 9, 12, 16]):
+        x, y = make_batch(rows, seed=i)
+        if i == 3:
+            pipe.eval(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
+        pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
+        nn.CrossEntropyLoss()(reference_forward(ref, x), y).backward()
+        for s in mine:
+            for (n, p), q in zip(s.module.named_parameters(), ref[topo.model_stage[s.stage_index]].parameters()):
+                _assert_grads_close(p.grad, q.grad, f"step {i} rows {rows} stage {s.stage_index} {n}")
+                p.grad = None
+        for q in ref:
+            q.zero_grad(set_to_none=True)
+    return len(pipe._plans)

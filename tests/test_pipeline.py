@@ -4,7 +4,7 @@ import pytest
 
 import pipecore as pc
 from dist_pool import pool
-from pipeline_cases import (eval_matches, profiler_events, sent_outputs_freed,
+from pipeline_cases import (changing_batch_shapes, eval_matches, profiler_events, sent_outputs_freed,
                             split_backward_defers_weight_grads, train_and_compare, view_outputs_are_copied)
 
 CONFIGS = []
@@ -71,3 +71,9 @@ def test_eval_matches_reference(name, world):
 
 def test_view_outputs_train_correctly():
     pool(2).run(view_outputs_are_copied)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved_zb", "dualpipe", "zbv"])
+def test_batch_shape_changes_between_steps(name):
+    plans = pool(2).run(changing_batch_shapes, name)
+    assert plans[0] == 4  # train at 12, 9, 16 rows and eval at 9
