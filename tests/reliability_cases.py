@@ -170,7 +170,6 @@ def stress(rank, world, name, steps, max_delay_us, seed):
 
 
 def memory_is_flat(rank, world, steps):
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     pipe, _ = _pipe(rank, world, "interleaved_1f1b", m=4, kind="transformer")
     x, y = make_batch(64)
 
