@@ -140,18 +140,35 @@ c10::intrusive_ptr<c10d::Work> Executor::post(bool send, std::vector<at::Tensor>
   }
 }
 
+void Executor::post_recv(const Instr& in) {
+  const size_t key = in.stage * num_microbatches_ + in.mb;
+  const bool activations = in.op == kRecvF;
+  const auto& specs = activations ? recv_f_specs_[key] : recv_b_specs_[key];
+  if (specs.empty()) return;  // gradients: nothing of this stage's output needs one
+  Slot& s = slot(in.stage, in.mb);
+  at::Tensor& buf = activations ? s.recv_f_buf : s.recv_b_buf;
+  buf = alloc_message(specs, options_[key]);
+  std::vector<at::Tensor> bufs{buf};
+  maybe_delay();
+  (activations ? s.recv_f_work : s.recv_b_work) = post(false, bufs, in);
+  (activations ? s.recv_f_peer : s.recv_b_peer) = in.peer;
+}
+
+void Executor::send(at::Tensor message, size_t index) {
+  std::vector<at::Tensor> bufs{std::move(message)};
+  maybe_delay();
+  auto work = post(true, bufs, program_[index]);
+  sends_.push_back(PendingSend{std::move(work), std::move(bufs[0]), static_cast<int64_t>(index)});
+}
+
 void Executor::maybe_delay() {
   if (delay_us_ <= 0) return;
   std::uniform_int_distribution<int64_t> dist(0, delay_us_);
   std::this_thread::sleep_for(std::chrono::microseconds(dist(rng_)));
 }
 
-void Executor::reap_sends(bool all) {
-  while (!sends_.empty()) {
-    auto& s = sends_.front();
-    if (!all && !s.work->isCompleted()) break;
-    wait_send_front();
-  }
+void Executor::reap_sends() {
+  while (!sends_.empty()) wait_send_front();
 }
 
 void Executor::reap_sends_through(int64_t stage, int64_t mb) {
@@ -203,7 +220,7 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort) {
   enum { kNone, kOrigin, kPeer, kReplan, kComm } why = kNone;
   try {
     for (; i < program_.size(); ++i) exec_traced(i, forward);
-    reap_sends(/*all=*/true);
+    reap_sends();
   } catch (const PeerAbort& e) {
     why = kPeer;
     failure = e.what();
@@ -260,7 +277,7 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort) {
   }
   if (why != kComm) {
     try {
-      reap_sends(/*all=*/true);
+      reap_sends();
     } catch (const std::exception& e) {
       if (comm_failure.empty()) comm_failure = e.what();
     }
@@ -286,7 +303,7 @@ void Executor::run_aborted(int64_t status) {
     }
   }
   try {
-    reap_sends(/*all=*/true);
+    reap_sends();
   } catch (const std::exception& e) {
     if (comm_failure.empty()) comm_failure = e.what();
   }
@@ -323,19 +340,9 @@ void Executor::exec_aborted(size_t index, bool wait, int64_t status) {
   const size_t key = in.stage * num_microbatches_ + in.mb;
   switch (in.op) {
     case kRecvF:
-    case kRecvB: {  // post as usual: the peer's send must complete
-      Slot& s = slot(in.stage, in.mb);
-      const auto& specs = in.op == kRecvF ? recv_f_specs_[key] : recv_b_specs_[key];
-      if (specs.empty()) break;
-      auto& buf = in.op == kRecvF ? s.recv_f_buf : s.recv_b_buf;
-      auto& work = in.op == kRecvF ? s.recv_f_work : s.recv_b_work;
-      buf = alloc_message(specs, options_[key]);
-      std::vector<at::Tensor> bufs{buf};
-      maybe_delay();
-      work = post(false, bufs, in);
-      (in.op == kRecvF ? s.recv_f_peer : s.recv_b_peer) = in.peer;
+    case kRecvB:  // post as usual: the peer's send must complete
+      post_recv(in);
       break;
-    }
     case kF:
     case kB:
     case kI: {  // drain what this action would have consumed
@@ -358,10 +365,7 @@ void Executor::exec_aborted(size_t index, bool wait, int64_t status) {
         }
       }
       if (specs.empty()) break;
-      std::vector<at::Tensor> bufs{abort_message(specs, options_[key], status)};
-      maybe_delay();
-      auto work = post(true, bufs, in);
-      sends_.push_back(PendingSend{std::move(work), std::move(bufs[0]), static_cast<int64_t>(index)});
+      send(abort_message(specs, options_[key], status), index);
       break;
     }
     default:
@@ -393,53 +397,33 @@ void Executor::exec(size_t index, const ForwardFn& forward) {
     case kW:
       do_weight(in);
       break;
-    case kRecvF: {
-      Slot& s = slot(in.stage, in.mb);
-      const auto& specs = recv_f_specs_[in.stage * num_microbatches_ + in.mb];
-      TORCH_CHECK(!specs.empty(), where(in), ": no activation shapes known for this receive");
-      s.recv_f_buf = alloc_message(specs, options_[in.stage * num_microbatches_ + in.mb]);
-      std::vector<at::Tensor> bufs{s.recv_f_buf};
-      maybe_delay();
-      s.recv_f_work = post(false, bufs, in);
-      s.recv_f_peer = in.peer;
+    case kRecvF:
+      TORCH_CHECK(!recv_f_specs_[in.stage * num_microbatches_ + in.mb].empty(), where(in),
+                  ": no activation shapes known for this receive");
+      post_recv(in);
       break;
-    }
-    case kRecvB: {
-      Slot& s = slot(in.stage, in.mb);
-      const auto& specs = recv_b_specs_[in.stage * num_microbatches_ + in.mb];
-      if (specs.empty()) break;  // nothing of this stage's output needs a gradient
-      s.recv_b_buf = alloc_message(specs, options_[in.stage * num_microbatches_ + in.mb]);
-      std::vector<at::Tensor> bufs{s.recv_b_buf};
-      maybe_delay();
-      s.recv_b_work = post(false, bufs, in);
-      s.recv_b_peer = in.peer;
+    case kRecvB:
+      post_recv(in);
       break;
-    }
     case kSendF: {
       Slot& s = slot(in.stage, in.mb);
       TORCH_CHECK(!s.outputs.empty(), where(in), ": nothing to send (forward produced no tensors)");
-      std::vector<at::Tensor> bufs{pack(s.outputs)};
-      maybe_delay();
-      auto work = post(true, bufs, in);
-      // The outputs are freed once sent: the buffer keeps the data alive until the send completes,
+      // The outputs are freed once sent: the message keeps the data alive until the send completes,
       // the autograd graph lives on through the stored gradient edges.
+      send(pack(s.outputs), index);
       if (free_outputs_) {
         ++freed_outputs_;
       } else {
         kept_.insert(kept_.end(), s.outputs.begin(), s.outputs.end());
       }
       s.outputs.clear();
-      sends_.push_back(PendingSend{std::move(work), std::move(bufs[0]), static_cast<int64_t>(index)});
       break;
     }
     case kSendB: {
       Slot& s = slot(in.stage, in.mb);
       std::vector<at::Tensor> grads = take_input_grads(s);
       if (grads.empty()) break;
-      std::vector<at::Tensor> bufs{pack(grads)};
-      maybe_delay();
-      auto work = post(true, bufs, in);
-      sends_.push_back(PendingSend{std::move(work), std::move(bufs[0]), static_cast<int64_t>(index)});
+      send(pack(grads), index);
       break;
     }
     case kReduceGrad:

@@ -149,11 +149,13 @@ class Executor {
   void check_message(const at::Tensor& buffer, const Instr& in, const char* what);
   void maybe_delay();
   c10::intrusive_ptr<c10d::Work> post(bool send, std::vector<at::Tensor>& bufs, const Instr& in);
+  void post_recv(const Instr& in);                 // RECV_F / RECV_B: allocate and post
+  void send(at::Tensor message, size_t index);     // post and keep until waited for
   void do_forward(const Instr& in, const ForwardFn& forward);
   void do_backward(const Instr& in, bool split);
   void do_weight(const Instr& in);
   void wait_recv(c10::intrusive_ptr<c10d::Work>& work, const Instr& in, const char* what, int64_t peer);
-  void reap_sends(bool all);
+  void reap_sends();  // waits for every pending send
   void reap_sends_through(int64_t stage, int64_t mb);
   void wait_send_front();
   void wait_send(size_t k);

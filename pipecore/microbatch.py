@@ -56,12 +56,6 @@ def split(tree: Any, n: int, what: str = "input") -> list[Any]:
     return [tree_unflatten(c, spec) for c in chunks]
 
 
-def chunk_rows(rows: int, n: int) -> list[int]:
-    """Rows per microbatch of a `rows`-row batch split into `n` (as `split` does)."""
-    base, extra = divmod(rows, n)
-    return [base + 1 if i < extra else base for i in range(n)]
-
-
 def merge(chunks: list[Any]) -> Any:
     """Concatenate per-microbatch outputs along dim 0 (non-tensors: the first microbatch's)."""
     if not chunks:

@@ -265,7 +265,7 @@ class Pipeline:
 
     def _agree_and_plan(self, step: int, desc: int, inputs, training: bool) -> int:
         sig, failed = self._agree(desc, False)
-        if failed:  # pragma: no cover - only the first step shares input failures this way
+        if failed:  # another rank's input checks failed on the first step of this mode
             raise InputError(f"rank {self.rank}: step {step} not run: {self._peer_error(step)}")
         self._agreed[training] = sig
         if self.has_first:
@@ -368,12 +368,14 @@ class Pipeline:
         flat, labels = self._programs[training]
         self._executor.set_program(flat, labels)
         self._plans_in_use = plans
+        self._expected_outputs: dict[tuple[int, int], list] = {}  # (stage, mb) -> output TensorMetas
         for s in self.stages:
             p = plans[s.stage_index]
             like = torch.empty(0, device=s.device)
             for mb in topo.microbatches[s.stage_index]:
                 recv_f = [t.meta_tensor() for t in planning.tensor_leaves(p.inputs[mb])] if p.inputs[mb] is not None else []
                 outs = planning.tensor_leaves(p.outputs[mb])
+                self._expected_outputs[(s.stage_index, mb)] = outs
                 recv_b = [t.meta_tensor() for t in outs if t.requires_grad]
                 send_f = [t.meta_tensor() for t in outs]
                 self._executor.set_specs(self.local_index[s.stage_index], mb, recv_f, recv_b, send_f, like)
@@ -390,7 +392,7 @@ class Pipeline:
         out = stage.module(*args, **kwargs)
         if topo.next_stage[s] >= 0:
             tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            expected = planning.tensor_leaves(plan.outputs[mb])
+            expected = self._expected_outputs[(s, mb)]
             if len(tensors) != len(expected) or any(
                     tuple(t.shape) != e.shape or t.dtype != e.dtype for t, e in zip(tensors, expected)):
                 got = [(tuple(t.shape), str(t.dtype)) for t in tensors]
