@@ -265,25 +265,10 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort) {
     s.input_grads.clear();
     s.out_grads.clear();
   }
-  std::string comm_failure;
-  for (size_t j = i + 1; j < program_.size(); ++j) {
-    try {
-      // after a broken connection or a timeout, waiting again could take a timeout per receive:
-      // only post the sends then
-      exec_aborted(j, /*wait=*/why != kComm, why == kReplan ? kMessageReplan : kMessageAborted);
-    } catch (const std::exception& e) {
-      if (comm_failure.empty()) comm_failure = e.what();
-    }
-  }
-  if (why != kComm) {
-    try {
-      reap_sends();
-    } catch (const std::exception& e) {
-      if (comm_failure.empty()) comm_failure = e.what();
-    }
-  }
-  sends_.clear();
-  for (auto& s : slots_) s = Slot();
+  // after a broken connection or a timeout, waiting again could take a timeout per receive:
+  // only post the sends then
+  const std::string comm_failure =
+      finish_aborted(i + 1, /*wait=*/why != kComm, why == kReplan ? kMessageReplan : kMessageAborted);
   kept_.clear();
   if (why == kOrigin) std::rethrow_exception(origin);
   if (why == kComm) throw CommError(failure);
@@ -294,22 +279,30 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort) {
 
 void Executor::run_aborted(int64_t status) {
   reset();
+  const std::string comm_failure = finish_aborted(0, /*wait=*/true, status);
+  if (!comm_failure.empty()) throw CommError(comm_failure);
+}
+
+std::string Executor::finish_aborted(size_t from, bool wait, int64_t status) {
+  // The rest of the program without compute: receives posted and drained, sends carry `status`.
   std::string comm_failure;
-  for (size_t j = 0; j < program_.size(); ++j) {
+  for (size_t j = from; j < program_.size(); ++j) {
     try {
-      exec_aborted(j, /*wait=*/true, status);
+      exec_aborted(j, wait, status);
     } catch (const std::exception& e) {
       if (comm_failure.empty()) comm_failure = e.what();
     }
   }
-  try {
-    reap_sends();
-  } catch (const std::exception& e) {
-    if (comm_failure.empty()) comm_failure = e.what();
+  if (wait) {
+    try {
+      reap_sends();
+    } catch (const std::exception& e) {
+      if (comm_failure.empty()) comm_failure = e.what();
+    }
   }
   sends_.clear();
   for (auto& s : slots_) s = Slot();
-  if (!comm_failure.empty()) throw CommError(comm_failure);
+  return comm_failure;
 }
 
 void Executor::exec_traced(size_t i, const ForwardFn& forward) {

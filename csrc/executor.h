@@ -146,6 +146,8 @@ class Executor {
   void exec(size_t index, const ForwardFn& forward);
   void exec_traced(size_t index, const ForwardFn& forward);
   void exec_aborted(size_t index, bool wait, int64_t status);
+  // Runs program_[from..] aborted; returns the first communication failure met (empty if none).
+  std::string finish_aborted(size_t from, bool wait, int64_t status);
   void check_message(const at::Tensor& buffer, const Instr& in, const char* what);
   void maybe_delay();
   c10::intrusive_ptr<c10d::Work> post(bool send, std::vector<at::Tensor>& bufs, const Instr& in);
