@@ -16,12 +16,14 @@ import copy
 import _harness  # noqa: F401  (puts the repo on sys.path)
 from _harness import bar_plot, median_ms, spawn, table, timed_blocks
 
+from pipecore.runtime import DEFAULT_RECV_WINDOW
+
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"]
 TORCH_CLASS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
                "interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
 
 
-def _bench_rank(rank, world, name, m, width, depth, rows, blocks, steps):
+def _bench_rank(rank, world, name, m, width, depth, rows, blocks, steps, recv_window):
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -39,7 +41,7 @@ def _bench_rank(rank, world, name, m, width, depth, rows, blocks, steps):
     dev = torch.device("cpu")
     # pipecore
     pstages = [pc.PipelineStage(copy.deepcopy(model[s]), s, sched.num_stages) for s in mine]
-    pipe = pc.Pipeline(pstages, sched, m, loss_fn=loss_fn)
+    pipe = pc.Pipeline(pstages, sched, m, loss_fn=loss_fn, recv_window=recv_window)
     # torch: same modules, same group
     tstages = [TorchStage(copy.deepcopy(model[s]), s, sched.num_stages, dev) for s in mine]
     cls = getattr(ts, TORCH_CLASS[name])
@@ -63,10 +65,10 @@ def _bench_rank(rank, world, name, m, width, depth, rows, blocks, steps):
     return {k: median_ms(v) for k, v in times.items()}
 
 
-def run(schedules, world, m, width, depth, rows, blocks, steps):
+def run(schedules, world, m, width, depth, rows, blocks, steps, recv_window):
     out = []
     for name in schedules:
-        per_rank = spawn(_bench_rank, world, name, m, width, depth, rows, blocks, steps)
+        per_rank = spawn(_bench_rank, world, name, m, width, depth, rows, blocks, steps, recv_window)
         t = max(r["torch"] for r in per_rank)
         p = max(r["pipecore"] for r in per_rank)
         out.append((name, t, p))
@@ -83,11 +85,13 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, default=64, help="batch rows (split into the microbatches)")
     ap.add_argument("--blocks", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5, help="steps per timed block")
+    ap.add_argument("--recv-window", type=int, default=DEFAULT_RECV_WINDOW,
+                    help="pipecore's receives posted ahead (0: each at its RECV action, as torch does)")
     ap.add_argument("--plot", default=None)
     a = ap.parse_args(argv)
-    rows = run(a.schedules, a.ranks, a.microbatches, a.width, a.depth, a.rows, a.blocks, a.steps)
+    rows = run(a.schedules, a.ranks, a.microbatches, a.width, a.depth, a.rows, a.blocks, a.steps, a.recv_window)
     title = (f"{a.ranks} gloo ranks, {a.microbatches} microbatches, {a.depth} x Linear({a.width}) per stage, "
-             f"batch {a.rows}; median of {a.blocks} alternating blocks of {a.steps} steps")
+             f"batch {a.rows}; recv_window {a.recv_window}; median of {a.blocks} alternating blocks of {a.steps} steps")
     print(table(["schedule", "torch ms", "pipecore ms", "pipecore/torch"],
                 [[n, t, p, f"{p / t:.2f}x"] for n, t, p in rows], title))
     if a.plot:

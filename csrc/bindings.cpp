@@ -107,6 +107,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("prev_local"))
       .def("set_timeout", &pipecore::Executor::set_timeout, py::arg("seconds"))
       .def("set_free_outputs", &pipecore::Executor::set_free_outputs, py::arg("free"))
+      .def("set_recv_window", &pipecore::Executor::set_recv_window, py::arg("receives"),
+           py::arg("past_sends"))
+      .def("recv_posted_at", &pipecore::Executor::recv_posted_at,
+           "per RECV action of the last run, in program order: the program index before which it was posted")
       .def("run", &run, py::arg("forward"), py::arg("on_abort"))
       .def("set_trace", &pipecore::Executor::set_trace, py::arg("on"))
       .def("trace",

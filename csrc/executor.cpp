@@ -5,9 +5,11 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
+#include <unordered_map>
 
 #include "backward.h"
 #include "comm.h"
@@ -79,6 +81,20 @@ void Executor::set_program(std::vector<int64_t> flat, std::vector<std::string> l
     program_.push_back(in);
   }
   labels_ = std::move(labels);
+  recv_instrs_.clear();
+  send_before_recv_.clear();
+  recvs_through_.assign(program_.size(), 0);
+  std::unordered_map<int64_t, int64_t> last_send;  // peer -> program index
+  for (size_t i = 0; i < program_.size(); ++i) {
+    const int64_t op = program_[i].op;
+    if (op == kSendF || op == kSendB) last_send[program_[i].peer] = static_cast<int64_t>(i);
+    if (op == kRecvF || op == kRecvB) {
+      recv_instrs_.push_back(i);
+      auto it = last_send.find(program_[i].peer);
+      send_before_recv_.push_back(it == last_send.end() ? -1 : it->second);
+    }
+    recvs_through_[i] = recv_instrs_.size();
+  }
 }
 
 void Executor::set_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> recv_f, std::vector<TensorSpec> recv_b,
@@ -97,6 +113,8 @@ std::string Executor::where(const Instr& in) const {
 }
 
 void Executor::reset() {
+  recvs_posted_ = 0;
+  recv_posted_at_.assign(recv_instrs_.size(), -1);
   for (auto& s : slots_) s = Slot();
   sends_.clear();
   kept_.clear();
@@ -144,6 +162,7 @@ void Executor::post_recv(const Instr& in) {
   const size_t key = in.stage * num_microbatches_ + in.mb;
   const bool activations = in.op == kRecvF;
   const auto& specs = activations ? recv_f_specs_[key] : recv_b_specs_[key];
+  TORCH_CHECK(!activations || !specs.empty(), where(in), ": no activation shapes known for this receive");
   if (specs.empty()) return;  // gradients: nothing of this stage's output needs one
   Slot& s = slot(in.stage, in.mb);
   at::Tensor& buf = activations ? s.recv_f_buf : s.recv_b_buf;
@@ -152,6 +171,22 @@ void Executor::post_recv(const Instr& in) {
   maybe_delay();
   (activations ? s.recv_f_work : s.recv_b_work) = post(false, bufs, in);
   (activations ? s.recv_f_peer : s.recv_b_peer) = in.peer;
+}
+
+void Executor::post_recvs_until(size_t end, size_t at) {
+  while (recvs_posted_ < end) {
+    recv_posted_at_[recvs_posted_] = static_cast<int64_t>(at);
+    post_recv(program_[recv_instrs_[recvs_posted_++]]);
+  }
+}
+
+void Executor::prefetch_recvs(size_t at) {
+  const size_t end = std::min(recvs_through_[at] + static_cast<size_t>(recv_window_), recv_instrs_.size());
+  while (recvs_posted_ < end) {
+    // a receive behind a send to its peer that has not run yet waits (in-order backends)
+    if (!recv_past_sends_ && send_before_recv_[recvs_posted_] >= static_cast<int64_t>(at)) return;
+    post_recvs_until(recvs_posted_ + 1, at);
+  }
 }
 
 void Executor::send(at::Tensor message, size_t index) {
@@ -219,7 +254,10 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort) {
   std::string failure;        // what stopped the normal run
   enum { kNone, kOrigin, kPeer, kReplan, kComm } why = kNone;
   try {
-    for (; i < program_.size(); ++i) exec_traced(i, forward);
+    for (; i < program_.size(); ++i) {
+      prefetch_recvs(i);
+      exec_traced(i, forward);
+    }
     reap_sends();
   } catch (const PeerAbort& e) {
     why = kPeer;
@@ -333,8 +371,8 @@ void Executor::exec_aborted(size_t index, bool wait, int64_t status) {
   const size_t key = in.stage * num_microbatches_ + in.mb;
   switch (in.op) {
     case kRecvF:
-    case kRecvB:  // post as usual: the peer's send must complete
-      post_recv(in);
+    case kRecvB:  // post as usual (unless posted ahead): the peer's send must complete
+      post_recvs_until(recvs_through_[index], index);
       break;
     case kF:
     case kB:
@@ -391,12 +429,8 @@ void Executor::exec(size_t index, const ForwardFn& forward) {
       do_weight(in);
       break;
     case kRecvF:
-      TORCH_CHECK(!recv_f_specs_[in.stage * num_microbatches_ + in.mb].empty(), where(in),
-                  ": no activation shapes known for this receive");
-      post_recv(in);
-      break;
-    case kRecvB:
-      post_recv(in);
+    case kRecvB:  // usually posted ahead already (recv window)
+      post_recvs_until(recvs_through_[index], index);
       break;
     case kSendF: {
       Slot& s = slot(in.stage, in.mb);

@@ -27,6 +27,9 @@ enum Op : int64_t {
   kOverlapBegin = 11, kOverlapEnd = 12,
 };
 
+// How many RECV actions ahead of the program point receives are posted by default.
+constexpr int64_t kDefaultRecvWindow = 8;
+
 struct Instr {
   int64_t op;
   int64_t stage;  // index into this rank's stages
@@ -112,6 +115,17 @@ class Executor {
     rng_.seed(seed);
   }
   void set_timeout(double seconds);
+  // Receives are posted up to `n` RECV actions ahead of the program point (0: each at its own
+  // action). gloo and NCCL move a message's data only once its receive is posted, so a receive
+  // posted just before its data is needed costs a round trip; posted early, the data is already
+  // there. Each receive posted early holds its buffer that much longer. Backends that run a peer
+  // pair's operations in posting order (NCCL: one stream per pair) would deadlock on a receive
+  // posted before an earlier send to the same peer: `past_sends` = false keeps receives behind those.
+  void set_recv_window(int64_t n, bool past_sends) {
+    TORCH_CHECK(n >= 0, "pipecore: the receive window must be >= 0, got ", n);
+    recv_window_ = n;
+    recv_past_sends_ = past_sends;
+  }
   // Benchmarks only: keep sent outputs alive until the end of the step (as torch does).
   void set_free_outputs(bool free) { free_outputs_ = free; }
   // Per-action start/end times (steady clock, microseconds) of the last run, when enabled.
@@ -139,6 +153,7 @@ class Executor {
   int64_t rank() const { return rank_; }
   // Stats of the last run, for tests and benchmarks.
   int64_t freed_outputs() const { return freed_outputs_; }
+  const std::vector<int64_t>& recv_posted_at() const { return recv_posted_at_; }
   const std::vector<Instr>& program() const { return program_; }
 
  private:
@@ -152,6 +167,8 @@ class Executor {
   void maybe_delay();
   c10::intrusive_ptr<c10d::Work> post(bool send, std::vector<at::Tensor>& bufs, const Instr& in);
   void post_recv(const Instr& in);                 // RECV_F / RECV_B: allocate and post
+  void post_recvs_until(size_t end, size_t at);    // before program_[at]: posts receives up to ordinal `end`
+  void prefetch_recvs(size_t at);                  // before program_[at]: posts the receive window
   void send(at::Tensor message, size_t index);     // post and keep until waited for
   void do_forward(const Instr& in, const ForwardFn& forward);
   void do_backward(const Instr& in, bool split);
@@ -177,6 +194,13 @@ class Executor {
   std::vector<std::vector<TensorSpec>> send_f_specs_;
   std::vector<at::TensorOptions> options_;             // [stage * M + mb]
   std::deque<PendingSend> sends_;
+  std::vector<size_t> recv_instrs_;     // program indices of the RECV actions, in order
+  std::vector<size_t> recvs_through_;   // [i]: RECV actions among program_[0..i]
+  std::vector<int64_t> send_before_recv_;  // [k]: last SEND to RECV k's peer before it (-1: none)
+  size_t recvs_posted_ = 0;             // RECV actions posted so far in this run
+  std::vector<int64_t> recv_posted_at_;  // [k]: program index before which RECV k was posted
+  int64_t recv_window_ = kDefaultRecvWindow;
+  bool recv_past_sends_ = true;
   std::vector<int64_t> next_local_, prev_local_;
   std::vector<std::unique_ptr<ActionScope>> open_scopes_;  // OVERLAP_F_B containers
   int64_t freed_outputs_ = 0;

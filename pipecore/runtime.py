@@ -19,6 +19,9 @@ from .errors import CommunicationError, InputError, PeerFailedError
 from .stage import PipelineStage
 
 DEFAULT_TIMEOUT_S = 300.0
+# Receives posted ahead of the program point: gloo and NCCL move a message only once its receive
+# is posted, so posting each receive just before it is needed puts a round trip on the critical path.
+DEFAULT_RECV_WINDOW = 8
 
 # executor opcodes (csrc/executor.h): the schedule kinds plus an OVERLAP_F_B bracket
 _OVERLAP_BEGIN, _OVERLAP_END = 11, 12
@@ -52,13 +55,18 @@ class Pipeline:
     and accumulates into every parameter's `.grad` what single-process training on the whole batch
     would (`scale_grads`: each microbatch's loss is weighted by its share of the batch rows, which
     equals the mean over the batch for mean-reduced losses; only this step's contribution is scaled).
+
+    `recv_window`: how many receives are posted ahead of the action that needs them (0: each at
+    its own RECV action). Early receives let a peer's data land while this rank computes; each
+    holds its buffer that much longer.
     """
 
     _instances = 0  # per process; SPMD code creates pipelines in the same order on every rank
 
     def __init__(self, stages: PipelineStage | Sequence[PipelineStage], schedule: str | Schedule,
                  num_microbatches: int, loss_fn: Callable | None = None, group=None, scale_grads: bool = True,
-                 timeout: float | None = None, trace: bool = False, *, check_finite: bool = False):
+                 timeout: float | None = None, trace: bool = False, *, check_finite: bool = False,
+                 recv_window: int = DEFAULT_RECV_WINDOW):
         if not dist.is_initialized():
             raise RuntimeError("Pipeline needs torch.distributed: call dist.init_process_group first")
         self.group = group if group is not None else dist.group.WORLD
@@ -100,6 +108,8 @@ class Pipeline:
         self.check_finite = check_finite
         if self.timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        if isinstance(recv_window, bool) or not isinstance(recv_window, int) or recv_window < 0:
+            raise ValueError(f"recv_window must be an integer >= 0 (receives posted ahead), got {recv_window!r}")
         topo = schedule.topology
         self.has_first = any(topo.prev_stage[s.stage_index] < 0 for s in self.stages)
         self.has_last = any(topo.next_stage[s.stage_index] < 0 for s in self.stages)
@@ -116,6 +126,8 @@ class Pipeline:
                 self.local_index[nxt] if nxt >= 0 and topo.stage_rank[nxt] == self.rank else -1,
                 self.local_index[prv] if prv >= 0 and topo.stage_rank[prv] == self.rank else -1)
         self._executor.set_trace(bool(trace))
+        # gloo runs every operation on its own; NCCL runs a peer pair's operations in posting order
+        self._executor.set_recv_window(recv_window, dist.get_backend(self.group) == "gloo")
         self._trace: list[dict] = []
         self._step_count = 0
         self._plans: dict[tuple[int, bool], dict] = {}

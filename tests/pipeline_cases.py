@@ -22,7 +22,9 @@ def _assert_grads_close(got: torch.Tensor | None, want: torch.Tensor | None, wha
 
 
 def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=True, optimizer=False,
-                      accumulate=False):
+                      accumulate=False, recv_window=None):
+    """`recv_window` = (receives ahead, past_sends): run with that window, and check when every
+    receive was posted."""
     sched = pc.build_schedule(name, world, m, V)
     topo = sched.topology
     n_model = world if topo.style == "dualpipe" else topo.num_stages
@@ -33,6 +35,8 @@ def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=
     reduction = "mean" if scale_grads else "sum"
     loss_fn = nn.CrossEntropyLoss(reduction=reduction)
     pipe = pc.Pipeline(mine, sched, m, loss_fn=loss_fn, scale_grads=scale_grads, timeout=60)
+    if recv_window is not None:
+        pipe._executor.set_recv_window(*recv_window)  # past_sends=False as on NCCL, here on gloo
     params = [p for s in mine for p in s.module.parameters()]
     ref_params = [p for s in ref for p in s.parameters()]
     opt = torch.optim.SGD(params, lr=0.05) if optimizer else None
@@ -65,6 +69,8 @@ def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=
             torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-7)
         else:
             assert out is None and losses == []
+        if recv_window is not None:
+            _check_recv_posting(pipe, *recv_window)
         if optimizer:
             opt.step()
             ref_opt.step()
@@ -72,6 +78,30 @@ def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=
             for p in params + ref_params:
                 p.grad = None
     return worst
+
+
+def _check_recv_posting(pipe, window, past_sends):
+    """Each receive was posted exactly when the window allows: as early as possible, never more than
+    `window` RECV actions ahead, never after its own RECV action, in program order, and (past_sends
+    off) never before an earlier send to the same peer has been posted."""
+    flat, labels = pipe._programs[True]
+    program = [flat[i:i + 5] for i in range(0, len(flat), 5)]  # op, stage, mb, peer, label
+    SEND, RECV = {4, 6}, {5, 7}
+    recvs = [i for i, ins in enumerate(program) if ins[0] in RECV]
+    through = []  # RECV actions among program[0..i]
+    for i, ins in enumerate(program):
+        through.append((through[-1] if through else 0) + (ins[0] in RECV))
+    posted_at = pipe._executor.recv_posted_at()
+    assert len(posted_at) == len(recvs)
+    earliest = 0
+    for k, r in enumerate(recvs):
+        last_send = max((i for i in range(r) if program[i][0] in SEND and program[i][3] == program[r][3]),
+                        default=-1)
+        earliest = max(earliest, next(a for a in range(len(program)) if through[a] + window > k))
+        if not past_sends:
+            earliest = max(earliest, last_send + 1)
+        earliest = min(earliest, r)
+        assert posted_at[k] == earliest, (labels[program[r][4]], posted_at[k], earliest)
 
 
 def split_backward_defers_weight_grads(rank, world):

@@ -142,6 +142,8 @@ def construction_errors(rank, world):
         [pc.PipelineStage(model[rank], rank, 4), pc.PipelineStage(model[3 - rank], 3 - rank, 4)], "dualpipev", 3))
     bad = pc.Schedule([["0F0", "0B0", "0F1", "0B1"], ["1F1", "1B1", "1F0", "1B0"]])
     out["bad_schedule"] = _outcome(lambda: pc.Pipeline(pc.PipelineStage(model[0], rank, 2), bad, 2))
+    out["bad_recv_window"] = _outcome(lambda: pc.Pipeline(pc.PipelineStage(model[0], rank, 2), "1f1b", 2,
+                                                          recv_window=-1))
     return out
 
 

@@ -27,6 +27,16 @@ def test_matches_single_process(name, world, m, V, kind):
     pool(world).run(train_and_compare, name, m, V, kind, rows)
 
 
+@pytest.mark.parametrize("past_sends", [True, False], ids=["gloo", "in_order"])
+@pytest.mark.parametrize("window", [0, 3, 1000])
+@pytest.mark.parametrize("name, world, V", [("gpipe", 2, 1), ("1f1b", 4, 1), ("interleaved_1f1b", 2, 2),
+                                            ("zbv", 2, 2), ("dualpipe", 2, 2)])
+def test_receives_posted_ahead(name, world, V, window, past_sends):
+    # exact training at every receive window, each receive posted exactly when the window allows
+    pool(world).run(train_and_compare, name, 2 * world, V, "multi", 4 * world + 1, 2, True, True, False,
+                    (window, past_sends))
+
+
 @pytest.mark.parametrize("name", ["1f1b", "interleaved_zb", "zbv", "dualpipev", "dualpipe"])
 def test_two_steps_with_optimizer(name):
     V = 1 if name == "1f1b" else 2
