@@ -1,8 +1,9 @@
 """What crosses each stage boundary: shapes, dtypes and structure, found once per batch shape.
 
 Every stage's output structure is computed on meta tensors (no real compute; a real forward on
-placeholder inputs where an op has no meta kernel) and passed down the pipeline once, so that
-receivers can post buffers of the right size before the data arrives.
+placeholder inputs where an op has no meta kernel), or taken from the stage's output_args where
+given, and passed down the pipeline once, so that receivers can post buffers of the right size
+before the data arrives.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from .errors import InputError
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,7 @@ class StagePlan:
     """Per microbatch: what the stage receives (description of its inputs) and what it returns."""
     inputs: dict[int, Any]   # mb -> description of the previous stage's output (None: first stage)
     outputs: dict[int, Any]  # mb -> description of this stage's output
+    declared: frozenset = frozenset()  # microbatches whose outputs come from the stage's output_args
 
 
 def send_object(obj: Any, peer: int, pipe) -> None:
@@ -166,12 +170,21 @@ def _wait(work, pipe, what: str) -> None:
                                  "a rank hung or died: rebuild the process group") from None
 
 
-def discover(pipe, first_inputs: dict[int, tuple[Any, Any]], training: bool) -> dict[int, StagePlan]:
+# Sent down a chain instead of a description when a stage could not be planned, so that no rank
+# waits for a description that will never come.
+PLANNING_FAILED = "pipecore: planning failed upstream"
+
+
+def discover(pipe, first_inputs: dict[int, tuple[Any, Any]], training: bool) -> tuple[dict[int, StagePlan],
+                                                                                      Exception | None]:
     """Walk every pipeline chain in order; each rank describes its stages' outputs for all
-    microbatches and hands the descriptions to the next stage's rank."""
+    microbatches and hands the descriptions to the next stage's rank. A stage that cannot run on its
+    inputs does not stop the walk: it and everything after it in its chain pass PLANNING_FAILED on,
+    and the error is returned (the caller tells all ranks)."""
     topo = pipe.schedule.topology
     rank = pipe.rank
     plans: dict[int, StagePlan] = {}
+    error: Exception | None = None
     chains: list[list[int]] = []
     for s in range(topo.num_stages):
         if topo.prev_stage[s] < 0:
@@ -183,29 +196,49 @@ def discover(pipe, first_inputs: dict[int, tuple[Any, Any]], training: bool) -> 
         for s in chain:
             if topo.stage_rank[s] != rank:
                 continue
-            stage = pipe.stage_by_index[s]
-            mbs = topo.microbatches[s]
             prev = topo.prev_stage[s]
             if prev < 0:
-                in_desc = {mb: None for mb in mbs}
+                in_desc = {mb: None for mb in topo.microbatches[s]}
             elif topo.stage_rank[prev] == rank:
-                in_desc = dict(plans[prev].outputs)
+                in_desc = dict(plans[prev].outputs) if prev in plans else PLANNING_FAILED
             else:
                 in_desc = recv_object(topo.stage_rank[prev], pipe)
-            out_desc: dict[int, Any] = {}
-            cache: dict[int, Any] = {}
-            for mb in mbs:
-                if in_desc[mb] is None:
-                    args, kwargs = first_inputs[mb]
-                    a_desc, k_desc = describe(args), describe(kwargs)
-                else:
-                    a_desc, k_desc = as_call(in_desc[mb])
-                key = signature((a_desc, k_desc))
-                if key not in cache:
-                    cache[key] = output_description(stage.module, a_desc, k_desc, stage.device, training)
-                out_desc[mb] = cache[key]
-            plans[s] = StagePlan(in_desc, out_desc)
+            out_desc = PLANNING_FAILED
+            if in_desc != PLANNING_FAILED:
+                try:
+                    plans[s] = _plan_stage(pipe.stage_by_index[s], topo.microbatches[s], in_desc, first_inputs,
+                                           training)
+                    out_desc = plans[s].outputs
+                except Exception as exc:  # noqa: BLE001 - every rank is told below
+                    error = error or exc
             nxt = topo.next_stage[s]
             if nxt >= 0 and topo.stage_rank[nxt] != rank:
                 send_object(out_desc, topo.stage_rank[nxt], pipe)
-    return plans
+    return plans, error
+
+
+def _plan_stage(stage, mbs, in_desc, first_inputs, training) -> StagePlan:
+    out_desc: dict[int, Any] = {}
+    cache: dict[int, Any] = {}
+    declared = set()
+    for mb in mbs:
+        if in_desc[mb] is None:
+            args, kwargs = first_inputs[mb]
+            a_desc, k_desc = describe(args), describe(kwargs)
+        else:
+            a_desc, k_desc = as_call(in_desc[mb])
+        given = stage.declared_output(a_desc, k_desc, training)
+        if given is not None:
+            out_desc[mb] = given
+            declared.add(mb)
+            continue
+        key = signature((a_desc, k_desc))
+        if key not in cache:
+            try:
+                cache[key] = output_description(stage.module, a_desc, k_desc, stage.device, training)
+            except Exception as exc:
+                shapes = [(m.shape, str(m.dtype)) for m in tensor_leaves((a_desc, k_desc))]
+                raise InputError(f"stage {stage.stage_index} cannot run on its inputs {shapes} of microbatch {mb} "
+                                 f"(found while planning the step's shapes): {type(exc).__name__}: {exc}") from exc
+        out_desc[mb] = cache[key]
+    return StagePlan(in_desc, out_desc, frozenset(declared))

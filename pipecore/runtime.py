@@ -279,11 +279,20 @@ class Pipeline:
         sig, failed = self._agree(desc, False)
         if failed:  # another rank's input checks failed on the first step of this mode
             raise InputError(f"rank {self.rank}: step {step} not run: {self._peer_error(step)}")
+        if (sig, training) not in self._plans:
+            plans, error = planning.discover(self, inputs, training)
+            if error is not None:
+                self._publish_error(step, f"{type(error).__name__}: {error}", "planning shapes")
+            # the ranks that planned fine would otherwise wait in the step for the one that failed
+            _, failed = self._agree(0, error is not None)
+            if error is not None:
+                raise InputError(f"rank {self.rank}: step {step} not run: {error}") from error
+            if failed:
+                raise InputError(f"rank {self.rank}: step {step} not run: {self._peer_error(step)}")
+            self._plans[(sig, training)] = plans
         self._agreed[training] = sig
         if self.has_first:
             self._last_desc[training] = desc
-        if (sig, training) not in self._plans:
-            self._plans[(sig, training)] = planning.discover(self, inputs, training)
         return sig
 
     def _ensure_loaded(self, sig: int, training: bool) -> None:
@@ -406,13 +415,15 @@ class Pipeline:
             tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             expected = self._expected_outputs[(s, mb)]
             if len(tensors) != len(expected) or any(
-                    tuple(t.shape) != e.shape or t.dtype != e.dtype for t, e in zip(tensors, expected)):
-                got = [(tuple(t.shape), str(t.dtype)) for t in tensors]
-                want = [(e.shape, str(e.dtype)) for e in expected]
-                raise InputError(
-                    f"rank {self.rank}: stage {s} returned tensors {got} for microbatch {mb}, but stage "
-                    f"{topo.next_stage[s]} expects {want} (found on the first step with this batch shape); a stage's "
-                    f"output shapes may depend only on its input shapes")
+                    tuple(t.shape) != e.shape or t.dtype != e.dtype or t.requires_grad != e.requires_grad
+                    for t, e in zip(tensors, expected)):
+                got = [(tuple(t.shape), str(t.dtype), "grad" if t.requires_grad else "no grad") for t in tensors]
+                want = [(e.shape, str(e.dtype), "grad" if e.requires_grad else "no grad") for e in expected]
+                source = ("given as this stage's output_args" if mb in plan.declared
+                          else "found on the first step with this batch shape; a stage's output shapes may depend "
+                               "only on its input shapes")
+                raise InputError(f"rank {self.rank}: stage {s} returned tensors {got} for microbatch {mb}, but stage "
+                                 f"{topo.next_stage[s]} expects {want} ({source})")
             # a view would keep its base alive after the send: send a viewless copy instead
             tensors = [t.clone() if t._is_view() else t for t in tensors]
             return tensors, None, 1.0

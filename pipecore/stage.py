@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .plan import TensorMeta, describe, tensor_leaves
 
 
 class PipelineStage:
@@ -15,9 +20,17 @@ class PipelineStage:
     values; several tensors per boundary travel as one message, non-tensor values and integer
     tensors pass through, tensors that need no gradient get none.
     For `dualpipe`, stage R+j holds a copy of model stage j (see `Schedule.topology.model_stage`).
+
+    Shapes crossing the boundaries are found on the first step with each batch shape (on meta
+    tensors). They can be given instead, as torch's PipelineStage takes them: `output_args` is what
+    the module returns for one microbatch shaped like `input_args` (example tensors, real or meta;
+    only shapes and dtypes count). Microbatches of another shape (an uneven last one) are still
+    inferred. In training, floating-point outputs are taken to need a gradient; a forward whose
+    outputs differ from what was given fails with an error that names both.
     """
 
-    def __init__(self, module: nn.Module, stage_index: int, num_stages: int, device: torch.device | str | None = None):
+    def __init__(self, module: nn.Module, stage_index: int, num_stages: int, device: torch.device | str | None = None,
+                 *, input_args: Any = None, output_args: Any = None):
         if not isinstance(module, nn.Module):
             raise TypeError(f"PipelineStage needs an nn.Module, got {type(module).__name__}")
         for label, value in (("stage_index", stage_index), ("num_stages", num_stages)):
@@ -32,6 +45,39 @@ class PipelineStage:
             param = next(iter(module.parameters()), None)
             device = param.device if param is not None else torch.device("cpu")
         self.device = torch.device(device)
+        if (input_args is None) != (output_args is None):
+            raise ValueError("give both input_args (one microbatch's inputs) and output_args (what the stage returns "
+                             "for them), or neither to have shapes found on the first step")
+        self._given_in: list[tuple] | None = None
+        self._given_out: Any = None
+        if input_args is not None:
+            args = input_args if isinstance(input_args, tuple) else (input_args,)
+            self._given_in = _shapes(args, "input_args")
+            self._given_out = describe(output_args)
+            _shapes(output_args, "output_args")
+
+    def declared_output(self, args_desc: Any, kwargs_desc: Any, training: bool) -> Any | None:
+        """The description of this stage's output declared by output_args, when these inputs are
+        shaped like input_args; None: infer it."""
+        if self._given_in is None or tensor_leaves(kwargs_desc):
+            return None
+        if [(m.shape, m.dtype) for m in tensor_leaves(args_desc)] != self._given_in:
+            return None
+        return _mark_grads(self._given_out, training)
 
     def __repr__(self) -> str:
         return f"PipelineStage({self.stage_index}/{self.num_stages}, {type(self.module).__name__}, {self.device})"
+
+
+def _shapes(tree: Any, what: str) -> list[tuple]:
+    leaves = [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+    if not leaves:
+        raise TypeError(f"{what} must be a tensor or hold tensors (examples of one microbatch), got {tree!r:.80}")
+    return [(tuple(t.shape), t.dtype) for t in leaves]
+
+
+def _mark_grads(desc: Any, training: bool) -> Any:
+    leaves, spec = tree_flatten(desc)
+    out = [TensorMeta(x.shape, x.dtype, training and x.dtype.is_floating_point) if isinstance(x, TensorMeta) else x
+           for x in leaves]
+    return tree_unflatten(out, spec)

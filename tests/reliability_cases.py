@@ -125,6 +125,17 @@ def bad_input(rank, world, case):
     return first
 
 
+def mismatched_stage(rank, world, name, bad_stage):
+    """Stage `bad_stage` takes another width than its predecessor returns (a model bug): found while
+    planning; every rank fails at once, twice in a row (the group stays usable)."""
+    V = 1 if name in ("gpipe", "1f1b") else 2
+    model = make_stages("mlp", world * V)
+    model[bad_stage].fc = nn.Linear(7, 16)
+    pipe, _ = _pipe(rank, world, name, m=4, timeout=30, model=model)
+    x, y = make_batch(8)
+    return [_outcome(lambda: _step(pipe, x, y)) for _ in range(2)]
+
+
 def no_loss_fn(rank, world):
     sched = pc.build_schedule("1f1b", world, 2)
     model = make_stages("mlp", world)

@@ -1,10 +1,11 @@
 """Every schedule trains exactly like one process: loss of every microbatch and every gradient."""
 
 import pytest
+import torch
 
 import pipecore as pc
 from dist_pool import pool
-from pipeline_cases import (changing_batch_shapes, eval_matches, profiler_events, sent_outputs_freed,
+from pipeline_cases import (changing_batch_shapes, eval_matches, given_shapes, profiler_events, sent_outputs_freed,
                             split_backward_defers_weight_grads, train_and_compare, view_outputs_are_copied)
 
 CONFIGS = []
@@ -87,3 +88,33 @@ def test_view_outputs_train_correctly():
 def test_batch_shape_changes_between_steps(name):
     plans = pool(2).run(changing_batch_shapes, name)
     assert plans[0] == 4  # train at 12, 9, 16 rows and eval at 9
+
+
+@pytest.mark.parametrize("kind", ["transformer", "multi"])
+@pytest.mark.parametrize("name, world", [("gpipe", 2), ("1f1b", 4), ("interleaved_1f1b", 2), ("zbv", 2)])
+def test_given_shapes_skip_inference(name, world, kind):
+    m = 2 * world
+    for rows, inferred in [(3 * m, []), (3 * m - 1, [2])]:  # even; an uneven last microbatch of 2 rows
+        for rank, (outcome, got) in enumerate(pool(world).run(given_shapes, name, kind, rows, False)):
+            assert outcome == "ok", (rank, got)
+            assert got == inferred, (rank, rows, got)
+
+
+def test_wrong_given_shapes_say_so():
+    # stage 1 runs on the declared shapes, but stage 0's forward returns others
+    results = pool(2).run(given_shapes, "1f1b", "mlp", 12, "rows")
+    assert results[0][0] == "InputError" and "given as this stage's output_args" in results[0][1], results
+    assert "(99, 16)" in results[0][1] and results[1][0] == "PeerFailedError", results
+    # stage 1 cannot run on the declared shapes: found while planning, every rank says so at once
+    results = pool(2).run(given_shapes, "1f1b", "mlp", 12, "width")
+    assert results[1][0] == "InputError" and "stage 1 cannot run on its inputs [((3, 99)" in results[1][1], results
+    assert results[0][0] == "InputError" and "rank 1 failed in planning shapes" in results[0][1], results
+
+
+def test_given_shapes_need_both_and_tensors():
+    from torch import nn
+
+    with pytest.raises(ValueError, match="give both input_args"):
+        pc.PipelineStage(nn.Linear(2, 2), 0, 2, input_args=torch.empty(1, 2))
+    with pytest.raises(TypeError, match="output_args must be a tensor or hold tensors"):
+        pc.PipelineStage(nn.Linear(2, 2), 0, 2, input_args=torch.empty(1, 2), output_args=(3,))

@@ -4,7 +4,7 @@ import pytest
 
 from dist_pool import pool
 from reliability_cases import (bad_input, construction_errors, dying_rank, failing_stage, hanging_rank,
-                               memory_is_flat, no_loss_fn, stress)
+                               memory_is_flat, mismatched_stage, no_loss_fn, stress)
 
 
 @pytest.mark.parametrize("name, world, bad_rank, where", [
@@ -49,7 +49,7 @@ def test_a_dead_rank_is_noticed():
     ("unsplittable", 0, "SplitError", "cannot split a batch of 3 rows into 4 microbatches"),
     ("no_target", 1, "InputError", "needs target="),
     ("nan", 1, "FloatingPointError", "loss of microbatch 0 is nan"),
-    ("shape", 0, "InputError", "expects [((2, 16), 'torch.float32')]"),
+    ("shape", 0, "InputError", "expects [((2, 16), 'torch.float32', 'grad')]"),
 ])
 def test_bad_input_gets_a_specific_error_on_every_rank(case, bad_rank, bad_kind, needle):
     results = pool(2).run(bad_input, case, timeout=60)
@@ -84,3 +84,15 @@ def test_stress_random_delays_many_steps(name, world):
 def test_repeated_steps_do_not_grow_memory():
     growth = pool(2).run(memory_is_flat, 40, timeout=120)
     assert max(growth) < 8, growth
+
+
+@pytest.mark.parametrize("name, world, bad_stage", [("1f1b", 2, 1), ("1f1b", 4, 2), ("interleaved_1f1b", 2, 2)])
+def test_a_stage_that_cannot_take_its_inputs_fails_every_rank_at_planning(name, world, bad_stage):
+    bad_rank = bad_stage % world
+    for rank, outcomes in enumerate(pool(world).run(mismatched_stage, name, bad_stage, timeout=60)):
+        for kind, msg, seconds in outcomes:
+            assert kind == "InputError" and seconds < 10, (rank, kind, msg, seconds)
+            if rank == bad_rank:
+                assert f"stage {bad_stage} cannot run on its inputs [((2, 16)" in msg and "mat1" in msg, msg
+            else:
+                assert f"rank {bad_rank} failed in planning shapes" in msg, (rank, msg)
