@@ -5,6 +5,8 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <cstring>
+#include <typeinfo>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -25,6 +27,13 @@ void backward_full(const edge_list& roots, const std::vector<at::Tensor>& grads)
 }
 
 namespace {
+
+// torch.utils.checkpoint(use_reentrant=True) runs a backward of its own that refuses an engine
+// call that captures gradients (I) or names its outputs (W): such a graph gets a full backward.
+// Only Python-defined nodes are asked their name (C++ nodes' names are demangled: slow).
+bool is_reentrant_checkpoint(Node* n) {
+  return std::strstr(typeid(*n).name(), "PyNode") != nullptr && n->name() == "CheckpointFunctionBackward";
+}
 
 // Per node of the backward graph: does it lead to a stage input, to a parameter?
 struct Reach {
@@ -62,6 +71,7 @@ class GraphInfo {
   }
 
   const std::vector<Node*>& order() const { return order_; }
+  bool has_reentrant_checkpoint() const { return reentrant_checkpoint_; }
 
  private:
   void visit(Node* root, std::vector<std::pair<Node*, size_t>>& stack) {
@@ -92,6 +102,7 @@ class GraphInfo {
         r.param |= c.param;
       }
       reach_[node] = r;
+      reentrant_checkpoint_ |= is_reentrant_checkpoint(node);
       order_.push_back(node);
       stack.pop_back();
     }
@@ -100,6 +111,7 @@ class GraphInfo {
   const std::unordered_set<Node*>& inputs_;
   std::unordered_map<Node*, Reach> reach_;
   std::vector<Node*> order_;
+  bool reentrant_checkpoint_ = false;
 };
 
 }  // namespace
@@ -167,7 +179,8 @@ std::vector<at::Tensor> backward_input(const edge_list& roots, const std::vector
     add_task(std::move(t), n, /*whole_node=*/false);
   }
 
-  if (shared) {  // a parameter under two split points: do it all now, exactly once
+  // a parameter under two split points, or a reentrant checkpoint: do it all now, exactly once
+  if (shared || graph.has_reentrant_checkpoint()) {
     backward_full(roots, grads);
     for (size_t i = 0; i < inputs.size(); ++i) {
       if (input_edges[i].is_valid()) input_grads[i] = inputs[i].grad();
