@@ -109,6 +109,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_free_outputs", &pipecore::Executor::set_free_outputs, py::arg("free"))
       .def("set_recv_window", &pipecore::Executor::set_recv_window, py::arg("receives"),
            py::arg("past_sends"))
+      .def("set_send_thread", &pipecore::Executor::set_send_thread, py::arg("on"),
+           py::arg("min_bytes") = pipecore::kThreadedSendBytes)
       .def("recv_posted_at", &pipecore::Executor::recv_posted_at,
            "per RECV action of the last run, in program order: the program index before which it was posted")
       .def("run", &run, py::arg("forward"), py::arg("on_abort"))
@@ -121,5 +123,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("reset", &pipecore::Executor::reset, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &pipecore::Executor::rank)
-      .def_property_readonly("freed_outputs", &pipecore::Executor::freed_outputs);
+      .def_property_readonly("freed_outputs", &pipecore::Executor::freed_outputs)
+      .def_property_readonly("threaded_sends", &pipecore::Executor::threaded_sends);
 }

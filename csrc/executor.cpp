@@ -13,6 +13,7 @@
 
 #include "backward.h"
 #include "comm.h"
+#include "send_worker.h"
 #include "trace.h"
 
 namespace pipecore {
@@ -114,6 +115,7 @@ std::string Executor::where(const Instr& in) const {
 
 void Executor::reset() {
   recvs_posted_ = 0;
+  threaded_sends_ = 0;
   recv_posted_at_.assign(recv_instrs_.size(), -1);
   for (auto& s : slots_) s = Slot();
   sends_.clear();
@@ -189,11 +191,33 @@ void Executor::prefetch_recvs(size_t at) {
   }
 }
 
+void Executor::set_send_thread(bool on, int64_t min_bytes) {
+  threaded_send_bytes_ = min_bytes;
+  if (!on) {
+    sender_.reset();
+  } else if (!sender_) {
+    sender_ = std::make_unique<SendWorker>(pg_);
+  }
+}
+
 void Executor::send(at::Tensor message, size_t index) {
-  std::vector<at::Tensor> bufs{std::move(message)};
+  const Instr& in = program_[index];
+  auto task = std::make_shared<SendTask>();
+  task->peer = static_cast<int>(in.peer);
+  task->tag = kTag;
   maybe_delay();
-  auto work = post(true, bufs, program_[index]);
-  sends_.push_back(PendingSend{std::move(work), std::move(bufs[0]), static_cast<int64_t>(index)});
+  // sends to a peer keep their order: a small one goes through the worker while it has work
+  const bool queued = sender_ && (static_cast<int64_t>(message.nbytes()) >= threaded_send_bytes_ || !sender_->idle());
+  task->buffer = std::move(message);
+  if (queued) {
+    sender_->queue(task);
+    ++threaded_sends_;
+  } else {
+    std::vector<at::Tensor> bufs{task->buffer};
+    task->work = post(true, bufs, in);
+    task->posted = true;
+  }
+  sends_.push_back(PendingSend{std::move(task), queued, static_cast<int64_t>(index)});
 }
 
 void Executor::maybe_delay() {
@@ -229,12 +253,26 @@ void Executor::reap_sends_through(int64_t stage, int64_t mb) {
 
 void Executor::wait_send(size_t k) {
   auto& s = sends_[k];
+  const Instr& in = program_[s.instr];
+  if (s.queued) {
+    sender_->wait_posted(*s.task);
+    if (s.task->error) {
+      std::string text = "unknown error";
+      try {
+        std::rethrow_exception(s.task->error);
+      } catch (const std::exception& e) {
+        text = e.what();
+      } catch (...) {
+      }
+      throw CommError(where(in) + ": sending to rank " + std::to_string(in.peer) + " failed: " + text);
+    }
+  }
   try {
-    s.work->wait(timeout_);
+    s.task->work->wait(timeout_);
   } catch (const std::exception& e) {
     std::ostringstream os;
-    os << where(program_[s.instr]) << ": send to rank " << program_[s.instr].peer << " failed (timeout "
-       << timeout_.count() / 1000.0 << " s): " << e.what();
+    os << where(in) << ": send to rank " << in.peer << " failed (timeout " << timeout_.count() / 1000.0
+       << " s): " << e.what();
     throw CommError(os.str());
   }
 }

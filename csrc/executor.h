@@ -18,6 +18,8 @@
 namespace pipecore {
 
 class ActionScope;
+class SendWorker;
+struct SendTask;
 
 // Instruction opcodes: the schedule's action kinds, plus the bracket of an OVERLAP_F_B container.
 enum Op : int64_t {
@@ -29,6 +31,9 @@ enum Op : int64_t {
 
 // How many RECV actions ahead of the program point receives are posted by default.
 constexpr int64_t kDefaultRecvWindow = 8;
+// Messages this large are posted from the send thread (below, a thread hand-off costs more than
+// the copy it saves).
+constexpr int64_t kThreadedSendBytes = 64 << 10;
 
 struct Instr {
   int64_t op;
@@ -72,8 +77,8 @@ struct Slot {
 };
 
 struct PendingSend {
-  c10::intrusive_ptr<c10d::Work> work;
-  at::Tensor buffer;  // keeps the sent data alive until the send completes
+  std::shared_ptr<SendTask> task;  // its buffer keeps the sent data alive until the send completes
+  bool queued;                     // posted by the send worker (else here)
   int64_t instr;
 };
 
@@ -126,6 +131,8 @@ class Executor {
     recv_window_ = n;
     recv_past_sends_ = past_sends;
   }
+  // CPU groups: post messages of at least `min_bytes` from a send thread (see send_worker.h).
+  void set_send_thread(bool on, int64_t min_bytes = kThreadedSendBytes);
   // Benchmarks only: keep sent outputs alive until the end of the step (as torch does).
   void set_free_outputs(bool free) { free_outputs_ = free; }
   // Per-action start/end times (steady clock, microseconds) of the last run, when enabled.
@@ -153,6 +160,7 @@ class Executor {
   int64_t rank() const { return rank_; }
   // Stats of the last run, for tests and benchmarks.
   int64_t freed_outputs() const { return freed_outputs_; }
+  int64_t threaded_sends() const { return threaded_sends_; }
   const std::vector<int64_t>& recv_posted_at() const { return recv_posted_at_; }
   const std::vector<Instr>& program() const { return program_; }
 
@@ -201,6 +209,9 @@ class Executor {
   std::vector<int64_t> recv_posted_at_;  // [k]: program index before which RECV k was posted
   int64_t recv_window_ = kDefaultRecvWindow;
   bool recv_past_sends_ = true;
+  std::unique_ptr<SendWorker> sender_;
+  int64_t threaded_send_bytes_ = kThreadedSendBytes;
+  int64_t threaded_sends_ = 0;  // in the last run
   std::vector<int64_t> next_local_, prev_local_;
   std::vector<std::unique_ptr<ActionScope>> open_scopes_;  // OVERLAP_F_B containers
   int64_t freed_outputs_ = 0;

@@ -127,7 +127,10 @@ class Pipeline:
                 self.local_index[prv] if prv >= 0 and topo.stage_rank[prv] == self.rank else -1)
         self._executor.set_trace(bool(trace))
         # gloo runs every operation on its own; NCCL runs a peer pair's operations in posting order
-        self._executor.set_recv_window(recv_window, dist.get_backend(self.group) == "gloo")
+        gloo = dist.get_backend(self.group) == "gloo"
+        self._executor.set_recv_window(recv_window, gloo)
+        # gloo copies a large message into the socket in the thread that posts it: not the compute thread
+        self._executor.set_send_thread(gloo)
         self._trace: list[dict] = []
         self._step_count = 0
         self._plans: dict[tuple[int, bool], dict] = {}

@@ -22,9 +22,9 @@ def _assert_grads_close(got: torch.Tensor | None, want: torch.Tensor | None, wha
 
 
 def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=True, optimizer=False,
-                      accumulate=False, recv_window=None):
+                      accumulate=False, recv_window=None, threaded_sends=False):
     """`recv_window` = (receives ahead, past_sends): run with that window, and check when every
-    receive was posted."""
+    receive was posted. `threaded_sends`: every message goes through the send thread."""
     sched = pc.build_schedule(name, world, m, V)
     topo = sched.topology
     n_model = world if topo.style == "dualpipe" else topo.num_stages
@@ -37,6 +37,8 @@ def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=
     pipe = pc.Pipeline(mine, sched, m, loss_fn=loss_fn, scale_grads=scale_grads, timeout=60)
     if recv_window is not None:
         pipe._executor.set_recv_window(*recv_window)  # past_sends=False as on NCCL, here on gloo
+    if threaded_sends:
+        pipe._executor.set_send_thread(True, 0)
     params = [p for s in mine for p in s.module.parameters()]
     ref_params = [p for s in ref for p in s.parameters()]
     opt = torch.optim.SGD(params, lr=0.05) if optimizer else None
@@ -71,6 +73,8 @@ def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=
             assert out is None and losses == []
         if recv_window is not None:
             _check_recv_posting(pipe, *recv_window)
+        if threaded_sends:
+            assert pipe._executor.threaded_sends > 0
         if optimizer:
             opt.step()
             ref_opt.step()

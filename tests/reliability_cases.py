@@ -39,11 +39,13 @@ def _outcome(fn):
         return (type(exc).__name__, str(exc), time.monotonic() - t0)
 
 
-def failing_stage(rank, world, name, bad_rank, where):
+def failing_stage(rank, world, name, bad_rank, where, threaded_sends=False):
     """A stage raising in forward / loss / backward on `bad_rank`; then a clean step must match the
-    reference (the pipeline recovered)."""
+    reference (the pipeline recovered). `threaded_sends`: every message goes through the send thread."""
     group = dist.new_group(backend="gloo")
     pipe, model = _pipe(rank, world, name, group=group)
+    if threaded_sends:
+        pipe._executor.set_send_thread(True, 0)
     fail = {"on": True}
     stage = pipe.stages[0]
     if rank == bad_rank:
@@ -71,6 +73,7 @@ def failing_stage(rank, world, name, bad_rank, where):
     for s in pipe.stages:
         s.module.zero_grad(set_to_none=True)
     second = _outcome(lambda: _step(pipe, x, y))
+    assert not threaded_sends or pipe._executor.threaded_sends > 0
     # the recovered step equals single-process training
     ref = copy.deepcopy(model)
     nn.CrossEntropyLoss()(reference_forward(ref, x), y).backward()

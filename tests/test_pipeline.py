@@ -38,6 +38,13 @@ def test_receives_posted_ahead(name, world, V, window, past_sends):
                     (window, past_sends))
 
 
+@pytest.mark.parametrize("name, world, V", [("gpipe", 4, 1), ("1f1b", 2, 1), ("interleaved_1f1b", 2, 2),
+                                            ("interleaved_zb", 2, 2), ("zbv", 2, 2), ("dualpipe", 2, 2)])
+def test_sends_from_the_send_thread(name, world, V):
+    # every message posted by the send thread (as large ones are), 2 steps with an optimizer
+    pool(world).run(train_and_compare, name, 2 * world, V, "multi", 4 * world + 1, 2, True, True, False, None, True)
+
+
 @pytest.mark.parametrize("name", ["1f1b", "interleaved_zb", "zbv", "dualpipev", "dualpipe"])
 def test_two_steps_with_optimizer(name):
     V = 1 if name == "1f1b" else 2

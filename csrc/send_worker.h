@@ -1,0 +1,53 @@
+// Sends posted from a thread of their own (CPU groups). gloo writes a message into the socket in
+// the posting thread when the receiver is already waiting for it: for a large message that is a
+// memory copy of its whole size, on the compute thread. Posted from here, compute goes on while
+// the bytes move, as a communication stream lets it on a GPU.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+namespace pipecore {
+
+// One send: its buffer, and once posted its Work or the error posting raised.
+struct SendTask {
+  at::Tensor buffer;
+  int peer = -1;
+  int tag = 0;
+  c10::intrusive_ptr<c10d::Work> work;
+  std::exception_ptr error;
+  bool posted = false;
+};
+
+class SendWorker {
+ public:
+  explicit SendWorker(c10::intrusive_ptr<c10d::ProcessGroup> pg);
+  ~SendWorker();
+  // Posts `task` after every task queued before it (sends to a peer keep their order).
+  void queue(std::shared_ptr<SendTask> task);
+  // True when every queued task has been posted (a send may then be posted directly).
+  bool idle();
+  // Blocks until `task` has been posted (posting never waits for the peer).
+  void wait_posted(SendTask& task);
+
+ private:
+  void loop();
+
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  std::mutex mu_;
+  std::condition_variable queued_;
+  std::condition_variable posted_;
+  std::deque<std::shared_ptr<SendTask>> tasks_;
+  bool busy_ = false;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace pipecore
