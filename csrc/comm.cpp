@@ -27,6 +27,13 @@ int64_t payload_bytes(const std::vector<TensorSpec>& specs) {
   return total;
 }
 
+int64_t payload_bytes(const std::vector<at::Tensor>& tensors) {
+  int64_t total = 0;
+  for (const auto& t : tensors) total += aligned(static_cast<int64_t>(t.nbytes()));
+  return total;
+}
+
+// Writes status and magic into the last kTrailer bytes of `buffer`.
 void write_trailer(at::Tensor& buffer, int64_t status) {
   int64_t words[2] = {status, kMagic};
   auto trailer = buffer.narrow(0, buffer.numel() - kTrailer, kTrailer);
@@ -39,37 +46,65 @@ void write_trailer(at::Tensor& buffer, int64_t status) {
   }
 }
 
+at::Tensor trailer_part(const at::TensorOptions& options, int64_t status) {
+  auto t = at::empty({kTrailer}, options.dtype(at::kByte));
+  write_trailer(t, status);
+  return t;
+}
+
 }  // namespace
 
-at::Tensor pack(const std::vector<at::Tensor>& tensors) {
+std::vector<at::Tensor> frame(const std::vector<at::Tensor>& tensors, int64_t large) {
   TORCH_CHECK(!tensors.empty(), "pipecore: a message needs at least one tensor");
-  int64_t total = 0;
-  for (const auto& t : tensors) total += aligned(static_cast<int64_t>(t.nbytes()));
-  auto buffer = at::empty({total + kTrailer}, tensors[0].options().dtype(at::kByte));
+  const int64_t total = payload_bytes(tensors);
+  const auto options = tensors[0].options();
+  if (total >= large) {  // sent from the tensors' own storage
+    std::vector<at::Tensor> parts;
+    for (const auto& t : tensors) {
+      if (t.numel() > 0) parts.push_back(t.detach().contiguous());
+    }
+    parts.push_back(trailer_part(options, kMessageOk));
+    return parts;
+  }
+  auto buffer = at::empty({total + kTrailer}, options.dtype(at::kByte));
   int64_t offset = 0;
   for (const auto& t : tensors) {
     auto n = static_cast<int64_t>(t.nbytes());
-    if (n > 0) {
-      buffer.narrow(0, offset, n).copy_(t.detach().contiguous().reshape({-1}).view(at::kByte));
-    }
+    if (n > 0) buffer.narrow(0, offset, n).copy_(t.detach().contiguous().reshape({-1}).view(at::kByte));
     offset += aligned(n);
   }
   write_trailer(buffer, kMessageOk);
-  return buffer;
+  return {buffer};
 }
 
-at::Tensor abort_message(const std::vector<TensorSpec>& specs, const at::TensorOptions& options, int64_t status) {
-  auto buffer = at::zeros({payload_bytes(specs) + kTrailer}, options.dtype(at::kByte));
-  write_trailer(buffer, status);
-  return buffer;
+std::vector<at::Tensor> alloc_frame(const std::vector<TensorSpec>& specs, const at::TensorOptions& options,
+                                    int64_t large) {
+  const int64_t total = payload_bytes(specs);
+  if (total < large) return {at::empty({total + kTrailer}, options.dtype(at::kByte))};
+  std::vector<at::Tensor> parts;
+  for (const auto& s : specs) {
+    if (nbytes(s.shape, s.dtype) > 0) parts.push_back(at::empty(s.shape, options.dtype(s.dtype)));
+  }
+  parts.push_back(at::empty({kTrailer}, options.dtype(at::kByte)));
+  return parts;
 }
 
-at::Tensor alloc_message(const std::vector<TensorSpec>& specs, const at::TensorOptions& options) {
-  return at::empty({payload_bytes(specs) + kTrailer}, options.dtype(at::kByte));
+std::vector<at::Tensor> abort_frame(const std::vector<TensorSpec>& specs, const at::TensorOptions& options,
+                                    int64_t status, int64_t large) {
+  // the data parts' contents do not matter: the trailer says not to use them
+  std::vector<at::Tensor> parts = alloc_frame(specs, options, large);
+  if (parts.size() == 1) {
+    parts[0].zero_();
+    write_trailer(parts[0], status);
+  } else {
+    parts.back() = trailer_part(options, status);
+  }
+  return parts;
 }
 
-int64_t message_status(const at::Tensor& buffer) {
-  auto trailer = buffer.narrow(0, buffer.numel() - kTrailer, kTrailer);
+int64_t message_status(const std::vector<at::Tensor>& parts) {
+  const at::Tensor& last = parts.back();
+  auto trailer = last.narrow(0, last.numel() - kTrailer, kTrailer);
   if (!trailer.is_cpu()) trailer = trailer.cpu();
   int64_t words[2];
   std::memcpy(words, trailer.data_ptr(), sizeof(words));
@@ -78,19 +113,22 @@ int64_t message_status(const at::Tensor& buffer) {
   return words[0];
 }
 
-std::vector<at::Tensor> unpack(const at::Tensor& buffer, const std::vector<TensorSpec>& specs) {
+std::vector<at::Tensor> unframe(const std::vector<at::Tensor>& parts, const std::vector<TensorSpec>& specs) {
   std::vector<at::Tensor> out;
   out.reserve(specs.size());
+  const bool packed = parts.size() == 1;
+  const at::Tensor& buffer = parts[0];
   int64_t offset = 0;
+  size_t next = 0;
   for (const auto& s : specs) {
-    int64_t n = nbytes(s.shape, s.dtype);
-    at::Tensor t;
-    if (n > 0) {
-      t = buffer.narrow(0, offset, n).view(s.dtype).view(s.shape).detach();
+    const int64_t n = nbytes(s.shape, s.dtype);
+    if (n == 0) {
+      out.push_back(at::empty(s.shape, buffer.options().dtype(s.dtype)));
+    } else if (packed) {
+      out.push_back(buffer.narrow(0, offset, n).view(s.dtype).view(s.shape).detach());
     } else {
-      t = at::empty(s.shape, buffer.options().dtype(s.dtype));
+      out.push_back(parts[next++]);
     }
-    out.push_back(t);
     offset += aligned(n);
   }
   return out;

@@ -1,7 +1,12 @@
-// Point-to-point messages between stages. A message is the bytes of its tensors (each 16-byte
-// aligned) followed by a 16-byte trailer: a status word (ok / the sender's step was aborted) and a
-// magic number. The status lets an aborted step run to its end on every rank with no rank left
-// waiting (see Executor::run).
+// Point-to-point messages between stages. A message ends with a 16-byte trailer: a status word
+// (ok / the sender's step was aborted / shapes changed) and a magic number. The status lets an
+// aborted step run to its end on every rank with no rank left waiting (see Executor::run).
+//
+// On the wire a message is a list of parts, sent and received in order:
+// - small (payload under `large`, by default kLargeMessageBytes): one byte buffer, its tensors packed (each 16-byte
+//   aligned) followed by the trailer: one send however many tensors;
+// - large: every tensor sent from its own storage (no copy), then the trailer alone.
+// Sender and receiver choose the same layout from the byte size of the planned tensors.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -14,15 +19,17 @@ namespace pipecore {
 
 enum MessageStatus : int64_t { kMessageOk = 0, kMessageAborted = 1, kMessageReplan = 2 };
 
-// One byte buffer holding `tensors` and an "ok" trailer.
-at::Tensor pack(const std::vector<at::Tensor>& tensors);
-// A message of the size `specs` describe whose trailer carries `status` instead of data.
-at::Tensor abort_message(const std::vector<TensorSpec>& specs, const at::TensorOptions& options, int64_t status);
-// A buffer to receive a message of tensors shaped like `specs`.
-at::Tensor alloc_message(const std::vector<TensorSpec>& specs, const at::TensorOptions& options);
+// The parts of a message carrying `tensors` and an "ok" trailer.
+std::vector<at::Tensor> frame(const std::vector<at::Tensor>& tensors, int64_t large);
+// The parts of a message of the size `specs` describe whose trailer carries `status` instead of data.
+std::vector<at::Tensor> abort_frame(const std::vector<TensorSpec>& specs, const at::TensorOptions& options,
+                                    int64_t status, int64_t large);
+// Buffers to receive a message of tensors shaped like `specs`.
+std::vector<at::Tensor> alloc_frame(const std::vector<TensorSpec>& specs, const at::TensorOptions& options,
+                                    int64_t large);
 // The status in a received message's trailer (throws if the trailer is not pipecore's).
-int64_t message_status(const at::Tensor& buffer);
-// The tensors inside a received buffer (views of it).
-std::vector<at::Tensor> unpack(const at::Tensor& buffer, const std::vector<TensorSpec>& specs);
+int64_t message_status(const std::vector<at::Tensor>& parts);
+// The tensors of a received message (views of its buffers).
+std::vector<at::Tensor> unframe(const std::vector<at::Tensor>& parts, const std::vector<TensorSpec>& specs);
 
 }  // namespace pipecore

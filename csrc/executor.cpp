@@ -122,21 +122,24 @@ void Executor::reset() {
   kept_.clear();
 }
 
-void Executor::wait_recv(c10::intrusive_ptr<c10d::Work>& work, const Instr& in, const char* what, int64_t peer) {
-  if (!work) return;
-  try {
-    work->wait(timeout_);
-  } catch (const std::exception& e) {
-    std::ostringstream os;
-    os << where(in) << ": waiting for " << what << " of microbatch " << in.mb << " from rank " << peer
-       << " failed (timeout " << timeout_.count() / 1000.0 << " s): " << e.what();
-    throw CommError(os.str());
+void Executor::wait_recv(Inbox& inbox, const Instr& in, const char* what) {
+  for (auto& work : inbox.works) {
+    if (!work) continue;
+    try {
+      work->wait(timeout_);
+    } catch (const std::exception& e) {
+      std::ostringstream os;
+      os << where(in) << ": waiting for " << what << " of microbatch " << in.mb << " from rank " << inbox.peer
+         << " failed (timeout " << timeout_.count() / 1000.0 << " s): " << e.what();
+      throw CommError(os.str());
+    }
+    work.reset();
   }
-  work.reset();
+  inbox.works.clear();
 }
 
-void Executor::check_message(const at::Tensor& buffer, const Instr& in, const char* what) {
-  const int64_t status = message_status(buffer);
+void Executor::check_message(const std::vector<at::Tensor>& parts, const Instr& in, const char* what) {
+  const int64_t status = message_status(parts);
   if (status == kMessageReplan) {
     std::ostringstream os;
     os << where(in) << ": the " << what << " of microbatch " << in.mb << " say a first stage's batch changed shape";
@@ -149,7 +152,8 @@ void Executor::check_message(const at::Tensor& buffer, const Instr& in, const ch
   }
 }
 
-c10::intrusive_ptr<c10d::Work> Executor::post(bool send, std::vector<at::Tensor>& bufs, const Instr& in) {
+c10::intrusive_ptr<c10d::Work> Executor::post(bool send, at::Tensor& buf, const Instr& in) {
+  std::vector<at::Tensor> bufs{buf};
   try {
     return send ? pg_->send(bufs, static_cast<int>(in.peer), kTag) : pg_->recv(bufs, static_cast<int>(in.peer), kTag);
   } catch (const std::exception& e) {
@@ -167,12 +171,11 @@ void Executor::post_recv(const Instr& in) {
   TORCH_CHECK(!activations || !specs.empty(), where(in), ": no activation shapes known for this receive");
   if (specs.empty()) return;  // gradients: nothing of this stage's output needs one
   Slot& s = slot(in.stage, in.mb);
-  at::Tensor& buf = activations ? s.recv_f_buf : s.recv_b_buf;
-  buf = alloc_message(specs, options_[key]);
-  std::vector<at::Tensor> bufs{buf};
+  Inbox& inbox = activations ? s.recv_f : s.recv_b;
+  inbox.parts = alloc_frame(specs, options_[key], large_message_bytes_);
+  inbox.peer = in.peer;
   maybe_delay();
-  (activations ? s.recv_f_work : s.recv_b_work) = post(false, bufs, in);
-  (activations ? s.recv_f_peer : s.recv_b_peer) = in.peer;
+  for (auto& part : inbox.parts) inbox.works.push_back(post(false, part, in));
 }
 
 void Executor::post_recvs_until(size_t end, size_t at) {
@@ -200,21 +203,22 @@ void Executor::set_send_thread(bool on, int64_t min_bytes) {
   }
 }
 
-void Executor::send(at::Tensor message, size_t index) {
+void Executor::send(std::vector<at::Tensor> parts, size_t index) {
   const Instr& in = program_[index];
   auto task = std::make_shared<SendTask>();
   task->peer = static_cast<int>(in.peer);
   task->tag = kTag;
   maybe_delay();
+  int64_t bytes = 0;
+  for (const auto& p : parts) bytes += static_cast<int64_t>(p.nbytes());
   // sends to a peer keep their order: a small one goes through the worker while it has work
-  const bool queued = sender_ && (static_cast<int64_t>(message.nbytes()) >= threaded_send_bytes_ || !sender_->idle());
-  task->buffer = std::move(message);
+  const bool queued = sender_ && (bytes >= threaded_send_bytes_ || !sender_->idle());
+  task->parts = std::move(parts);
   if (queued) {
     sender_->queue(task);
     ++threaded_sends_;
   } else {
-    std::vector<at::Tensor> bufs{task->buffer};
-    task->work = post(true, bufs, in);
+    for (auto& part : task->parts) task->works.push_back(post(true, part, in));
     task->posted = true;
   }
   sends_.push_back(PendingSend{std::move(task), queued, static_cast<int64_t>(index)});
@@ -268,7 +272,7 @@ void Executor::wait_send(size_t k) {
     }
   }
   try {
-    s.task->work->wait(timeout_);
+    for (auto& work : s.task->works) work->wait(timeout_);
   } catch (const std::exception& e) {
     std::ostringstream os;
     os << where(in) << ": send to rank " << in.peer << " failed (timeout " << timeout_.count() / 1000.0
@@ -416,11 +420,9 @@ void Executor::exec_aborted(size_t index, bool wait, int64_t status) {
     case kB:
     case kI: {  // drain what this action would have consumed
       Slot& s = slot(in.stage, in.mb);
-      auto& work = in.op == kF ? s.recv_f_work : s.recv_b_work;
-      auto& buf = in.op == kF ? s.recv_f_buf : s.recv_b_buf;
-      if (work && wait) wait_recv(work, in, in.op == kF ? "activations" : "output gradients",
-                          in.op == kF ? s.recv_f_peer : s.recv_b_peer);
-      buf.reset();
+      Inbox& inbox = in.op == kF ? s.recv_f : s.recv_b;
+      if (wait) wait_recv(inbox, in, in.op == kF ? "activations" : "output gradients");
+      inbox = Inbox();
       break;
     }
     case kSendF:
@@ -434,7 +436,7 @@ void Executor::exec_aborted(size_t index, bool wait, int64_t status) {
         }
       }
       if (specs.empty()) break;
-      send(abort_message(specs, options_[key], status), index);
+      send(abort_frame(specs, options_[key], status, large_message_bytes_), index);
       break;
     }
     default:
@@ -475,7 +477,7 @@ void Executor::exec(size_t index, const ForwardFn& forward) {
       TORCH_CHECK(!s.outputs.empty(), where(in), ": nothing to send (forward produced no tensors)");
       // The outputs are freed once sent: the message keeps the data alive until the send completes,
       // the autograd graph lives on through the stored gradient edges.
-      send(pack(s.outputs), index);
+      send(frame(s.outputs, large_message_bytes_), index);
       if (free_outputs_) {
         ++freed_outputs_;
       } else {
@@ -488,7 +490,7 @@ void Executor::exec(size_t index, const ForwardFn& forward) {
       Slot& s = slot(in.stage, in.mb);
       std::vector<at::Tensor> grads = take_input_grads(s);
       if (grads.empty()) break;
-      send(pack(grads), index);
+      send(frame(grads, large_message_bytes_), index);
       break;
     }
     case kReduceGrad:
@@ -505,15 +507,15 @@ void Executor::exec(size_t index, const ForwardFn& forward) {
 void Executor::do_forward(const Instr& in, const ForwardFn& forward) {
   Slot& s = slot(in.stage, in.mb);
   const size_t key = in.stage * num_microbatches_ + in.mb;
-  if (s.recv_f_buf.defined()) {
-    wait_recv(s.recv_f_work, in, "activations", s.recv_f_peer);
-    check_message(s.recv_f_buf, in, "activations");
+  if (s.recv_f.posted()) {
+    wait_recv(s.recv_f, in, "activations");
+    check_message(s.recv_f.parts, in, "activations");
     const auto& specs = recv_f_specs_[key];
-    s.inputs = unpack(s.recv_f_buf, specs);
+    s.inputs = unframe(s.recv_f.parts, specs);
     for (size_t k = 0; k < specs.size(); ++k) {
       if (specs[k].requires_grad) s.inputs[k].requires_grad_(true);
     }
-    s.recv_f_buf.reset();
+    s.recv_f = Inbox();
   }
   at::Tensor loss;
   double seed = 1.0;
@@ -554,11 +556,11 @@ void Executor::do_backward(const Instr& in, bool split) {
       grads.push_back(s.loss_seed);
     }
   } else {
-    if (s.recv_b_buf.defined()) {
-      wait_recv(s.recv_b_work, in, "output gradients", s.recv_b_peer);
-      check_message(s.recv_b_buf, in, "output gradients");
-      s.out_grads = unpack(s.recv_b_buf, recv_b_specs_[in.stage * num_microbatches_ + in.mb]);
-      s.recv_b_buf.reset();
+    if (s.recv_b.posted()) {
+      wait_recv(s.recv_b, in, "output gradients");
+      check_message(s.recv_b.parts, in, "output gradients");
+      s.out_grads = unframe(s.recv_b.parts, recv_b_specs_[in.stage * num_microbatches_ + in.mb]);
+      s.recv_b = Inbox();
     }
     TORCH_CHECK(s.out_grads.size() == s.out_edges.size(), where(in), ": received ", s.out_grads.size(),
                 " output gradients for ", s.out_edges.size(), " outputs that need one");

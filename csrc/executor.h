@@ -31,9 +31,10 @@ enum Op : int64_t {
 
 // How many RECV actions ahead of the program point receives are posted by default.
 constexpr int64_t kDefaultRecvWindow = 8;
-// Messages this large are posted from the send thread (below, a thread hand-off costs more than
-// the copy it saves).
-constexpr int64_t kThreadedSendBytes = 64 << 10;
+// Messages of at least this many payload bytes are sent from their tensors' own storage (no
+// packing copy) and posted from the send thread (below this, a thread hand-off costs more than the
+// copy it saves).
+constexpr int64_t kLargeMessageBytes = 64 << 10;
 
 struct Instr {
   int64_t op;
@@ -57,19 +58,23 @@ struct WeightTask {
   torch::autograd::edge_list params;
 };
 
+// A posted receive: the buffers of its message's parts and their pending Works.
+struct Inbox {
+  std::vector<at::Tensor> parts;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  int64_t peer = -1;
+  bool posted() const { return !parts.empty(); }
+};
+
 // State of one (stage, microbatch) during a step.
 struct Slot {
   std::vector<at::Tensor> inputs;           // received activations (leaves)
-  at::Tensor recv_f_buf;                    // buffer of a posted activation receive
-  c10::intrusive_ptr<c10d::Work> recv_f_work;
-  int64_t recv_f_peer = -1;
-  int64_t recv_b_peer = -1;
+  Inbox recv_f;                             // activations
+  Inbox recv_b;                             // output gradients
   std::vector<at::Tensor> outputs;          // until sent
   torch::autograd::edge_list out_edges;     // gradient edges of outputs that need grad
   torch::autograd::Edge loss_edge;          // last stage: the loss
   at::Tensor loss_seed;                     // d(total loss)/d(this loss)
-  at::Tensor recv_b_buf;
-  c10::intrusive_ptr<c10d::Work> recv_b_work;
   std::vector<at::Tensor> out_grads;        // received output gradients
   std::vector<at::Tensor> input_grads;      // to be sent back
   std::vector<WeightTask> weight_tasks;     // for W
@@ -131,8 +136,11 @@ class Executor {
     recv_window_ = n;
     recv_past_sends_ = past_sends;
   }
+  // Messages of at least `min_bytes` payload go as their tensors plus a trailer (see comm.h). Every
+  // rank of the group must use the same value (tests only: the default suits everyone).
+  void set_large_messages(int64_t min_bytes) { large_message_bytes_ = min_bytes; }
   // CPU groups: post messages of at least `min_bytes` from a send thread (see send_worker.h).
-  void set_send_thread(bool on, int64_t min_bytes = kThreadedSendBytes);
+  void set_send_thread(bool on, int64_t min_bytes = kLargeMessageBytes);
   // Benchmarks only: keep sent outputs alive until the end of the step (as torch does).
   void set_free_outputs(bool free) { free_outputs_ = free; }
   // Per-action start/end times (steady clock, microseconds) of the last run, when enabled.
@@ -171,17 +179,17 @@ class Executor {
   void exec_aborted(size_t index, bool wait, int64_t status);
   // Runs program_[from..] aborted; returns the first communication failure met (empty if none).
   std::string finish_aborted(size_t from, bool wait, int64_t status);
-  void check_message(const at::Tensor& buffer, const Instr& in, const char* what);
+  void check_message(const std::vector<at::Tensor>& parts, const Instr& in, const char* what);
   void maybe_delay();
-  c10::intrusive_ptr<c10d::Work> post(bool send, std::vector<at::Tensor>& bufs, const Instr& in);
+  c10::intrusive_ptr<c10d::Work> post(bool send, at::Tensor& buf, const Instr& in);
   void post_recv(const Instr& in);                 // RECV_F / RECV_B: allocate and post
   void post_recvs_until(size_t end, size_t at);    // before program_[at]: posts receives up to ordinal `end`
   void prefetch_recvs(size_t at);                  // before program_[at]: posts the receive window
-  void send(at::Tensor message, size_t index);     // post and keep until waited for
+  void send(std::vector<at::Tensor> parts, size_t index);  // post and keep until waited for
   void do_forward(const Instr& in, const ForwardFn& forward);
   void do_backward(const Instr& in, bool split);
   void do_weight(const Instr& in);
-  void wait_recv(c10::intrusive_ptr<c10d::Work>& work, const Instr& in, const char* what, int64_t peer);
+  void wait_recv(Inbox& inbox, const Instr& in, const char* what);
   void reap_sends();  // waits for every pending send
   void reap_sends_through(int64_t stage, int64_t mb);
   void wait_send_front();
@@ -210,7 +218,8 @@ class Executor {
   int64_t recv_window_ = kDefaultRecvWindow;
   bool recv_past_sends_ = true;
   std::unique_ptr<SendWorker> sender_;
-  int64_t threaded_send_bytes_ = kThreadedSendBytes;
+  int64_t threaded_send_bytes_ = kLargeMessageBytes;
+  int64_t large_message_bytes_ = kLargeMessageBytes;
   int64_t threaded_sends_ = 0;  // in the last run
   std::vector<int64_t> next_local_, prev_local_;
   std::vector<std::unique_ptr<ActionScope>> open_scopes_;  // OVERLAP_F_B containers

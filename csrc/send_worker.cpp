@@ -42,16 +42,18 @@ void SendWorker::loop() {
     tasks_.pop_front();
     busy_ = true;
     lock.unlock();
-    c10::intrusive_ptr<c10d::Work> work;
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
     std::exception_ptr error;
     try {
-      std::vector<at::Tensor> bufs{task->buffer};
-      work = pg_->send(bufs, task->peer, task->tag);
+      for (auto& part : task->parts) {
+        std::vector<at::Tensor> bufs{part};
+        works.push_back(pg_->send(bufs, task->peer, task->tag));
+      }
     } catch (...) {
       error = std::current_exception();
     }
     lock.lock();
-    task->work = std::move(work);
+    task->works = std::move(works);
     task->error = error;
     task->posted = true;
     busy_ = false;

@@ -16,12 +16,12 @@
 
 namespace pipecore {
 
-// One send: its buffer, and once posted its Work or the error posting raised.
+// One message: its parts (sent in order), and once posted their Works or the error posting raised.
 struct SendTask {
-  at::Tensor buffer;
+  std::vector<at::Tensor> parts;
   int peer = -1;
   int tag = 0;
-  c10::intrusive_ptr<c10d::Work> work;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::exception_ptr error;
   bool posted = false;
 };

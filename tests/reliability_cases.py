@@ -13,6 +13,7 @@ from torch import nn
 import pipecore as pc
 from models import make_batch, make_stages, reference_forward
 from pipecore.errors import CommunicationError, InputError, PeerFailedError
+from pipeline_cases import as_large_messages
 
 
 def _pipe(rank, world, name="1f1b", m=4, kind="mlp", group=None, timeout=30, model=None, **kw):
@@ -39,13 +40,13 @@ def _outcome(fn):
         return (type(exc).__name__, str(exc), time.monotonic() - t0)
 
 
-def failing_stage(rank, world, name, bad_rank, where, threaded_sends=False):
+def failing_stage(rank, world, name, bad_rank, where, large=False):
     """A stage raising in forward / loss / backward on `bad_rank`; then a clean step must match the
-    reference (the pipeline recovered). `threaded_sends`: every message goes through the send thread."""
+    reference (the pipeline recovered). `large`: every message takes the large-message path."""
     group = dist.new_group(backend="gloo")
     pipe, model = _pipe(rank, world, name, group=group)
-    if threaded_sends:
-        pipe._executor.set_send_thread(True, 0)
+    if large:
+        as_large_messages(pipe)
     fail = {"on": True}
     stage = pipe.stages[0]
     if rank == bad_rank:
@@ -73,7 +74,7 @@ def failing_stage(rank, world, name, bad_rank, where, threaded_sends=False):
     for s in pipe.stages:
         s.module.zero_grad(set_to_none=True)
     second = _outcome(lambda: _step(pipe, x, y))
-    assert not threaded_sends or pipe._executor.threaded_sends > 0
+    assert not large or pipe._executor.threaded_sends > 0
     # the recovered step equals single-process training
     ref = copy.deepcopy(model)
     nn.CrossEntropyLoss()(reference_forward(ref, x), y).backward()

@@ -40,8 +40,9 @@ def test_receives_posted_ahead(name, world, V, window, past_sends):
 
 @pytest.mark.parametrize("name, world, V", [("gpipe", 4, 1), ("1f1b", 2, 1), ("interleaved_1f1b", 2, 2),
                                             ("interleaved_zb", 2, 2), ("zbv", 2, 2), ("dualpipe", 2, 2)])
-def test_sends_from_the_send_thread(name, world, V):
-    # every message posted by the send thread (as large ones are), 2 steps with an optimizer
+def test_large_messages(name, world, V):
+    # every message as large ones go (tensors from their own storage, then a trailer, posted by the
+    # send thread): 2 steps with an optimizer
     pool(world).run(train_and_compare, name, 2 * world, V, "multi", 4 * world + 1, 2, True, True, False, None, True)
 
 
@@ -72,8 +73,9 @@ def test_split_backward_defers_weight_gradients():
 
 @pytest.mark.parametrize("name, world", [("gpipe", 2), ("1f1b", 2), ("interleaved_1f1b", 2), ("zbv", 2),
                                          ("1f1b", 4)])
-def test_sent_outputs_are_freed(name, world):
-    pool(world).run(sent_outputs_freed, name)
+@pytest.mark.parametrize("large", [False, True], ids=["", "large_messages"])
+def test_sent_outputs_are_freed(name, world, large):
+    pool(world).run(sent_outputs_freed, name, large)
 
 
 def test_profiler_sees_every_action():
@@ -92,8 +94,9 @@ def test_view_outputs_train_correctly():
 
 
 @pytest.mark.parametrize("name", ["1f1b", "interleaved_zb", "dualpipe", "zbv"])
-def test_batch_shape_changes_between_steps(name):
-    plans = pool(2).run(changing_batch_shapes, name)
+@pytest.mark.parametrize("large", [False, True], ids=["", "large_messages"])
+def test_batch_shape_changes_between_steps(name, large):
+    plans = pool(2).run(changing_batch_shapes, name, large)
     assert plans[0] == 4  # train at 12, 9, 16 rows and eval at 9
 
 
