@@ -115,9 +115,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("recv_posted_at", &pipecore::Executor::recv_posted_at,
            "per RECV action of the last run, in program order: the program index before which it was posted")
       .def("run", &run, py::arg("forward"), py::arg("on_abort"))
-      .def("set_trace", &pipecore::Executor::set_trace, py::arg("on"))
+      .def("set_trace", &pipecore::Executor::set_trace, py::arg("on"), py::arg("device") = "cpu")
       .def("trace",
-           [](const pipecore::Executor& self) {
+           [](pipecore::Executor& self) {
              py::list out;
              for (const auto& e : self.trace()) out.append(py::make_tuple(self.label(e.label), e.start_us, e.end_us));
              return out;

@@ -13,6 +13,7 @@
 
 #include "backward.h"
 #include "comm.h"
+#include "device_timer.h"
 #include "send_worker.h"
 #include "trace.h"
 
@@ -291,6 +292,8 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort) {
   freed_outputs_ = 0;
   trace_.clear();
   open_trace_.clear();
+  if (trace_on_ && timer_) timer_->start(now_us());
+  trace_resolved_ = !timer_;
   size_t i = 0;
   std::exception_ptr origin;  // this rank's own failure
   std::string failure;        // what stopped the normal run
@@ -385,6 +388,26 @@ std::string Executor::finish_aborted(size_t from, bool wait, int64_t status) {
   return comm_failure;
 }
 
+void Executor::set_trace(bool on, const std::string& device) {
+  trace_on_ = on;
+  const c10::Device dev(device);
+  timer_.reset();
+  if (on && !dev.is_cpu()) timer_ = std::make_unique<DeviceTimer>(dev);
+}
+
+double Executor::trace_time() { return timer_ ? static_cast<double>(timer_->mark()) : now_us(); }
+
+const std::vector<Executor::TraceEvent>& Executor::trace() {
+  if (!trace_resolved_ && timer_) {
+    for (auto& e : trace_) {
+      e.start_us = timer_->host_us(static_cast<size_t>(e.start_us));
+      e.end_us = timer_->host_us(static_cast<size_t>(e.end_us));
+    }
+  }
+  trace_resolved_ = true;
+  return trace_;
+}
+
 void Executor::exec_traced(size_t i, const ForwardFn& forward) {
   if (!trace_on_) {
     exec(i, forward);
@@ -393,18 +416,18 @@ void Executor::exec_traced(size_t i, const ForwardFn& forward) {
   const Instr& in = program_[i];
   if (in.op == kOverlapBegin) {
     open_trace_.push_back(trace_.size());
-    trace_.push_back({in.label, now_us(), 0.0});
+    trace_.push_back({in.label, trace_time(), 0.0});
     exec(i, forward);
   } else if (in.op == kOverlapEnd) {
     exec(i, forward);
     if (!open_trace_.empty()) {
-      trace_[open_trace_.back()].end_us = now_us();
+      trace_[open_trace_.back()].end_us = trace_time();
       open_trace_.pop_back();
     }
   } else {
-    double t0 = now_us();
+    double t0 = trace_time();
     exec(i, forward);
-    trace_.push_back({in.label, t0, now_us()});
+    trace_.push_back({in.label, t0, trace_time()});
   }
 }
 

@@ -18,6 +18,7 @@
 namespace pipecore {
 
 class ActionScope;
+class DeviceTimer;
 class SendWorker;
 struct SendTask;
 
@@ -144,13 +145,14 @@ class Executor {
   // Benchmarks only: keep sent outputs alive until the end of the step (as torch does).
   void set_free_outputs(bool free) { free_outputs_ = free; }
   // Per-action start/end times (steady clock, microseconds) of the last run, when enabled.
-  void set_trace(bool on) { trace_on_ = on; }
+  // On an accelerator (`device` not CPU) the times come from events on its current stream.
+  void set_trace(bool on, const std::string& device = "cpu");
   struct TraceEvent {
     int64_t label;
     double start_us;
     double end_us;
   };
-  const std::vector<TraceEvent>& trace() const { return trace_; }
+  const std::vector<TraceEvent>& trace();
   const std::string& label(int64_t i) const { return labels_[i]; }
   // Stages that hand their data over on this rank, without communication (-1: none).
   void set_links(int64_t stage, int64_t next_local, int64_t prev_local);
@@ -230,6 +232,9 @@ class Executor {
   std::mt19937_64 rng_;
   std::vector<TraceEvent> trace_;
   std::vector<size_t> open_trace_;  // trace_ entries of open OVERLAP_F_B containers
+  std::unique_ptr<DeviceTimer> timer_;  // accelerators: trace_ times are event indices until read
+  bool trace_resolved_ = true;
+  double trace_time();  // host time now, or an event index on an accelerator
   std::vector<at::Tensor> kept_;  // sent outputs when free_outputs_ is off
 };
 

@@ -125,7 +125,8 @@ class Pipeline:
                 self.local_index[s.stage_index],
                 self.local_index[nxt] if nxt >= 0 and topo.stage_rank[nxt] == self.rank else -1,
                 self.local_index[prv] if prv >= 0 and topo.stage_rank[prv] == self.rank else -1)
-        self._executor.set_trace(bool(trace))
+        # on an accelerator, action times come from events on its stream (one device wait per traced step)
+        self._executor.set_trace(bool(trace), str(self.stages[0].device))
         # gloo runs every operation on its own; NCCL runs a peer pair's operations in posting order
         gloo = dist.get_backend(self.group) == "gloo"
         self._executor.set_recv_window(recv_window, gloo)
@@ -183,7 +184,9 @@ class Pipeline:
 
     def trace(self) -> list[dict]:
         """This rank's actions of the last step: name ("PP:1F0"), start_us and end_us on the
-        host's monotonic clock (shared by all processes of one machine). Needs trace=True."""
+        host's monotonic clock (shared by all processes of one machine). Needs trace=True. On an
+        accelerator the times are when the action's work ran on the device's current stream
+        (events), placed on the host clock by one device wait at the start of each traced step."""
         if not self.trace_enabled:
             raise RuntimeError("tracing is off: create the Pipeline with trace=True")
         return list(self._trace)
