@@ -108,7 +108,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_timeout", &pipecore::Executor::set_timeout, py::arg("seconds"))
       .def("set_free_outputs", &pipecore::Executor::set_free_outputs, py::arg("free"))
       .def("set_recv_window", &pipecore::Executor::set_recv_window, py::arg("receives"),
-           py::arg("past_sends"))
+           py::arg("past_sends"), py::arg("max_bytes") = pipecore::kRecvWindowBytes)
       .def("set_large_messages", &pipecore::Executor::set_large_messages, py::arg("min_bytes"))
       .def("set_send_thread", &pipecore::Executor::set_send_thread, py::arg("on"),
            py::arg("min_bytes") = pipecore::kLargeMessageBytes)

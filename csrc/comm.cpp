@@ -77,6 +77,12 @@ std::vector<at::Tensor> frame(const std::vector<at::Tensor>& tensors, int64_t la
   return {buffer};
 }
 
+int64_t message_bytes(const std::vector<TensorSpec>& specs) {
+  int64_t total = 0;
+  for (const auto& s : specs) total += nbytes(s.shape, s.dtype);
+  return total;
+}
+
 std::vector<at::Tensor> alloc_frame(const std::vector<TensorSpec>& specs, const at::TensorOptions& options,
                                     int64_t large) {
   const int64_t total = payload_bytes(specs);

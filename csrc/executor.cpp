@@ -116,6 +116,9 @@ std::string Executor::where(const Instr& in) const {
 
 void Executor::reset() {
   recvs_posted_ = 0;
+  recvs_reached_ = 0;
+  ahead_bytes_ = 0;
+  ahead_bytes_of_.assign(recv_instrs_.size(), 0);
   threaded_sends_ = 0;
   recv_posted_at_.assign(recv_instrs_.size(), -1);
   for (auto& s : slots_) s = Slot();
@@ -187,11 +190,24 @@ void Executor::post_recvs_until(size_t end, size_t at) {
 }
 
 void Executor::prefetch_recvs(size_t at) {
-  const size_t end = std::min(recvs_through_[at] + static_cast<size_t>(recv_window_), recv_instrs_.size());
+  const size_t reached = recvs_through_[at];
+  for (; recvs_reached_ < std::min(reached, recvs_posted_); ++recvs_reached_) {
+    ahead_bytes_ -= ahead_bytes_of_[recvs_reached_];
+  }
+  const size_t end = std::min(reached + static_cast<size_t>(recv_window_), recv_instrs_.size());
   while (recvs_posted_ < end) {
+    const size_t k = recvs_posted_;
     // a receive behind a send to its peer that has not run yet waits (in-order backends)
-    if (!recv_past_sends_ && send_before_recv_[recvs_posted_] >= static_cast<int64_t>(at)) return;
-    post_recvs_until(recvs_posted_ + 1, at);
+    if (!recv_past_sends_ && send_before_recv_[k] >= static_cast<int64_t>(at)) return;
+    if (k >= reached) {  // ahead of the program: within the byte budget, or the next one
+      const Instr& in = program_[recv_instrs_[k]];
+      const size_t key = in.stage * num_microbatches_ + in.mb;
+      const int64_t bytes = message_bytes(in.op == kRecvF ? recv_f_specs_[key] : recv_b_specs_[key]);
+      if (k > reached && ahead_bytes_ + bytes > recv_window_bytes_) return;
+      ahead_bytes_of_[k] = bytes;
+      ahead_bytes_ += bytes;
+    }
+    post_recvs_until(k + 1, at);
   }
 }
 

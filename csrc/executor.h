@@ -30,8 +30,10 @@ enum Op : int64_t {
   kOverlapBegin = 11, kOverlapEnd = 12,
 };
 
-// How many RECV actions ahead of the program point receives are posted by default.
-constexpr int64_t kDefaultRecvWindow = 8;
+// How many RECV actions ahead of the program point receives are posted by default, and how many
+// bytes of buffers they may hold before the program reaches them.
+constexpr int64_t kDefaultRecvWindow = 32;
+constexpr int64_t kRecvWindowBytes = 16 << 20;
 // Messages of at least this many payload bytes are sent from their tensors' own storage (no
 // packing copy) and posted from the send thread (below this, a thread hand-off costs more than the
 // copy it saves).
@@ -127,15 +129,17 @@ class Executor {
   }
   void set_timeout(double seconds);
   // Receives are posted up to `n` RECV actions ahead of the program point (0: each at its own
-  // action). gloo and NCCL move a message's data only once its receive is posted, so a receive
-  // posted just before its data is needed costs a round trip; posted early, the data is already
-  // there. Each receive posted early holds its buffer that much longer. Backends that run a peer
-  // pair's operations in posting order (NCCL: one stream per pair) would deadlock on a receive
-  // posted before an earlier send to the same peer: `past_sends` = false keeps receives behind those.
-  void set_recv_window(int64_t n, bool past_sends) {
+  // action), holding at most `max_bytes` of buffers ahead (the next receive is always allowed).
+  // gloo and NCCL move a message's data only once its receive is posted, so a receive posted just
+  // before its data is needed costs a round trip; posted early, the data is already there. Each
+  // receive posted early holds its buffer that much longer. Backends that run a peer pair's
+  // operations in posting order (NCCL: one stream per pair) would deadlock on a receive posted
+  // before an earlier send to the same peer: `past_sends` = false keeps receives behind those.
+  void set_recv_window(int64_t n, bool past_sends, int64_t max_bytes = kRecvWindowBytes) {
     TORCH_CHECK(n >= 0, "pipecore: the receive window must be >= 0, got ", n);
     recv_window_ = n;
     recv_past_sends_ = past_sends;
+    recv_window_bytes_ = max_bytes;
   }
   // Messages of at least `min_bytes` payload go as their tensors plus a trailer (see comm.h). Every
   // rank of the group must use the same value (tests only: the default suits everyone).
@@ -218,7 +222,11 @@ class Executor {
   size_t recvs_posted_ = 0;             // RECV actions posted so far in this run
   std::vector<int64_t> recv_posted_at_;  // [k]: program index before which RECV k was posted
   int64_t recv_window_ = kDefaultRecvWindow;
+  int64_t recv_window_bytes_ = kRecvWindowBytes;
   bool recv_past_sends_ = true;
+  std::vector<int64_t> ahead_bytes_of_;  // [k]: buffer bytes of RECV k if it was posted ahead
+  int64_t ahead_bytes_ = 0;             // of receives posted ahead and not reached yet
+  size_t recvs_reached_ = 0;
   std::unique_ptr<SendWorker> sender_;
   int64_t threaded_send_bytes_ = kLargeMessageBytes;
   int64_t large_message_bytes_ = kLargeMessageBytes;

@@ -21,7 +21,7 @@ from .stage import PipelineStage
 DEFAULT_TIMEOUT_S = 300.0
 # Receives posted ahead of the program point: gloo and NCCL move a message only once its receive
 # is posted, so posting each receive just before it is needed puts a round trip on the critical path.
-DEFAULT_RECV_WINDOW = 8
+DEFAULT_RECV_WINDOW = 32
 
 # executor opcodes (csrc/executor.h): the schedule kinds plus an OVERLAP_F_B bracket
 _OVERLAP_BEGIN, _OVERLAP_END = 11, 12
@@ -57,8 +57,9 @@ class Pipeline:
     equals the mean over the batch for mean-reduced losses; only this step's contribution is scaled).
 
     `recv_window`: how many receives are posted ahead of the action that needs them (0: each at
-    its own RECV action). Early receives let a peer's data land while this rank computes; each
-    holds its buffer that much longer.
+    its own RECV action), holding at most 16 MiB of buffers ahead (the next receive always goes).
+    Early receives let a peer's data land while this rank computes; each holds its buffer that
+    much longer.
     """
 
     _instances = 0  # per process; SPMD code creates pipelines in the same order on every rank

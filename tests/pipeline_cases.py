@@ -23,8 +23,8 @@ def _assert_grads_close(got: torch.Tensor | None, want: torch.Tensor | None, wha
 
 def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=True, optimizer=False,
                       accumulate=False, recv_window=None, threaded_sends=False):
-    """`recv_window` = (receives ahead, past_sends): run with that window, and check when every
-    receive was posted. `threaded_sends`: every message goes through the send thread, as large
+    """`recv_window` = (receives ahead, past_sends, max_bytes ahead): run with that window, and check
+    when every receive was posted. `threaded_sends`: every message goes through the send thread, as large
     ones do (tensors from their own storage, then a trailer)."""
     sched = pc.build_schedule(name, world, m, V)
     topo = sched.topology
@@ -92,10 +92,13 @@ def as_large_messages(pipe):
     pipe._executor.set_send_thread(True, 0)
 
 
-def _check_recv_posting(pipe, window, past_sends):
+def _check_recv_posting(pipe, window, past_sends, max_bytes):
     """Each receive was posted exactly when the window allows: as early as possible, never more than
     `window` RECV actions ahead, never after its own RECV action, in program order, and (past_sends
-    off) never before an earlier send to the same peer has been posted."""
+    off) never before an earlier send to the same peer has been posted. A byte budget smaller than
+    any message leaves one receive ahead."""
+    if max_bytes < 16:
+        window = min(window, 1)
     flat, labels = pipe._programs[True]
     program = [flat[i:i + 5] for i in range(0, len(flat), 5)]  # op, stage, mb, peer, label
     SEND, RECV = {4, 6}, {5, 7}

@@ -29,13 +29,14 @@ def test_matches_single_process(name, world, m, V, kind):
 
 
 @pytest.mark.parametrize("past_sends", [True, False], ids=["gloo", "in_order"])
-@pytest.mark.parametrize("window", [0, 3, 1000])
+@pytest.mark.parametrize("window, max_bytes", [(0, 1 << 30), (3, 1 << 30), (1000, 1 << 30), (1000, 1)],
+                         ids=["0", "3", "1000", "1000_within_1_byte"])
 @pytest.mark.parametrize("name, world, V", [("gpipe", 2, 1), ("1f1b", 4, 1), ("interleaved_1f1b", 2, 2),
                                             ("zbv", 2, 2), ("dualpipe", 2, 2)])
-def test_receives_posted_ahead(name, world, V, window, past_sends):
+def test_receives_posted_ahead(name, world, V, window, max_bytes, past_sends):
     # exact training at every receive window, each receive posted exactly when the window allows
     pool(world).run(train_and_compare, name, 2 * world, V, "multi", 4 * world + 1, 2, True, True, False,
-                    (window, past_sends))
+                    (window, past_sends, max_bytes))
 
 
 @pytest.mark.parametrize("name, world, V", [("gpipe", 4, 1), ("1f1b", 2, 1), ("interleaved_1f1b", 2, 2),
