@@ -211,8 +211,7 @@ void Executor::prefetch_recvs(size_t at) {
   }
 }
 
-void Executor::set_send_thread(bool on, int64_t min_bytes) {
-  threaded_send_bytes_ = min_bytes;
+void Executor::set_send_thread(bool on) {
   if (!on) {
     sender_.reset();
   } else if (!sender_) {
@@ -226,10 +225,7 @@ void Executor::send(std::vector<at::Tensor> parts, size_t index) {
   task->peer = static_cast<int>(in.peer);
   task->tag = kTag;
   maybe_delay();
-  int64_t bytes = 0;
-  for (const auto& p : parts) bytes += static_cast<int64_t>(p.nbytes());
-  // sends to a peer keep their order: a small one goes through the worker while it has work
-  const bool queued = sender_ && (bytes >= threaded_send_bytes_ || !sender_->idle());
+  const bool queued = sender_ != nullptr;
   task->parts = std::move(parts);
   if (queued) {
     sender_->queue(task);

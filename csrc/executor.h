@@ -34,9 +34,8 @@ enum Op : int64_t {
 // bytes of buffers they may hold before the program reaches them.
 constexpr int64_t kDefaultRecvWindow = 32;
 constexpr int64_t kRecvWindowBytes = 16 << 20;
-// Messages of at least this many payload bytes are sent from their tensors' own storage (no
-// packing copy) and posted from the send thread (below this, a thread hand-off costs more than the
-// copy it saves).
+// Messages of at least this many payload bytes are sent from their tensors' own storage (below
+// this, one packed send costs less than a send per tensor).
 constexpr int64_t kLargeMessageBytes = 64 << 10;
 
 struct Instr {
@@ -144,8 +143,8 @@ class Executor {
   // Messages of at least `min_bytes` payload go as their tensors plus a trailer (see comm.h). Every
   // rank of the group must use the same value (tests only: the default suits everyone).
   void set_large_messages(int64_t min_bytes) { large_message_bytes_ = min_bytes; }
-  // CPU groups: post messages of at least `min_bytes` from a send thread (see send_worker.h).
-  void set_send_thread(bool on, int64_t min_bytes = kLargeMessageBytes);
+  // CPU groups: post every send from a send thread (see send_worker.h).
+  void set_send_thread(bool on);
   // Benchmarks only: keep sent outputs alive until the end of the step (as torch does).
   void set_free_outputs(bool free) { free_outputs_ = free; }
   // Per-action start/end times (steady clock, microseconds) of the last run, when enabled.
@@ -228,7 +227,6 @@ class Executor {
   int64_t ahead_bytes_ = 0;             // of receives posted ahead and not reached yet
   size_t recvs_reached_ = 0;
   std::unique_ptr<SendWorker> sender_;
-  int64_t threaded_send_bytes_ = kLargeMessageBytes;
   int64_t large_message_bytes_ = kLargeMessageBytes;
   int64_t threaded_sends_ = 0;  // in the last run
   std::vector<int64_t> next_local_, prev_local_;

@@ -23,11 +23,6 @@ void SendWorker::queue(std::shared_ptr<SendTask> task) {
   queued_.notify_one();
 }
 
-bool SendWorker::idle() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return tasks_.empty() && !busy_;
-}
-
 void SendWorker::wait_posted(SendTask& task) {
   std::unique_lock<std::mutex> lock(mu_);
   posted_.wait(lock, [&] { return task.posted; });
@@ -40,7 +35,6 @@ void SendWorker::loop() {
     if (stop_) return;  // queued sends are dropped with the executor
     std::shared_ptr<SendTask> task = std::move(tasks_.front());
     tasks_.pop_front();
-    busy_ = true;
     lock.unlock();
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     std::exception_ptr error;
@@ -56,7 +50,6 @@ void SendWorker::loop() {
     task->works = std::move(works);
     task->error = error;
     task->posted = true;
-    busy_ = false;
     posted_.notify_all();
   }
 }

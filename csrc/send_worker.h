@@ -1,7 +1,7 @@
-// Sends posted from a thread of their own (CPU groups). gloo writes a message into the socket in
-// the posting thread when the receiver is already waiting for it: for a large message that is a
-// memory copy of its whole size, on the compute thread. Posted from here, compute goes on while
-// the bytes move, as a communication stream lets it on a GPU.
+// Sends posted from a thread of their own (CPU groups). Posting a gloo send takes locks shared with
+// gloo's event-loop thread, and when the receiver is already waiting it writes the whole message
+// into the socket in the posting thread. Posted from here, compute goes on meanwhile, as a
+// communication stream lets it on a GPU.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -32,8 +32,6 @@ class SendWorker {
   ~SendWorker();
   // Posts `task` after every task queued before it (sends to a peer keep their order).
   void queue(std::shared_ptr<SendTask> task);
-  // True when every queued task has been posted (a send may then be posted directly).
-  bool idle();
   // Blocks until `task` has been posted (posting never waits for the peer).
   void wait_posted(SendTask& task);
 
@@ -45,7 +43,6 @@ class SendWorker {
   std::condition_variable queued_;
   std::condition_variable posted_;
   std::deque<std::shared_ptr<SendTask>> tasks_;
-  bool busy_ = false;
   bool stop_ = false;
   std::thread thread_;
 };

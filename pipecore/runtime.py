@@ -131,7 +131,7 @@ class Pipeline:
         # gloo runs every operation on its own; NCCL runs a peer pair's operations in posting order
         gloo = dist.get_backend(self.group) == "gloo"
         self._executor.set_recv_window(recv_window, gloo)
-        # gloo copies a large message into the socket in the thread that posts it: not the compute thread
+        # posting a gloo send can block on gloo's locks and copy the message: not on the compute thread
         self._executor.set_send_thread(gloo)
         self._trace: list[dict] = []
         self._step_count = 0

@@ -22,10 +22,9 @@ def _assert_grads_close(got: torch.Tensor | None, want: torch.Tensor | None, wha
 
 
 def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=True, optimizer=False,
-                      accumulate=False, recv_window=None, threaded_sends=False):
+                      accumulate=False, recv_window=None, messages="default"):
     """`recv_window` = (receives ahead, past_sends, max_bytes ahead): run with that window, and check
-    when every receive was posted. `threaded_sends`: every message goes through the send thread, as large
-    ones do (tensors from their own storage, then a trailer)."""
+    when every receive was posted. `messages`: see set_messages."""
     sched = pc.build_schedule(name, world, m, V)
     topo = sched.topology
     n_model = world if topo.style == "dualpipe" else topo.num_stages
@@ -38,8 +37,7 @@ def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=
     pipe = pc.Pipeline(mine, sched, m, loss_fn=loss_fn, scale_grads=scale_grads, timeout=60)
     if recv_window is not None:
         pipe._executor.set_recv_window(*recv_window)  # past_sends=False as on NCCL, here on gloo
-    if threaded_sends:
-        as_large_messages(pipe)
+    set_messages(pipe, messages)
     params = [p for s in mine for p in s.module.parameters()]
     ref_params = [p for s in ref for p in s.parameters()]
     opt = torch.optim.SGD(params, lr=0.05) if optimizer else None
@@ -74,8 +72,10 @@ def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=
             assert out is None and losses == []
         if recv_window is not None:
             _check_recv_posting(pipe, *recv_window)
-        if threaded_sends:
+        if messages != "direct" and (pipe.has_first or world > 1):
             assert pipe._executor.threaded_sends > 0
+        elif messages == "direct":
+            assert pipe._executor.threaded_sends == 0
         if optimizer:
             opt.step()
             ref_opt.step()
@@ -85,11 +85,13 @@ def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=
     return worst
 
 
-def as_large_messages(pipe):
-    """Every message takes the large-message path: its tensors sent from their own storage, then
-    a trailer, all posted by the send thread."""
-    pipe._executor.set_large_messages(0)
-    pipe._executor.set_send_thread(True, 0)
+def set_messages(pipe, mode):
+    """mode "large": every message as large ones go (its tensors from their own storage, then a
+    trailer); "direct": sends posted by the compute thread (as on NCCL), not the send thread."""
+    if mode == "large":
+        pipe._executor.set_large_messages(0)
+    elif mode == "direct":
+        pipe._executor.set_send_thread(False)
 
 
 def _check_recv_posting(pipe, window, past_sends, max_bytes):
@@ -145,7 +147,7 @@ def split_backward_defers_weight_grads(rank, world):
     return True
 
 
-def sent_outputs_freed(rank, world, name, large=False):
+def sent_outputs_freed(rank, world, name, messages="default"):
     """Sent activations are released (storage too) before their backward; after step() nothing of
     the step (outputs, received buffers, saved activations) is alive."""
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -176,8 +178,7 @@ def sent_outputs_freed(rank, world, name, large=False):
     for s in mine:
         s.module.register_forward_hook(keep(s.stage_index))
     pipe = pc.Pipeline(mine, sched, 4, loss_fn=nn.CrossEntropyLoss())
-    if large:
-        as_large_messages(pipe)
+    set_messages(pipe, messages)
     x, y = make_batch(8)
     pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
     assert not problems, problems
@@ -287,7 +288,7 @@ def traced_step(rank, world, out_dir):
     return events
 
 
-def changing_batch_shapes(rank, world, name, large=False):
+def changing_batch_shapes(rank, world, name, messages="default"):
     """Batches of different sizes step after step (and eval in between): each step equals
     single-process training; shapes are agreed on again only when they change."""
     V = 1 if name in ("gpipe", "1f1b") else 2
@@ -299,8 +300,7 @@ def changing_batch_shapes(rank, world, name, large=False):
     mine = [pc.PipelineStage(copy.deepcopy(model[topo.model_stage[s]]), s, sched.num_stages)
             for s in sched.rank_stages(rank)]
     pipe = pc.Pipeline(mine, sched, 4, loss_fn=nn.CrossEntropyLoss(), timeout=60)
-    if large:
-        as_large_messages(pipe)
+    set_messages(pipe, messages)
     for i, rows in enumerate([12, 12, 9, 9, 12, 16]):
         x, y = make_batch(rows, seed=i)
         if i == 3:

@@ -13,7 +13,7 @@ from torch import nn
 import pipecore as pc
 from models import make_batch, make_stages, reference_forward
 from pipecore.errors import CommunicationError, InputError, PeerFailedError
-from pipeline_cases import as_large_messages
+from pipeline_cases import set_messages
 
 
 def _pipe(rank, world, name="1f1b", m=4, kind="mlp", group=None, timeout=30, model=None, **kw):
@@ -40,13 +40,12 @@ def _outcome(fn):
         return (type(exc).__name__, str(exc), time.monotonic() - t0)
 
 
-def failing_stage(rank, world, name, bad_rank, where, large=False):
+def failing_stage(rank, world, name, bad_rank, where, messages="default"):
     """A stage raising in forward / loss / backward on `bad_rank`; then a clean step must match the
-    reference (the pipeline recovered). `large`: every message takes the large-message path."""
+    reference (the pipeline recovered). `messages`: see set_messages."""
     group = dist.new_group(backend="gloo")
     pipe, model = _pipe(rank, world, name, group=group)
-    if large:
-        as_large_messages(pipe)
+    set_messages(pipe, messages)
     fail = {"on": True}
     stage = pipe.stages[0]
     if rank == bad_rank:
@@ -74,7 +73,6 @@ def failing_stage(rank, world, name, bad_rank, where, large=False):
     for s in pipe.stages:
         s.module.zero_grad(set_to_none=True)
     second = _outcome(lambda: _step(pipe, x, y))
-    assert not large or pipe._executor.threaded_sends > 0
     # the recovered step equals single-process training
     ref = copy.deepcopy(model)
     nn.CrossEntropyLoss()(reference_forward(ref, x), y).backward()

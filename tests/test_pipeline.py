@@ -41,10 +41,12 @@ def test_receives_posted_ahead(name, world, V, window, max_bytes, past_sends):
 
 @pytest.mark.parametrize("name, world, V", [("gpipe", 4, 1), ("1f1b", 2, 1), ("interleaved_1f1b", 2, 2),
                                             ("interleaved_zb", 2, 2), ("zbv", 2, 2), ("dualpipe", 2, 2)])
-def test_large_messages(name, world, V):
-    # every message as large ones go (tensors from their own storage, then a trailer, posted by the
-    # send thread): 2 steps with an optimizer
-    pool(world).run(train_and_compare, name, 2 * world, V, "multi", 4 * world + 1, 2, True, True, False, None, True)
+@pytest.mark.parametrize("messages", ["large", "direct"])
+def test_message_paths(name, world, V, messages):
+    # every message as large ones go (tensors from their own storage, then a trailer), or every
+    # send posted by the compute thread (as on NCCL): 2 steps with an optimizer
+    pool(world).run(train_and_compare, name, 2 * world, V, "multi", 4 * world + 1, 2, True, True, False, None,
+                    messages)
 
 
 @pytest.mark.parametrize("name", ["1f1b", "interleaved_zb", "zbv", "dualpipev", "dualpipe"])
@@ -74,9 +76,9 @@ def test_split_backward_defers_weight_gradients():
 
 @pytest.mark.parametrize("name, world", [("gpipe", 2), ("1f1b", 2), ("interleaved_1f1b", 2), ("zbv", 2),
                                          ("1f1b", 4)])
-@pytest.mark.parametrize("large", [False, True], ids=["", "large_messages"])
-def test_sent_outputs_are_freed(name, world, large):
-    pool(world).run(sent_outputs_freed, name, large)
+@pytest.mark.parametrize("messages", ["default", "large", "direct"])
+def test_sent_outputs_are_freed(name, world, messages):
+    pool(world).run(sent_outputs_freed, name, messages)
 
 
 def test_profiler_sees_every_action():
@@ -95,9 +97,9 @@ def test_view_outputs_train_correctly():
 
 
 @pytest.mark.parametrize("name", ["1f1b", "interleaved_zb", "dualpipe", "zbv"])
-@pytest.mark.parametrize("large", [False, True], ids=["", "large_messages"])
-def test_batch_shape_changes_between_steps(name, large):
-    plans = pool(2).run(changing_batch_shapes, name, large)
+@pytest.mark.parametrize("messages", ["default", "large"])
+def test_batch_shape_changes_between_steps(name, messages):
+    plans = pool(2).run(changing_batch_shapes, name, messages)
     assert plans[0] == 4  # train at 12, 9, 16 rows and eval at 9
 
 

@@ -11,9 +11,9 @@ from reliability_cases import (bad_input, construction_errors, dying_rank, faili
     ("1f1b", 2, 0, "forward"), ("1f1b", 4, 2, "forward"), ("1f1b", 2, 1, "loss"), ("interleaved_zb", 2, 1, "forward"),
     ("zbv", 2, 0, "backward"), ("dualpipev", 2, 1, "forward"), ("gpipe", 4, 3, "loss"), ("dualpipe", 2, 0, "forward"),
 ])
-@pytest.mark.parametrize("large", [False, True], ids=["", "large_messages"])
-def test_a_failing_rank_ends_the_step_everywhere_and_the_next_step_works(name, world, bad_rank, where, large):
-    results = pool(world).run(failing_stage, name, bad_rank, where, large, timeout=60)
+@pytest.mark.parametrize("messages", ["default", "large", "direct"])
+def test_a_failing_rank_ends_the_step_everywhere_and_the_next_step_works(name, world, bad_rank, where, messages):
+    results = pool(world).run(failing_stage, name, bad_rank, where, messages, timeout=60)
     for rank, (first, second) in enumerate(results):
         kind, msg, seconds = first
         assert seconds < 10, (rank, first)
