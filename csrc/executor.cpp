@@ -14,7 +14,7 @@
 #include "backward.h"
 #include "comm.h"
 #include "device_timer.h"
-#include "send_worker.h"
+#include "comm_worker.h"
 #include "trace.h"
 
 namespace pipecore {
@@ -119,7 +119,7 @@ void Executor::reset() {
   recvs_reached_ = 0;
   ahead_bytes_ = 0;
   ahead_bytes_of_.assign(recv_instrs_.size(), 0);
-  threaded_sends_ = 0;
+  threaded_posts_ = 0;
   recv_posted_at_.assign(recv_instrs_.size(), -1);
   for (auto& s : slots_) s = Slot();
   sends_.clear();
@@ -127,19 +127,21 @@ void Executor::reset() {
 }
 
 void Executor::wait_recv(Inbox& inbox, const Instr& in, const char* what) {
-  for (auto& work : inbox.works) {
+  if (!inbox.task) return;
+  if (inbox.queued) await_posted(*inbox.task, in);
+  for (auto& work : inbox.task->works) {
     if (!work) continue;
     try {
       work->wait(timeout_);
     } catch (const std::exception& e) {
       std::ostringstream os;
-      os << where(in) << ": waiting for " << what << " of microbatch " << in.mb << " from rank " << inbox.peer
+      os << where(in) << ": waiting for " << what << " of microbatch " << in.mb << " from rank " << inbox.task->peer
          << " failed (timeout " << timeout_.count() / 1000.0 << " s): " << e.what();
       throw CommError(os.str());
     }
     work.reset();
   }
-  inbox.works.clear();
+  inbox.task->works.clear();
 }
 
 void Executor::check_message(const std::vector<at::Tensor>& parts, const Instr& in, const char* what) {
@@ -176,10 +178,11 @@ void Executor::post_recv(const Instr& in) {
   if (specs.empty()) return;  // gradients: nothing of this stage's output needs one
   Slot& s = slot(in.stage, in.mb);
   Inbox& inbox = activations ? s.recv_f : s.recv_b;
-  inbox.parts = alloc_frame(specs, options_[key], large_message_bytes_);
-  inbox.peer = in.peer;
+  inbox.task = std::make_shared<CommTask>();
+  inbox.task->send = false;
+  inbox.task->parts = alloc_frame(specs, options_[key], large_message_bytes_);
   maybe_delay();
-  for (auto& part : inbox.parts) inbox.works.push_back(post(false, part, in));
+  inbox.queued = post_task(inbox.task, in);
 }
 
 void Executor::post_recvs_until(size_t end, size_t at) {
@@ -211,29 +214,46 @@ void Executor::prefetch_recvs(size_t at) {
   }
 }
 
-void Executor::set_send_thread(bool on) {
+void Executor::set_comm_thread(bool on) {
   if (!on) {
-    sender_.reset();
-  } else if (!sender_) {
-    sender_ = std::make_unique<SendWorker>(pg_);
+    worker_.reset();
+  } else if (!worker_) {
+    worker_ = std::make_unique<CommWorker>(pg_);
   }
 }
 
-void Executor::send(std::vector<at::Tensor> parts, size_t index) {
-  const Instr& in = program_[index];
-  auto task = std::make_shared<SendTask>();
+bool Executor::post_task(const std::shared_ptr<CommTask>& task, const Instr& in) {
   task->peer = static_cast<int>(in.peer);
   task->tag = kTag;
-  maybe_delay();
-  const bool queued = sender_ != nullptr;
-  task->parts = std::move(parts);
-  if (queued) {
-    sender_->queue(task);
-    ++threaded_sends_;
-  } else {
-    for (auto& part : task->parts) task->works.push_back(post(true, part, in));
-    task->posted = true;
+  if (worker_) {
+    worker_->queue(task);
+    ++threaded_posts_;
+    return true;
   }
+  for (auto& part : task->parts) task->works.push_back(post(task->send, part, in));
+  task->posted = true;
+  return false;
+}
+
+void Executor::await_posted(CommTask& task, const Instr& in) {
+  worker_->wait_posted(task);
+  if (!task.error) return;
+  std::string text = "unknown error";
+  try {
+    std::rethrow_exception(task.error);
+  } catch (const std::exception& e) {
+    text = e.what();
+  } catch (...) {
+  }
+  throw CommError(where(in) + ": " + (task.send ? "sending to" : "receiving from") + " rank " +
+                  std::to_string(task.peer) + " failed: " + text);
+}
+
+void Executor::send(std::vector<at::Tensor> parts, size_t index) {
+  auto task = std::make_shared<CommTask>();
+  task->parts = std::move(parts);
+  maybe_delay();
+  const bool queued = post_task(task, program_[index]);
   sends_.push_back(PendingSend{std::move(task), queued, static_cast<int64_t>(index)});
 }
 
@@ -271,19 +291,7 @@ void Executor::reap_sends_through(int64_t stage, int64_t mb) {
 void Executor::wait_send(size_t k) {
   auto& s = sends_[k];
   const Instr& in = program_[s.instr];
-  if (s.queued) {
-    sender_->wait_posted(*s.task);
-    if (s.task->error) {
-      std::string text = "unknown error";
-      try {
-        std::rethrow_exception(s.task->error);
-      } catch (const std::exception& e) {
-        text = e.what();
-      } catch (...) {
-      }
-      throw CommError(where(in) + ": sending to rank " + std::to_string(in.peer) + " failed: " + text);
-    }
-  }
+  if (s.queued) await_posted(*s.task, in);
   try {
     for (auto& work : s.task->works) work->wait(timeout_);
   } catch (const std::exception& e) {
@@ -544,9 +552,9 @@ void Executor::do_forward(const Instr& in, const ForwardFn& forward) {
   const size_t key = in.stage * num_microbatches_ + in.mb;
   if (s.recv_f.posted()) {
     wait_recv(s.recv_f, in, "activations");
-    check_message(s.recv_f.parts, in, "activations");
+    check_message(s.recv_f.task->parts, in, "activations");
     const auto& specs = recv_f_specs_[key];
-    s.inputs = unframe(s.recv_f.parts, specs);
+    s.inputs = unframe(s.recv_f.task->parts, specs);
     for (size_t k = 0; k < specs.size(); ++k) {
       if (specs[k].requires_grad) s.inputs[k].requires_grad_(true);
     }
@@ -593,8 +601,8 @@ void Executor::do_backward(const Instr& in, bool split) {
   } else {
     if (s.recv_b.posted()) {
       wait_recv(s.recv_b, in, "output gradients");
-      check_message(s.recv_b.parts, in, "output gradients");
-      s.out_grads = unframe(s.recv_b.parts, recv_b_specs_[in.stage * num_microbatches_ + in.mb]);
+      check_message(s.recv_b.task->parts, in, "output gradients");
+      s.out_grads = unframe(s.recv_b.task->parts, recv_b_specs_[in.stage * num_microbatches_ + in.mb]);
       s.recv_b = Inbox();
     }
     TORCH_CHECK(s.out_grads.size() == s.out_edges.size(), where(in), ": received ", s.out_grads.size(),

@@ -19,8 +19,8 @@ namespace pipecore {
 
 class ActionScope;
 class DeviceTimer;
-class SendWorker;
-struct SendTask;
+class CommWorker;
+struct CommTask;
 
 // Instruction opcodes: the schedule's action kinds, plus the bracket of an OVERLAP_F_B container.
 enum Op : int64_t {
@@ -62,10 +62,9 @@ struct WeightTask {
 
 // A posted receive: the buffers of its message's parts and their pending Works.
 struct Inbox {
-  std::vector<at::Tensor> parts;
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  int64_t peer = -1;
-  bool posted() const { return !parts.empty(); }
+  std::shared_ptr<CommTask> task;
+  bool queued = false;  // posted by the comm worker (else here)
+  bool posted() const { return task != nullptr; }
 };
 
 // State of one (stage, microbatch) during a step.
@@ -84,8 +83,8 @@ struct Slot {
 };
 
 struct PendingSend {
-  std::shared_ptr<SendTask> task;  // its buffer keeps the sent data alive until the send completes
-  bool queued;                     // posted by the send worker (else here)
+  std::shared_ptr<CommTask> task;  // its parts keep the sent data alive until the send completes
+  bool queued;                     // posted by the comm worker (else here)
   int64_t instr;
 };
 
@@ -143,8 +142,8 @@ class Executor {
   // Messages of at least `min_bytes` payload go as their tensors plus a trailer (see comm.h). Every
   // rank of the group must use the same value (tests only: the default suits everyone).
   void set_large_messages(int64_t min_bytes) { large_message_bytes_ = min_bytes; }
-  // CPU groups: post every send from a send thread (see send_worker.h).
-  void set_send_thread(bool on);
+  // CPU groups: post every send and receive from a thread of its own (see comm_worker.h).
+  void set_comm_thread(bool on);
   // Benchmarks only: keep sent outputs alive until the end of the step (as torch does).
   void set_free_outputs(bool free) { free_outputs_ = free; }
   // Per-action start/end times (steady clock, microseconds) of the last run, when enabled.
@@ -173,7 +172,7 @@ class Executor {
   int64_t rank() const { return rank_; }
   // Stats of the last run, for tests and benchmarks.
   int64_t freed_outputs() const { return freed_outputs_; }
-  int64_t threaded_sends() const { return threaded_sends_; }
+  int64_t threaded_posts() const { return threaded_posts_; }
   const std::vector<int64_t>& recv_posted_at() const { return recv_posted_at_; }
   const std::vector<Instr>& program() const { return program_; }
 
@@ -195,6 +194,10 @@ class Executor {
   void do_backward(const Instr& in, bool split);
   void do_weight(const Instr& in);
   void wait_recv(Inbox& inbox, const Instr& in, const char* what);
+  // Posts `task` here or through the comm worker; returns whether it was queued.
+  bool post_task(const std::shared_ptr<CommTask>& task, const Instr& in);
+  // Waits until a queued task is posted; a posting error becomes a CommError.
+  void await_posted(CommTask& task, const Instr& in);
   void reap_sends();  // waits for every pending send
   void reap_sends_through(int64_t stage, int64_t mb);
   void wait_send_front();
@@ -226,9 +229,9 @@ class Executor {
   std::vector<int64_t> ahead_bytes_of_;  // [k]: buffer bytes of RECV k if it was posted ahead
   int64_t ahead_bytes_ = 0;             // of receives posted ahead and not reached yet
   size_t recvs_reached_ = 0;
-  std::unique_ptr<SendWorker> sender_;
+  std::unique_ptr<CommWorker> worker_;
   int64_t large_message_bytes_ = kLargeMessageBytes;
-  int64_t threaded_sends_ = 0;  // in the last run
+  int64_t threaded_posts_ = 0;  // messages posted by the comm worker in the last run
   std::vector<int64_t> next_local_, prev_local_;
   std::vector<std::unique_ptr<ActionScope>> open_scopes_;  // OVERLAP_F_B containers
   int64_t freed_outputs_ = 0;

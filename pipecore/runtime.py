@@ -131,8 +131,9 @@ class Pipeline:
         # gloo runs every operation on its own; NCCL runs a peer pair's operations in posting order
         gloo = dist.get_backend(self.group) == "gloo"
         self._executor.set_recv_window(recv_window, gloo)
-        # posting a gloo send can block on gloo's locks and copy the message: not on the compute thread
-        self._executor.set_send_thread(gloo)
+        # posting a gloo operation can block on gloo's locks (and a send copy the message): not on the
+        # compute thread
+        self._executor.set_comm_thread(gloo)
         self._trace: list[dict] = []
         self._step_count = 0
         self._plans: dict[tuple[int, bool], dict] = {}

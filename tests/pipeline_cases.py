@@ -73,9 +73,9 @@ def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=
         if recv_window is not None:
             _check_recv_posting(pipe, *recv_window)
         if messages != "direct" and (pipe.has_first or world > 1):
-            assert pipe._executor.threaded_sends > 0
+            assert pipe._executor.threaded_posts > 0
         elif messages == "direct":
-            assert pipe._executor.threaded_sends == 0
+            assert pipe._executor.threaded_posts == 0
         if optimizer:
             opt.step()
             ref_opt.step()
@@ -87,11 +87,12 @@ def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=
 
 def set_messages(pipe, mode):
     """mode "large": every message as large ones go (its tensors from their own storage, then a
-    trailer); "direct": sends posted by the compute thread (as on NCCL), not the send thread."""
+    trailer); "direct": sends and receives posted by the compute thread (as on NCCL), not the comm
+    thread."""
     if mode == "large":
         pipe._executor.set_large_messages(0)
     elif mode == "direct":
-        pipe._executor.set_send_thread(False)
+        pipe._executor.set_comm_thread(False)
 
 
 def _check_recv_posting(pipe, window, past_sends, max_bytes):

@@ -1,12 +1,12 @@
-#include "send_worker.h"
+#include "comm_worker.h"
 
 namespace pipecore {
 
-SendWorker::SendWorker(c10::intrusive_ptr<c10d::ProcessGroup> pg) : pg_(std::move(pg)) {
+CommWorker::CommWorker(c10::intrusive_ptr<c10d::ProcessGroup> pg) : pg_(std::move(pg)) {
   thread_ = std::thread([this] { loop(); });
 }
 
-SendWorker::~SendWorker() {
+CommWorker::~CommWorker() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -15,7 +15,7 @@ SendWorker::~SendWorker() {
   thread_.join();
 }
 
-void SendWorker::queue(std::shared_ptr<SendTask> task) {
+void CommWorker::queue(std::shared_ptr<CommTask> task) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     tasks_.push_back(std::move(task));
@@ -23,17 +23,17 @@ void SendWorker::queue(std::shared_ptr<SendTask> task) {
   queued_.notify_one();
 }
 
-void SendWorker::wait_posted(SendTask& task) {
+void CommWorker::wait_posted(CommTask& task) {
   std::unique_lock<std::mutex> lock(mu_);
   posted_.wait(lock, [&] { return task.posted; });
 }
 
-void SendWorker::loop() {
+void CommWorker::loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     queued_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
     if (stop_) return;  // queued sends are dropped with the executor
-    std::shared_ptr<SendTask> task = std::move(tasks_.front());
+    std::shared_ptr<CommTask> task = std::move(tasks_.front());
     tasks_.pop_front();
     lock.unlock();
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
@@ -41,7 +41,7 @@ void SendWorker::loop() {
     try {
       for (auto& part : task->parts) {
         std::vector<at::Tensor> bufs{part};
-        works.push_back(pg_->send(bufs, task->peer, task->tag));
+        works.push_back(task->send ? pg_->send(bufs, task->peer, task->tag) : pg_->recv(bufs, task->peer, task->tag));
       }
     } catch (...) {
       error = std::current_exception();

@@ -1,0 +1,52 @@
+// Sends and receives posted from a thread of their own (CPU groups). Posting a gloo operation takes
+// locks shared with gloo's event-loop thread, and a send whose receiver is already waiting writes
+// the whole message into the socket in the posting thread. Posted from here, compute goes on
+// meanwhile, as a communication stream lets it on a GPU.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+namespace pipecore {
+
+// One message: its parts (sent or received in order), and once posted their Works or the error
+// posting raised.
+struct CommTask {
+  bool send = true;
+  std::vector<at::Tensor> parts;
+  int peer = -1;
+  int tag = 0;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::exception_ptr error;
+  bool posted = false;
+};
+
+class CommWorker {
+ public:
+  explicit CommWorker(c10::intrusive_ptr<c10d::ProcessGroup> pg);
+  ~CommWorker();
+  // Posts `task` after every task queued before it (operations with a peer keep their order).
+  void queue(std::shared_ptr<CommTask> task);
+  // Blocks until `task` has been posted (posting never waits for the peer).
+  void wait_posted(CommTask& task);
+
+ private:
+  void loop();
+
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  std::mutex mu_;
+  std::condition_variable queued_;
+  std::condition_variable posted_;
+  std::deque<std::shared_ptr<CommTask>> tasks_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace pipecore
