@@ -22,24 +22,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args, results):
+def _entry(rank, world, port, fn, args, results, backend):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         results.put((rank, fn(rank, world, *args)))
     finally:
         dist.destroy_process_group()
 
 
-def spawn(fn: Callable, world: int, *args):
-    """Run fn(rank, world, *args) on `world` gloo ranks; returns the per-rank results."""
+def spawn(fn: Callable, world: int, *args, backend: str = "gloo"):
+    """Run fn(rank, world, *args) on `world` ranks (gloo, or nccl with one GPU per rank); returns the
+    per-rank results."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, results)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, results, backend)) for r in range(world)]
     for p in procs:
         p.start()
     out = {}

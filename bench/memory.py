@@ -4,9 +4,10 @@ torch.distributed.pipelining on the same schedule and stage modules.
 Each variant runs in fresh processes. On CPU the measure is the peak resident set size during the
 first steps above the resident set before them (torch allocates persistent receive buffers in its
 first step, so it is included), with glibc told to serve large
-blocks by mmap so that freed tensors leave the resident set at once.
+blocks by mmap so that freed tensors leave the resident set at once. With --device cuda (NCCL, one
+GPU per rank) it is the caching allocator's peak of allocated bytes above what was allocated before.
 
-    python bench/memory.py [--width 1024] [--rows 256] [--microbatches 8]
+    python bench/memory.py [--width 1024] [--rows 256] [--microbatches 8] [--device cuda]
 """
 
 from __future__ import annotations
@@ -35,27 +36,28 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def _peak_rank(rank, world, variant, name, m, width, rows, steps):
+def _peak_rank(rank, world, variant, name, m, width, rows, steps, device="cpu"):
     import torch
     from torch import nn
 
     import pipecore as pc
 
+    dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     V = 1 if name in ("gpipe", "1f1b") else 2
     sched = pc.build_schedule(name, world, m, V)
     torch.manual_seed(0)
-    model = [nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
+    model = [nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width)).to(dev)
              for _ in range(sched.num_stages)]
     mine = sched.rank_stages(rank)
     loss_fn = nn.MSELoss()
     first = sched.topology.stage_rank[0] == rank
     last = sched.topology.stage_rank[sched.num_stages - 1] == rank
-    x, y = torch.randn(rows, width), torch.randn(rows, width)
+    x, y = torch.randn(rows, width, device=dev), torch.randn(rows, width, device=dev)
     if variant == "torch":
         from torch.distributed.pipelining import PipelineStage as TorchStage
         from torch.distributed.pipelining import schedules as ts
 
-        stages = [TorchStage(copy.deepcopy(model[s]), s, sched.num_stages, torch.device("cpu")) for s in mine]
+        stages = [TorchStage(copy.deepcopy(model[s]), s, sched.num_stages, dev) for s in mine]
         runner = getattr(ts, TORCH_CLASS[name])(stages[0] if V == 1 else stages, m, loss_fn=loss_fn)
 
         def step():
@@ -77,6 +79,14 @@ def _peak_rank(rank, world, variant, name, m, width, rows, steps):
     import gc
 
     gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated() / 2**20
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() / 2**20 - base
     base = _status_mib("VmRSS")
     _reset_peak()
     for _ in range(steps):
@@ -96,18 +106,28 @@ def main(argv=None):
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: NCCL, one GPU per rank, allocator statistics")
     ap.add_argument("--plot", default=None)
     a = ap.parse_args(argv)
+    if a.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
+            ap.error("--device cuda needs a CUDA build of torch and a GPU; this machine has neither")
+    backend = "nccl" if a.device == "cuda" else "gloo"
     act_mib = a.rows // a.microbatches * a.width * 4 / 2**20
     rows = []
     for name in a.schedules:
-        res = {v: spawn(_peak_rank, a.ranks, v, name, a.microbatches, a.width, a.rows, a.steps)
+        res = {v: spawn(_peak_rank, a.ranks, v, name, a.microbatches, a.width, a.rows, a.steps, a.device,
+                        backend=backend)
                for v in ("torch", "pipecore-keep", "pipecore")}
         for r in range(a.ranks):
             t, k, p = res["torch"][r], res["pipecore-keep"][r], res["pipecore"][r]
             rows.append([name, r, t, k, p, f"{p / t:.2f}x"])
-    title = (f"peak RSS during the first {a.steps} steps above the RSS before them; {a.ranks} ranks, {a.microbatches} microbatches, "
-                f"stage = Linear-GELU-Linear({a.width}), one activation = {act_mib:.1f} MiB")
+    measure = ("peak allocated CUDA memory" if a.device == "cuda" else "peak RSS")
+    title = (f"{measure} during the first {a.steps} steps above what was there before them; {a.ranks} ranks, "
+             f"{a.microbatches} microbatches, stage = Linear-GELU-Linear({a.width}), one activation = {act_mib:.1f} MiB")
     print(table(["schedule", "rank", "torch MiB", "pipecore no-free MiB", "pipecore MiB", "pipecore/torch"], rows, title))
     if a.plot:
         bar_plot(a.plot, [f"{r[0]} r{r[1]}" for r in rows], {"torch": [r[2] for r in rows],

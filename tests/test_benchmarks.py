@@ -1,0 +1,30 @@
+"""Every benchmark runs end to end on tiny sizes and prints its table (the numbers are the
+benchmarks' business; this keeps them from rotting)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+CASES = {
+    "build": ["--schedules", "1f1b", "zbv", "--ranks", "4", "--microbatches", "8", "--repeats", "1"],
+    "overhead": ["--stages", "2", "--microbatches", "4", "--repeats", "2"],
+    "vs_torch": ["--schedules", "1f1b", "zbv", "--microbatches", "4", "--blocks", "1", "--steps", "1"],
+    "memory": ["--schedules", "1f1b", "--microbatches", "2", "--rows", "64", "--width", "64", "--steps", "1"],
+    "overlap": ["--schedules", "1f1b", "--microbatches", "2", "--forward-ms", "1", "--backward-ms", "1",
+                "--mib", "0.1", "--steps", "1"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_benchmark_prints_its_table(name, tmp_path):
+    plot = str(tmp_path / f"{name}.png")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", f"{name}.py"), *CASES[name], "--plot", plot],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) >= 4 and set(lines[2].replace(" ", "")) == {"-"}, out.stdout  # title, header, rule, rows
+    assert os.path.getsize(plot) > 0
