@@ -44,7 +44,7 @@ def test_receives_posted_ahead(name, world, V, window, max_bytes, past_sends):
 @pytest.mark.parametrize("messages", ["large", "direct"])
 def test_message_paths(name, world, V, messages):
     # every message as large ones go (tensors from their own storage, then a trailer), or every
-    # send posted by the compute thread (as on NCCL): 2 steps with an optimizer
+    # send and receive posted by the compute thread (as on NCCL): 2 steps with an optimizer
     pool(world).run(train_and_compare, name, 2 * world, V, "multi", 4 * world + 1, 2, True, True, False, None,
                     messages)
 
