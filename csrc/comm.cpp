@@ -21,12 +21,6 @@ int64_t nbytes(const std::vector<int64_t>& shape, c10::ScalarType dtype) {
 
 int64_t aligned(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-int64_t payload_bytes(const std::vector<TensorSpec>& specs) {
-  int64_t total = 0;
-  for (const auto& s : specs) total += aligned(nbytes(s.shape, s.dtype));
-  return total;
-}
-
 int64_t payload_bytes(const std::vector<at::Tensor>& tensors) {
   int64_t total = 0;
   for (const auto& t : tensors) total += aligned(static_cast<int64_t>(t.nbytes()));
@@ -54,6 +48,12 @@ at::Tensor trailer_part(const at::TensorOptions& options, int64_t status) {
 
 }  // namespace
 
+int64_t payload_bytes(const std::vector<TensorSpec>& specs) {
+  int64_t total = 0;
+  for (const auto& s : specs) total += aligned(nbytes(s.shape, s.dtype));
+  return total;
+}
+
 std::vector<at::Tensor> frame(const std::vector<at::Tensor>& tensors, int64_t large) {
   TORCH_CHECK(!tensors.empty(), "pipecore: a message needs at least one tensor");
   const int64_t total = payload_bytes(tensors);
@@ -75,12 +75,6 @@ std::vector<at::Tensor> frame(const std::vector<at::Tensor>& tensors, int64_t la
   }
   write_trailer(buffer, kMessageOk);
   return {buffer};
-}
-
-int64_t message_bytes(const std::vector<TensorSpec>& specs) {
-  int64_t total = 0;
-  for (const auto& s : specs) total += nbytes(s.shape, s.dtype);
-  return total;
 }
 
 std::vector<at::Tensor> alloc_frame(const std::vector<TensorSpec>& specs, const at::TensorOptions& options,

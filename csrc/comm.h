@@ -24,8 +24,8 @@ std::vector<at::Tensor> frame(const std::vector<at::Tensor>& tensors, int64_t la
 // The parts of a message of the size `specs` describe whose trailer carries `status` instead of data.
 std::vector<at::Tensor> abort_frame(const std::vector<TensorSpec>& specs, const at::TensorOptions& options,
                                     int64_t status, int64_t large);
-// Bytes of the tensors `specs` describe.
-int64_t message_bytes(const std::vector<TensorSpec>& specs);
+// Payload bytes of a message of tensors shaped like `specs` (each 16-byte aligned).
+int64_t payload_bytes(const std::vector<TensorSpec>& specs);
 // Buffers to receive a message of tensors shaped like `specs`.
 std::vector<at::Tensor> alloc_frame(const std::vector<TensorSpec>& specs, const at::TensorOptions& options,
                                     int64_t large);

@@ -2,6 +2,13 @@
 
 namespace pipecore {
 
+void post_parts(c10d::ProcessGroup& pg, CommTask& task) {
+  for (auto& part : task.parts) {
+    std::vector<at::Tensor> bufs{part};
+    task.works.push_back(task.send ? pg.send(bufs, task.peer, task.tag) : pg.recv(bufs, task.peer, task.tag));
+  }
+}
+
 CommWorker::CommWorker(c10::intrusive_ptr<c10d::ProcessGroup> pg) : pg_(std::move(pg)) {
   thread_ = std::thread([this] { loop(); });
 }
@@ -36,18 +43,13 @@ void CommWorker::loop() {
     std::shared_ptr<CommTask> task = std::move(tasks_.front());
     tasks_.pop_front();
     lock.unlock();
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
     std::exception_ptr error;
     try {
-      for (auto& part : task->parts) {
-        std::vector<at::Tensor> bufs{part};
-        works.push_back(task->send ? pg_->send(bufs, task->peer, task->tag) : pg_->recv(bufs, task->peer, task->tag));
-      }
+      post_parts(*pg_, *task);  // the task is not read by others until `posted`
     } catch (...) {
       error = std::current_exception();
     }
     lock.lock();
-    task->works = std::move(works);
     task->error = error;
     task->posted = true;
     posted_.notify_all();

@@ -28,6 +28,9 @@ struct CommTask {
   bool posted = false;
 };
 
+// Posts `task`'s parts in order, appending their Works (throws what the group throws).
+void post_parts(c10d::ProcessGroup& pg, CommTask& task);
+
 class CommWorker {
  public:
   explicit CommWorker(c10::intrusive_ptr<c10d::ProcessGroup> pg);

@@ -127,21 +127,29 @@ void Executor::reset() {
 }
 
 void Executor::wait_recv(Inbox& inbox, const Instr& in, const char* what) {
-  if (!inbox.task) return;
-  if (inbox.queued) await_posted(*inbox.task, in);
-  for (auto& work : inbox.task->works) {
+  if (inbox.task) wait_task(*inbox.task, inbox.queued, in, what);
+}
+
+void Executor::wait_task(CommTask& task, bool queued, const Instr& in, const char* what) {
+  if (queued) await_posted(task, in);
+  for (auto& work : task.works) {
     if (!work) continue;
     try {
       work->wait(timeout_);
     } catch (const std::exception& e) {
       std::ostringstream os;
-      os << where(in) << ": waiting for " << what << " of microbatch " << in.mb << " from rank " << inbox.task->peer
-         << " failed (timeout " << timeout_.count() / 1000.0 << " s): " << e.what();
+      os << where(in) << ": ";
+      if (task.send) {
+        os << "send to rank " << task.peer;
+      } else {
+        os << "waiting for " << what << " of microbatch " << in.mb << " from rank " << task.peer;
+      }
+      os << " failed (timeout " << timeout_.count() / 1000.0 << " s): " << e.what();
       throw CommError(os.str());
     }
     work.reset();
   }
-  inbox.task->works.clear();
+  task.works.clear();
 }
 
 void Executor::check_message(const std::vector<at::Tensor>& parts, const Instr& in, const char* what) {
@@ -155,18 +163,6 @@ void Executor::check_message(const std::vector<at::Tensor>& parts, const Instr& 
     std::ostringstream os;
     os << where(in) << ": the " << what << " of microbatch " << in.mb << " say the sender's step was aborted";
     throw PeerAbort(os.str());
-  }
-}
-
-c10::intrusive_ptr<c10d::Work> Executor::post(bool send, at::Tensor& buf, const Instr& in) {
-  std::vector<at::Tensor> bufs{buf};
-  try {
-    return send ? pg_->send(bufs, static_cast<int>(in.peer), kTag) : pg_->recv(bufs, static_cast<int>(in.peer), kTag);
-  } catch (const std::exception& e) {
-    std::ostringstream os;
-    os << where(in) << ": " << (send ? "sending to" : "receiving from") << " rank " << in.peer
-       << " failed: " << e.what();
-    throw CommError(os.str());
   }
 }
 
@@ -205,7 +201,7 @@ void Executor::prefetch_recvs(size_t at) {
     if (k >= reached) {  // ahead of the program: within the byte budget, or the next one
       const Instr& in = program_[recv_instrs_[k]];
       const size_t key = in.stage * num_microbatches_ + in.mb;
-      const int64_t bytes = message_bytes(in.op == kRecvF ? recv_f_specs_[key] : recv_b_specs_[key]);
+      const int64_t bytes = payload_bytes(in.op == kRecvF ? recv_f_specs_[key] : recv_b_specs_[key]);
       if (k > reached && ahead_bytes_ + bytes > recv_window_bytes_) return;
       ahead_bytes_of_[k] = bytes;
       ahead_bytes_ += bytes;
@@ -230,9 +226,18 @@ bool Executor::post_task(const std::shared_ptr<CommTask>& task, const Instr& in)
     ++threaded_posts_;
     return true;
   }
-  for (auto& part : task->parts) task->works.push_back(post(task->send, part, in));
+  try {
+    post_parts(*pg_, *task);
+  } catch (const std::exception& e) {
+    throw post_failure(*task, in, e.what());
+  }
   task->posted = true;
   return false;
+}
+
+CommError Executor::post_failure(const CommTask& task, const Instr& in, const std::string& text) const {
+  return CommError(where(in) + ": " + (task.send ? "sending to" : "receiving from") + " rank " +
+                   std::to_string(task.peer) + " failed: " + text);
 }
 
 void Executor::await_posted(CommTask& task, const Instr& in) {
@@ -245,8 +250,7 @@ void Executor::await_posted(CommTask& task, const Instr& in) {
     text = e.what();
   } catch (...) {
   }
-  throw CommError(where(in) + ": " + (task.send ? "sending to" : "receiving from") + " rank " +
-                  std::to_string(task.peer) + " failed: " + text);
+  throw post_failure(task, in, text);
 }
 
 void Executor::send(std::vector<at::Tensor> parts, size_t index) {
@@ -290,16 +294,7 @@ void Executor::reap_sends_through(int64_t stage, int64_t mb) {
 
 void Executor::wait_send(size_t k) {
   auto& s = sends_[k];
-  const Instr& in = program_[s.instr];
-  if (s.queued) await_posted(*s.task, in);
-  try {
-    for (auto& work : s.task->works) work->wait(timeout_);
-  } catch (const std::exception& e) {
-    std::ostringstream os;
-    os << where(in) << ": send to rank " << in.peer << " failed (timeout " << timeout_.count() / 1000.0
-       << " s): " << e.what();
-    throw CommError(os.str());
-  }
+  wait_task(*s.task, s.queued, program_[s.instr], "");
 }
 
 void Executor::wait_send_front() {

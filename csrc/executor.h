@@ -185,7 +185,6 @@ class Executor {
   std::string finish_aborted(size_t from, bool wait, int64_t status);
   void check_message(const std::vector<at::Tensor>& parts, const Instr& in, const char* what);
   void maybe_delay();
-  c10::intrusive_ptr<c10d::Work> post(bool send, at::Tensor& buf, const Instr& in);
   void post_recv(const Instr& in);                 // RECV_F / RECV_B: allocate and post
   void post_recvs_until(size_t end, size_t at);    // before program_[at]: posts receives up to ordinal `end`
   void prefetch_recvs(size_t at);                  // before program_[at]: posts the receive window
@@ -194,6 +193,10 @@ class Executor {
   void do_backward(const Instr& in, bool split);
   void do_weight(const Instr& in);
   void wait_recv(Inbox& inbox, const Instr& in, const char* what);
+  // Waits for every part of `task` (`what`: "activations" / "output gradients" for the error).
+  void wait_task(CommTask& task, bool queued, const Instr& in, const char* what);
+  // The CommError for a send or receive the group refused to post.
+  CommError post_failure(const CommTask& task, const Instr& in, const std::string& text) const;
   // Posts `task` here or through the comm worker; returns whether it was queued.
   bool post_task(const std::shared_ptr<CommTask>& task, const Instr& in);
   // Waits until a queued task is posted; a posting error becomes a CommError.

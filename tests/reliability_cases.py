@@ -84,12 +84,18 @@ def failing_stage(rank, world, name, bad_rank, where, messages="default"):
     return first, second
 
 
+def _faulty_pipe(rank, world, bad_rank, fault, timeout):
+    """A 1f1b pipeline on a group of its own whose `bad_rank` runs `fault` before its forward."""
+    group = dist.new_group(backend="gloo")
+    pipe, _ = _pipe(rank, world, "1f1b", group=group, timeout=timeout)
+    if rank == bad_rank:
+        pipe.stages[0].module.register_forward_pre_hook(lambda mod, args: fault())
+    return pipe
+
+
 def hanging_rank(rank, world, bad_rank):
     """A rank stuck in its forward longer than the timeout: its peers fail with a clear error."""
-    group = dist.new_group(backend="gloo")
-    pipe, _ = _pipe(rank, world, "1f1b", group=group, timeout=2)
-    if rank == bad_rank:
-        pipe.stages[0].module.register_forward_pre_hook(lambda mod, args: time.sleep(6))
+    pipe = _faulty_pipe(rank, world, bad_rank, lambda: time.sleep(6), timeout=2)
     x, y = make_batch(8)
     result = _outcome(lambda: _step(pipe, x, y))
     after = _outcome(lambda: _step(pipe, x, y))
@@ -97,10 +103,7 @@ def hanging_rank(rank, world, bad_rank):
 
 
 def dying_rank(rank, world, bad_rank):
-    group = dist.new_group(backend="gloo")
-    pipe, _ = _pipe(rank, world, "1f1b", group=group, timeout=20)
-    if rank == bad_rank:
-        pipe.stages[0].module.register_forward_pre_hook(lambda mod, args: os._exit(3))
+    pipe = _faulty_pipe(rank, world, bad_rank, lambda: os._exit(3), timeout=20)
     x, y = make_batch(8)
     return _outcome(lambda: _step(pipe, x, y))
 
