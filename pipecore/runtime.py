@@ -141,7 +141,6 @@ class Pipeline:
         self._broken: str | None = None
         self._agreed: dict[bool, int] = {}  # per mode (train/eval): the signature all ranks agreed on
         self._last_desc: dict[bool, int] = {}  # first-stage ranks: the batch description it came from
-        self._outputs_done: dict = {}
         self._loss_wants_target = _takes_two_args(loss_fn)
         self._store = dist.distributed_c10d._get_default_store() if self.world > 1 else None
         Pipeline._instances += 1
@@ -265,8 +264,7 @@ class Pipeline:
             raise
         finally:
             self._inputs = self._targets = None
-            self._outputs_done = self._outputs
-            self._outputs = {}
+            done, self._outputs = self._outputs, {}  # a failed step's outputs die with the exception
         if stash is not None:
             self._sum_mirrored_grads(stash)
         if self.trace_enabled:
@@ -275,11 +273,9 @@ class Pipeline:
         if losses is not None and self._losses:
             losses.extend(self._losses.get(mb) for mb in range(m))
         result = None
-        done = self._outputs_done
         if done:
             with _range("pipecore.merge"):
                 result = merge([done[mb] for mb in sorted(done)])
-        self._outputs_done = {}
         self._losses = {}
         return result
 
