@@ -111,6 +111,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("past_sends"), py::arg("max_bytes") = pipecore::kRecvWindowBytes)
       .def("set_large_messages", &pipecore::Executor::set_large_messages, py::arg("min_bytes"))
       .def("set_comm_thread", &pipecore::Executor::set_comm_thread, py::arg("on"))
+      .def("set_reverse_channel", &pipecore::Executor::set_reverse_channel, py::arg("channel"))
       .def("recv_posted_at", &pipecore::Executor::recv_posted_at,
            "per RECV action of the last run, in program order: the program index before which it was posted")
       .def("run", &run, py::arg("forward"), py::arg("on_abort"))
@@ -124,5 +125,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reset", &pipecore::Executor::reset, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &pipecore::Executor::rank)
       .def_property_readonly("freed_outputs", &pipecore::Executor::freed_outputs)
-      .def_property_readonly("threaded_posts", &pipecore::Executor::threaded_posts);
+      .def_property_readonly("threaded_posts", &pipecore::Executor::threaded_posts)
+      .def_property_readonly("reverse_posts", &pipecore::Executor::reverse_posts);
 }

@@ -2,16 +2,20 @@
 
 namespace pipecore {
 
-void post_parts(c10d::ProcessGroup& pg, CommTask& task) {
+void post_parts(CommTask& task) {
   for (auto& part : task.parts) {
     std::vector<at::Tensor> bufs{part};
-    task.works.push_back(task.send ? pg.send(bufs, task.peer, task.tag) : pg.recv(bufs, task.peer, task.tag));
+    if (task.channel) {
+      task.works.push_back(task.send ? task.channel->send(bufs, task.peer, task.tag)
+                                     : task.channel->recv(bufs, task.peer, task.tag));
+    } else {
+      task.works.push_back(task.send ? task.group->send(bufs, task.peer, task.tag)
+                                     : task.group->recv(bufs, task.peer, task.tag));
+    }
   }
 }
 
-CommWorker::CommWorker(c10::intrusive_ptr<c10d::ProcessGroup> pg) : pg_(std::move(pg)) {
-  thread_ = std::thread([this] { loop(); });
-}
+CommWorker::CommWorker() { thread_ = std::thread([this] { loop(); }); }
 
 CommWorker::~CommWorker() {
   {
@@ -45,7 +49,7 @@ void CommWorker::loop() {
     lock.unlock();
     std::exception_ptr error;
     try {
-      post_parts(*pg_, *task);  // the task is not read by others until `posted`
+      post_parts(*task);  // the task is not read by others until `posted`
     } catch (...) {
       error = std::current_exception();
     }

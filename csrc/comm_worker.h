@@ -16,24 +16,26 @@
 
 namespace pipecore {
 
-// One message: its parts (sent or received in order), and once posted their Works or the error
-// posting raised.
+// One message: its parts (sent or received in order), where they are posted, and once posted their
+// Works or the error posting raised.
 struct CommTask {
   bool send = true;
   std::vector<at::Tensor> parts;
   int peer = -1;
   int tag = 0;
+  c10d::ProcessGroup* group = nullptr;  // posted here, unless `channel` is set
+  c10d::Backend* channel = nullptr;     // the reverse channel (see Executor::set_reverse_channel)
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::exception_ptr error;
   bool posted = false;
 };
 
 // Posts `task`'s parts in order, appending their Works (throws what the group throws).
-void post_parts(c10d::ProcessGroup& pg, CommTask& task);
+void post_parts(CommTask& task);
 
 class CommWorker {
  public:
-  explicit CommWorker(c10::intrusive_ptr<c10d::ProcessGroup> pg);
+  CommWorker();
   ~CommWorker();
   // Posts `task` after every task queued before it (operations with a peer keep their order).
   void queue(std::shared_ptr<CommTask> task);
@@ -43,7 +45,6 @@ class CommWorker {
  private:
   void loop();
 
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   std::mutex mu_;
   std::condition_variable queued_;
   std::condition_variable posted_;

@@ -120,6 +120,7 @@ void Executor::reset() {
   ahead_bytes_ = 0;
   ahead_bytes_of_.assign(recv_instrs_.size(), 0);
   threaded_posts_ = 0;
+  reverse_posts_ = 0;
   recv_posted_at_.assign(recv_instrs_.size(), -1);
   for (auto& s : slots_) s = Slot();
   sends_.clear();
@@ -214,20 +215,25 @@ void Executor::set_comm_thread(bool on) {
   if (!on) {
     worker_.reset();
   } else if (!worker_) {
-    worker_ = std::make_unique<CommWorker>(pg_);
+    worker_ = std::make_unique<CommWorker>();
   }
 }
 
 bool Executor::post_task(const std::shared_ptr<CommTask>& task, const Instr& in) {
   task->peer = static_cast<int>(in.peer);
   task->tag = kTag;
+  task->group = pg_.get();
+  if (reverse_ && (task->send ? in.peer < rank_ : in.peer > rank_)) {  // travels to a lower rank
+    task->channel = reverse_.get();
+    ++reverse_posts_;
+  }
   if (worker_) {
     worker_->queue(task);
     ++threaded_posts_;
     return true;
   }
   try {
-    post_parts(*pg_, *task);
+    post_parts(*task);
   } catch (const std::exception& e) {
     throw post_failure(*task, in, e.what());
   }

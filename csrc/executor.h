@@ -144,6 +144,13 @@ class Executor {
   void set_large_messages(int64_t min_bytes) { large_message_bytes_ = min_bytes; }
   // CPU groups: post every send and receive from a thread of its own (see comm_worker.h).
   void set_comm_thread(bool on);
+  // gloo: messages travelling to a lower group rank go through `channel`, a second gloo group over
+  // the same ranks, so that each pair of ranks has one connection per direction. gloo holds a pair's
+  // lock while a send is written into its socket, and its event loop skips a locked pair and polls
+  // it again at once: on a shared connection, a rank's own sends stall the data arriving from that
+  // peer and make its event loop spin. Every rank of the group must set the same (or none), between
+  // steps.
+  void set_reverse_channel(c10::intrusive_ptr<c10d::Backend> channel) { reverse_ = std::move(channel); }
   // Benchmarks only: keep sent outputs alive until the end of the step (as torch does).
   void set_free_outputs(bool free) { free_outputs_ = free; }
   // Per-action start/end times (steady clock, microseconds) of the last run, when enabled.
@@ -173,6 +180,7 @@ class Executor {
   // Stats of the last run, for tests and benchmarks.
   int64_t freed_outputs() const { return freed_outputs_; }
   int64_t threaded_posts() const { return threaded_posts_; }
+  int64_t reverse_posts() const { return reverse_posts_; }
   const std::vector<int64_t>& recv_posted_at() const { return recv_posted_at_; }
   const std::vector<Instr>& program() const { return program_; }
 
@@ -209,6 +217,7 @@ class Executor {
   std::string where(const Instr& in) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  c10::intrusive_ptr<c10d::Backend> reverse_;  // declared before worker_: it outlives the posting thread
   int64_t rank_;
   int64_t num_stages_;
   int64_t num_microbatches_;
@@ -235,6 +244,7 @@ class Executor {
   std::unique_ptr<CommWorker> worker_;
   int64_t large_message_bytes_ = kLargeMessageBytes;
   int64_t threaded_posts_ = 0;  // messages posted by the comm worker in the last run
+  int64_t reverse_posts_ = 0;   // messages posted on the reverse channel in the last run
   std::vector<int64_t> next_local_, prev_local_;
   std::vector<std::unique_ptr<ActionScope>> open_scopes_;  // OVERLAP_F_B containers
   int64_t freed_outputs_ = 0;

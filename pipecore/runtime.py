@@ -134,6 +134,8 @@ class Pipeline:
         # posting a gloo operation can block on gloo's locks (and a send copy the message): not on the
         # compute thread
         self._executor.set_comm_thread(gloo)
+        self._reverse_channel = None  # gloo: opened at the first agreement (_open_reverse_channel)
+        self._wants_reverse_channel = gloo and self.world > 1
         self._trace: list[dict] = []
         self._step_count = 0
         self._plans: dict[tuple[int, bool], dict] = {}
@@ -283,6 +285,8 @@ class Pipeline:
         sig, failed = self._agree(desc, False)
         if failed:  # another rank's input checks failed on the first step of this mode
             raise InputError(f"rank {self.rank}: step {step} not run: {self._peer_error(step)}")
+        if self._wants_reverse_channel and self._reverse_channel is None:
+            self._open_reverse_channel()
         if (sig, training) not in self._plans:
             plans, error = planning.discover(self, inputs, training)
             if error is not None:
@@ -298,6 +302,26 @@ class Pipeline:
         if self.has_first:
             self._last_desc[training] = desc
         return sig
+
+    def _open_reverse_channel(self) -> None:
+        """gloo: a second gloo group over these ranks for the messages that travel to a lower rank,
+        so that a rank's sends never share a connection with the data it receives (see
+        Executor.set_reverse_channel). It runs on the group's own gloo device: no extra thread. Opened
+        right after an agreement, when every rank of the group is here to connect."""
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = self.group._get_backend(torch.device("cpu")).options._devices
+        options._timeout = timedelta(seconds=self.timeout)
+        options._threads = 1  # its collective threads idle: only send and receive run on it
+        store = dist.PrefixStore(f"pipecore/{self._uid}/reverse", self._store)
+        try:
+            channel = dist.ProcessGroupGloo(store, self.rank, self.world, options)
+        except RuntimeError as exc:
+            self._broken = str(exc)
+            raise CommunicationError(f"rank {self.rank}: connecting the ranks' second gloo channel failed within "
+                                     f"{self.timeout} s ({exc}); a rank hung or died: rebuild the process group"
+                                     ) from None
+        self._executor.set_reverse_channel(channel)
+        self._reverse_channel = channel
 
     def _ensure_loaded(self, sig: int, training: bool) -> None:
         key = (sig, training)

@@ -72,6 +72,7 @@ def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=
             assert out is None and losses == []
         if recv_window is not None:
             _check_recv_posting(pipe, *recv_window)
+        _check_reverse_channel(pipe)
         if messages != "direct" and (pipe.has_first or world > 1):
             assert pipe._executor.threaded_posts > 0
         elif messages == "direct":
@@ -93,6 +94,16 @@ def set_messages(pipe, mode):
         pipe._executor.set_large_messages(0)
     elif mode == "direct":
         pipe._executor.set_comm_thread(False)
+
+
+def _check_reverse_channel(pipe):
+    """gloo: exactly the messages that travel to a lower rank went through the reverse channel."""
+    flat, _ = pipe._programs[True]
+    program = [flat[i:i + 5] for i in range(0, len(flat), 5)]  # op, stage, mb, peer, label
+    sends, recvs = (4, 6), (5, 7)
+    down = sum(1 for op, _, _, peer, _ in program
+               if (op in sends and peer < pipe.rank) or (op in recvs and peer > pipe.rank))
+    assert pipe._executor.reverse_posts == down, (pipe._executor.reverse_posts, down)
 
 
 def _check_recv_posting(pipe, window, past_sends, max_bytes):

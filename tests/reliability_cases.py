@@ -201,3 +201,25 @@ def memory_is_flat(rank, world, steps):
     for _ in range(steps):
         _step(pipe, x, y)
     return rss() - before
+
+
+def reverse_channel(rank, world):
+    """The reverse channel opens at the first step, once, over the pipeline's group, on that group's
+    own gloo device (no extra event-loop thread)."""
+    def loop_threads():
+        return sum(open(f"/proc/self/task/{t}/comm").read().strip() == "gloo_tcp_loop"
+                   for t in os.listdir("/proc/self/task"))
+
+    group = dist.new_group(backend="gloo")
+    before = loop_threads()
+    pipe, _ = _pipe(rank, world, "1f1b", group=group)
+    assert pipe._reverse_channel is None
+    x, y = make_batch(8)
+    _step(pipe, x, y)
+    channel = pipe._reverse_channel
+    assert channel is not None and channel.size() == world and channel.rank() == rank
+    _step(pipe, x, y)
+    assert pipe._reverse_channel is channel
+    assert loop_threads() == before
+    assert pipe._executor.reverse_posts > 0
+    dist.destroy_process_group(group)

@@ -4,7 +4,7 @@ import pytest
 
 from dist_pool import pool
 from reliability_cases import (bad_input, construction_errors, dying_rank, failing_stage, hanging_rank,
-                               memory_is_flat, mismatched_stage, no_loss_fn, stress)
+                               memory_is_flat, mismatched_stage, no_loss_fn, reverse_channel, stress)
 
 
 @pytest.mark.parametrize("name, world, bad_rank, where", [
@@ -80,6 +80,11 @@ def test_construction_errors_say_what_is_wrong():
                                          ("interleaved_1f1b", 4)])
 def test_stress_random_delays_many_steps(name, world):
     pool(world).run(stress, name, 8, 2000, 7, timeout=240)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_messages_to_lower_ranks_take_a_second_connection_on_the_same_gloo_thread(world):
+    pool(world).run(reverse_channel)
 
 
 def test_repeated_steps_do_not_grow_memory():
