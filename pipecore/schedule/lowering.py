@@ -66,7 +66,7 @@ def _lower(schedule, merge_iw, reduce_grad, sharded, max_active_stages):
     if sharded:
         codes = [add_unshard_reshard(row, sharded, max_active_stages) for row in codes]
     if reduce_grad and any((c & 0xF) in (I, W, B, OVERLAP) for row in codes for c in row):
-        codes = [add_reduce_grad(row) for row in codes]
+        codes = [add_reduce_grad(row, len(topo.rank_stages(r))) for r, row in enumerate(codes)]
     codes = add_send_recv(codes, topo)
     return Schedule._from_codes(codes, topo, schedule.name)
 
@@ -87,10 +87,13 @@ def merge_adjacent_iw(row: list[int]) -> list[int]:
     return out
 
 
-def add_reduce_grad(row: list[int]) -> list[int]:
-    """REDUCE_GRAD for a stage right after its last weight-gradient action (B or W)."""
+def add_reduce_grad(row: list[int], num_stages: int | None = None) -> list[int]:
+    """REDUCE_GRAD for a stage right after its last weight-gradient action (B or W). With the number
+    of stages the row's rank holds, the backward scan stops once each has been found."""
     last: dict[int, int] = {}  # stage -> index of its last B/W in this row
     for idx in range(len(row) - 1, -1, -1):
+        if len(last) == num_stages:
+            break
         c = row[idx]
         kind = c & 0xF
         if kind == B or kind == W:

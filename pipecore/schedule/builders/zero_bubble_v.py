@@ -1,60 +1,68 @@
 """ZB-V (zero bubble, V placement: rank r holds stages r and 2R-1-r).
 Zero bubble in steady state when F = I = W."""
 
+from ..action import MB_SHIFT, STAGE_SHIFT
 from ..schedule import Schedule
 from ..topology import Topology
-from ._codes import F, I, W, code, mb_of
+from ._codes import F, I, W
 
 
 def build_zbv(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> Schedule:
     R, m = num_ranks, num_microbatches
+    one = 1 << MB_SHIFT  # microbatch k of an action is (k + 1) * one above its base code
     codes = []
     for r in range(R):
         # plan for at least 2R-1 microbatches (a full pipe), then drop the ones that do not exist
         n = max(2 * R - 1, m)
         s0, s1 = r, 2 * R - 1 - r
-        cnt = {"f0": 0, "f1": 0, "b0": 0, "b1": 0}
+        f0, i0, w0_ = (k | (s0 << STAGE_SHIFT) for k in (F, I, W))
+        f1, i1, w1_ = (k | (s1 << STAGE_SHIFT) for k in (F, I, W))
+        nf0 = nf1 = nb0 = nb1 = 0  # forwards / input-gradient backwards issued per stage
         row = []
-
-        def add(key, stage, kind, mb=None):
-            if mb is None:
-                mb = cnt[key]
-                cnt[key] += 1
-            row.append(code(stage, kind, mb))
-
+        add = row.append
         for _ in range(2 * (R - r) - 1):
-            add("f0", s0, F)
+            nf0 += 1
+            add(f0 + nf0 * one)
         for _ in range(r):
-            add("f1", s1, F)
-            add("f0", s0, F)
+            nf1 += 1
+            add(f1 + nf1 * one)
+            nf0 += 1
+            add(f0 + nf0 * one)
         for _ in range(R - r):
-            add("f1", s1, F)
-            b = cnt["b1"]
-            add("b1", s1, I)
-            add(None, s1, W, b)
-        while cnt["f1"] < cnt["f0"] or cnt["f0"] < n:
-            if cnt["f0"] < n:
-                add("f0", s0, F)
-            b = cnt["b0"]
-            add("b0", s0, I)
-            add(None, s0, W, b)
-            add("f1", s1, F)
-            b = cnt["b1"]
-            add("b1", s1, I)
-            add(None, s1, W, b)
-        w0, w1 = cnt["b0"], cnt["b1"]
+            nf1 += 1
+            nb1 += 1
+            add(f1 + nf1 * one)
+            add(i1 + nb1 * one)
+            add(w1_ + nb1 * one)
+        while nf1 < nf0 or nf0 < n:
+            if nf0 < n:
+                nf0 += 1
+                add(f0 + nf0 * one)
+            nb0 += 1
+            add(i0 + nb0 * one)
+            add(w0_ + nb0 * one)
+            nf1 += 1
+            nb1 += 1
+            add(f1 + nf1 * one)
+            add(i1 + nb1 * one)
+            add(w1_ + nb1 * one)
+        w0, w1 = nb0, nb1  # weight gradients issued per stage
         for _ in range(r):
-            add("b0", s0, I)
-            add("b1", s1, I)
+            nb0 += 1
+            add(i0 + nb0 * one)
+            nb1 += 1
+            add(i1 + nb1 * one)
         for _ in range(R - r):
-            add("b0", s0, I)
-            add(None, s0, W, w0)
+            nb0 += 1
+            add(i0 + nb0 * one)
             w0 += 1
-        while w1 < cnt["b1"]:
-            add(None, s1, W, w1)
+            add(w0_ + w0 * one)
+        while w1 < nb1:
             w1 += 1
-        while w0 < cnt["b0"]:
-            add(None, s0, W, w0)
+            add(w1_ + w1 * one)
+        while w0 < nb0:
             w0 += 1
-        codes.append([c for c in row if mb_of(c) < m])
+            add(w0_ + w0 * one)
+        limit = (m + 1) * one  # microbatch index < m
+        codes.append([c for c in row if c < limit])
     return Schedule._from_codes(codes, Topology.v(R, 2 * R, m), "zbv")
