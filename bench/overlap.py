@@ -1,10 +1,10 @@
 """Communication/computation overlap: measured step time against the simulator's ideal.
 
 Stages run a synthetic compute (a fixed sleep that releases the GIL, forward and backward) on
-activations of a chosen size. The simulator's F and B costs are those sleeps as they really ran
-during the timed steps (a sleep overruns on a busy machine); everything else pipecore does counts
-against it. The one-way time of a message of that size is measured on the same gloo ranks; the
-simulator then gives
+activations of a chosen size. The simulator's F and B costs are that compute (sleep and output
+allocation) as it really ran during the timed steps (a sleep overruns on a busy machine);
+everything else in the step counts against pipecore. The one-way time of a message of that size
+is measured on the same gloo ranks; the simulator then gives
   ideal      compute + the latency of each transfer on the critical path (communication hidden),
   serialized every transfer also blocks its sender (no overlap at all),
 and the table shows where the measured step falls: `hidden` is the share of the avoidable
@@ -49,25 +49,26 @@ def _rank(rank, world, name, m, fwd_ms, bwd_ms, mib, steps):
 
     import pipecore as pc
 
-    observed = {"F": [], "B": []}  # the sleeps as they ran
-
-    def sleep(kind, ms):
-        t0 = time.perf_counter()
-        time.sleep(ms / 1e3)
-        observed[kind].append(time.perf_counter() - t0)
+    observed = {"F": [], "B": []}  # the stage's compute as it ran
 
     class Sleep(torch.autograd.Function):
         """A fixed-duration compute that touches no data (the CPUs stay free for the transfers)."""
 
         @staticmethod
         def forward(ctx, x, w):
-            sleep("F", fwd_ms)
-            return torch.empty_like(x)
+            t0 = time.perf_counter()
+            time.sleep(fwd_ms / 1e3)
+            out = torch.empty_like(x)
+            observed["F"].append(time.perf_counter() - t0)
+            return out
 
         @staticmethod
         def backward(ctx, g):
-            sleep("B", bwd_ms)
-            return torch.empty_like(g), torch.zeros(1)
+            t0 = time.perf_counter()
+            time.sleep(bwd_ms / 1e3)
+            grads = torch.empty_like(g), torch.zeros(1)
+            observed["B"].append(time.perf_counter() - t0)
+            return grads
 
     class Synthetic(nn.Module):
         def __init__(self):
