@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import pipecore as pc
@@ -84,6 +85,35 @@ def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=
             for p in params + ref_params:
                 p.grad = None
     return worst
+
+
+def pipelines_on_subgroups(rank, world, name):
+    """Data parallel x pipeline parallel: two pipelines of world/2 ranks each, on groups of their own
+    (each with its own second gloo channel), train on different batches; each matches one process."""
+    half = world // 2
+    groups = [dist.new_group(list(range(k * half, (k + 1) * half)), backend="gloo") for k in range(2)]
+    replica = rank // half
+    group = groups[replica]
+    V = 1 if name in ("gpipe", "1f1b") else 2
+    m = 2 * half
+    sched = pc.build_schedule(name, half, m, V)
+    topo = sched.topology
+    model = make_stages("mlp", topo.num_stages)
+    ref = copy.deepcopy(model)
+    mine = [pc.PipelineStage(copy.deepcopy(model[s]), s, sched.num_stages)
+            for s in sched.rank_stages(dist.get_rank(group))]
+    pipe = pc.Pipeline(mine, sched, m, loss_fn=nn.CrossEntropyLoss(), group=group, timeout=60)
+    x, y = make_batch(3 * m + 1, seed=10 + replica)
+    pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
+    nn.CrossEntropyLoss()(reference_forward(ref, x), y).backward()
+    for s in mine:
+        for (n, p), q in zip(s.module.named_parameters(), ref[s.stage_index].parameters()):
+            _assert_grads_close(p.grad, q.grad, f"rank {rank} replica {replica} stage {s.stage_index} {n}")
+    _check_reverse_channel(pipe)
+    assert pipe._executor.reverse_posts > 0
+    del pipe
+    for g in groups:
+        dist.destroy_process_group(g)
 
 
 def set_messages(pipe, mode):

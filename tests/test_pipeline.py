@@ -5,8 +5,9 @@ import torch
 
 import pipecore as pc
 from dist_pool import pool
-from pipeline_cases import (changing_batch_shapes, eval_matches, given_shapes, profiler_events, sent_outputs_freed,
-                            split_backward_defers_weight_grads, train_and_compare, view_outputs_are_copied)
+from pipeline_cases import (changing_batch_shapes, eval_matches, given_shapes, pipelines_on_subgroups, profiler_events,
+                            sent_outputs_freed, split_backward_defers_weight_grads, train_and_compare,
+                            view_outputs_are_copied)
 
 CONFIGS = []
 for name in pc.SCHEDULES:
@@ -68,6 +69,11 @@ def test_sum_reduction_without_scaling():
 @pytest.mark.parametrize("V", [1, 3])
 def test_interleaved_stage_counts(V):
     pool(2).run(train_and_compare, "interleaved_1f1b", 4, V, "transformer", 9)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b"])
+def test_two_pipelines_on_subgroups(name):
+    pool(4).run(pipelines_on_subgroups, name)
 
 
 def test_split_backward_defers_weight_gradients():
