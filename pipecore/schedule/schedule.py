@@ -116,13 +116,16 @@ class Schedule:
 
     # -- passes ---------------------------------------------------------------------------
     def lower(self, *, merge_iw: bool = True, reduce_grad: bool = True,
-              sharded: Iterable[int] | bool = (), max_active_stages: int = 3) -> "Schedule":
+              sharded: Iterable[int] | bool = (), max_active_stages: int = 3,
+              native: bool | None = None) -> "Schedule":
         """The runnable form: comm actions inserted (never deadlocks), adjacent I+W merged into B,
-        REDUCE_GRAD after each stage's last backward, UNSHARD/RESHARD around sharded stages."""
+        REDUCE_GRAD after each stage's last backward, UNSHARD/RESHARD around sharded stages.
+        `native`: insert the comm actions in pipecore's C++ extension (same result, faster); by
+        default when torch is already imported and the extension loads."""
         from .lowering import lower
 
         return lower(self, merge_iw=merge_iw, reduce_grad=reduce_grad, sharded=sharded,
-                     max_active_stages=max_active_stages)
+                     max_active_stages=max_active_stages, native=native)
 
     def compute_only(self) -> "Schedule":
         """This schedule without communication, REDUCE_GRAD and UNSHARD/RESHARD actions."""
