@@ -26,8 +26,7 @@ namespace {
 // Action codes cross as Python ints. OVERLAP_F_B containers (two leaf codes, over 64 bits) go in
 // as placeholders indexing their leaves and come back as the caller's own objects.
 py::object add_send_recv_py(const py::list& rows, const pipecore::StageLinks& links) {
-  constexpr int64_t kOverlap = 11;
-  constexpr int kStageShift = 4, kSubShift = 52;
+  using pipecore::codes::kOverlap, pipecore::codes::kStageShift, pipecore::codes::kSubShift;
   constexpr uint64_t kSubMask = (uint64_t{1} << kSubShift) - 1;
   std::vector<std::vector<int64_t>> codes(rows.size());
   std::vector<py::object> containers;

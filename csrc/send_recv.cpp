@@ -5,10 +5,8 @@
 #include <unordered_set>
 
 namespace pipecore {
+using namespace codes;  // NOLINT: the code layout's names
 namespace {
-constexpr int64_t kF = 0, kI = 1, kW = 2, kB = 3, kSendF = 4, kSendB = 6, kOverlap = 11;
-constexpr int kStageShift = 4;
-constexpr int64_t kStageMask = (1 << 16) - 1;
 constexpr int64_t kKindMask = ~int64_t{0xF};
 }  // namespace
 

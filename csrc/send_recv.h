@@ -8,6 +8,16 @@
 
 namespace pipecore {
 
+// Action codes as pipecore/schedule/action.py packs them: kind in the low 4 bits, stage above it,
+// microbatch + 1 from bit 20; an OVERLAP_F_B container holds its actions' codes in 52-bit fields
+// above its own kind bits.
+namespace codes {
+constexpr int64_t kF = 0, kI = 1, kW = 2, kB = 3, kSendF = 4, kSendB = 6, kOverlap = 11;
+constexpr int kStageShift = 4;
+constexpr int kSubShift = 52;
+constexpr int64_t kStageMask = (1 << 16) - 1;
+}  // namespace codes
+
 // Per stage: what its actions need and send. 0 in a *_need entry means "nothing"; -1 in a *_peer
 // entry means "its neighbour is on this rank".
 struct StageLinks {

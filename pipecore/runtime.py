@@ -60,6 +60,10 @@ class Pipeline:
     its own RECV action), holding at most 16 MiB of buffers ahead (the next receive always goes).
     Early receives let a peer's data land while this rank computes; each holds its buffer that
     much longer.
+
+    On a gloo `group`, the first step also opens a second gloo connection between the group's
+    ranks (on the group's own gloo device): messages to a lower rank travel on it, so that a rank's
+    sends never share a connection with the data it receives.
     """
 
     _instances = 0  # per process; SPMD code creates pipelines in the same order on every rank

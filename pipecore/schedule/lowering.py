@@ -188,7 +188,7 @@ def _stage_links(topo):
 
 
 def _native_pass(required: bool = False):
-    """The extension's add_send_recv, if torch is imported and the extension loads."""
+    """The extension module (its add_send_recv), if torch is imported and the extension loads."""
     if not required and "torch" not in sys.modules:
         return None
     try:
