@@ -22,7 +22,7 @@ SendRecvResult add_send_recv(const std::vector<std::vector<int64_t>>& rows,
     total += rows[r].size();
   }
   std::vector<std::size_t> pos(num_ranks, 0);
-  // "done" markers: an action's code with kind bits 1 (forward), 2 (grad-input), 3 (W done)
+  // "done" markers: an action's code with kind bits 1 (forward done), 2 (grad-input done)
   std::unordered_set<int64_t> done;
   done.reserve(total * 2);
   std::unordered_map<int64_t, std::vector<int64_t>> waiting;  // marker -> ranks, in waiting order
@@ -45,6 +45,38 @@ SendRecvResult add_send_recv(const std::vector<std::vector<int64_t>>& rows,
   };
   auto stage_of = [](int64_t c) { return static_cast<std::size_t>((c >> kStageShift) & kStageMask); };
   auto is_done = [&](int64_t key) { return done.count(key) != 0; };
+  // The done marker a single action (or a container's part) waits for; 0 when it can run.
+  auto need_of = [&](int64_t code) -> int64_t {
+    const int64_t kind = code & 0xF, base = code & kKindMask;
+    const std::size_t s = stage_of(code);
+    if (kind == kF) {
+      const int64_t d = links.fwd_need[s];
+      return d != 0 && !is_done(code + d) ? code + d : 0;
+    }
+    if (kind == kW) return is_done(base | 2) ? 0 : base | 2;
+    if (!is_done(base | 1)) return base | 1;  // I, B: after the forward
+    const int64_t d = links.bwd_need[s];
+    return d != 0 && !is_done(base + d) ? base + d : 0;
+  };
+  // After `code` ran on the rank whose list is `dst`: its SEND there, the matching RECV on the peer,
+  // its done marker (nothing waits for a W).
+  auto complete = [&](std::vector<int64_t>& dst, int64_t code) {
+    const int64_t kind = code & 0xF, base = code & kKindMask;
+    const std::size_t s = stage_of(code);
+    if (kind == kF) {
+      if (links.fwd_peer[s] >= 0) {
+        dst.push_back(base | kSendF);
+        out[links.fwd_peer[s]].push_back(base + links.fwd_recv[s]);
+      }
+      mark(base | 1);
+    } else if (kind == kB || kind == kI) {
+      if (links.bwd_peer[s] >= 0) {
+        dst.push_back(base | kSendB);
+        out[links.bwd_peer[s]].push_back(base + links.bwd_recv[s]);
+      }
+      mark(base | 2);
+    }
+  };
 
   while (!current.empty()) {
     woken.clear();
@@ -52,91 +84,25 @@ SendRecvResult add_send_recv(const std::vector<std::vector<int64_t>>& rows,
       const int64_t c = rows[r][pos[r]];
       const int64_t kind = c & 0xF;
       auto& dst = out[r];
-      if (kind == kF) {
-        const std::size_t s = stage_of(c);
-        const int64_t d = links.fwd_need[s];
-        if (d != 0 && !is_done(c + d)) {
-          wait(r, c + d);
-          continue;
-        }
-        dst.push_back(c);
-        const int64_t peer = links.fwd_peer[s];
-        if (peer >= 0) {
-          dst.push_back(c | kSendF);
-          out[peer].push_back(c + links.fwd_recv[s]);
-        }
-        mark(c | 1);
-      } else if (kind == kB || kind == kI) {
-        const std::size_t s = stage_of(c);
-        const int64_t base = c & kKindMask;
-        if (!is_done(base | 1)) {
-          wait(r, base | 1);
-          continue;
-        }
-        const int64_t d = links.bwd_need[s];
-        if (d != 0 && !is_done(base + d)) {
-          wait(r, base + d);
-          continue;
-        }
-        dst.push_back(c);
-        const int64_t peer = links.bwd_peer[s];
-        if (peer >= 0) {
-          dst.push_back(base | kSendB);
-          out[peer].push_back(base + links.bwd_recv[s]);
-        }
-        mark(base | 2);
-        if (kind == kB) done.insert(base | 3);
-      } else if (kind == kW) {
-        const int64_t base = c & kKindMask;
-        if (!is_done(base | 2)) {
-          wait(r, base | 2);
-          continue;
-        }
-        dst.push_back(c);
-        done.insert(base | 3);
-      } else if (kind == kOverlap) {
+      if (kind == kOverlap) {
         const auto& leaves = containers[static_cast<std::size_t>(c >> kStageShift)];
         int64_t need = 0;
         for (int64_t leaf : leaves) {
-          const int64_t lk = leaf & 0xF, base = leaf & kKindMask;
-          const std::size_t ls = stage_of(leaf);
-          if (lk == kF) {
-            const int64_t d = links.fwd_need[ls];
-            if (d != 0 && !is_done(leaf + d)) need = leaf + d;
-          } else if (lk == kW) {
-            if (!is_done(base | 2)) need = base | 2;
-          } else if (!is_done(base | 1)) {
-            need = base | 1;
-          } else if (links.bwd_need[ls] != 0 && !is_done(base + links.bwd_need[ls])) {
-            need = base + links.bwd_need[ls];
-          }
-          if (need) break;
+          if ((need = need_of(leaf)) != 0) break;
         }
         if (need) {
           wait(r, need);
           continue;
         }
         dst.push_back(c);
-        for (int64_t leaf : leaves) {
-          const int64_t lk = leaf & 0xF, base = leaf & kKindMask;
-          const std::size_t ls = stage_of(leaf);
-          if (lk == kF) {
-            if (links.fwd_peer[ls] >= 0) {
-              dst.push_back(base | kSendF);
-              out[links.fwd_peer[ls]].push_back(base + links.fwd_recv[ls]);
-            }
-            mark(base | 1);
-          } else if (lk == kW) {
-            mark(base | 3);
-          } else {
-            if (links.bwd_peer[ls] >= 0) {
-              dst.push_back(base | kSendB);
-              out[links.bwd_peer[ls]].push_back(base + links.bwd_recv[ls]);
-            }
-            mark(base | 2);
-            if (lk == kB) mark(base | 3);
-          }
+        for (int64_t leaf : leaves) complete(dst, leaf);
+      } else if (kind == kF || kind == kI || kind == kW || kind == kB) {
+        if (const int64_t need = need_of(c)) {
+          wait(r, need);
+          continue;
         }
+        dst.push_back(c);
+        complete(dst, c);
       } else {  // REDUCE_GRAD, UNSHARD, RESHARD: never wait
         dst.push_back(c);
       }

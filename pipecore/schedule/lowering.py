@@ -170,7 +170,7 @@ def add_send_recv(codes: list[list[int]], topo, *, native: bool | None = None) -
 def _stage_links(topo):
     """Per stage: code offsets from an action to what it needs / to what its peer receives, and
     the peer (-1: none across ranks). "Done" markers are an action's code with kind bits 1
-    (forward done), 2 (grad-input done), 3 (W done)."""
+    (forward done) or 2 (grad-input done): nothing waits for a W."""
     stage_rank = topo.stage_rank
     fwd_need, fwd_peer, fwd_recv = [], [], []
     bwd_need, bwd_peer, bwd_recv = [], [], []
@@ -279,15 +279,12 @@ def _add_send_recv_python(codes: list[list[int]], links) -> list[list[int]]:
                 done.add(mark)
                 if mark in waiting:
                     woken.extend(waiting.pop(mark))
-                if kind == B:
-                    done.add(base | 3)
-            elif kind == W:
+            elif kind == W:  # nothing waits for a W: no marker
                 base = c & kind_mask
                 if base | 2 not in done:
                     wait(r, base | 2)
                     continue
                 out[r].append(c)
-                done.add(base | 3)
             elif kind == OVERLAP:
                 leaves = leaf_codes(c)
                 need = 0
@@ -314,21 +311,20 @@ def _add_send_recv_python(codes: list[list[int]], links) -> list[list[int]]:
                 for leaf in leaves:
                     lk, ls, base = leaf & 0xF, (leaf >> STAGE_SHIFT) & smask, leaf & kind_mask
                     if lk == F:
-                        marks = (base | 1,)
+                        mark = base | 1
                         if fwd_peer[ls] >= 0:
                             dst.append(base | SEND_F)
                             out[fwd_peer[ls]].append(base + fwd_recv[ls])
                     elif lk == W:
-                        marks = (base | 3,)
+                        continue
                     else:
-                        marks = (base | 2, base | 3) if lk == B else (base | 2,)
+                        mark = base | 2
                         if bwd_peer[ls] >= 0:
                             dst.append(base | SEND_B)
                             out[bwd_peer[ls]].append(base + bwd_recv[ls])
-                    for mark in marks:
-                        done.add(mark)
-                        if mark in waiting:
-                            woken.extend(waiting.pop(mark))
+                    done.add(mark)
+                    if mark in waiting:
+                        woken.extend(waiting.pop(mark))
             else:  # REDUCE_GRAD, UNSHARD, RESHARD: never wait
                 out[r].append(c)
             p += 1
@@ -353,7 +349,7 @@ def _describe_key(key: int) -> str:
     phase = key & 3
     stage = (key >> STAGE_SHIFT) & _STAGE_MASK
     mb = (key >> MB_SHIFT) - 1
-    kind = {1: "F", 2: "I/B", 3: "W"}[phase]
+    kind = {1: "F", 2: "I/B"}[phase]
     return f"{stage}{kind}{mb}"
 
 
