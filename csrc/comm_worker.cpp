@@ -3,15 +3,12 @@
 namespace pipecore {
 
 void post_parts(CommTask& task) {
+  auto post = [&](auto& on, std::vector<at::Tensor>& bufs) {  // a ProcessGroup or a Backend
+    return task.send ? on.send(bufs, task.peer, task.tag) : on.recv(bufs, task.peer, task.tag);
+  };
   for (auto& part : task.parts) {
     std::vector<at::Tensor> bufs{part};
-    if (task.channel) {
-      task.works.push_back(task.send ? task.channel->send(bufs, task.peer, task.tag)
-                                     : task.channel->recv(bufs, task.peer, task.tag));
-    } else {
-      task.works.push_back(task.send ? task.group->send(bufs, task.peer, task.tag)
-                                     : task.group->recv(bufs, task.peer, task.tag));
-    }
+    task.works.push_back(task.channel ? post(*task.channel, bufs) : post(*task.group, bufs));
   }
 }
 

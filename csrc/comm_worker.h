@@ -25,6 +25,7 @@ struct CommTask {
   int tag = 0;
   c10d::ProcessGroup* group = nullptr;  // posted here, unless `channel` is set
   c10d::Backend* channel = nullptr;     // the reverse channel (see Executor::set_reverse_channel)
+  bool queued = false;                  // posted by the comm worker (else by the thread that made it)
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::exception_ptr error;
   bool posted = false;

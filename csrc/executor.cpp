@@ -128,11 +128,11 @@ void Executor::reset() {
 }
 
 void Executor::wait_recv(Inbox& inbox, const Instr& in, const char* what) {
-  if (inbox.task) wait_task(*inbox.task, inbox.queued, in, what);
+  if (inbox.task) wait_task(*inbox.task, in, what);
 }
 
-void Executor::wait_task(CommTask& task, bool queued, const Instr& in, const char* what) {
-  if (queued) await_posted(task, in);
+void Executor::wait_task(CommTask& task, const Instr& in, const char* what) {
+  if (task.queued) await_posted(task, in);
   for (auto& work : task.works) {
     if (!work) continue;
     try {
@@ -179,7 +179,7 @@ void Executor::post_recv(const Instr& in) {
   inbox.task->send = false;
   inbox.task->parts = alloc_frame(specs, options_[key], large_message_bytes_);
   maybe_delay();
-  inbox.queued = post_task(inbox.task, in);
+  post_task(inbox.task, in);
 }
 
 void Executor::post_recvs_until(size_t end, size_t at) {
@@ -219,7 +219,7 @@ void Executor::set_comm_thread(bool on) {
   }
 }
 
-bool Executor::post_task(const std::shared_ptr<CommTask>& task, const Instr& in) {
+void Executor::post_task(const std::shared_ptr<CommTask>& task, const Instr& in) {
   task->peer = static_cast<int>(in.peer);
   task->tag = kTag;
   task->group = pg_.get();
@@ -228,9 +228,10 @@ bool Executor::post_task(const std::shared_ptr<CommTask>& task, const Instr& in)
     ++reverse_posts_;
   }
   if (worker_) {
+    task->queued = true;
     worker_->queue(task);
     ++threaded_posts_;
-    return true;
+    return;
   }
   try {
     post_parts(*task);
@@ -238,7 +239,6 @@ bool Executor::post_task(const std::shared_ptr<CommTask>& task, const Instr& in)
     throw post_failure(*task, in, e.what());
   }
   task->posted = true;
-  return false;
 }
 
 CommError Executor::post_failure(const CommTask& task, const Instr& in, const std::string& text) const {
@@ -263,8 +263,8 @@ void Executor::send(std::vector<at::Tensor> parts, size_t index) {
   auto task = std::make_shared<CommTask>();
   task->parts = std::move(parts);
   maybe_delay();
-  const bool queued = post_task(task, program_[index]);
-  sends_.push_back(PendingSend{std::move(task), queued, static_cast<int64_t>(index)});
+  post_task(task, program_[index]);
+  sends_.push_back(PendingSend{std::move(task), static_cast<int64_t>(index)});
 }
 
 void Executor::maybe_delay() {
@@ -300,7 +300,7 @@ void Executor::reap_sends_through(int64_t stage, int64_t mb) {
 
 void Executor::wait_send(size_t k) {
   auto& s = sends_[k];
-  wait_task(*s.task, s.queued, program_[s.instr], "");
+  wait_task(*s.task, program_[s.instr], "");
 }
 
 void Executor::wait_send_front() {

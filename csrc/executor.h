@@ -63,7 +63,6 @@ struct WeightTask {
 // A posted receive: the buffers of its message's parts and their pending Works.
 struct Inbox {
   std::shared_ptr<CommTask> task;
-  bool queued = false;  // posted by the comm worker (else here)
   bool posted() const { return task != nullptr; }
 };
 
@@ -84,7 +83,6 @@ struct Slot {
 
 struct PendingSend {
   std::shared_ptr<CommTask> task;  // its parts keep the sent data alive until the send completes
-  bool queued;                     // posted by the comm worker (else here)
   int64_t instr;
 };
 
@@ -202,11 +200,11 @@ class Executor {
   void do_weight(const Instr& in);
   void wait_recv(Inbox& inbox, const Instr& in, const char* what);
   // Waits for every part of `task` (`what`: "activations" / "output gradients" for the error).
-  void wait_task(CommTask& task, bool queued, const Instr& in, const char* what);
+  void wait_task(CommTask& task, const Instr& in, const char* what);
   // The CommError for a send or receive the group refused to post.
   CommError post_failure(const CommTask& task, const Instr& in, const std::string& text) const;
-  // Posts `task` here or through the comm worker; returns whether it was queued.
-  bool post_task(const std::shared_ptr<CommTask>& task, const Instr& in);
+  // Posts `task` here or through the comm worker.
+  void post_task(const std::shared_ptr<CommTask>& task, const Instr& in);
   // Waits until a queued task is posted; a posting error becomes a CommError.
   void await_posted(CommTask& task, const Instr& in);
   void reap_sends();  // waits for every pending send

@@ -261,9 +261,7 @@ class Pipeline:
                                   f"(noticed here: {exc}). The group is fine: zero the gradients and step again."
                                   ) from None
         except native.CommError as exc:
-            self._broken = str(exc)
-            raise CommunicationError(f"{exc}. A peer hung or died: rebuild the process group and the Pipeline."
-                                     ) from None
+            raise self._group_broke(exc) from None
         except BaseException:
             if stash is not None:
                 self._restore_grads(stash)
@@ -337,9 +335,12 @@ class Pipeline:
         try:
             self._executor.run_aborted(status)
         except _native().CommError as exc:
-            self._broken = str(exc)
-            raise CommunicationError(f"{exc}. A peer hung or died: rebuild the process group and the Pipeline."
-                                     ) from None
+            raise self._group_broke(exc) from None
+
+    def _group_broke(self, exc: Exception) -> CommunicationError:
+        """The executor's wait timed out or a connection broke: no later step may run on this group."""
+        self._broken = str(exc)
+        return CommunicationError(f"{exc}. A peer hung or died: rebuild the process group and the Pipeline.")
 
     def _check_inputs(self, args, kwargs, target, training: bool) -> None:
         if training and self.has_last and self.loss_fn is None:
