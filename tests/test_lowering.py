@@ -25,6 +25,20 @@ def test_merge_adjacent_i_w():
     assert "0I0" in _strs(kept)[0]
 
 
+def test_input_gradient_another_rank_awaits_is_sent_before_w():
+    # zbv on 2 ranks: rank 1 holds stages 1 and 2. Stage 1's input gradient goes to rank 0, so its
+    # I and W stay apart with the SEND_B between them; stage 2's previous stage is local (merged).
+    low = pc.build_schedule("zbv", 2, 4).lower()
+    row = _strs(low)[1]
+    assert "1B0" not in row and "2I0" not in row and "2B0" in row
+    i = row.index("1I0")
+    assert row[i + 1] == "1SEND_B0" and row.index("1W0") > i + 1
+    # rank 0: stage 3's input gradient goes to rank 1 (kept split); stage 0 is the first (merged
+    # where the schedule puts I right before W)
+    row0 = _strs(low)[0]
+    assert "3B0" not in row0 and row0[row0.index("3I0") + 1] == "3SEND_B0"
+
+
 def test_reduce_grad_after_each_stages_last_backward():
     low = pc.build_schedule("interleaved_1f1b", 2, 4).lower()
     for rank, row in enumerate(low.actions):

@@ -78,3 +78,41 @@ def test_simulating_a_deadlocked_schedule_raises_the_validator_error():
     s = pc.Schedule([["0F0", "0B0", "0F1", "0B1"], ["1F1", "1B1", "1F0", "1B0"]])
     with pytest.raises(pc.ScheduleError, match="deadlock"):
         s.simulate()
+
+
+# Cost sets for the lowered-program check: equal costs, sail-sg's I=1.5/W=0.5 with latency, a costly
+# W, and per-stage costs (a heavier last stage, as an LM head makes it).
+_LOWERED_COSTS = [
+    {"F": 1, "I": 1, "W": 1},
+    {"F": 1, "I": 1.5, "W": 0.5, "comm": 0.1},
+    {"F": 2, "I": 1, "W": 3, "comm": 0.5},
+    "last_stage_heavy",
+]
+
+
+def _costs(spec, num_stages):
+    if spec != "last_stage_heavy":
+        return spec
+    heavy = [1.0] * (num_stages - 1) + [3.0]
+    return {"F": heavy, "I": heavy, "W": [0.5] * (num_stages - 1) + [2.0], "comm": 0.2}
+
+
+@pytest.mark.parametrize("name, R", [(name, R) for name in ["zbv", "dualpipe", "dualpipev", "interleaved_zb"]
+                                     for R in range(2, 9) if name != "dualpipe" or R % 2 == 0])  # DualPipe: even R
+def test_lowered_program_keeps_the_schedules_makespan(name, R):
+    # The program a Pipeline runs (Schedule.lower()) must not lose the bubble the schedule has: an
+    # input gradient another rank waits for leaves after I, not after a merged I+W.
+    checked = 0
+    for m in range(1, 4 * R + 1):
+        try:
+            s = pc.build_schedule(name, R, m)
+        except ValueError:
+            continue
+        low = s.lower()
+        for spec in _LOWERED_COSTS:
+            costs = _costs(spec, s.num_stages)
+            want, got = s.simulate(costs), low.simulate(costs)
+            assert got.makespan == pytest.approx(want.makespan), (name, R, m, spec, want.makespan, got.makespan)
+            assert got.bubble_ratio == pytest.approx(want.bubble_ratio), (name, R, m, spec)
+        checked += 1
+    assert checked >= R, (name, R, checked)  # the grid is not empty

@@ -57,7 +57,8 @@ def _lower(schedule, merge_iw, reduce_grad, sharded, max_active_stages, native):
     topo = schedule.topology
     codes = schedule.compute_only().codes
     if merge_iw:
-        codes = [merge_adjacent_iw(row) for row in codes]
+        awaited = input_grad_awaited(topo)
+        codes = [merge_adjacent_iw(row, awaited) for row in codes]
     if sharded is True:
         sharded = range(topo.num_stages)
     sharded = frozenset(sharded or ())
@@ -72,14 +73,24 @@ def _lower(schedule, merge_iw, reduce_grad, sharded, max_active_stages, native):
     return Schedule._from_codes(codes, topo, schedule.name)
 
 
-def merge_adjacent_iw(row: list[int]) -> list[int]:
-    """I followed directly by W of the same stage and microbatch becomes one full B."""
+def input_grad_awaited(topo) -> frozenset[int]:
+    """Stages whose input gradient another rank waits for: their previous stage lives elsewhere."""
+    prev, rank = topo.prev_stage, topo.stage_rank
+    return frozenset(s for s in range(topo.num_stages) if prev[s] >= 0 and rank[prev[s]] != rank[s])
+
+
+def merge_adjacent_iw(row: list[int], keep_split: frozenset[int] = frozenset()) -> list[int]:
+    """I followed directly by W of the same stage and microbatch becomes one full B (one engine
+    call instead of two), except for the stages in `keep_split`: there another rank waits for the
+    input gradient, which a B would send only once the weight gradients are done too. Merging
+    elsewhere leaves the schedule's timing as it is: nothing waits for the I before the W ends."""
     out: list[int] = []
     append = out.append
     n, k = len(row), 0
     while k < n:
         c = row[k]
-        if c & 0xF == I and k + 1 < n and row[k + 1] == c + 1:  # W code = I code + 1
+        if (c & 0xF == I and k + 1 < n and row[k + 1] == c + 1  # W code = I code + 1
+                and (c >> STAGE_SHIFT) & _STAGE_MASK not in keep_split):
             append(c + 2)  # B code = I code + 2
             k += 2
         else:
@@ -353,5 +364,5 @@ def _describe_key(key: int) -> str:
     return f"{stage}{kind}{mb}"
 
 
-__all__ = ["lower", "merge_adjacent_iw", "add_reduce_grad", "add_unshard_reshard", "add_send_recv",
+__all__ = ["lower", "merge_adjacent_iw", "input_grad_awaited", "add_reduce_grad", "add_unshard_reshard", "add_send_recv",
            "leaf_codes", "encode"]

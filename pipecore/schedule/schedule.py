@@ -118,8 +118,11 @@ class Schedule:
     def lower(self, *, merge_iw: bool = True, reduce_grad: bool = True,
               sharded: Iterable[int] | bool = (), max_active_stages: int = 3,
               native: bool | None = None) -> "Schedule":
-        """The runnable form: comm actions inserted (never deadlocks), adjacent I+W merged into B,
-        REDUCE_GRAD after each stage's last backward, UNSHARD/RESHARD around sharded stages.
+        """The runnable form (what a Pipeline runs): comm actions inserted (never deadlocks),
+        adjacent I+W merged into B where no other rank waits for that input gradient (elsewhere
+        I, SEND_B, W: the gradient leaves before the weight gradients are computed, so the lowered
+        program simulates to the schedule's makespan), REDUCE_GRAD after each stage's last
+        backward, UNSHARD/RESHARD around sharded stages.
         `native`: insert the comm actions in pipecore's C++ extension (same result, faster); by
         default when torch is already imported and the extension loads."""
         from .lowering import lower
