@@ -14,6 +14,7 @@
 
 #include "executor.h"
 #include "send_recv.h"
+#include "weight_store.h"
 
 #ifndef TORCH_EXTENSION_NAME
 #error "TORCH_EXTENSION_NAME must be defined (set by torch.utils.cpp_extension or CMakeLists.txt)"
@@ -146,6 +147,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("build_info", &build_info,
         "Compile-time configuration of pipecore._C: {'cuda': bool, 'nvtx': bool, 'torch_version': str}.");
 
+  pipecore::bind_weight_store(m);
+
   py::register_exception<pipecore::PeerAbort>(m, "PeerAbort", PyExc_RuntimeError);
   py::register_exception<pipecore::CommError>(m, "CommError", PyExc_RuntimeError);
   py::register_exception<pipecore::PeerReplan>(m, "PeerReplan", PyExc_RuntimeError);
@@ -197,6 +200,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return out;
            })
       .def("reset", &pipecore::Executor::reset, py::call_guard<py::gil_scoped_release>())
+      .def("split_fallbacks",
+           [](const pipecore::Executor& self) {
+             py::list out;
+             for (const auto& stage : self.split_fallbacks()) {
+               py::dict d;
+               for (const auto& [f, n] : stage) d[py::make_tuple(f.node, f.why)] = n;
+               out.append(d);
+             }
+             return out;
+           },
+           "per local stage: {(node name, why): microbatches} whose input backward (I) computed weight "
+           "gradients because that node cannot be split")
       .def_property_readonly("rank", &pipecore::Executor::rank)
       .def_property_readonly("freed_outputs", &pipecore::Executor::freed_outputs)
       .def_property_readonly("threaded_posts", &pipecore::Executor::threaded_posts)

@@ -39,7 +39,8 @@ Executor::Executor(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t num_stages
       send_f_specs_(num_stages * num_microbatches),
       options_(num_stages * num_microbatches),
       next_local_(num_stages, -1),
-      prev_local_(num_stages, -1) {}
+      prev_local_(num_stages, -1),
+      split_fallbacks_(num_stages) {}
 
 Executor::~Executor() = default;
 
@@ -365,7 +366,7 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort) {
     s.out_edges.clear();
     s.loss_edge = torch::autograd::Edge();
     s.outputs.clear();
-    s.weight_tasks.clear();
+    s.weight = WeightWork();
     s.input_grads.clear();
     s.out_grads.clear();
   }
@@ -519,7 +520,7 @@ void Executor::exec(size_t index, const ForwardFn& forward) {
     case kSendF: {
       Slot& s = slot(in.stage, in.mb);
       TORCH_CHECK(!s.outputs.empty(), where(in), ": nothing to send (forward produced no tensors)");
-      // The outputs are freed once sent: the message keeps the data alive until the send completes,
+      // The slot lets go of the outputs once sent: the message keeps the data alive until the send is reaped,
       // the autograd graph lives on through the stored gradient edges.
       send(frame(s.outputs, large_message_bytes_), index);
       if (free_outputs_) {
@@ -612,7 +613,9 @@ void Executor::do_backward(const Instr& in, bool split) {
     grads = s.out_grads;
   }
   if (split) {
-    s.input_grads = backward_input(roots, grads, s.inputs, s.weight_tasks);
+    std::vector<SplitFallback> fallbacks;
+    s.input_grads = backward_input(roots, grads, s.inputs, s.weight, fallbacks);
+    for (auto& f : fallbacks) ++split_fallbacks_[in.stage][f];
   } else {
     backward_full(roots, grads);
     s.input_grads.assign(s.inputs.size(), at::Tensor());
@@ -630,8 +633,7 @@ void Executor::do_backward(const Instr& in, bool split) {
 }
 
 void Executor::do_weight(const Instr& in) {
-  Slot& s = slot(in.stage, in.mb);
-  backward_weight(s.weight_tasks);
+  backward_weight(slot(in.stage, in.mb).weight);
 }
 
 }  // namespace pipecore

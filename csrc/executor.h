@@ -5,12 +5,15 @@
 #include <torch/csrc/autograd/function.h>  // Node must be complete for Edge
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "backward.h"
+
 #include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <string>
 #include <memory>
+#include <map>
 #include <random>
 #include <stdexcept>
 #include <vector>
@@ -53,13 +56,6 @@ struct TensorSpec {
   bool requires_grad;
 };
 
-// Deferred weight-gradient work of a split backward (I now, W later).
-struct WeightTask {
-  torch::autograd::edge_list roots;
-  std::vector<at::Tensor> grads;
-  torch::autograd::edge_list params;
-};
-
 // A posted receive: the buffers of its message's parts and their pending Works.
 struct Inbox {
   std::shared_ptr<CommTask> task;
@@ -77,7 +73,7 @@ struct Slot {
   at::Tensor loss_seed;                     // d(total loss)/d(this loss)
   std::vector<at::Tensor> out_grads;        // received output gradients
   std::vector<at::Tensor> input_grads;      // to be sent back
-  std::vector<WeightTask> weight_tasks;     // for W
+  WeightWork weight;                        // what I left for W
   bool has_loss = false;
 };
 
@@ -180,6 +176,9 @@ class Executor {
   int64_t threaded_posts() const { return threaded_posts_; }
   int64_t reverse_posts() const { return reverse_posts_; }
   const std::vector<int64_t>& recv_posted_at() const { return recv_posted_at_; }
+  // Per stage, since construction: microbatches whose I computed weight gradients (or all of its
+  // backward) because of a node that cannot be split, by (node, why).
+  const std::vector<std::map<SplitFallback, int64_t>>& split_fallbacks() const { return split_fallbacks_; }
   const std::vector<Instr>& program() const { return program_; }
 
  private:
@@ -256,6 +255,7 @@ class Executor {
   bool trace_resolved_ = true;
   double trace_time();  // host time now, or an event index on an accelerator
   std::vector<at::Tensor> kept_;  // sent outputs when free_outputs_ is off
+  std::vector<std::map<SplitFallback, int64_t>> split_fallbacks_;  // [stage]
 };
 
 }  // namespace pipecore

@@ -10,9 +10,10 @@ from .schedule import (SCHEDULES, Action, Kind, Schedule, ScheduleError, SimResu
 __version__ = "0.1.0"
 
 __all__ = ["Action", "Kind", "Schedule", "ScheduleError", "SimResult", "Topology", "SCHEDULES",
-           "build_schedule", "Pipeline", "PipelineStage", "__version__"]
+           "build_schedule", "Pipeline", "PipelineStage", "defer_weight_grad", "__version__"]
 
 _LAZY = {"Pipeline": ("runtime", "Pipeline"), "PipelineStage": ("stage", "PipelineStage"),
+         "defer_weight_grad": ("split_backward", "defer_weight_grad"),
          "microbatch": ("microbatch", None)}
 
 

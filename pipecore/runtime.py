@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 from contextlib import nullcontext
 from datetime import timedelta
 from collections.abc import Callable, Sequence
@@ -16,6 +17,7 @@ from . import plan as planning
 from .microbatch import batch_size, merge, split
 from .schedule import Action, Kind, Schedule, ScheduleError, build_schedule
 from .errors import CommunicationError, InputError, PeerFailedError
+from .split_backward import fallback_message
 from .stage import PipelineStage
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -141,6 +143,7 @@ class Pipeline:
         self._reverse_channel = None  # gloo: opened at the first agreement (_open_reverse_channel)
         self._wants_reverse_channel = gloo and self.world > 1
         self._trace: list[dict] = []
+        self._warned_fallbacks: set[tuple[int, str, str]] = set()
         self._step_count = 0
         self._plans: dict[tuple[int, bool], dict] = {}
         self._loaded: tuple[int, bool] | None = None
@@ -197,6 +200,22 @@ class Pipeline:
         if not self.trace_enabled:
             raise RuntimeError("tracing is off: create the Pipeline with trace=True")
         return list(self._trace)
+
+    @property
+    def split_backward_fallbacks(self) -> dict[int, dict[tuple[str, str], int]]:
+        """Per stage of this rank, since this Pipeline was built: {(node, why): microbatches} whose
+        input backward (I) also computed weight gradients because that autograd node cannot be split
+        (see pipecore.split_backward). Empty for stages whose backward split cleanly."""
+        return {self.stages[local].stage_index: stats
+                for local, stats in enumerate(self._executor.split_fallbacks()) if stats}
+
+    def _warn_split_fallbacks(self) -> None:
+        for local, stats in enumerate(self._executor.split_fallbacks()):
+            for node, why in stats:
+                key = (self.stages[local].stage_index, node, why)
+                if key not in self._warned_fallbacks:
+                    self._warned_fallbacks.add(key)
+                    warnings.warn(fallback_message(*key), stacklevel=4)
 
     # -- step ---------------------------------------------------------------------------
     def _run(self, args, kwargs, target, losses, training: bool):
@@ -271,6 +290,8 @@ class Pipeline:
             done, self._outputs = self._outputs, {}  # a failed step's outputs die with the exception
         if stash is not None:
             self._sum_mirrored_grads(stash)
+        if training:
+            self._warn_split_fallbacks()
         if self.trace_enabled:
             self._trace = [{"rank": self.rank, "step": step, "name": name, "start_us": t0, "end_us": t1}
                            for name, t0, t1 in self._executor.trace()]

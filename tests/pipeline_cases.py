@@ -73,6 +73,7 @@ def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=
             assert out is None and losses == []
         if recv_window is not None:
             _check_recv_posting(pipe, *recv_window)
+        _check_program(pipe, sched)
         _check_reverse_channel(pipe)
         if messages != "direct" and (pipe.has_first or world > 1):
             assert pipe._executor.threaded_posts > 0
@@ -124,6 +125,16 @@ def set_messages(pipe, mode):
         pipe._executor.set_large_messages(0)
     elif mode == "direct":
         pipe._executor.set_comm_thread(False)
+
+
+def _check_program(pipe, sched):
+    """The executor runs exactly Schedule.lower()'s actions for this rank (what the simulator prices)."""
+    _, labels = pipe._programs[True]
+    want = []
+    for a in sched.lower().actions[pipe.rank]:
+        want.extend([f"PP:{a}", *(f"PP:{sub}" for sub in a.sub_actions), f"PP:{a}"] if a.kind is pc.Kind.OVERLAP_F_B
+                    else [f"PP:{a}"])
+    assert labels == want, (labels, want)
 
 
 def _check_reverse_channel(pipe):

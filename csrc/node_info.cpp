@@ -1,0 +1,97 @@
+#include "node_info.h"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/python_cpp_function.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <typeindex>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace pipecore {
+
+using torch::autograd::Node;
+
+namespace {
+
+// Per Python type of a node: its attributes that expose saved tensors (`_raw_saved_*`). C++ node
+// types are keyed by their C++ type so that those saving nothing never touch Python.
+std::mutex g_cache_mutex;
+std::unordered_map<std::type_index, std::vector<std::string>> g_cpp_saved_attrs;
+std::unordered_map<PyTypeObject*, std::vector<std::string>> g_py_saved_attrs;
+
+std::vector<std::string> saved_attrs_of(py::handle obj) {
+  std::vector<std::string> names;
+  for (const auto& name : py::reinterpret_steal<py::list>(PyObject_Dir(reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr()))))) {
+    std::string s = py::str(name);
+    if (s.rfind("_raw_saved_", 0) == 0) names.push_back(std::move(s));
+  }
+  return names;
+}
+
+bool hooked(py::handle value) {
+  if (py::isinstance<py::list>(value) || py::isinstance<py::tuple>(value)) {
+    for (const auto& item : value) {
+      if (hooked(item)) return true;
+    }
+    return false;
+  }
+  if (value.is_none()) return false;
+  return value.cast<const torch::autograd::SavedVariable&>().has_hooks();
+}
+
+}  // namespace
+
+bool has_saved_tensor_hooks(Node* node) {
+  const bool python = is_python_node(node);
+  const std::type_index cpp_type(typeid(*node));
+  if (!python) {
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    auto it = g_cpp_saved_attrs.find(cpp_type);
+    if (it != g_cpp_saved_attrs.end() && it->second.empty()) return false;  // saves no tensors
+  }
+  py::gil_scoped_acquire gil;
+  py::object obj = py::reinterpret_steal<py::object>(torch::autograd::functionToPyObject(node_ptr(node)));
+  if (!obj) throw py::error_already_set();
+  std::vector<std::string> names;
+  {
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    if (python) {
+      auto it = g_py_saved_attrs.find(Py_TYPE(obj.ptr()));
+      if (it == g_py_saved_attrs.end()) it = g_py_saved_attrs.emplace(Py_TYPE(obj.ptr()), saved_attrs_of(obj)).first;
+      names = it->second;
+    } else {
+      auto it = g_cpp_saved_attrs.find(cpp_type);
+      if (it == g_cpp_saved_attrs.end()) it = g_cpp_saved_attrs.emplace(cpp_type, saved_attrs_of(obj)).first;
+      names = it->second;
+    }
+  }
+  for (const auto& name : names) {
+    if (hooked(py::getattr(obj, name.c_str(), py::none()))) return true;
+  }
+  return false;
+}
+
+bool is_compiled_graph(Node* node) {
+  if (!is_python_node(node)) return false;
+  py::gil_scoped_acquire gil;  // PyNode reads its Function's attributes
+  return node->is_aot_backward();
+}
+
+std::string node_name(Node* node) {
+  if (is_python_node(node)) return node->name();  // takes the GIL itself
+  static std::mutex mutex;
+  static std::unordered_map<std::type_index, std::string> names;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto [it, added] = names.try_emplace(std::type_index(typeid(*node)));
+  if (added) it->second = node->name();
+  return it->second;
+}
+
+}  // namespace pipecore

@@ -1,0 +1,67 @@
+"""The I/W split of zero-bubble schedules, as users see it.
+
+Under zbv, interleaved_zb, dualpipe and dualpipev a stage's backward runs in two halves: I computes
+the gradients of the stage's inputs (sent to the previous stage at once), W the weight gradients,
+later, where the schedule has room. pipecore finds the split points in the autograd graph; every
+backward node still runs exactly once per microbatch. A node that cannot be split (a Python
+autograd Function, a node with hooks or with hooked saved tensors, a compiled graph) runs once at I,
+weight gradients included; that costs the schedule part of its bubble, so pipecore warns once per
+stage and node and counts it (`Pipeline.split_backward_fallbacks`).
+
+Fused Functions keep their weight gradient at W by handing that work to `defer_weight_grad` in their
+backward, as DeepSeek's DualPipe does with its WeightGradStore:
+
+    class LinearFunc(torch.autograd.Function):
+        @staticmethod
+        def backward(ctx, grad_out):
+            x, weight = ctx.saved_tensors
+            def weight_grad():
+                weight.main_grad.add_(grad_out.flatten(0, -2).t() @ x.flatten(0, -2))
+            pipecore.defer_weight_grad(weight_grad)
+            return grad_out @ weight, None
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+_WHY = {
+    "python_function": "is a Python autograd Function: it computes all its gradients in one backward call, "
+                       "which runs once, at I. Hand its weight-gradient work to pipecore.defer_weight_grad(fn) "
+                       "inside its backward to move it to W",
+    "hooks": "has autograd hooks (a tensor hook, retain_grad, or a node hook), which must run once: it runs once, at "
+             "I, weight gradient included. Register the hook on another tensor (the stage's output, a parameter) "
+             "to keep the split",
+    "saved_tensor_hooks": "saved tensors with hooks (activation checkpointing or offloading): unpacking them again "
+                          "at W would recompute the checkpointed region a second time, so its weight gradient is "
+                          "computed once, at I",
+    "compiled_graph": "is a torch.compile graph, whose backward runs once and refuses a retained graph: the stage's "
+                      "weight gradients are computed at I",
+    "reentrant_checkpoint": "is a reentrant activation checkpoint (use_reentrant=True), which refuses a split "
+                            "backward: the stage runs its whole backward at I. use_reentrant=False keeps the split",
+    "shared_parameter": "is reached from two split points: the stage runs its whole backward at I so that its "
+                        "gradient is counted exactly once",
+}
+
+
+def defer_weight_grad(fn: Callable[[], object]) -> None:
+    """Run `fn()` -- an autograd Function's weight-gradient work -- at this microbatch's W action
+    when called from a backward that pipecore runs as the input half (I) of a split backward;
+    anywhere else (a full backward, single-process training, outside any backward) run it now.
+
+    `fn` must compute and accumulate the weight gradients itself (`weight.grad`, `weight.main_grad`);
+    it runs after the I of its microbatch and before the step ends, with whatever the closure holds
+    alive until then."""
+    from . import _C
+
+    _C.defer_weight_grad(fn)
+
+
+def fallback_message(stage_index: int, node: str, why: str) -> str:
+    """The one-time warning for a node whose weight gradient ran at I instead of W."""
+    subject = f"a {node}" if why == "shared_parameter" else node
+    if why == "saved_tensor_hooks":
+        return (f"pipecore: stage {stage_index}: {node} has {_WHY[why]}. The schedule's W no longer fills its bubble "
+                f"with that work.")
+    return (f"pipecore: stage {stage_index}: {subject} {_WHY.get(why, why)}. The schedule's W no longer fills its "
+            f"bubble with that work.")
