@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <numeric>
 #include <set>
 #include <sstream>
 #include <unordered_map>
@@ -45,9 +46,11 @@ bool has_hooks(Node* n) {
          !n->post_hooks().empty();
 }
 
+// "parameter of shape [8, 8] #<TensorImpl address>": Python names it (Tensor._cdata is that address).
 std::string parameter_description(Node* accumulator) {
+  const auto& param = static_cast<AccumulateGrad*>(accumulator)->variable;
   std::ostringstream out;
-  out << "parameter of shape " << static_cast<AccumulateGrad*>(accumulator)->variable.sizes();
+  out << "parameter of shape " << param.sizes() << " #" << reinterpret_cast<uintptr_t>(param.unsafeGetTensorImpl());
   return out.str();
 }
 
@@ -146,6 +149,7 @@ struct Branch {
   std::vector<Node*> nodes;      // nodes between the split node and the parameters
   const char* why = nullptr;     // set: computed at I, why (SplitFallback::why)
   Node* culprit = nullptr;       // ... and because of which node
+  Node* shared = nullptr;        // ... or of which parameter (accumulator), for "shared_parameter"
   bool deferred_split() const { return split != nullptr && why == nullptr; }
 };
 
@@ -249,8 +253,16 @@ std::vector<at::Tensor> backward_input(const edge_list& roots, const std::vector
       }
     }
   }
-  std::unordered_map<Node*, int> owners;  // parameter accumulator -> branches reaching it
-  for (auto& b : branches) {
+  std::vector<size_t> group(branches.size());  // branches sharing a parameter form one group
+  std::iota(group.begin(), group.end(), 0);
+  auto find = [&](size_t i) {
+    while (group[i] != i) i = group[i] = group[group[i]];
+    return i;
+  };
+  std::unordered_map<Node*, size_t> owner;  // parameter accumulator -> first branch reaching it
+  std::vector<std::pair<size_t, Node*>> conflicts;  // (branch, a parameter it shares)
+  for (size_t i = 0; i < branches.size(); ++i) {
+    Branch& b = branches[i];
     std::unordered_set<Node*> seen;
     if (b.split == nullptr) {
       graph.params_under(b.roots.front().function.get(), seen, b.params, b.nodes);
@@ -262,15 +274,34 @@ std::vector<at::Tensor> backward_input(const edge_list& roots, const std::vector
       }
     }
     for (const auto& p : b.params) {
-      // under two branches, a parameter's gradient would be split between I and W or counted twice
-      if (++owners[p.function.get()] > 1) {
-        return whole_backward_now({parameter_description(p.function.get()), "shared_parameter"});
-      }
+      auto [it, added] = owner.try_emplace(p.function.get(), i);
+      if (added) continue;
+      const size_t a = find(it->second), c = find(i);
+      if (a != c) group[c] = a;
+      conflicts.emplace_back(i, p.function.get());
     }
   }
   bool input_path = false;
   for (const auto& e : roots) input_path |= e.is_valid() && graph.reach(e.function.get()).input;
   for (auto& b : branches) decide(b, input_path);
+  // A parameter under two branches: re-running one branch's split node at W would flow through the
+  // other's path as well (the engine runs every node that leads to a requested parameter), so such
+  // branches are computed at I, together; the stage's other branches still split.
+  if (!conflicts.empty()) {
+    std::vector<Node*> shared(branches.size(), nullptr);  // per group: its largest shared parameter
+    auto numel = [](Node* acc) { return static_cast<AccumulateGrad*>(acc)->variable.numel(); };
+    for (const auto& [i, param] : conflicts) {
+      Node*& slot = shared[find(i)];
+      if (slot == nullptr || numel(param) > numel(slot)) slot = param;
+    }
+    for (size_t i = 0; i < branches.size(); ++i) {
+      Node* param = shared[find(i)];
+      if (param != nullptr && branches[i].why == nullptr) {
+        branches[i].why = "shared_parameter";
+        branches[i].shared = param;
+      }
+    }
+  }
 
   // Re-running a split node at W needs the graph kept at I. A compiled graph refuses that
   // (donated buffers): if one runs at I, every split node's weight gradient is computed at I.
@@ -309,8 +340,14 @@ std::vector<at::Tensor> backward_input(const edge_list& roots, const std::vector
   for (const auto& b : branches) {
     if (b.deferred_split()) {
       for (uint32_t k = 0; k < b.split->num_inputs(); ++k) outputs.emplace_back(node_ptr(b.split), k);
-    } else if (b.why != nullptr) {
-      outputs.insert(outputs.end(), b.params.begin(), b.params.end());
+    }
+  }
+  const size_t first_computed = outputs.size();
+  std::unordered_set<Node*> computed;  // each parameter once, however many branches reach it
+  for (const auto& b : branches) {
+    if (b.why == nullptr) continue;
+    for (const auto& p : b.params) {
+      if (computed.insert(p.function.get()).second) outputs.push_back(p);
     }
   }
   variable_list result;
@@ -335,16 +372,17 @@ std::vector<at::Tensor> backward_input(const edge_list& roots, const std::vector
       task.params = std::move(b.params);
       if (!task.roots.empty() && !task.params.empty()) work.tasks.push_back(std::move(task));
     } else if (b.why != nullptr) {
-      for (const auto& p : b.params) {
-        if (result[pos].defined()) accumulate_computed(p, result[pos]);
-        ++pos;
-      }
       // a Function that handed its weight-gradient work to defer_weight_grad did not fall back
       const bool deferred = b.split != nullptr && work.closures.deferred_by(b.split);
-      if (!deferred) seen_fallbacks.insert({node_name(b.culprit), b.why});
+      if (!deferred) {
+        seen_fallbacks.insert({b.shared != nullptr ? parameter_description(b.shared) : node_name(b.culprit), b.why});
+      }
     } else if (!b.params.empty()) {  // a root branch, all of it at W
       work.tasks.push_back(WeightTask{std::move(b.roots), std::move(b.grads), std::move(b.params)});
     }
+  }
+  for (size_t j = first_computed; j < outputs.size(); ++j) {
+    if (result[j].defined()) accumulate_computed(outputs[j], result[j]);
   }
   fallbacks.insert(fallbacks.end(), seen_fallbacks.begin(), seen_fallbacks.end());
   return input_grads;

@@ -17,7 +17,7 @@ from . import plan as planning
 from .microbatch import batch_size, merge, split
 from .schedule import Action, Kind, Schedule, ScheduleError, build_schedule
 from .errors import CommunicationError, InputError, PeerFailedError
-from .split_backward import fallback_message
+from .split_backward import fallback_message, name_parameter
 from .stage import PipelineStage
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -205,17 +205,30 @@ class Pipeline:
     def split_backward_fallbacks(self) -> dict[int, dict[tuple[str, str], int]]:
         """Per stage of this rank, since this Pipeline was built: {(node, why): microbatches} whose
         input backward (I) also computed weight gradients because that autograd node cannot be split
-        (see pipecore.split_backward). Empty for stages whose backward split cleanly."""
-        return {self.stages[local].stage_index: stats
-                for local, stats in enumerate(self._executor.split_fallbacks()) if stats}
+        (see pipecore.split_backward); a shared parameter is named as "parameter fc.weight (shape
+        [8, 8])". Stages whose backward split cleanly are absent, and so are microbatches the
+        program runs as one B (where no other rank waits for the I)."""
+        out = {}
+        for local, stats in enumerate(self._executor.split_fallbacks()):
+            if stats:
+                module = self.stages[local].module
+                out[self.stages[local].stage_index] = {
+                    (name_parameter(module, node) if why == "shared_parameter" else node, why): n
+                    for (node, why), n in stats.items()}
+        return out
 
     def _warn_split_fallbacks(self) -> None:
+        new: dict[tuple[int, str], list[str]] = {}  # (stage, why) -> nodes not warned about yet
         for local, stats in enumerate(self._executor.split_fallbacks()):
+            stage = self.stages[local]
             for node, why in stats:
-                key = (self.stages[local].stage_index, node, why)
+                key = (stage.stage_index, node, why)
                 if key not in self._warned_fallbacks:
                     self._warned_fallbacks.add(key)
-                    warnings.warn(fallback_message(*key), stacklevel=4)
+                    label = name_parameter(stage.module, node) if why == "shared_parameter" else node
+                    new.setdefault((stage.stage_index, why), []).append(label)
+        for (stage_index, why), nodes in new.items():
+            warnings.warn(fallback_message(stage_index, why, sorted(nodes)), stacklevel=4)
 
     # -- step ---------------------------------------------------------------------------
     def _run(self, args, kwargs, target, losses, training: bool):

@@ -4,8 +4,8 @@ Under zbv, interleaved_zb, dualpipe and dualpipev a stage's backward runs in two
 the gradients of the stage's inputs (sent to the previous stage at once), W the weight gradients,
 later, where the schedule has room. pipecore finds the split points in the autograd graph; every
 backward node still runs exactly once per microbatch. A node that cannot be split (a Python
-autograd Function, a node with hooks or with hooked saved tensors, a compiled graph) runs once at I,
-weight gradients included; that costs the schedule part of its bubble, so pipecore warns once per
+autograd Function, a node with hooks or with hooked saved tensors, a compiled graph, the branches of
+a parameter used twice) runs once at I, weight gradients included; that costs the schedule part of its bubble, so pipecore warns once per
 stage and node and counts it (`Pipeline.split_backward_fallbacks`).
 
 Fused Functions keep their weight gradient at W by handing that work to `defer_weight_grad` in their
@@ -39,8 +39,9 @@ _WHY = {
                       "weight gradients are computed at I",
     "reentrant_checkpoint": "is a reentrant activation checkpoint (use_reentrant=True), which refuses a split "
                             "backward: the stage runs its whole backward at I. use_reentrant=False keeps the split",
-    "shared_parameter": "is reached from two split points: the stage runs its whole backward at I so that its "
-                        "gradient is counted exactly once",
+    "shared_parameter": "is used at two split points (a weight used twice, stacked weights indexed per expert): "
+                        "the branches that use it compute their weight gradients at I, where each contribution is "
+                        "counted exactly once; the stage's other weight gradients still wait for W",
 }
 
 
@@ -57,11 +58,24 @@ def defer_weight_grad(fn: Callable[[], object]) -> None:
     _C.defer_weight_grad(fn)
 
 
-def fallback_message(stage_index: int, node: str, why: str) -> str:
-    """The one-time warning for a node whose weight gradient ran at I instead of W."""
-    subject = f"a {node}" if why == "shared_parameter" else node
+def fallback_message(stage_index: int, why: str, nodes: list[str]) -> str:
+    """The one-time warning for the nodes of a stage whose weight gradients ran at I instead of W."""
+    names = ", ".join(nodes)
     if why == "saved_tensor_hooks":
-        return (f"pipecore: stage {stage_index}: {node} has {_WHY[why]}. The schedule's W no longer fills its bubble "
-                f"with that work.")
-    return (f"pipecore: stage {stage_index}: {subject} {_WHY.get(why, why)}. The schedule's W no longer fills its "
-            f"bubble with that work.")
+        text = f"{names} {'have' if len(nodes) > 1 else 'has'} {_WHY[why]}"
+    elif why == "shared_parameter":
+        text = f"{names} {_WHY[why]}"
+    else:
+        text = f"{names} {_WHY.get(why, why)}"
+    return f"pipecore: stage {stage_index}: {text}. The schedule's W no longer fills its bubble with that work."
+
+
+def name_parameter(module, description: str) -> str:
+    """The executor's "parameter of shape [4, 16] #<TensorImpl address>" as "parameter fc.weight
+    (shape [4, 16])", named among `module`'s parameters (`Tensor._cdata` is that address)."""
+    head, _, address = description.rpartition(" #")
+    shape = head.removeprefix("parameter of shape ")
+    for name, p in module.named_parameters():
+        if address.isdigit() and p._cdata == int(address):
+            return f"parameter {name} (shape {shape})"
+    return head or description

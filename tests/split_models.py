@@ -11,7 +11,9 @@ Each kind is a block used in every stage (the last stage adds a head):
   parameter (a scaling tensor hook and a post-accumulate hook);
 - checkpoint / reentrant_checkpoint: torch.utils.checkpoint around two Linears;
 - compiled: a torch.compile'd block (aot_eager: AOTAutograd's backward, as inductor's, donates
-  buffers and runs once).
+  buffers and runs once);
+- shared_weight / stacked_experts: a parameter under two split points (a Linear applied twice;
+  experts stacked in one parameter and indexed).
 """
 
 from __future__ import annotations
@@ -154,6 +156,31 @@ class CompiledBlock(nn.Module):
         return torch.tanh(self.after(self.block(x)))
 
 
+class SharedWeightBlock(nn.Module):
+    """ALBERT-style: one Linear applied twice (its parameters under two split points), beside an
+    ordinary Linear whose weight gradient still waits for W."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared, self.other = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return x + self.other(torch.tanh(self.shared(torch.tanh(self.shared(x)))))  # residual: no vanishing
+
+
+class StackedExpertsBlock(nn.Module):
+    """Two experts' weights stacked in one parameter and indexed per expert (grouped-GEMM layout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.Parameter(torch.randn(2, WIDTH, WIDTH) / WIDTH ** 0.5)
+        self.gate = nn.Linear(WIDTH, 2, bias=False)  # a softmax-gate bias gradient is a cancellation
+
+    def forward(self, x):
+        p = torch.softmax(self.gate(x), -1)
+        return torch.tanh(p[..., :1] * (x @ self.experts[0]) + p[..., 1:] * (x @ self.experts[1]))
+
+
 KINDS = {  # kind -> (block factory, the fallback it must report: (node, why) or None)
     "grad_function": (lambda: FunctionBlock(GradLinearFunc, False), ("GradLinearFuncBackward", "python_function")),
     "main_grad_function": (lambda: FunctionBlock(MainGradLinearFunc, True),
@@ -163,6 +190,8 @@ KINDS = {  # kind -> (block factory, the fallback it must report: (node, why) or
     "checkpoint": (lambda: CheckpointBlock(False), ("AddmmBackward0", "saved_tensor_hooks")),
     "reentrant_checkpoint": (lambda: CheckpointBlock(True), ("CheckpointFunctionBackward", "reentrant_checkpoint")),
     "compiled": (CompiledBlock, ("CompiledFunctionBackward", "compiled_graph")),
+    "shared_weight": (SharedWeightBlock, ("parameter shared.weight (shape [8, 8])", "shared_parameter")),
+    "stacked_experts": (StackedExpertsBlock, ("parameter experts (shape [2, 8, 8])", "shared_parameter")),
 }
 
 
@@ -238,3 +267,36 @@ def _assert_close(got, want, what, rtol=1e-6):
     assert got is not None, f"{what}: gradient missing"
     err = (got - want).abs().max().item()
     assert err <= rtol * want.abs().max().item() + 1e-12, f"{what}: max abs error {err:.3e}"
+
+
+def shared_parameter_falls_back_alone(rank, world):
+    """Stage 1 (inputs that need a gradient) holds a Linear used twice beside another Linear: the
+    shared Linear's weight gradients are computed at I, the other's still wait for W; all equal a
+    full backward."""
+    torch.manual_seed(0)
+    first, block = nn.Linear(WIDTH, WIDTH), SharedWeightBlock()
+    ref = [nn.Linear(WIDTH, WIDTH), SharedWeightBlock()]
+    ref[0].load_state_dict(first.state_dict())
+    ref[1].load_state_dict(block.state_dict())
+    sched = pc.Schedule([["0F0", "1F0", "1I0", "0F1", "1F1", "1W0", "1I1", "1W1", "0B0", "0B1"]])
+    seen_at_f = []
+    block.register_forward_pre_hook(lambda mod, args: seen_at_f.append(
+        {n: p.grad is not None for n, p in mod.named_parameters()}))
+    pipe = pc.Pipeline([pc.PipelineStage(first, 0, 2), pc.PipelineStage(block, 1, 2)], sched, 2,
+                       loss_fn=lambda out: out.pow(2).mean())
+    x = torch.randn(6, WIDTH)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe.step(x)
+    # 1F1 runs after 1I0, before 1W0
+    assert seen_at_f[1] == {"shared.weight": True, "shared.bias": True, "other.weight": False, "other.bias": False}, \
+        seen_at_f
+    ref[1](ref[0](x)).pow(2).mean().backward()
+    for mod, want in zip((first, block), ref):
+        for (n, p), q in zip(mod.named_parameters(), want.parameters()):
+            _assert_close(p.grad, q.grad, n)
+    # 1I1 and 1W1 are adjacent and stage 0 is on this rank: merged into one B, not split
+    assert pipe.split_backward_fallbacks == {1: {("parameter shared.weight (shape [8, 8])", "shared_parameter"): 1}}
+    messages = [str(w.message) for w in caught if "pipecore" in str(w.message)]
+    assert len(messages) == 1 and "parameter shared.weight (shape [8, 8])" in messages[0], messages
+    return True

@@ -14,6 +14,8 @@ CASES = {
     "overhead": ["--stages", "2", "--microbatches", "4", "--repeats", "2"],
     "vs_torch": ["--schedules", "1f1b", "zbv", "--microbatches", "4", "--blocks", "1", "--steps", "1"],
     "memory": ["--schedules", "1f1b", "--microbatches", "2", "--rows", "64", "--width", "64", "--steps", "1"],
+    "zero_bubble": ["--schedules", "zbv", "--ranks", "2", "--microbatches", "4", "--ms", "1", "1", "1",
+                    "--blocks", "1", "--steps", "1"],
     "overlap": ["--schedules", "1f1b", "--microbatches", "2", "--forward-ms", "1", "--backward-ms", "1",
                 "--mib", "0.1", "--steps", "1"],
 }
