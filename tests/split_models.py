@@ -35,12 +35,16 @@ def _mm_weight_grad(grad_out, x):
     return grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
 
 
-class GradLinearFunc(torch.autograd.Function):
+class _LinearFunc(torch.autograd.Function):
+    """x @ weight.t(); subclasses differ in what their backward does with the weight gradient."""
+
     @staticmethod
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
         return x @ weight.t()
 
+
+class GradLinearFunc(_LinearFunc):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
@@ -53,12 +57,7 @@ class GradLinearFunc(torch.autograd.Function):
         return grad_out @ weight, None
 
 
-class MainGradLinearFunc(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
-        return x @ weight.t()
-
+class MainGradLinearFunc(_LinearFunc):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
@@ -67,12 +66,7 @@ class MainGradLinearFunc(torch.autograd.Function):
         return grad_out @ weight, None
 
 
-class DeferredLinearFunc(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
-        return x @ weight.t()
-
+class DeferredLinearFunc(_LinearFunc):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
