@@ -34,7 +34,7 @@ def merged_program(sched):
     from pipecore import Schedule
     from pipecore.schedule.lowering import merge_adjacent_iw
 
-    codes = [merge_adjacent_iw(row) for row in sched.compute_only().codes]
+    codes = [merge_adjacent_iw(row, keep_split=frozenset()) for row in sched.compute_only().codes]
     return Schedule._from_codes(codes, sched.topology, sched.name).lower(merge_iw=False)
 
 

@@ -1,7 +1,6 @@
 #include "backward.h"
 
 #include <ATen/core/grad_mode.h>
-#include <c10/core/StreamGuard.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
@@ -10,6 +9,7 @@
 #include <numeric>
 #include <set>
 #include <sstream>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -24,6 +24,19 @@ using torch::autograd::Engine;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
+const char* reason_name(FallbackReason why) {
+  switch (why) {
+    case FallbackReason::kPythonFunction: return "python_function";
+    case FallbackReason::kCustomNode: return "custom_node";
+    case FallbackReason::kHooks: return "hooks";
+    case FallbackReason::kSavedTensorHooks: return "saved_tensor_hooks";
+    case FallbackReason::kCompiledGraph: return "compiled_graph";
+    case FallbackReason::kReentrantCheckpoint: return "reentrant_checkpoint";
+    case FallbackReason::kSharedParameter: return "shared_parameter";
+  }
+  return "unknown";
+}
+
 void backward_full(const edge_list& roots, const std::vector<at::Tensor>& grads) {
   if (roots.empty()) return;
   Engine::get_default_engine().execute(roots, variable_list(grads.begin(), grads.end()),
@@ -33,25 +46,20 @@ void backward_full(const edge_list& roots, const std::vector<at::Tensor>& grads)
 
 namespace {
 
-// torch.utils.checkpoint(use_reentrant=True) runs a backward of its own that refuses an engine
-// call that captures gradients (I) or names its outputs (W): such a graph gets a full backward.
+// A reentrant activation checkpoint (torch's, Megatron's and DeepSpeed's CheckpointFunction,
+// TransformerEngine's _CheckpointFunction) runs a backward of its own that refuses an engine call
+// that captures gradients (I) or names its outputs (W): such a graph gets a full backward.
 bool is_reentrant_checkpoint(Node* n) {
-  return is_python_node(n) && n->name() == "CheckpointFunctionBackward";
+  if (!is_python_node(n)) return false;
+  static const std::string kSuffix = "CheckpointFunctionBackward";
+  const std::string name = n->name();
+  return name.size() >= kSuffix.size() && name.compare(name.size() - kSuffix.size(), kSuffix.size(), kSuffix) == 0;
 }
 
-// Hooks run every time their node runs, and capturing a node's incoming gradient runs its tensor
-// hooks too: a node with any hook must run exactly once.
+// A node's hooks run every time it runs: a split node with hooks would run them at I and at W.
 bool has_hooks(Node* n) {
   return !n->pre_hooks().empty() || !n->tensor_pre_hooks().empty() || !n->retains_grad_hooks().empty() ||
          !n->post_hooks().empty();
-}
-
-// "parameter of shape [8, 8] #<TensorImpl address>": Python names it (Tensor._cdata is that address).
-std::string parameter_description(Node* accumulator) {
-  const auto& param = static_cast<AccumulateGrad*>(accumulator)->variable;
-  std::ostringstream out;
-  out << "parameter of shape " << param.sizes() << " #" << reinterpret_cast<uintptr_t>(param.unsafeGetTensorImpl());
-  return out.str();
 }
 
 // Per node of the backward graph: does it lead to a stage input, to a parameter?
@@ -71,6 +79,7 @@ class GraphInfo {
   }
 
   const Reach& reach(Node* n) const { return reach_.at(n); }
+  bool contains(const Node* n) const { return reach_.count(const_cast<Node*>(n)) != 0; }
 
   // The parameter accumulators under `n` (a node leading to parameters only) into `params`, and the
   // other nodes on the way into `branch`.
@@ -146,51 +155,55 @@ struct Branch {
   edge_list roots;        // root branches: the root edges and their seeds
   std::vector<at::Tensor> grads;
   edge_list params;
-  std::vector<Node*> nodes;      // nodes between the split node and the parameters
-  const char* why = nullptr;     // set: computed at I, why (SplitFallback::why)
-  Node* culprit = nullptr;       // ... and because of which node
-  Node* shared = nullptr;        // ... or of which parameter (accumulator), for "shared_parameter"
-  bool deferred_split() const { return split != nullptr && why == nullptr; }
+  std::vector<Node*> nodes;  // nodes between the split node and the parameters
+  bool at_input = false;     // computed at I (a fallback), and why:
+  FallbackReason why = FallbackReason::kHooks;
+  Node* culprit = nullptr;  // ... because of this node
+  Node* shared = nullptr;   // ... or of this parameter's accumulator (kSharedParameter)
+  bool deferred_split() const { return split != nullptr && !at_input; }
+  void compute_at_input(FallbackReason reason, Node* node) {
+    at_input = true;
+    why = reason;
+    culprit = node;
+  }
 };
 
-// Whether `b` must be computed at I, and why (`b.why`, `b.culprit`). `input_path`: I runs nodes
-// (some root leads to an input).
+// Decides whether `b` must be computed at I. `input_path`: I runs nodes (some root leads to an input).
 void decide(Branch& b, bool input_path) {
   if (Node* n = b.split) {
+    // Only torch's generated nodes compute just the outputs the engine asks for; a C++ or Python
+    // autograd Function (or a wrapper such as CopySlices) may compute every gradient each time.
     if (is_python_node(n)) {
-      b.why = is_compiled_graph(n) ? "compiled_graph" : "python_function";
-    } else if (has_hooks(n)) {
-      b.why = "hooks";
-    } else if (has_saved_tensor_hooks(n)) {
-      b.why = "saved_tensor_hooks";
+      return b.compute_at_input(is_compiled_graph(n) ? FallbackReason::kCompiledGraph : FallbackReason::kPythonFunction,
+                                n);
     }
-    if (b.why != nullptr) {
-      b.culprit = n;
-      return;
-    }
+    if (!is_generated_node(n)) return b.compute_at_input(FallbackReason::kCustomNode, n);
+    if (has_hooks(n)) return b.compute_at_input(FallbackReason::kHooks, n);
+    if (has_saved_tensor_hooks(n)) return b.compute_at_input(FallbackReason::kSavedTensorHooks, n);
   }
   // a hooked saved tensor below would be unpacked at W after I unpacked others of its checkpoint
   // region: the region would be recomputed twice. Without an input path, I runs nothing.
   if (!input_path) return;
   for (Node* n : b.nodes) {
-    if (has_saved_tensor_hooks(n)) {
-      b.why = "saved_tensor_hooks";
-      b.culprit = n;
-      return;
-    }
+    if (has_saved_tensor_hooks(n)) return b.compute_at_input(FallbackReason::kSavedTensorHooks, n);
   }
+}
+
+// "parameter of shape [8, 8]" and its TensorImpl (Python's Tensor._cdata), for naming it there.
+SplitFallback shared_parameter_fallback(Node* accumulator) {
+  const auto& param = static_cast<AccumulateGrad*>(accumulator)->variable;
+  std::ostringstream out;
+  out << "parameter of shape " << param.sizes();
+  return {out.str(), FallbackReason::kSharedParameter, reinterpret_cast<uintptr_t>(param.unsafeGetTensorImpl())};
 }
 
 // What the engine does for an AccumulateGrad node, minus the tensor hooks that already ran when
 // its gradient was captured: node pre-hooks, accumulation (with post-accumulate hooks), post-hooks.
-void accumulate_computed(const Edge& param, const at::Tensor& grad) {
+// On the current stream: the engine made it wait for the captured gradient's stream.
+void accumulate_computed(const Edge& param, at::Tensor grad) {
   Node& fn = *param.function;
   at::AutoGradMode grad_mode(false);
-  const auto stream = fn.stream();
-  c10::OptionalStreamGuard stream_guard(stream.has_value() && stream->device_type() != c10::DeviceType::CPU
-                                            ? stream
-                                            : std::nullopt);
-  variable_list inputs{grad};
+  variable_list inputs{std::move(grad)};  // the only reference: AccumulateGrad may steal it
   for (const auto& hook : fn.pre_hooks()) inputs = (*hook)(inputs);
   if (fn.post_hooks().empty()) {
     fn(std::move(inputs));
@@ -199,6 +212,24 @@ void accumulate_computed(const Edge& param, const at::Tensor& grad) {
   variable_list outputs = fn(variable_list(inputs));
   for (const auto& hook : fn.post_hooks()) outputs = (*hook)(outputs, inputs);
 }
+
+// Union-find over branches: branches that reach a common parameter form one group.
+class Groups {
+ public:
+  explicit Groups(size_t n) : parent_(n) { std::iota(parent_.begin(), parent_.end(), 0); }
+  size_t find(size_t i) {
+    while (parent_[i] != i) i = parent_[i] = parent_[parent_[i]];
+    return i;
+  }
+  void unite(size_t a, size_t b) {
+    a = find(a);
+    b = find(b);
+    if (a != b) parent_[b] = a;
+  }
+
+ private:
+  std::vector<size_t> parent_;
+};
 
 }  // namespace
 
@@ -216,16 +247,14 @@ std::vector<at::Tensor> backward_input(const edge_list& roots, const std::vector
   }
   GraphInfo graph(roots, input_nodes);
 
-  // A graph that refuses a split: all of it now, exactly once.
-  auto whole_backward_now = [&](SplitFallback why) {
-    fallbacks.push_back(std::move(why));
+  if (Node* n = graph.reentrant_checkpoint()) {  // all of it now, exactly once
+    fallbacks.push_back({node_name(n), FallbackReason::kReentrantCheckpoint});
     backward_full(roots, grads);
     for (size_t i = 0; i < inputs.size(); ++i) {
       if (input_edges[i].is_valid()) input_grads[i] = inputs[i].grad();
     }
     return input_grads;
-  };
-  if (Node* n = graph.reentrant_checkpoint()) return whole_backward_now({node_name(n), "reentrant_checkpoint"});
+  }
 
   // Branches: roots leading to parameters only, then split points (nodes on the way to the inputs
   // with children that lead to parameters only).
@@ -253,13 +282,8 @@ std::vector<at::Tensor> backward_input(const edge_list& roots, const std::vector
       }
     }
   }
-  std::vector<size_t> group(branches.size());  // branches sharing a parameter form one group
-  std::iota(group.begin(), group.end(), 0);
-  auto find = [&](size_t i) {
-    while (group[i] != i) i = group[i] = group[group[i]];
-    return i;
-  };
-  std::unordered_map<Node*, size_t> owner;  // parameter accumulator -> first branch reaching it
+  Groups groups(branches.size());
+  std::unordered_map<Node*, size_t> owner;          // parameter accumulator -> first branch reaching it
   std::vector<std::pair<size_t, Node*>> conflicts;  // (branch, a parameter it shares)
   for (size_t i = 0; i < branches.size(); ++i) {
     Branch& b = branches[i];
@@ -275,54 +299,55 @@ std::vector<at::Tensor> backward_input(const edge_list& roots, const std::vector
     }
     for (const auto& p : b.params) {
       auto [it, added] = owner.try_emplace(p.function.get(), i);
-      if (added) continue;
-      const size_t a = find(it->second), c = find(i);
-      if (a != c) group[c] = a;
-      conflicts.emplace_back(i, p.function.get());
+      if (!added) {
+        groups.unite(it->second, i);
+        conflicts.emplace_back(i, p.function.get());
+      }
     }
+  }
+  std::vector<Node*> shared(branches.size(), nullptr);  // per group root: its largest shared parameter
+  auto numel = [](Node* acc) { return static_cast<AccumulateGrad*>(acc)->variable.numel(); };
+  for (const auto& [i, param] : conflicts) {
+    Node*& largest = shared[groups.find(i)];
+    if (largest == nullptr || numel(param) > numel(largest)) largest = param;
   }
   bool input_path = false;
   for (const auto& e : roots) input_path |= e.is_valid() && graph.reach(e.function.get()).input;
   for (auto& b : branches) decide(b, input_path);
-  // A parameter under two branches: re-running one branch's split node at W would flow through the
-  // other's path as well (the engine runs every node that leads to a requested parameter), so such
-  // branches are computed at I, together; the stage's other branches still split.
-  if (!conflicts.empty()) {
-    std::vector<Node*> shared(branches.size(), nullptr);  // per group: its largest shared parameter
-    auto numel = [](Node* acc) { return static_cast<AccumulateGrad*>(acc)->variable.numel(); };
-    for (const auto& [i, param] : conflicts) {
-      Node*& slot = shared[find(i)];
-      if (slot == nullptr || numel(param) > numel(slot)) slot = param;
-    }
+
+  // Two constraints, applied until both hold:
+  // - A branch computed at I computes every contribution to its parameters there (the engine runs
+  //   whatever leads to a requested gradient): branches sharing a parameter with it go along.
+  // - Re-running a split node at W needs the graph kept at I, which a compiled graph refuses
+  //   (donated buffers): if one runs at I, every split node's weight gradient is computed at I.
+  bool keep_graph = false;
+  for (bool changed = true; changed;) {
+    changed = false;
+    std::vector<char> group_at_input(branches.size(), 0);
+    for (size_t i = 0; i < branches.size(); ++i) group_at_input[groups.find(i)] |= branches[i].at_input;
     for (size_t i = 0; i < branches.size(); ++i) {
-      Node* param = shared[find(i)];
-      if (param != nullptr && branches[i].why == nullptr) {
-        branches[i].why = "shared_parameter";
-        branches[i].shared = param;
+      const size_t g = groups.find(i);
+      if (!branches[i].at_input && group_at_input[g] && shared[g] != nullptr) {
+        branches[i].compute_at_input(FallbackReason::kSharedParameter, nullptr);
+        branches[i].shared = shared[g];
+        changed = true;
       }
     }
-  }
-
-  // Re-running a split node at W needs the graph kept at I. A compiled graph refuses that
-  // (donated buffers): if one runs at I, every split node's weight gradient is computed at I.
-  bool keep_graph = false;
-  for (const auto& b : branches) keep_graph |= b.deferred_split();
-  if (keep_graph) {
+    keep_graph = false;
+    for (const auto& b : branches) keep_graph |= b.deferred_split();
+    if (!keep_graph) break;
     Node* compiled = graph.compiled_on_input_path();
     for (const auto& b : branches) {
-      if (compiled != nullptr || b.why == nullptr) continue;
+      if (compiled != nullptr || !b.at_input) continue;
       for (Node* n : b.nodes) {
         if (is_compiled_graph(n)) compiled = n;
       }
     }
     if (compiled != nullptr) {
       for (auto& b : branches) {
-        if (b.deferred_split()) {
-          b.why = "compiled_graph";
-          b.culprit = compiled;
-        }
+        if (b.deferred_split()) b.compute_at_input(FallbackReason::kCompiledGraph, compiled);
       }
-      keep_graph = false;
+      changed = true;
     }
   }
 
@@ -345,57 +370,92 @@ std::vector<at::Tensor> backward_input(const edge_list& roots, const std::vector
   const size_t first_computed = outputs.size();
   std::unordered_set<Node*> computed;  // each parameter once, however many branches reach it
   for (const auto& b : branches) {
-    if (b.why == nullptr) continue;
+    if (!b.at_input) continue;
     for (const auto& p : b.params) {
       if (computed.insert(p.function.get()).second) outputs.push_back(p);
     }
   }
   variable_list result;
   if (!outputs.empty()) {
-    DeferralScope deferring(work.closures);
+    DeferralScope deferring(work.closures, [&graph](const Node* n) { return graph.contains(n); });
     result = Engine::get_default_engine().execute(roots, variable_list(grads.begin(), grads.end()), keep_graph,
                                                   /*create_graph=*/false, /*accumulate_grad=*/false, outputs);
   }
-  for (size_t j = 0; j < input_index.size(); ++j) input_grads[input_index[j]] = result[j];
+  for (size_t j = 0; j < input_index.size(); ++j) input_grads[input_index[j]] = std::move(result[j]);
+  for (size_t j = first_computed; j < outputs.size(); ++j) {
+    if (result[j].defined()) accumulate_computed(outputs[j], std::move(result[j]));
+  }
 
+  // What W does: one engine call from the deferred split nodes (seeded with what I captured) and
+  // the parameter-only roots, into their parameters.
+  std::unordered_set<Node*> deferred_params;
+  auto add_params = [&](const edge_list& params) {
+    for (const auto& p : params) {
+      if (deferred_params.insert(p.function.get()).second) work.params.push_back(p);
+    }
+  };
   std::set<SplitFallback> seen_fallbacks;
   size_t pos = first_capture;
   for (auto& b : branches) {
     if (b.deferred_split()) {
-      WeightTask task;
       for (uint32_t k = 0; k < b.split->num_inputs(); ++k, ++pos) {
         if (result[pos].defined()) {
-          task.roots.emplace_back(node_ptr(b.split), k);
-          task.grads.push_back(result[pos]);
+          work.roots.emplace_back(node_ptr(b.split), k);
+          work.grads.push_back(std::move(result[pos]));
         }
       }
-      task.params = std::move(b.params);
-      if (!task.roots.empty() && !task.params.empty()) work.tasks.push_back(std::move(task));
-    } else if (b.why != nullptr) {
+      add_params(b.params);
+    } else if (b.at_input) {
       // a Function that handed its weight-gradient work to defer_weight_grad did not fall back
-      const bool deferred = b.split != nullptr && work.closures.deferred_by(b.split);
-      if (!deferred) {
-        seen_fallbacks.insert({b.shared != nullptr ? parameter_description(b.shared) : node_name(b.culprit), b.why});
-      }
+      if (b.split != nullptr && work.closures.deferred_by(b.split)) continue;
+      seen_fallbacks.insert(b.why == FallbackReason::kSharedParameter ? shared_parameter_fallback(b.shared)
+                                                                        : SplitFallback{node_name(b.culprit), b.why});
     } else if (!b.params.empty()) {  // a root branch, all of it at W
-      work.tasks.push_back(WeightTask{std::move(b.roots), std::move(b.grads), std::move(b.params)});
+      work.roots.insert(work.roots.end(), b.roots.begin(), b.roots.end());
+      work.grads.insert(work.grads.end(), b.grads.begin(), b.grads.end());
+      add_params(b.params);
     }
   }
-  for (size_t j = first_computed; j < outputs.size(); ++j) {
-    if (result[j].defined()) accumulate_computed(outputs[j], result[j]);
-  }
   fallbacks.insert(fallbacks.end(), seen_fallbacks.begin(), seen_fallbacks.end());
+
+  if (keep_graph) {
+    // Nothing runs the graph below a deferred split node again: cut its edges towards the inputs
+    // (W's engine call then reaches the parameter branches only, each once) and free the saved
+    // tensors of every node that ran at I (the graph was kept for the split nodes alone).
+    std::unordered_set<Node*> rerun;
+    for (const auto& b : branches) {
+      if (b.deferred_split()) rerun.insert(b.split);
+    }
+    for (Node* n : graph.order()) {
+      if (graph.reach(n).input && !rerun.count(n)) n->release_variables();
+    }
+    for (const auto& b : branches) {
+      if (!b.at_input) continue;
+      for (Node* n : b.nodes) n->release_variables();
+    }
+    // last: a cut edge may hold the last reference to a node of `graph` (even to a split node
+    // that no gradient reached, which W does not hold)
+    std::vector<NodePtr> owned;
+    for (Node* n : rerun) owned.push_back(node_ptr(n));
+    for (const auto& n : owned) {
+      for (auto& e : n->next_edges()) {
+        if (e.is_valid() && graph.reach(e.function.get()).input) e = Edge();
+      }
+    }
+  }
   return input_grads;
 }
 
 void backward_weight(WeightWork& work) {
-  // Each branch's nodes run in this one call only: the graph need not be kept.
-  for (auto& t : work.tasks) {
-    Engine::get_default_engine().execute(t.roots, variable_list(t.grads.begin(), t.grads.end()),
+  if (!work.roots.empty()) {
+    // Each node of the parameter branches runs once, in this call: the graph need not be kept.
+    Engine::get_default_engine().execute(work.roots, variable_list(work.grads.begin(), work.grads.end()),
                                          /*keep_graph=*/false, /*create_graph=*/false,
-                                         /*accumulate_grad=*/true, t.params);
+                                         /*accumulate_grad=*/true, work.params);
   }
-  work.tasks.clear();
+  work.roots.clear();
+  work.grads.clear();
+  work.params.clear();
   at::AutoGradMode grad_mode(false);  // closures are backward code: they build no graph
   work.closures.run_all();
 }

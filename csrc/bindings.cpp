@@ -205,13 +205,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::list out;
              for (const auto& stage : self.split_fallbacks()) {
                py::dict d;
-               for (const auto& [f, n] : stage) d[py::make_tuple(f.node, f.why)] = n;
+               for (const auto& [f, n] : stage) {
+                 d[py::make_tuple(f.node, pipecore::reason_name(f.why), f.param)] = n;
+               }
                out.append(d);
              }
              return out;
            },
-           "per local stage: {(node name, why): microbatches} whose input backward (I) computed weight "
-           "gradients because that node cannot be split")
+           "per local stage: {(node name, why, parameter TensorImpl address or 0): microbatches} whose input "
+           "backward (I) computed weight gradients because that node cannot be split")
       .def_property_readonly("rank", &pipecore::Executor::rank)
       .def_property_readonly("freed_outputs", &pipecore::Executor::freed_outputs)
       .def_property_readonly("threaded_posts", &pipecore::Executor::threaded_posts)

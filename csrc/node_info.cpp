@@ -43,7 +43,11 @@ bool hooked(py::handle value) {
     return false;
   }
   if (value.is_none()) return false;
-  return value.cast<const torch::autograd::SavedVariable&>().has_hooks();
+  try {
+    return value.cast<const torch::autograd::SavedVariable&>().has_hooks();
+  } catch (const py::cast_error&) {
+    return true;  // not a SavedTensor as this torch exposes it: assume hooks (never re-run)
+  }
 }
 
 }  // namespace
@@ -59,17 +63,26 @@ bool has_saved_tensor_hooks(Node* node) {
   py::gil_scoped_acquire gil;
   py::object obj = py::reinterpret_steal<py::object>(torch::autograd::functionToPyObject(node_ptr(node)));
   if (!obj) throw py::error_already_set();
+  PyTypeObject* py_type = Py_TYPE(obj.ptr());
   std::vector<std::string> names;
+  bool cached = false;
   {
-    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    std::lock_guard<std::mutex> lock(g_cache_mutex);  // never held while Python runs
     if (python) {
-      auto it = g_py_saved_attrs.find(Py_TYPE(obj.ptr()));
-      if (it == g_py_saved_attrs.end()) it = g_py_saved_attrs.emplace(Py_TYPE(obj.ptr()), saved_attrs_of(obj)).first;
-      names = it->second;
+      auto it = g_py_saved_attrs.find(py_type);
+      if ((cached = it != g_py_saved_attrs.end())) names = it->second;
     } else {
       auto it = g_cpp_saved_attrs.find(cpp_type);
-      if (it == g_cpp_saved_attrs.end()) it = g_cpp_saved_attrs.emplace(cpp_type, saved_attrs_of(obj)).first;
-      names = it->second;
+      if ((cached = it != g_cpp_saved_attrs.end())) names = it->second;
+    }
+  }
+  if (!cached) {
+    names = saved_attrs_of(obj);
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    if (python) {
+      g_py_saved_attrs.emplace(py_type, names);
+    } else {
+      g_cpp_saved_attrs.emplace(cpp_type, names);
     }
   }
   for (const auto& name : names) {

@@ -1,4 +1,5 @@
-// Facts about autograd nodes that the split backward needs and only Python can tell.
+// Facts about autograd nodes that the split backward needs: what kind of node it is, and what
+// only Python can tell (saved-tensor hooks, compiled graphs, Python Functions' names).
 #pragma once
 
 #include <torch/csrc/autograd/function.h>
@@ -25,6 +26,12 @@ NodePtr node_ptr(N* node) {
 // the type's name, not dynamic_cast, to keep Python's headers out of the callers.
 inline bool is_python_node(const torch::autograd::Node* node) {
   return std::strstr(typeid(*node).name(), "PyNode") != nullptr;
+}
+
+// One of torch's generated backward nodes (AddmmBackward0, ...): computes exactly the outputs the
+// engine asks for, so it can be asked for the input gradient at I and the weight gradient at W.
+inline bool is_generated_node(const torch::autograd::Node* node) {
+  return std::strstr(typeid(*node).name(), "N5torch8autograd9generated") != nullptr;
 }
 
 // Does any tensor `node` saved for its backward carry saved-tensor hooks (non-reentrant activation

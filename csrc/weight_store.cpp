@@ -4,7 +4,6 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
-#include <atomic>
 #include <mutex>
 
 namespace py = pybind11;
@@ -13,8 +12,14 @@ namespace pipecore {
 
 namespace {
 
-std::atomic<DeferredClosures*> g_sink{nullptr};
-std::mutex g_append;  // CUDA graphs run nodes on one engine thread per device: appends may race
+// The running input half's sink and its graph: set and cleared by DeferralScope on the executor
+// thread, read by the engine's threads (CUDA nodes run on one engine thread per device).
+struct Deferral {
+  DeferredClosures* sink = nullptr;
+  std::function<bool(const torch::autograd::Node*)> owns;
+};
+std::mutex g_mutex;
+Deferral g_deferral;
 
 class PyClosure final : public DeferredClosure {
  public:
@@ -37,16 +42,17 @@ void defer_weight_grad(py::object fn) {
     throw py::type_error("pipecore.defer_weight_grad needs a callable (the weight-gradient work), got " +
                          std::string(py::str(py::type::handle_of(fn).attr("__name__"))));
   }
-  DeferredClosures* sink = g_sink.load(std::memory_order_acquire);
-  // only calls from inside a node of the running input half are deferred
-  const auto node = sink != nullptr ? torch::autograd::get_current_node() : nullptr;
-  if (sink == nullptr || !node) {
-    fn();
-    return;
+  const auto node = torch::autograd::get_current_node();  // null outside a backward
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    DeferredClosures* sink = g_deferral.sink;
+    if (sink != nullptr && node && g_deferral.owns(node.get())) {  // inside the running input half
+      sink->fns.push_back(std::make_unique<PyClosure>(std::move(fn)));
+      sink->nodes.push_back(node.get());
+      return;
+    }
   }
-  std::lock_guard<std::mutex> lock(g_append);
-  sink->fns.push_back(std::make_unique<PyClosure>(std::move(fn)));
-  sink->nodes.push_back(node.get());
+  fn();
 }
 
 }  // namespace
@@ -62,9 +68,15 @@ void DeferredClosures::run_all() {
   for (auto& fn : pending) fn->run();
 }
 
-DeferralScope::DeferralScope(DeferredClosures& sink) : previous_(g_sink.exchange(&sink)) {}
+DeferralScope::DeferralScope(DeferredClosures& sink, std::function<bool(const torch::autograd::Node*)> owns) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_deferral = Deferral{&sink, std::move(owns)};
+}
 
-DeferralScope::~DeferralScope() { g_sink.store(previous_); }
+DeferralScope::~DeferralScope() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_deferral = Deferral{};
+}
 
 void bind_weight_store(py::module_& m) {
   m.def("defer_weight_grad", &defer_weight_grad, py::arg("fn"),

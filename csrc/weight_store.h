@@ -7,6 +7,7 @@
 // it runs at once, so the same Function works with and without pipecore.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -33,17 +34,15 @@ struct DeferredClosures {
   void run_all();  // in deferral order; empties the list (also when a closure throws)
 };
 
-// While alive, defer_weight_grad calls made from inside a backward node go to `sink`. A rank runs
-// one input half at a time; scopes nest (the previous sink comes back).
+// While alive, defer_weight_grad calls made from inside a backward node that `owns` (a node of
+// this input half's graph) go to `sink`; calls from any other backward run at once. A rank runs
+// one input half at a time.
 class DeferralScope {
  public:
-  explicit DeferralScope(DeferredClosures& sink);
+  DeferralScope(DeferredClosures& sink, std::function<bool(const torch::autograd::Node*)> owns);
   ~DeferralScope();
   DeferralScope(const DeferralScope&) = delete;
   DeferralScope& operator=(const DeferralScope&) = delete;
-
- private:
-  DeferredClosures* previous_;
 };
 
 // Adds defer_weight_grad to the extension module.

@@ -143,7 +143,7 @@ class Pipeline:
         self._reverse_channel = None  # gloo: opened at the first agreement (_open_reverse_channel)
         self._wants_reverse_channel = gloo and self.world > 1
         self._trace: list[dict] = []
-        self._warned_fallbacks: set[tuple[int, str, str]] = set()
+        self._warned_fallbacks: set[tuple[int, tuple]] = set()
         self._step_count = 0
         self._plans: dict[tuple[int, bool], dict] = {}
         self._loaded: tuple[int, bool] | None = None
@@ -208,25 +208,22 @@ class Pipeline:
         (see pipecore.split_backward); a shared parameter is named as "parameter fc.weight (shape
         [8, 8])". Stages whose backward split cleanly are absent, and so are microbatches the
         program runs as one B (where no other rank waits for the I)."""
-        out = {}
-        for local, stats in enumerate(self._executor.split_fallbacks()):
-            if stats:
-                module = self.stages[local].module
-                out[self.stages[local].stage_index] = {
-                    (name_parameter(module, node) if why == "shared_parameter" else node, why): n
-                    for (node, why), n in stats.items()}
-        return out
+        return {self.stages[local].stage_index: {self._fallback_key(local, key): n for key, n in stats.items()}
+                for local, stats in enumerate(self._executor.split_fallbacks()) if stats}
+
+    def _fallback_key(self, local: int, key: tuple[str, str, int]) -> tuple[str, str]:
+        node, why, param = key
+        return (name_parameter(self.stages[local].module, param, node) if param else node), why
 
     def _warn_split_fallbacks(self) -> None:
         new: dict[tuple[int, str], list[str]] = {}  # (stage, why) -> nodes not warned about yet
         for local, stats in enumerate(self._executor.split_fallbacks()):
-            stage = self.stages[local]
-            for node, why in stats:
-                key = (stage.stage_index, node, why)
-                if key not in self._warned_fallbacks:
-                    self._warned_fallbacks.add(key)
-                    label = name_parameter(stage.module, node) if why == "shared_parameter" else node
-                    new.setdefault((stage.stage_index, why), []).append(label)
+            stage_index = self.stages[local].stage_index
+            for key in stats:
+                if (stage_index, key) not in self._warned_fallbacks:
+                    self._warned_fallbacks.add((stage_index, key))
+                    node, why = self._fallback_key(local, key)
+                    new.setdefault((stage_index, why), []).append(node)
         for (stage_index, why), nodes in new.items():
             warnings.warn(fallback_message(stage_index, why, sorted(nodes)), stacklevel=4)
 

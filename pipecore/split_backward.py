@@ -2,11 +2,13 @@
 
 Under zbv, interleaved_zb, dualpipe and dualpipev a stage's backward runs in two halves: I computes
 the gradients of the stage's inputs (sent to the previous stage at once), W the weight gradients,
-later, where the schedule has room. pipecore finds the split points in the autograd graph; every
-backward node still runs exactly once per microbatch. A node that cannot be split (a Python
-autograd Function, a node with hooks or with hooked saved tensors, a compiled graph, the branches of
-a parameter used twice) runs once at I, weight gradients included; that costs the schedule part of its bubble, so pipecore warns once per
-stage and node and counts it (`Pipeline.split_backward_fallbacks`).
+later, where the schedule has room. pipecore finds the split points in the autograd graph. No user
+code runs twice: torch's generated nodes at a split point are asked for the input gradient at I
+and for the weight gradient at W (disjoint outputs); every other node runs once. A node that cannot
+be split (a Python or C++ autograd Function, a node with hooks or with hooked saved tensors, a
+compiled graph) runs once at I, weight gradients included; that costs the schedule part of its
+bubble, so pipecore warns once per stage and reason and counts it
+(`Pipeline.split_backward_fallbacks`).
 
 Fused Functions keep their weight gradient at W by handing that work to `defer_weight_grad` in their
 backward, as DeepSeek's DualPipe does with its WeightGradStore:
@@ -25,23 +27,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-_WHY = {
-    "python_function": "is a Python autograd Function: it computes all its gradients in one backward call, "
-                       "which runs once, at I. Hand its weight-gradient work to pipecore.defer_weight_grad(fn) "
-                       "inside its backward to move it to W",
-    "hooks": "has autograd hooks (a tensor hook, retain_grad, or a node hook), which must run once: it runs once, at "
-             "I, weight gradient included. Register the hook on another tensor (the stage's output, a parameter) "
-             "to keep the split",
-    "saved_tensor_hooks": "saved tensors with hooks (activation checkpointing or offloading): unpacking them again "
-                          "at W would recompute the checkpointed region a second time, so its weight gradient is "
-                          "computed once, at I",
-    "compiled_graph": "is a torch.compile graph, whose backward runs once and refuses a retained graph: the stage's "
+_WHY = {  # the executor's reasons (csrc/backward.h, FallbackReason) and what each means
+    "python_function": "a Python autograd Function: it computes all its gradients in one backward call, which "
+                       "runs once, at I. Hand its weight-gradient work to pipecore.defer_weight_grad(fn) inside its "
+                       "backward to move it to W",
+    "custom_node": "not one of torch's generated backward nodes (a C++ autograd Function, an extension's node, "
+                   "CopySlices): its backward may compute every gradient each time it runs, so it runs once, at I",
+    "hooks": "a node with autograd hooks (a tensor hook, retain_grad, or a node hook), which must run once: it runs "
+             "once, at I, weight gradient included. A hook on a parameter, or on a tensor that is not a split "
+             "point, keeps the split",
+    "saved_tensor_hooks": "a node whose saved tensors have hooks (activation checkpointing, offloading): unpacking "
+                          "them again at W would recompute a checkpointed region or reload an offloaded tensor a "
+                          "second time, so its weight gradient is computed once, at I",
+    "compiled_graph": "a torch.compile graph, whose backward runs once and refuses a retained graph: the stage's "
                       "weight gradients are computed at I",
-    "reentrant_checkpoint": "is a reentrant activation checkpoint (use_reentrant=True), which refuses a split "
+    "reentrant_checkpoint": "a reentrant activation checkpoint (use_reentrant=True), which refuses a split "
                             "backward: the stage runs its whole backward at I. use_reentrant=False keeps the split",
-    "shared_parameter": "is used at two split points (a weight used twice, stacked weights indexed per expert): "
-                        "the branches that use it compute their weight gradients at I, where each contribution is "
-                        "counted exactly once; the stage's other weight gradients still wait for W",
+    "shared_parameter": "used by a branch whose weight gradient is computed at I: every branch that uses it "
+                        "computes its contribution there too, so that each is counted exactly once",
 }
 
 
@@ -60,22 +63,14 @@ def defer_weight_grad(fn: Callable[[], object]) -> None:
 
 def fallback_message(stage_index: int, why: str, nodes: list[str]) -> str:
     """The one-time warning for the nodes of a stage whose weight gradients ran at I instead of W."""
-    names = ", ".join(nodes)
-    if why == "saved_tensor_hooks":
-        text = f"{names} {'have' if len(nodes) > 1 else 'has'} {_WHY[why]}"
-    elif why == "shared_parameter":
-        text = f"{names} {_WHY[why]}"
-    else:
-        text = f"{names} {_WHY.get(why, why)}"
-    return f"pipecore: stage {stage_index}: {text}. The schedule's W no longer fills its bubble with that work."
+    return (f"pipecore: stage {stage_index}: {', '.join(nodes)}: {_WHY.get(why, why)}. The schedule's W no longer "
+            f"fills its bubble with that work.")
 
 
-def name_parameter(module, description: str) -> str:
-    """The executor's "parameter of shape [4, 16] #<TensorImpl address>" as "parameter fc.weight
-    (shape [4, 16])", named among `module`'s parameters (`Tensor._cdata` is that address)."""
-    head, _, address = description.rpartition(" #")
-    shape = head.removeprefix("parameter of shape ")
+def name_parameter(module, impl_address: int, description: str) -> str:
+    """The parameter of `module` whose TensorImpl is at `impl_address` (Tensor._cdata), as
+    "parameter fc.weight (shape [4, 16])"; `description` if none is."""
     for name, p in module.named_parameters():
-        if address.isdigit() and p._cdata == int(address):
-            return f"parameter {name} (shape {shape})"
-    return head or description
+        if p._cdata == impl_address:
+            return f"parameter {name} (shape {list(p.shape)})"
+    return description

@@ -13,12 +13,18 @@ Each kind is a block used in every stage (the last stage adds a head):
 - compiled: a torch.compile'd block (aot_eager: AOTAutograd's backward, as inductor's, donates
   buffers and runs once);
 - shared_weight / stacked_experts: a parameter under two split points (a Linear applied twice;
-  experts stacked in one parameter and indexed).
+  experts stacked in one parameter and indexed), deferred together;
+- cpp_function: a C++ autograd Function that accumulates into main_grad;
+- parameter_hooks: hooks on a weight whose gradient a Function returns (accumulated at I);
+- mixed_shared: a weight used by a Function and by a built-in matmul.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import warnings
+import weakref
 from collections import Counter
 
 import torch
@@ -80,6 +86,59 @@ class DeferredLinearFunc(_LinearFunc):
         return grad_out @ weight, None
 
 
+class ReturnsGradLinearFunc(_LinearFunc):
+    """The usual custom Function: returns its weight gradient."""
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        COUNTS["function backward"] += 1
+        return grad_out @ weight, _mm_weight_grad(grad_out, x)
+
+
+_CPP_FUNCTION = r"""
+#include <torch/extension.h>
+// A fused linear written as a C++ autograd Function: accumulates its weight gradient into
+// main_grad itself (a side effect) and counts its backward calls.
+static int64_t backward_calls = 0;
+struct CppMainGradLinear : public torch::autograd::Function<CppMainGradLinear> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x, torch::Tensor weight,
+                               torch::Tensor main_grad) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["main_grad"] = main_grad;
+    return x.matmul(weight.t());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_out) {
+    ++backward_calls;
+    auto saved = ctx->get_saved_variables();
+    ctx->saved_data["main_grad"].toTensor().add_(grad_out[0].t().matmul(saved[0]));
+    return {grad_out[0].matmul(saved[1]), torch::Tensor(), torch::Tensor()};
+  }
+};
+torch::Tensor cpp_main_grad_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor main_grad) {
+  return CppMainGradLinear::apply(x, weight, main_grad);
+}
+int64_t cpp_backward_calls() { return backward_calls; }
+"""
+
+
+def cpp_extension():
+    """The C++ Function above, built once per machine (torch caches it) and loaded per process."""
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline("pipecore_test_cpp_function", cpp_sources=[_CPP_FUNCTION],
+                       functions=["cpp_main_grad_linear", "cpp_backward_calls"], verbose=False)
+
+
+class CppFunction:
+    """The C++ Function with the Python Functions' interface (main_grad passed along)."""
+
+    @staticmethod
+    def apply(x, weight):
+        return cpp_extension().cpp_main_grad_linear(x, weight, weight.main_grad)
+
+
 class FunctionBlock(nn.Module):
     def __init__(self, fn, main_grad):
         super().__init__()
@@ -91,6 +150,33 @@ class FunctionBlock(nn.Module):
 
     def forward(self, x):
         return torch.tanh(self.fn.apply(x, self.weight) + self.bias)
+
+
+class ParameterHooksBlock(nn.Module):
+    """A Function that returns its weight gradient (computed at I), with a scaling tensor hook and a
+    post-accumulate hook on that weight: they run once, where pipecore accumulates it."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH ** 0.5)
+        self.bias = nn.Parameter(torch.zeros(WIDTH))
+        self.weight.register_hook(HookedBlock._weight_hook)
+        self.weight.register_post_accumulate_grad_hook(HookedBlock._post_accumulate)
+
+    def forward(self, x):
+        return torch.tanh(ReturnsGradLinearFunc.apply(x, self.weight) + self.bias)
+
+
+class MixedSharedBlock(nn.Module):
+    """One weight used by a Function (computed at I) and by a built-in matmul: the matmul's weight
+    gradient is computed at I as well, so that the two contributions meet once."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH ** 0.5)
+
+    def forward(self, x):
+        return torch.tanh(ReturnsGradLinearFunc.apply(x, self.weight) + 0.5 * torch.tanh(x) @ self.weight.t())
 
 
 class HookedBlock(nn.Module):
@@ -175,17 +261,22 @@ class StackedExpertsBlock(nn.Module):
         return torch.tanh(p[..., :1] * (x @ self.experts[0]) + p[..., 1:] * (x @ self.experts[1]))
 
 
-KINDS = {  # kind -> (block factory, the fallback it must report: (node, why) or None)
-    "grad_function": (lambda: FunctionBlock(GradLinearFunc, False), ("GradLinearFuncBackward", "python_function")),
+KINDS = {  # kind -> (block factory, the fallbacks it must report: {(node, why)})
+    "grad_function": (lambda: FunctionBlock(GradLinearFunc, False), {("GradLinearFuncBackward", "python_function")}),
     "main_grad_function": (lambda: FunctionBlock(MainGradLinearFunc, True),
-                           ("MainGradLinearFuncBackward", "python_function")),
-    "deferred_function": (lambda: FunctionBlock(DeferredLinearFunc, True), None),
-    "tensor_hooks": (HookedBlock, ("AddmmBackward0", "hooks")),
-    "checkpoint": (lambda: CheckpointBlock(False), ("AddmmBackward0", "saved_tensor_hooks")),
-    "reentrant_checkpoint": (lambda: CheckpointBlock(True), ("CheckpointFunctionBackward", "reentrant_checkpoint")),
-    "compiled": (CompiledBlock, ("CompiledFunctionBackward", "compiled_graph")),
-    "shared_weight": (SharedWeightBlock, ("parameter shared.weight (shape [8, 8])", "shared_parameter")),
-    "stacked_experts": (StackedExpertsBlock, ("parameter experts (shape [2, 8, 8])", "shared_parameter")),
+                           {("MainGradLinearFuncBackward", "python_function")}),
+    "cpp_function": (lambda: FunctionBlock(CppFunction, True),
+                     {("torch::autograd::CppNode<CppMainGradLinear>", "custom_node")}),
+    "deferred_function": (lambda: FunctionBlock(DeferredLinearFunc, True), set()),
+    "parameter_hooks": (ParameterHooksBlock, {("ReturnsGradLinearFuncBackward", "python_function")}),
+    "tensor_hooks": (HookedBlock, {("AddmmBackward0", "hooks")}),
+    "checkpoint": (lambda: CheckpointBlock(False), {("AddmmBackward0", "saved_tensor_hooks")}),
+    "reentrant_checkpoint": (lambda: CheckpointBlock(True), {("CheckpointFunctionBackward", "reentrant_checkpoint")}),
+    "compiled": (CompiledBlock, {("CompiledFunctionBackward", "compiled_graph")}),
+    "shared_weight": (SharedWeightBlock, set()),  # shared parameters accumulate once at W
+    "stacked_experts": (StackedExpertsBlock, set()),
+    "mixed_shared": (MixedSharedBlock, {("ReturnsGradLinearFuncBackward", "python_function"),
+                                        ("parameter weight (shape [8, 8])", "shared_parameter")}),
 }
 
 
@@ -217,7 +308,7 @@ def train_split_model(rank, world, name, kind, m):
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(3 * m + 1, WIDTH, generator=g), torch.randint(0, CLASSES, (3 * m + 1,), generator=g)
     COUNTS.clear()
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, _counting_cpp_calls(kind):
         warnings.simplefilter("always")
         pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
         pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)  # warns once
@@ -227,9 +318,10 @@ def train_split_model(rank, world, name, kind, m):
     # how often user code runs in single-process training of the same microbatches
     COUNTS.clear()
     per_microbatch = make_model(kind, n_model)
-    for _ in range(2):
-        for xc, yc in zip(torch.tensor_split(x, m), torch.tensor_split(y, m)):
-            loss_fn(_reference_forward(per_microbatch, xc), yc).backward()
+    with _counting_cpp_calls(kind):
+        for _ in range(2):
+            for xc, yc in zip(torch.tensor_split(x, m), torch.tensor_split(y, m)):
+                loss_fn(_reference_forward(per_microbatch, xc), yc).backward()
     ref_counts = dict(COUNTS)
     for s in mine:
         for (n, p), q in zip(s.module.named_parameters(), ref[topo.model_stage[s.stage_index]].parameters()):
@@ -248,6 +340,15 @@ def train_split_model(rank, world, name, kind, m):
     }
 
 
+@contextlib.contextmanager
+def _counting_cpp_calls(kind):
+    """Adds the C++ Function's backward calls made inside the block to COUNTS."""
+    before = cpp_extension().cpp_backward_calls() if kind == "cpp_function" else 0
+    yield
+    if kind == "cpp_function":
+        COUNTS["C++ function backward"] += cpp_extension().cpp_backward_calls() - before
+
+
 def _reference_forward(stages, x):
     for st in stages:
         x = st(x)
@@ -263,34 +364,112 @@ def _assert_close(got, want, what, rtol=1e-6):
     assert err <= rtol * want.abs().max().item() + 1e-12, f"{what}: max abs error {err:.3e}"
 
 
-def shared_parameter_falls_back_alone(rank, world):
-    """Stage 1 (inputs that need a gradient) holds a Linear used twice beside another Linear: the
-    shared Linear's weight gradients are computed at I, the other's still wait for W; all equal a
-    full backward."""
+def _two_stages(factory, program):
+    """Stage 0 (a Linear) and factory() as stage 1 on this one rank, running `program` (so stage 1's
+    inputs need a gradient and its backward has split points); the reference is built alike."""
     torch.manual_seed(0)
-    first, block = nn.Linear(WIDTH, WIDTH), SharedWeightBlock()
-    ref = [nn.Linear(WIDTH, WIDTH), SharedWeightBlock()]
-    ref[0].load_state_dict(first.state_dict())
-    ref[1].load_state_dict(block.state_dict())
-    sched = pc.Schedule([["0F0", "1F0", "1I0", "0F1", "1F1", "1W0", "1I1", "1W1", "0B0", "0B1"]])
+    first, block = nn.Linear(WIDTH, WIDTH), factory()
+    torch.manual_seed(0)
+    ref = [nn.Linear(WIDTH, WIDTH), factory()]
+    pipe = pc.Pipeline([pc.PipelineStage(first, 0, 2), pc.PipelineStage(block, 1, 2)], pc.Schedule([program]), 2,
+                       loss_fn=lambda out: out.pow(2).mean())
+    return first, block, ref, pipe
+
+
+def _check_two_stages(first, block, ref, x):
+    ref[1](ref[0](x)).pow(2).mean().backward()  # the pipeline's two microbatches weigh one half each
+    for mod, want in zip((first, block), ref):
+        for (n, p), q in zip(mod.named_parameters(), want.parameters()):
+            _assert_close(p.grad, q.grad, n)
+
+
+# 1I0 and 1W0 apart (1F1 in between); 1I1 and 1W1 adjacent with stage 0 local: run as one B
+SPLIT_PROGRAM = ["0F0", "1F0", "1I0", "0F1", "1F1", "1W0", "1I1", "1W1", "0B0", "0B1"]
+
+
+def shared_parameters_split_together(rank, world):
+    """A Linear used twice beside another Linear: at 1F1 (after 1I0, before 1W0) no weight gradient
+    exists yet; W accumulates the shared one once; nothing is reported."""
+    first, block, ref, pipe = _two_stages(SharedWeightBlock, SPLIT_PROGRAM)
     seen_at_f = []
     block.register_forward_pre_hook(lambda mod, args: seen_at_f.append(
-        {n: p.grad is not None for n, p in mod.named_parameters()}))
-    pipe = pc.Pipeline([pc.PipelineStage(first, 0, 2), pc.PipelineStage(block, 1, 2)], sched, 2,
-                       loss_fn=lambda out: out.pow(2).mean())
+        sorted(n for n, p in mod.named_parameters() if p.grad is not None)))
     x = torch.randn(6, WIDTH)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pipe.step(x)
-    # 1F1 runs after 1I0, before 1W0
-    assert seen_at_f[1] == {"shared.weight": True, "shared.bias": True, "other.weight": False, "other.bias": False}, \
-        seen_at_f
-    ref[1](ref[0](x)).pow(2).mean().backward()
-    for mod, want in zip((first, block), ref):
-        for (n, p), q in zip(mod.named_parameters(), want.parameters()):
-            _assert_close(p.grad, q.grad, n)
-    # 1I1 and 1W1 are adjacent and stage 0 is on this rank: merged into one B, not split
-    assert pipe.split_backward_fallbacks == {1: {("parameter shared.weight (shape [8, 8])", "shared_parameter"): 1}}
-    messages = [str(w.message) for w in caught if "pipecore" in str(w.message)]
-    assert len(messages) == 1 and "parameter shared.weight (shape [8, 8])" in messages[0], messages
+    assert seen_at_f[1] == [], seen_at_f
+    _check_two_stages(first, block, ref, x)
+    assert pipe.split_backward_fallbacks == {}
+    assert not [w for w in caught if "pipecore" in str(w.message)]
+    return True
+
+
+def deferred_closures_run_at_w(rank, world):
+    """defer_weight_grad inside 1I0 queues the closure: at 1F1 the Function's backward ran once and
+    its closure not yet; both ran twice by the end (1B1 runs the closure at once)."""
+    first, block, ref, pipe = _two_stages(lambda: FunctionBlock(DeferredLinearFunc, True), SPLIT_PROGRAM)
+    seen_at_f = []
+    block.register_forward_pre_hook(lambda mod, args: seen_at_f.append(dict(COUNTS)))
+    COUNTS.clear()
+    x = torch.randn(6, WIDTH)
+    pipe.step(x)
+    assert seen_at_f[1] == {"function backward": 1}, seen_at_f
+    assert dict(COUNTS) == {"function backward": 2, "deferred closure": 2}, COUNTS
+    _check_two_stages(first, block, ref, x)
+    _assert_close(block.weight.main_grad, ref[1].weight.main_grad, "main_grad")
+    return True
+
+
+class _GeluMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.kept = []
+
+    def forward(self, x):
+        h = self.a(x)  # saved by GELU's backward only: needed by I, not by W
+        g = nn.functional.gelu(h)  # saved by b's addmm: its weight gradient needs it at W
+        if not x.is_meta:  # not the shapes planning runs
+            self.kept.append((weakref.ref(h), weakref.ref(g)))
+        return self.b(g)
+
+
+def input_half_frees_what_w_does_not_need(rank, world):
+    """After 1I0 the activations only I needed are freed; what W needs lives until 1W0."""
+    first, block, ref, pipe = _two_stages(_GeluMLP, SPLIT_PROGRAM)
+    alive_at_f = []
+    block.register_forward_pre_hook(lambda mod, args: alive_at_f.append(
+        [(h() is not None, g() is not None) for h, g in mod.kept]))
+    x = torch.randn(6, WIDTH)
+    pipe.step(x)
+    assert alive_at_f[1] == [(False, True)], alive_at_f  # at 1F1: mb0's h freed by I, g kept for W
+    assert [(h() is None, g() is None) for h, g in block.kept] == [(True, True), (True, True)]
+    _check_two_stages(first, block, ref, x)
+    return True
+
+
+class _CheckpointFunction(torch.utils.checkpoint.CheckpointFunction):
+    """A reentrant checkpoint under another name, as TransformerEngine and Megatron define theirs."""
+
+
+class RenamedReentrantCheckpoint(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return _CheckpointFunction.apply(lambda t: self.b(torch.tanh(self.a(t))), True, x)
+
+
+def renamed_reentrant_checkpoint_runs_whole(rank, world):
+    """A reentrant checkpoint refuses a split backward whatever its Function is called: the stage
+    runs its whole backward at I, reported."""
+    first, block, ref, pipe = _two_stages(RenamedReentrantCheckpoint, SPLIT_PROGRAM)
+    x = torch.randn(6, WIDTH)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe.step(x)
+    _check_two_stages(first, block, ref, x)
+    assert pipe.split_backward_fallbacks == {1: {("_CheckpointFunctionBackward", "reentrant_checkpoint"): 1}}
     return True

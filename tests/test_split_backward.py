@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from dist_pool import pool
-from split_models import KINDS, shared_parameter_falls_back_alone, train_split_model
+from split_models import (KINDS, cpp_extension, deferred_closures_run_at_w, input_half_frees_what_w_does_not_need,
+                          renamed_reentrant_checkpoint_runs_whole, shared_parameters_split_together,
+                          train_split_model)
 
 ZERO_BUBBLE = ["zbv", "interleaved_zb", "dualpipe", "dualpipev"]
 
@@ -22,6 +24,8 @@ def _close(got, want, what):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", ZERO_BUBBLE)
 def test_user_code_runs_once_and_gradients_match(name, world, kind):
+    if kind == "cpp_function":
+        cpp_extension()  # built here once, before the ranks load it
     results = pool(world).run(train_split_model, name, kind, 2 * world, timeout=300)
     # every Function backward, hook, deferred closure and checkpoint recomputation ran as often as
     # in single-process training (the reference runs the whole model on every rank)
@@ -35,28 +39,39 @@ def test_user_code_runs_once_and_gradients_match(name, world, kind):
     assert main.keys() == results[0]["ref_main_grads"].keys()
     for key, t in main.items():
         _close(t, results[0]["ref_main_grads"][key], f"main_grad {key}")
-    # the node that cannot be split is named, once per stage, in the counter and in a warning
-    expected = KINDS[kind][1]
+    # the nodes that cannot be split are named, in the counter and in one warning per stage and reason
     # (the last stage is Sequential(block, head): its parameters are named "0.<name>")
-    fallbacks = {(stage, (node.replace("parameter 0.", "parameter "), why))
-                 for r in results for stage, stats in r["fallbacks"].items() for node, why in stats}
+    expected = KINDS[kind][1]
+    reported = {(stage, (node.replace("parameter 0.", "parameter "), why))
+                for r in results for stage, stats in r["fallbacks"].items() for node, why in stats}
     if not any(r["split_stages"] for r in results):  # dualpipe on 2 ranks: no stage with inputs runs an I
-        expected = None
-    if expected is None:
-        assert not fallbacks, fallbacks
-        assert not any(r["warnings"] for r in results)
-        return
-    assert {key for _, key in fallbacks} == {expected}, fallbacks
+        expected = set()
+    assert {key for _, key in reported} == expected, reported
     for r in results:
-        assert len(r["warnings"]) == len(r["fallbacks"]), r["warnings"]  # once per stage, not per step
-        assert all(expected[0] in w.replace("parameter 0.", "parameter ") for w in r["warnings"]), r["warnings"]
+        reasons = {(stage, why) for stage, stats in r["fallbacks"].items() for _, why in stats}
+        assert len(r["warnings"]) == len(reasons), r["warnings"]  # once per stage and reason, not per step
         for stage, stats in r["fallbacks"].items():
             assert stage in r["split_stages"]
-            assert 0 < sum(stats.values()) <= 2 * (2 * world), stats  # microbatches of two steps
+            assert all(0 < n <= 2 * (2 * world) for n in stats.values()), stats  # microbatches of two steps
+            for (node, why) in stats:
+                assert any(node.replace("parameter 0.", "parameter ") in w.replace("parameter 0.", "parameter ")
+                           for w in r["warnings"]), (node, r["warnings"])
 
 
-def test_shared_parameter_falls_back_for_its_branches_only():
-    pool(1).run(shared_parameter_falls_back_alone)
+def test_shared_parameters_split_together():
+    pool(1).run(shared_parameters_split_together)
+
+
+def test_deferred_closures_run_at_w():
+    pool(1).run(deferred_closures_run_at_w)
+
+
+def test_input_half_frees_what_w_does_not_need():
+    pool(1).run(input_half_frees_what_w_does_not_need)
+
+
+def test_renamed_reentrant_checkpoint_runs_whole():
+    pool(1).run(renamed_reentrant_checkpoint_runs_whole)
 
 
 def test_defer_weight_grad_runs_now_outside_a_split_backward():

@@ -79,7 +79,7 @@ def input_grad_awaited(topo) -> frozenset[int]:
     return frozenset(s for s in range(topo.num_stages) if prev[s] >= 0 and rank[prev[s]] != rank[s])
 
 
-def merge_adjacent_iw(row: list[int], keep_split: frozenset[int] = frozenset()) -> list[int]:
+def merge_adjacent_iw(row: list[int], keep_split: frozenset[int]) -> list[int]:
     """I followed directly by W of the same stage and microbatch becomes one full B (one engine
     call instead of two), except for the stages in `keep_split`: there another rank waits for the
     input gradient, which a B would send only once the weight gradients are done too. Merging
