@@ -132,7 +132,8 @@ def main():
                          args.blocks, args.steps)
         measured = {k: max(r[0][k] for r in per_rank) for k in PROGRAMS}  # the step ends on the slowest rank
         costs = {k: statistics.median(d for r in per_rank for d in r[1][k]) for k in ("F", "I", "W")}
-        predicted = {"now": sched.lower().simulate(costs).makespan, "merged": merged_program(sched).simulate(costs).makespan}
+        predicted = {"now": sched.lower().simulate(costs).makespan,
+                     "merged": merged_program(sched).simulate(costs).makespan}
         for key, label in PROGRAMS.items():
             rows.append([name, label, measured[key], measured[key] / measured["merged"], predicted[key],
                          predicted[key] / predicted["merged"]])

@@ -28,7 +28,9 @@ std::unordered_map<PyTypeObject*, std::vector<std::string>> g_py_saved_attrs;
 
 std::vector<std::string> saved_attrs_of(py::handle obj) {
   std::vector<std::string> names;
-  for (const auto& name : py::reinterpret_steal<py::list>(PyObject_Dir(reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr()))))) {
+  auto attrs = py::reinterpret_steal<py::list>(PyObject_Dir(reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr()))));
+  if (!attrs) throw py::error_already_set();
+  for (const auto& name : attrs) {
     std::string s = py::str(name);
     if (s.rfind("_raw_saved_", 0) == 0) names.push_back(std::move(s));
   }

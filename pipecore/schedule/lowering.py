@@ -364,5 +364,5 @@ def _describe_key(key: int) -> str:
     return f"{stage}{kind}{mb}"
 
 
-__all__ = ["lower", "merge_adjacent_iw", "input_grad_awaited", "add_reduce_grad", "add_unshard_reshard", "add_send_recv",
-           "leaf_codes", "encode"]
+__all__ = ["lower", "merge_adjacent_iw", "input_grad_awaited", "add_reduce_grad", "add_unshard_reshard",
+           "add_send_recv", "leaf_codes", "encode"]
