@@ -3,7 +3,9 @@ PIP := $(PYTHON) -m pip
 # Installed only when no torch is importable; an existing torch (CPU or CUDA
 # build, any version) is always kept. Never let pip resolve torch on its own.
 TORCH_SPEC ?= torch==2.13.0
-DEV_DEPS := ninja pybind11 pytest hypothesis numpy matplotlib nvtx
+# setuptools and wheel: a fresh venv brings setuptools 65, which builds an editable install without
+# build isolation only with the separate wheel package
+DEV_DEPS := "setuptools>=70.1" wheel ninja pybind11 pytest hypothesis numpy matplotlib nvtx
 
 .PHONY: all install demo test bench clean
 
