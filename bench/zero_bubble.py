@@ -22,6 +22,7 @@ times traced on these ranks during the run (median per kind; B as I + W; no late
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import _harness  # noqa: F401
 from _harness import bar_plot, median_ms, spawn, table, timed_blocks
@@ -100,9 +101,9 @@ def _rank(rank, world, name, m, compute, ms, width, rows, blocks, steps):
     runners["now"]()
     durations = {"F": [], "I": [], "W": []}
     for e in traced.trace():
-        kind = pc.Action.parse(e["name"][3:])
-        if kind.kind.name in durations:
-            durations[kind.kind.name].append((e["end_us"] - e["start_us"]) / 1e3)
+        kind = pc.Action.parse(e["name"][3:]).kind.name  # "PP:1I0" -> "I"
+        if kind in durations:
+            durations[kind].append((e["end_us"] - e["start_us"]) / 1e3)
     return {k: median_ms(v) for k, v in times.items()}, durations
 
 
@@ -122,8 +123,6 @@ def main():
     args = ap.parse_args()
 
     import pipecore as pc
-
-    import statistics
 
     rows, labels, series = [], [], {v: [] for v in PROGRAMS.values()}
     for name in args.schedules:

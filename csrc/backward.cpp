@@ -37,11 +37,17 @@ const char* reason_name(FallbackReason why) {
   return "unknown";
 }
 
-void backward_full(const edge_list& roots, const std::vector<at::Tensor>& grads) {
-  if (roots.empty()) return;
+std::vector<at::Tensor> backward_full(const edge_list& roots, const std::vector<at::Tensor>& grads,
+                                      const std::vector<at::Tensor>& inputs) {
+  std::vector<at::Tensor> input_grads(inputs.size());
+  if (roots.empty()) return input_grads;
   Engine::get_default_engine().execute(roots, variable_list(grads.begin(), grads.end()),
                                        /*keep_graph=*/false, /*create_graph=*/false,
                                        /*accumulate_grad=*/true, /*outputs=*/{});
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    if (inputs[k].defined() && inputs[k].requires_grad()) input_grads[k] = inputs[k].grad();
+  }
+  return input_grads;
 }
 
 namespace {
@@ -49,10 +55,9 @@ namespace {
 // A reentrant activation checkpoint (torch's, Megatron's and DeepSpeed's CheckpointFunction,
 // TransformerEngine's _CheckpointFunction) runs a backward of its own that refuses an engine call
 // that captures gradients (I) or names its outputs (W): such a graph gets a full backward.
-bool is_reentrant_checkpoint(Node* n) {
-  if (!is_python_node(n)) return false;
+bool is_reentrant_checkpoint(Node* python_node) {  // a PyNode
   static const std::string kSuffix = "CheckpointFunctionBackward";
-  const std::string name = n->name();
+  const std::string name = python_node->name();
   return name.size() >= kSuffix.size() && name.compare(name.size() - kSuffix.size(), kSuffix.size(), kSuffix) == 0;
 }
 
@@ -249,11 +254,7 @@ std::vector<at::Tensor> backward_input(const edge_list& roots, const std::vector
 
   if (Node* n = graph.reentrant_checkpoint()) {  // all of it now, exactly once
     fallbacks.push_back({node_name(n), FallbackReason::kReentrantCheckpoint});
-    backward_full(roots, grads);
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      if (input_edges[i].is_valid()) input_grads[i] = inputs[i].grad();
-    }
-    return input_grads;
+    return backward_full(roots, grads, inputs);
   }
 
   // Branches: roots leading to parameters only, then split points (nodes on the way to the inputs

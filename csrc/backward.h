@@ -58,8 +58,10 @@ struct SplitFallback {
 };
 
 // Full backward from `roots` seeded with `grads`: accumulates into every leaf's .grad (parameters
-// and the stage's received inputs). Runs on the engine directly: the roots' tensors may be freed.
-void backward_full(const torch::autograd::edge_list& roots, const std::vector<at::Tensor>& grads);
+// and the stage's received inputs) and returns the gradients of `inputs` (undefined where an input
+// needs none). Runs on the engine directly: the roots' tensors may be freed.
+std::vector<at::Tensor> backward_full(const torch::autograd::edge_list& roots, const std::vector<at::Tensor>& grads,
+                                      const std::vector<at::Tensor>& inputs);
 
 // Input half of a split backward: returns the gradients of `inputs` (undefined where none flows)
 // and fills `work` with what `backward_weight` does later. Where weight-gradient work had to run

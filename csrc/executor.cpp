@@ -617,11 +617,7 @@ void Executor::do_backward(const Instr& in, bool split) {
     s.input_grads = backward_input(roots, grads, s.inputs, s.weight, fallbacks);
     for (auto& f : fallbacks) ++split_fallbacks_[in.stage][f];
   } else {
-    backward_full(roots, grads);
-    s.input_grads.assign(s.inputs.size(), at::Tensor());
-    for (size_t k = 0; k < s.inputs.size(); ++k) {
-      if (s.inputs[k].requires_grad()) s.input_grads[k] = s.inputs[k].grad();
-    }
+    s.input_grads = backward_full(roots, grads, s.inputs);
   }
   s.out_edges.clear();
   s.out_grads.clear();

@@ -10,6 +10,7 @@
 #include <string>
 #include <typeindex>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace py = pybind11;
@@ -20,11 +21,11 @@ using torch::autograd::Node;
 
 namespace {
 
-// Per Python type of a node: its attributes that expose saved tensors (`_raw_saved_*`). C++ node
-// types are keyed by their C++ type so that those saving nothing never touch Python.
+// Per Python type of a node: its attributes that expose saved tensors (`_raw_saved_*`); and the
+// C++ node types that save none, answered without Python.
 std::mutex g_cache_mutex;
-std::unordered_map<std::type_index, std::vector<std::string>> g_cpp_saved_attrs;
-std::unordered_map<PyTypeObject*, std::vector<std::string>> g_py_saved_attrs;
+std::unordered_map<PyTypeObject*, std::vector<std::string>> g_saved_attrs;
+std::unordered_set<std::type_index> g_saves_nothing;
 
 std::vector<std::string> saved_attrs_of(py::handle obj) {
   std::vector<std::string> names;
@@ -59,8 +60,7 @@ bool has_saved_tensor_hooks(Node* node) {
   const std::type_index cpp_type(typeid(*node));
   if (!python) {
     std::lock_guard<std::mutex> lock(g_cache_mutex);
-    auto it = g_cpp_saved_attrs.find(cpp_type);
-    if (it != g_cpp_saved_attrs.end() && it->second.empty()) return false;  // saves no tensors
+    if (g_saves_nothing.count(cpp_type)) return false;
   }
   py::gil_scoped_acquire gil;
   py::object obj = py::reinterpret_steal<py::object>(torch::autograd::functionToPyObject(node_ptr(node)));
@@ -70,22 +70,14 @@ bool has_saved_tensor_hooks(Node* node) {
   bool cached = false;
   {
     std::lock_guard<std::mutex> lock(g_cache_mutex);  // never held while Python runs
-    if (python) {
-      auto it = g_py_saved_attrs.find(py_type);
-      if ((cached = it != g_py_saved_attrs.end())) names = it->second;
-    } else {
-      auto it = g_cpp_saved_attrs.find(cpp_type);
-      if ((cached = it != g_cpp_saved_attrs.end())) names = it->second;
-    }
+    auto it = g_saved_attrs.find(py_type);
+    if ((cached = it != g_saved_attrs.end())) names = it->second;
   }
   if (!cached) {
     names = saved_attrs_of(obj);
     std::lock_guard<std::mutex> lock(g_cache_mutex);
-    if (python) {
-      g_py_saved_attrs.emplace(py_type, names);
-    } else {
-      g_cpp_saved_attrs.emplace(cpp_type, names);
-    }
+    g_saved_attrs.emplace(py_type, names);
+    if (!python && names.empty()) g_saves_nothing.insert(cpp_type);
   }
   for (const auto& name : names) {
     if (hooked(py::getattr(obj, name.c_str(), py::none()))) return true;

@@ -32,6 +32,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import pipecore as pc
+from models import reference_forward
+from pipeline_cases import _assert_grads_close
 
 WIDTH, CLASSES = 8, 3
 COUNTS: Counter = Counter()  # per process: how often each piece of user code ran
@@ -314,18 +316,18 @@ def train_split_model(rank, world, name, kind, m):
         pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)  # warns once
     counts = dict(COUNTS)
     for _ in range(2):
-        loss_fn(_reference_forward(ref, x), y).backward()
+        loss_fn(reference_forward(ref, x), y).backward()
     # how often user code runs in single-process training of the same microbatches
     COUNTS.clear()
     per_microbatch = make_model(kind, n_model)
     with _counting_cpp_calls(kind):
         for _ in range(2):
             for xc, yc in zip(torch.tensor_split(x, m), torch.tensor_split(y, m)):
-                loss_fn(_reference_forward(per_microbatch, xc), yc).backward()
+                loss_fn(reference_forward(per_microbatch, xc), yc).backward()
     ref_counts = dict(COUNTS)
     for s in mine:
         for (n, p), q in zip(s.module.named_parameters(), ref[topo.model_stage[s.stage_index]].parameters()):
-            _assert_close(p.grad, q.grad, f"rank {rank} stage {s.stage_index} {n}")
+            _assert_grads_close(p.grad, q.grad, f"rank {rank} stage {s.stage_index} {n}")
     warned = [str(w.message) for w in caught if "pipecore: stage" in str(w.message)]
     return {
         "counts": counts,
@@ -349,21 +351,6 @@ def _counting_cpp_calls(kind):
         COUNTS["C++ function backward"] += cpp_extension().cpp_backward_calls() - before
 
 
-def _reference_forward(stages, x):
-    for st in stages:
-        x = st(x)
-    return x
-
-
-def _assert_close(got, want, what, rtol=1e-6):
-    if want is None:
-        assert got is None or torch.count_nonzero(got) == 0, f"{what}: expected no gradient"
-        return
-    assert got is not None, f"{what}: gradient missing"
-    err = (got - want).abs().max().item()
-    assert err <= rtol * want.abs().max().item() + 1e-12, f"{what}: max abs error {err:.3e}"
-
-
 def _two_stages(factory, program):
     """Stage 0 (a Linear) and factory() as stage 1 on this one rank, running `program` (so stage 1's
     inputs need a gradient and its backward has split points); the reference is built alike."""
@@ -380,7 +367,7 @@ def _check_two_stages(first, block, ref, x):
     ref[1](ref[0](x)).pow(2).mean().backward()  # the pipeline's two microbatches weigh one half each
     for mod, want in zip((first, block), ref):
         for (n, p), q in zip(mod.named_parameters(), want.parameters()):
-            _assert_close(p.grad, q.grad, n)
+            _assert_grads_close(p.grad, q.grad, n)
 
 
 # 1I0 and 1W0 apart (1F1 in between); 1I1 and 1W1 adjacent with stage 0 local: run as one B
@@ -417,7 +404,7 @@ def deferred_closures_run_at_w(rank, world):
     assert seen_at_f[1] == {"function backward": 1}, seen_at_f
     assert dict(COUNTS) == {"function backward": 2, "deferred closure": 2}, COUNTS
     _check_two_stages(first, block, ref, x)
-    _assert_close(block.weight.main_grad, ref[1].weight.main_grad, "main_grad")
+    _assert_grads_close(block.weight.main_grad, ref[1].weight.main_grad, "main_grad")
     return True
 
 

@@ -8,16 +8,12 @@ import pytest
 import torch
 
 from dist_pool import pool
+from pipeline_cases import _assert_grads_close
 from split_models import (KINDS, cpp_extension, deferred_closures_run_at_w, input_half_frees_what_w_does_not_need,
                           renamed_reentrant_checkpoint_runs_whole, shared_parameters_split_together,
                           train_split_model)
 
 ZERO_BUBBLE = ["zbv", "interleaved_zb", "dualpipe", "dualpipev"]
-
-
-def _close(got, want, what):
-    err = (got - want).abs().max().item()
-    assert err <= 1e-6 * want.abs().max().item() + 1e-12, f"{what}: max abs error {err:.3e}"
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -38,7 +34,7 @@ def test_user_code_runs_once_and_gradients_match(name, world, kind):
             main[key] = main[key] + t if key in main else t
     assert main.keys() == results[0]["ref_main_grads"].keys()
     for key, t in main.items():
-        _close(t, results[0]["ref_main_grads"][key], f"main_grad {key}")
+        _assert_grads_close(t, results[0]["ref_main_grads"][key], f"main_grad {key}")
     # the nodes that cannot be split are named, in the counter and in one warning per stage and reason
     # (the last stage is Sequential(block, head): its parameters are named "0.<name>")
     expected = KINDS[kind][1]
