@@ -13,10 +13,11 @@ Compute per stage and microbatch:
   matmul  real Linear layers (pipecore splits their autograd graph); use as many ranks as cores.
 
 Next to the measurement, the simulator's prediction for both programs, priced with the F, I and W
-times traced on these ranks during the run (median per kind; B as I + W; no latency).
+times traced on these ranks during the run (median per kind; B as I + W; no latency), and what one
+microbatch's backward of a stage with inputs took in each (I + W, or B; median): the split's own cost.
 
     python bench/zero_bubble.py [--schedules zbv dualpipev] [--ranks 4] [--microbatches 8] [--ms 4]
-    python bench/zero_bubble.py --compute matmul --ranks 2 --width 512 --rows 512
+    python bench/zero_bubble.py --compute matmul --ranks 2 --width 512 --rows 512 [--depth 8]
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def merged_program(sched):
     return Schedule._from_codes(codes, sched.topology, sched.name).lower(merge_iw=False)
 
 
-def _rank(rank, world, name, m, compute, ms, width, rows, blocks, steps):
+def _rank(rank, world, name, m, compute, ms, width, rows, depth, blocks, steps):
     import time
 
     import torch
@@ -71,7 +72,8 @@ def _rank(rank, world, name, m, compute, ms, width, rows, blocks, steps):
     def block():
         if compute == "sleep":
             return Sleeper()
-        return nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
+        return nn.Sequential(*[layer for _ in range(depth)
+                               for layer in (nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))])
 
     sched = pc.build_schedule(name, world, m)
     torch.manual_seed(0)
@@ -94,17 +96,24 @@ def _rank(rank, world, name, m, compute, ms, width, rows, blocks, steps):
     for run in runners.values():  # warm up: plans, connections, allocator
         run()
     times = timed_blocks(runners, blocks, steps, dist.barrier)
-    # one traced step of the split program: what F, I and W cost here
-    traced = pipes["now"]
-    traced._executor.set_trace(True)
-    traced.trace_enabled = True
-    runners["now"]()
+    # one traced step of each program: what F, I and W cost here, and a backward per microbatch
     durations = {"F": [], "I": [], "W": []}
-    for e in traced.trace():
-        kind = pc.Action.parse(e["name"][3:]).kind.name  # "PP:1I0" -> "I"
-        if kind in durations:
-            durations[kind].append((e["end_us"] - e["start_us"]) / 1e3)
-    return {k: median_ms(v) for k, v in times.items()}, durations
+    backward_ms = {}
+    for key, pipe in pipes.items():
+        pipe._executor.set_trace(True)
+        pipe.trace_enabled = True
+        runners[key]()
+        per_microbatch = {}  # (stage, microbatch) -> its I + W, or its B (stages with inputs only)
+        for e in pipe.trace():
+            action = pc.Action.parse(e["name"][3:])  # "PP:1I0"
+            ms_taken = (e["end_us"] - e["start_us"]) / 1e3
+            if key == "now" and action.kind.name in durations:
+                durations[action.kind.name].append(ms_taken)
+            if action.kind.name in ("I", "W", "B") and sched.topology.prev_stage[action.stage] >= 0:
+                slot = (action.stage, action.microbatch)
+                per_microbatch[slot] = per_microbatch.get(slot, 0.0) + ms_taken
+        backward_ms[key] = list(per_microbatch.values())
+    return {k: median_ms(v) for k, v in times.items()}, durations, backward_ms
 
 
 def main():
@@ -117,6 +126,7 @@ def main():
                     help="sleep compute: milliseconds of F, I and W")
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--rows", type=int, default=256, help="rows of the whole batch")
+    ap.add_argument("--depth", type=int, default=1, help="matmul compute: Linear-GELU-Linear blocks per stage")
     ap.add_argument("--blocks", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--plot", help="write a bar chart (.png)")
@@ -128,21 +138,23 @@ def main():
     for name in args.schedules:
         sched = pc.build_schedule(name, args.ranks, args.microbatches)
         per_rank = spawn(_rank, args.ranks, name, args.microbatches, args.compute, args.ms, args.width, args.rows,
-                         args.blocks, args.steps)
+                         args.depth, args.blocks, args.steps)
         measured = {k: max(r[0][k] for r in per_rank) for k in PROGRAMS}  # the step ends on the slowest rank
         costs = {k: statistics.median(d for r in per_rank for d in r[1][k]) for k in ("F", "I", "W")}
         predicted = {"now": sched.lower().simulate(costs).makespan,
                      "merged": merged_program(sched).simulate(costs).makespan}
+        backward = {k: statistics.median(d for r in per_rank for d in r[2][k]) for k in PROGRAMS}
         for key, label in PROGRAMS.items():
             rows.append([name, label, measured[key], measured[key] / measured["merged"], predicted[key],
-                         predicted[key] / predicted["merged"]])
+                         predicted[key] / predicted["merged"], backward[key]])
             series[label].append(measured[key])
         labels.append(name)
     compute = (f"sleeping F/I/W {args.ms[0]:g}/{args.ms[1]:g}/{args.ms[2]:g} ms" if args.compute == "sleep"
-               else f"Linear-GELU-Linear({args.width}) x {args.rows} rows")
+               else f"{args.depth} x Linear-GELU-Linear({args.width}), {args.rows} rows")
     title = (f"zero-bubble programs, {args.ranks} gloo ranks, {args.microbatches} microbatches, {compute} "
              f"(median of {args.blocks} alternating blocks of {args.steps} steps)")
-    print(table(["schedule", "program", "step ms", "x merged", "simulated ms", "simulated x merged"], rows, title))
+    print(table(["schedule", "program", "step ms", "x merged", "simulated ms", "simulated x merged",
+                 "backward ms (I+W or B)"], rows, title))
     if args.plot:
         bar_plot(args.plot, labels, series, "step time (ms)", title)
 

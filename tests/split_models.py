@@ -460,3 +460,51 @@ def renamed_reentrant_checkpoint_runs_whole(rank, world):
     _check_two_stages(first, block, ref, x)
     assert pipe.split_backward_fallbacks == {1: {("_CheckpointFunctionBackward", "reentrant_checkpoint"): 1}}
     return True
+
+
+class _OffloadedBlock(nn.Module):
+    """Saved tensors packed by hooks, as activation offloading does (save_on_cpu, Megatron's): each
+    saved tensor must be unpacked exactly as often as in one process."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    @staticmethod
+    def _pack(t):
+        COUNTS["pack"] += 1
+        return t.clone()
+
+    @staticmethod
+    def _unpack(t):
+        COUNTS["unpack"] += 1
+        return t
+
+    def forward(self, x):
+        if x.is_meta:  # the shapes planning runs
+            return self.b(torch.tanh(self.a(x)))
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            return self.b(torch.tanh(self.a(x)))
+
+
+def offloaded_saved_tensors_unpack_once(rank, world):
+    """Nodes whose saved tensors have hooks run once (at I): every unpack happens as often as in one
+    process, gradients match, the fallback is reported."""
+    first, block, ref, pipe = _two_stages(_OffloadedBlock, SPLIT_PROGRAM)
+    x = torch.randn(6, WIDTH)
+    COUNTS.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe.step(x)
+    counts = dict(COUNTS)
+    COUNTS.clear()
+    for xc in torch.tensor_split(x, 2):
+        ref[1](ref[0](xc)).pow(2).mean().backward()
+    assert counts == dict(COUNTS), (counts, dict(COUNTS))
+    for p in ref[0].parameters():
+        p.grad = None
+    for p in ref[1].parameters():
+        p.grad = None
+    _check_two_stages(first, block, ref, x)
+    assert set(pipe.split_backward_fallbacks[1]) == {("AddmmBackward0", "saved_tensor_hooks")}
+    return True

@@ -10,8 +10,8 @@ import torch
 from dist_pool import pool
 from pipeline_cases import _assert_grads_close
 from split_models import (KINDS, cpp_extension, deferred_closures_run_at_w, input_half_frees_what_w_does_not_need,
-                          renamed_reentrant_checkpoint_runs_whole, shared_parameters_split_together,
-                          train_split_model)
+                          offloaded_saved_tensors_unpack_once, renamed_reentrant_checkpoint_runs_whole,
+                          shared_parameters_split_together, train_split_model)
 
 ZERO_BUBBLE = ["zbv", "interleaved_zb", "dualpipe", "dualpipev"]
 
@@ -64,6 +64,10 @@ def test_deferred_closures_run_at_w():
 
 def test_input_half_frees_what_w_does_not_need():
     pool(1).run(input_half_frees_what_w_does_not_need)
+
+
+def test_offloaded_saved_tensors_unpack_once():
+    pool(1).run(offloaded_saved_tensors_unpack_once)
 
 
 def test_renamed_reentrant_checkpoint_runs_whole():
