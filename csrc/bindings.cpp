@@ -184,6 +184,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("prev_local"))
       .def("set_timeout", &pipecore::Executor::set_timeout, py::arg("seconds"))
       .def("set_free_outputs", &pipecore::Executor::set_free_outputs, py::arg("free"))
+      .def("set_send_budget", &pipecore::Executor::set_send_budget, py::arg("bytes"))
       .def("set_recv_window", &pipecore::Executor::set_recv_window, py::arg("receives"),
            py::arg("past_sends"), py::arg("max_bytes") = pipecore::kRecvWindowBytes)
       .def("set_large_messages", &pipecore::Executor::set_large_messages, py::arg("min_bytes"))
@@ -216,6 +217,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "backward (I) computed weight gradients because that node cannot be split")
       .def_property_readonly("rank", &pipecore::Executor::rank)
       .def_property_readonly("freed_outputs", &pipecore::Executor::freed_outputs)
+      .def_property_readonly("peak_send_bytes", &pipecore::Executor::peak_send_bytes,
+                             "largest sum of bytes in flight to one peer during the last run")
+      .def_property_readonly("last_comm_failure", &pipecore::Executor::last_comm_failure,
+                             "after a run that rethrew this rank's own error: how communication failed while "
+                             "releasing the peers (empty if it did not)")
       .def_property_readonly("threaded_posts", &pipecore::Executor::threaded_posts)
       .def_property_readonly("reverse_posts", &pipecore::Executor::reverse_posts);
 }

@@ -89,10 +89,25 @@ std::vector<at::Tensor> alloc_frame(const std::vector<TensorSpec>& specs, const 
   return parts;
 }
 
+std::vector<at::Tensor> alloc_frame(const std::vector<TensorSpec>& specs, const at::TensorOptions& options,
+                                    int64_t large, const at::Tensor& scratch) {
+  const int64_t total = payload_bytes(specs);
+  if (total < large) return {at::empty({total + kTrailer}, options.dtype(at::kByte))};  // small: its own
+  TORCH_CHECK(scratch.numel() >= total, "pipecore: abort scratch of ", scratch.numel(), " bytes for a message of ",
+              total);
+  std::vector<at::Tensor> parts;
+  for (const auto& s : specs) {
+    const int64_t n = nbytes(s.shape, s.dtype);
+    if (n > 0) parts.push_back(scratch.narrow(0, 0, n).view(s.dtype).view(s.shape));
+  }
+  parts.push_back(at::empty({kTrailer}, options.dtype(at::kByte)));
+  return parts;
+}
+
 std::vector<at::Tensor> abort_frame(const std::vector<TensorSpec>& specs, const at::TensorOptions& options,
-                                    int64_t status, int64_t large) {
+                                    int64_t status, int64_t large, const at::Tensor& scratch) {
   // the data parts' contents do not matter: the trailer says not to use them
-  std::vector<at::Tensor> parts = alloc_frame(specs, options, large);
+  std::vector<at::Tensor> parts = alloc_frame(specs, options, large, scratch);
   if (parts.size() == 1) {
     parts[0].zero_();
     write_trailer(parts[0], status);
@@ -108,8 +123,7 @@ int64_t message_status(const std::vector<at::Tensor>& parts) {
   if (!trailer.is_cpu()) trailer = trailer.cpu();
   int64_t words[2];
   std::memcpy(words, trailer.data_ptr(), sizeof(words));
-  TORCH_CHECK(words[1] == kMagic, "pipecore: received a message without pipecore's trailer: the two ranks "
-              "disagree on the message order or size (was the schedule lowered differently on the peer?)");
+  if (words[1] != kMagic || words[0] < kMessageOk || words[0] > kMessageReplan) return kMessageUnknown;
   return words[0];
 }
 

@@ -17,19 +17,26 @@
 
 namespace pipecore {
 
-enum MessageStatus : int64_t { kMessageOk = 0, kMessageAborted = 1, kMessageReplan = 2 };
+// kMessageUnknown: the trailer is not pipecore's (the channel is out of step); never sent.
+enum MessageStatus : int64_t { kMessageUnknown = -1, kMessageOk = 0, kMessageAborted = 1, kMessageReplan = 2 };
 
 // The parts of a message carrying `tensors` and an "ok" trailer.
 std::vector<at::Tensor> frame(const std::vector<at::Tensor>& tensors, int64_t large);
 // The parts of a message of the size `specs` describe whose trailer carries `status` instead of data.
+// A large message's data parts are views of `scratch` (a byte tensor of at least its payload bytes,
+// shared by every aborted message: their contents do not matter).
 std::vector<at::Tensor> abort_frame(const std::vector<TensorSpec>& specs, const at::TensorOptions& options,
-                                    int64_t status, int64_t large);
+                                    int64_t status, int64_t large, const at::Tensor& scratch);
 // Payload bytes of a message of tensors shaped like `specs` (each 16-byte aligned).
 int64_t payload_bytes(const std::vector<TensorSpec>& specs);
 // Buffers to receive a message of tensors shaped like `specs`.
 std::vector<at::Tensor> alloc_frame(const std::vector<TensorSpec>& specs, const at::TensorOptions& options,
                                     int64_t large);
-// The status in a received message's trailer (throws if the trailer is not pipecore's).
+// The same for a message that will be dropped unread but its status: large data parts are views of
+// `scratch` (see abort_frame).
+std::vector<at::Tensor> alloc_frame(const std::vector<TensorSpec>& specs, const at::TensorOptions& options,
+                                    int64_t large, const at::Tensor& scratch);
+// The status in a received message's trailer (kMessageUnknown if the trailer is not pipecore's).
 int64_t message_status(const std::vector<at::Tensor>& parts);
 // The tensors of a received message (views of its buffers).
 std::vector<at::Tensor> unframe(const std::vector<at::Tensor>& parts, const std::vector<TensorSpec>& specs);

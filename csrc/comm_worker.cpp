@@ -1,5 +1,7 @@
 #include "comm_worker.h"
 
+#include <stdexcept>
+
 namespace pipecore {
 
 void post_parts(CommTask& task) {
@@ -12,6 +14,25 @@ void post_parts(CommTask& task) {
   }
 }
 
+void CommTask::mark_posted(std::exception_ptr failure) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    error = std::move(failure);
+    posted_ = true;
+  }
+  cv_.notify_all();
+}
+
+bool CommTask::wait_posted(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return cv_.wait_for(lock, timeout, [&] { return posted_; });
+}
+
+bool CommTask::posted() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return posted_;
+}
+
 CommWorker::CommWorker() { thread_ = std::thread([this] { loop(); }); }
 
 CommWorker::~CommWorker() {
@@ -21,6 +42,9 @@ CommWorker::~CommWorker() {
   }
   queued_.notify_all();
   thread_.join();
+  for (auto& task : tasks_) {  // dropped with the executor: nobody waits for them in vain
+    task->mark_posted(std::make_exception_ptr(std::runtime_error("pipecore: the executor closed before posting")));
+  }
 }
 
 void CommWorker::queue(std::shared_ptr<CommTask> task) {
@@ -31,29 +55,22 @@ void CommWorker::queue(std::shared_ptr<CommTask> task) {
   queued_.notify_one();
 }
 
-void CommWorker::wait_posted(CommTask& task) {
-  std::unique_lock<std::mutex> lock(mu_);
-  posted_.wait(lock, [&] { return task.posted; });
-}
-
 void CommWorker::loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     queued_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
-    if (stop_) return;  // queued sends are dropped with the executor
+    if (stop_) return;
     std::shared_ptr<CommTask> task = std::move(tasks_.front());
     tasks_.pop_front();
     lock.unlock();
     std::exception_ptr error;
     try {
-      post_parts(*task);  // the task is not read by others until `posted`
+      post_parts(*task);  // the task is not read by others until marked posted
     } catch (...) {
       error = std::current_exception();
     }
+    task->mark_posted(error);
     lock.lock();
-    task->error = error;
-    task->posted = true;
-    posted_.notify_all();
   }
 }
 

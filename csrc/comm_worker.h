@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -28,7 +29,17 @@ struct CommTask {
   bool queued = false;                  // posted by the comm worker (else by the thread that made it)
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::exception_ptr error;
-  bool posted = false;
+
+  // Once the parts are posted (or posting failed): `works` or `error` are set and may be read.
+  void mark_posted(std::exception_ptr failure);
+  // Waits until posted; false if `timeout` passed first.
+  bool wait_posted(std::chrono::milliseconds timeout);
+  bool posted() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool posted_ = false;
 };
 
 // Posts `task`'s parts in order, appending their Works (throws what the group throws).
@@ -38,17 +49,15 @@ class CommWorker {
  public:
   CommWorker();
   ~CommWorker();
-  // Posts `task` after every task queued before it (operations with a peer keep their order).
+  // Posts `task` after every task queued before it (operations with a peer keep their order), then
+  // marks it posted.
   void queue(std::shared_ptr<CommTask> task);
-  // Blocks until `task` has been posted (posting never waits for the peer).
-  void wait_posted(CommTask& task);
 
  private:
   void loop();
 
   std::mutex mu_;
   std::condition_variable queued_;
-  std::condition_variable posted_;
   std::deque<std::shared_ptr<CommTask>> tasks_;
   bool stop_ = false;
   std::thread thread_;

@@ -15,6 +15,7 @@
 #include "comm.h"
 #include "device_timer.h"
 #include "comm_worker.h"
+#include "send_tracker.h"
 #include "trace.h"
 
 namespace pipecore {
@@ -38,6 +39,7 @@ Executor::Executor(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t num_stages
       recv_b_specs_(num_stages * num_microbatches),
       send_f_specs_(num_stages * num_microbatches),
       options_(num_stages * num_microbatches),
+      sends_(std::make_unique<SendTracker>()),
       next_local_(num_stages, -1),
       prev_local_(num_stages, -1),
       split_fallbacks_(num_stages) {}
@@ -124,9 +126,13 @@ void Executor::reset() {
   reverse_posts_ = 0;
   recv_posted_at_.assign(recv_instrs_.size(), -1);
   for (auto& s : slots_) s = Slot();
-  sends_.clear();
+  sends_->clear_failure();
+  sends_->reset_peak();
+  last_send_posted_ = -1;
   kept_.clear();
 }
+
+int64_t Executor::peak_send_bytes() const { return sends_->peak_bytes(); }
 
 void Executor::wait_recv(Inbox& inbox, const Instr& in, const char* what) {
   if (inbox.task) wait_task(*inbox.task, in, what);
@@ -156,6 +162,13 @@ void Executor::wait_task(CommTask& task, const Instr& in, const char* what) {
 
 void Executor::check_message(const std::vector<at::Tensor>& parts, const Instr& in, const char* what) {
   const int64_t status = message_status(parts);
+  if (status == kMessageUnknown) {  // not this rank's error: the channel to the peer is out of step
+    std::ostringstream os;
+    os << where(in) << ": the " << what << " of microbatch " << in.mb << " from rank " << in.peer
+       << " do not end with pipecore's trailer: the messages between the two ranks are out of step (another "
+          "send or receive on this process group with the same peer, or a schedule lowered differently there)";
+    throw CommError(os.str());
+  }
   if (status == kMessageReplan) {
     std::ostringstream os;
     os << where(in) << ": the " << what << " of microbatch " << in.mb << " say a first stage's batch changed shape";
@@ -168,26 +181,38 @@ void Executor::check_message(const std::vector<at::Tensor>& parts, const Instr& 
   }
 }
 
-void Executor::post_recv(const Instr& in) {
+void Executor::post_recv(const Instr& in, bool aborted) {
   const size_t key = in.stage * num_microbatches_ + in.mb;
   const bool activations = in.op == kRecvF;
   const auto& specs = activations ? recv_f_specs_[key] : recv_b_specs_[key];
   TORCH_CHECK(!activations || !specs.empty(), where(in), ": no activation shapes known for this receive");
   if (specs.empty()) return;  // gradients: nothing of this stage's output needs one
+  auto task = std::make_shared<CommTask>();
+  task->send = false;
+  // allocated before anything records the receive as posted: a failed allocation leaves it unposted
+  task->parts = aborted ? alloc_frame(specs, options_[key], large_message_bytes_,
+                                      abort_scratch(options_[key], payload_bytes(specs)))
+                        : alloc_frame(specs, options_[key], large_message_bytes_);
   Slot& s = slot(in.stage, in.mb);
-  Inbox& inbox = activations ? s.recv_f : s.recv_b;
-  inbox.task = std::make_shared<CommTask>();
-  inbox.task->send = false;
-  inbox.task->parts = alloc_frame(specs, options_[key], large_message_bytes_);
+  (activations ? s.recv_f : s.recv_b).task = task;
   maybe_delay();
-  post_task(inbox.task, in);
+  post_task(task, in);
 }
 
-void Executor::post_recvs_until(size_t end, size_t at) {
+void Executor::post_recvs_until(size_t end, size_t at, bool aborted) {
   while (recvs_posted_ < end) {
+    post_recv(program_[recv_instrs_[recvs_posted_]], aborted);
     recv_posted_at_[recvs_posted_] = static_cast<int64_t>(at);
-    post_recv(program_[recv_instrs_[recvs_posted_++]]);
+    ++recvs_posted_;
   }
+}
+
+at::Tensor Executor::abort_scratch(const at::TensorOptions& options, int64_t bytes) {
+  if (!abort_scratch_.defined() || abort_scratch_.device() != options.device() ||
+      abort_scratch_.numel() < bytes) {
+    abort_scratch_ = at::empty({std::max<int64_t>(bytes, 1)}, options.dtype(at::kByte));
+  }
+  return abort_scratch_;
 }
 
 void Executor::prefetch_recvs(size_t at) {
@@ -239,7 +264,7 @@ void Executor::post_task(const std::shared_ptr<CommTask>& task, const Instr& in)
   } catch (const std::exception& e) {
     throw post_failure(*task, in, e.what());
   }
-  task->posted = true;
+  task->mark_posted(nullptr);
 }
 
 CommError Executor::post_failure(const CommTask& task, const Instr& in, const std::string& text) const {
@@ -248,7 +273,12 @@ CommError Executor::post_failure(const CommTask& task, const Instr& in, const st
 }
 
 void Executor::await_posted(CommTask& task, const Instr& in) {
-  worker_->wait_posted(task);
+  if (!task.wait_posted(timeout_)) {
+    std::ostringstream os;
+    os << where(in) << ": " << (task.send ? "a send to" : "a receive from") << " rank " << task.peer
+       << " was not posted within " << timeout_.count() / 1000.0 << " s (the group's posting is stuck)";
+    throw CommError(os.str());
+  }
   if (!task.error) return;
   std::string text = "unknown error";
   try {
@@ -260,12 +290,37 @@ void Executor::await_posted(CommTask& task, const Instr& in) {
   throw post_failure(task, in, text);
 }
 
-void Executor::send(std::vector<at::Tensor> parts, size_t index) {
+void Executor::send(std::vector<at::Tensor> parts, size_t index, bool budgeted) {
+  const Instr& in = program_[index];
+  int64_t bytes = 0;
+  for (const auto& p : parts) bytes += static_cast<int64_t>(p.nbytes());
+  if (budgeted && !sends_->reserve(static_cast<int>(in.peer), bytes, send_budget_, timeout_)) {
+    std::ostringstream os;
+    os << where(in) << ": earlier sends to rank " << in.peer << " did not complete within "
+       << timeout_.count() / 1000.0 << " s (the peer stopped receiving)";
+    throw CommError(os.str());
+  }
+  check_sends();
   auto task = std::make_shared<CommTask>();
   task->parts = std::move(parts);
   maybe_delay();
-  post_task(task, program_[index]);
-  sends_.push_back(PendingSend{std::move(task), static_cast<int64_t>(index)});
+  post_task(task, in);
+  last_send_posted_ = static_cast<int64_t>(index);
+  sends_->track(std::move(task), bytes, where(in) + ": send to rank " + std::to_string(in.peer), timeout_);
+}
+
+void Executor::check_sends() {
+  if (sends_->failed()) throw CommError(sends_->failure());
+}
+
+void Executor::drain_sends() {
+  if (!sends_->drain(timeout_)) {
+    std::ostringstream os;
+    os << "pipecore rank " << rank_ << ": sends of this step did not complete within " << timeout_.count() / 1000.0
+       << " s (a peer stopped receiving)";
+    throw CommError(os.str());
+  }
+  check_sends();
 }
 
 void Executor::maybe_delay() {
@@ -274,43 +329,9 @@ void Executor::maybe_delay() {
   std::this_thread::sleep_for(std::chrono::microseconds(dist(rng_)));
 }
 
-void Executor::reap_sends() {
-  while (!sends_.empty()) wait_send_front();
-}
-
-void Executor::reap_sends_through(int64_t stage, int64_t mb) {
-  // Before a backward: release the activation sent for it (received, since its gradient is due)
-  // and all but the latest gradient sent by earlier backwards (the latest may still be on the wire:
-  // waiting for it would put a round trip on the critical path), so that at most two backwards'
-  // gradients are held. Waiting on a send after it was posted cannot deadlock: the lowered
-  // schedule runs even if every send blocks where it is posted.
-  size_t last_send_b = sends_.size();  // index of the latest gradient send, if any
-  for (size_t k = 0; k < sends_.size(); ++k) {
-    if (program_[sends_[k].instr].op == kSendB) last_send_b = k;
-  }
-  std::vector<size_t> done;
-  for (size_t k = 0; k < sends_.size(); ++k) {
-    const Instr& in = program_[sends_[k].instr];
-    if ((in.op == kSendB && k != last_send_b) || (in.op == kSendF && in.stage == stage && in.mb == mb)) {
-      wait_send(k);
-      done.push_back(k);
-    }
-  }
-  for (size_t j = done.size(); j-- > 0;) sends_.erase(sends_.begin() + static_cast<std::ptrdiff_t>(done[j]));
-}
-
-void Executor::wait_send(size_t k) {
-  auto& s = sends_[k];
-  wait_task(*s.task, program_[s.instr], "");
-}
-
-void Executor::wait_send_front() {
-  wait_send(0);
-  sends_.pop_front();
-}
-
 void Executor::run(const ForwardFn& forward, const AbortFn& on_abort) {
   reset();
+  comm_failure_.clear();
   freed_outputs_ = 0;
   trace_.clear();
   open_trace_.clear();
@@ -322,10 +343,11 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort) {
   enum { kNone, kOrigin, kPeer, kReplan, kComm } why = kNone;
   try {
     for (; i < program_.size(); ++i) {
+      check_sends();
       prefetch_recvs(i);
       exec_traced(i, forward);
     }
-    reap_sends();
+    drain_sends();
   } catch (const PeerAbort& e) {
     why = kPeer;
     failure = e.what();
@@ -371,11 +393,14 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort) {
     s.out_grads.clear();
   }
   // after a broken connection or a timeout, waiting again could take a timeout per receive:
-  // only post the sends then
+  // only post the sends then. Action i runs again aborted: it may have failed before posting.
   const std::string comm_failure =
-      finish_aborted(i + 1, /*wait=*/why != kComm, why == kReplan ? kMessageReplan : kMessageAborted);
+      finish_aborted(i, /*wait=*/why != kComm, why == kReplan ? kMessageReplan : kMessageAborted);
   kept_.clear();
-  if (why == kOrigin) std::rethrow_exception(origin);
+  if (why == kOrigin) {
+    comm_failure_ = comm_failure;
+    std::rethrow_exception(origin);
+  }
   if (why == kComm) throw CommError(failure);
   if (!comm_failure.empty()) throw CommError(failure + "; then: " + comm_failure);
   if (why == kReplan) throw PeerReplan(failure);
@@ -400,13 +425,13 @@ std::string Executor::finish_aborted(size_t from, bool wait, int64_t status) {
   }
   if (wait) {
     try {
-      reap_sends();
+      drain_sends();
     } catch (const std::exception& e) {
       if (comm_failure.empty()) comm_failure = e.what();
     }
   }
-  sends_.clear();
   for (auto& s : slots_) s = Slot();
+  abort_scratch_ = at::Tensor();  // in-flight sends keep it alive as long as they need it
   return comm_failure;
 }
 
@@ -458,8 +483,8 @@ void Executor::exec_aborted(size_t index, bool wait, int64_t status) {
   const size_t key = in.stage * num_microbatches_ + in.mb;
   switch (in.op) {
     case kRecvF:
-    case kRecvB:  // post as usual (unless posted ahead): the peer's send must complete
-      post_recvs_until(recvs_through_[index], index);
+    case kRecvB:  // post (unless posted ahead): the peer's send must complete
+      post_recvs_until(recvs_through_[index], index, /*aborted=*/true);
       break;
     case kF:
     case kB:
@@ -472,6 +497,7 @@ void Executor::exec_aborted(size_t index, bool wait, int64_t status) {
     }
     case kSendF:
     case kSendB: {
+      if (static_cast<int64_t>(index) == last_send_posted_) break;  // the failure came after its send
       std::vector<TensorSpec> specs;
       if (in.op == kSendF) {
         specs = send_f_specs_[key];
@@ -481,7 +507,9 @@ void Executor::exec_aborted(size_t index, bool wait, int64_t status) {
         }
       }
       if (specs.empty()) break;
-      send(abort_frame(specs, options_[key], status, large_message_bytes_), index);
+      send(abort_frame(specs, options_[key], status, large_message_bytes_,
+                       abort_scratch(options_[key], payload_bytes(specs))),
+           index, /*budgeted=*/wait);
       break;
     }
     default:
@@ -591,7 +619,6 @@ void Executor::do_forward(const Instr& in, const ForwardFn& forward) {
 }
 
 void Executor::do_backward(const Instr& in, bool split) {
-  reap_sends_through(in.stage, in.mb);
   Slot& s = slot(in.stage, in.mb);
   torch::autograd::edge_list roots;
   std::vector<at::Tensor> grads;

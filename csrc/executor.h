@@ -23,6 +23,7 @@ namespace pipecore {
 class ActionScope;
 class DeviceTimer;
 class CommWorker;
+class SendTracker;
 struct CommTask;
 
 // Instruction opcodes: the schedule's action kinds, plus the bracket of an OVERLAP_F_B container.
@@ -40,6 +41,9 @@ constexpr int64_t kRecvWindowBytes = 16 << 20;
 // Messages of at least this many payload bytes are sent from their tensors' own storage (below
 // this, one packed send costs less than a send per tensor).
 constexpr int64_t kLargeMessageBytes = 64 << 10;
+// Bytes of sends in flight to one peer before the next send to it waits for the oldest to complete
+// (a message larger than this still goes, alone).
+constexpr int64_t kDefaultSendBudget = 64 << 20;
 
 struct Instr {
   int64_t op;
@@ -75,11 +79,6 @@ struct Slot {
   std::vector<at::Tensor> input_grads;      // to be sent back
   WeightWork weight;                        // what I left for W
   bool has_loss = false;
-};
-
-struct PendingSend {
-  std::shared_ptr<CommTask> task;  // its parts keep the sent data alive until the send completes
-  int64_t instr;
 };
 
 // A peer's step failed: its messages say so. This rank ran its program to the end without compute.
@@ -145,6 +144,13 @@ class Executor {
   // peer and make its event loop spin. Every rank of the group must set the same (or none), between
   // steps.
   void set_reverse_channel(c10::intrusive_ptr<c10d::Backend> channel) { reverse_ = std::move(channel); }
+  // Bytes of sends in flight to one peer: a send that would exceed it first waits (on the compute
+  // thread) until enough earlier sends to that peer completed. A message larger than the budget goes
+  // when nothing else is in flight to its peer. Sends free their buffers when they complete.
+  void set_send_budget(int64_t bytes) {
+    TORCH_CHECK(bytes >= 0, "pipecore: the send budget must be >= 0 bytes, got ", bytes);
+    send_budget_ = bytes;
+  }
   // Benchmarks only: keep sent outputs alive until the end of the step (as torch does).
   void set_free_outputs(bool free) { free_outputs_ = free; }
   // Per-action start/end times (steady clock, microseconds) of the last run, when enabled.
@@ -162,7 +168,9 @@ class Executor {
   // Runs the program once. `forward` is called for every F. When an action fails, the rest of the
   // program still runs, without compute, sending "aborted" messages of the right sizes so that no
   // peer is left waiting; then the original error is rethrown (PeerAbort on ranks that were told
-  // by a message, CommError where a wait timed out or a connection broke).
+  // by a message, CommError where a wait timed out or a connection broke). When this rank's own
+  // error is rethrown and communication failed too while releasing the peers, last_comm_failure()
+  // says how (the group cannot be trusted then).
   void run(const ForwardFn& forward, const AbortFn& on_abort);
   // Runs the whole program without compute, sending "aborted" (status 1) or "shapes changed"
   // (status 2) messages: how a rank that cannot start its step releases its peers.
@@ -173,6 +181,9 @@ class Executor {
   int64_t rank() const { return rank_; }
   // Stats of the last run, for tests and benchmarks.
   int64_t freed_outputs() const { return freed_outputs_; }
+  const std::string& last_comm_failure() const { return comm_failure_; }
+  // Largest number of bytes in flight to one peer during the last run.
+  int64_t peak_send_bytes() const;
   int64_t threaded_posts() const { return threaded_posts_; }
   int64_t reverse_posts() const { return reverse_posts_; }
   const std::vector<int64_t>& recv_posted_at() const { return recv_posted_at_; }
@@ -185,15 +196,24 @@ class Executor {
   Slot& slot(int64_t stage, int64_t mb) { return slots_[stage * num_microbatches_ + mb]; }
   void exec(size_t index, const ForwardFn& forward);
   void exec_traced(size_t index, const ForwardFn& forward);
+  // An action of an aborted step: only its communication, with payloads that do not matter. Safe to
+  // run on an action that already posted its message (nothing is posted twice).
   void exec_aborted(size_t index, bool wait, int64_t status);
   // Runs program_[from..] aborted; returns the first communication failure met (empty if none).
   std::string finish_aborted(size_t from, bool wait, int64_t status);
+  // A byte buffer of at least `bytes` on `options`' device for aborted messages' payloads: one
+  // buffer for all of them, so that a rank out of memory can still release its peers.
+  at::Tensor abort_scratch(const at::TensorOptions& options, int64_t bytes);
   void check_message(const std::vector<at::Tensor>& parts, const Instr& in, const char* what);
   void maybe_delay();
-  void post_recv(const Instr& in);                 // RECV_F / RECV_B: allocate and post
-  void post_recvs_until(size_t end, size_t at);    // before program_[at]: posts receives up to ordinal `end`
+  void post_recv(const Instr& in, bool aborted);   // RECV_F / RECV_B: allocate and post
+  // before program_[at]: posts receives up to ordinal `end` (aborted: into the abort scratch)
+  void post_recvs_until(size_t end, size_t at, bool aborted = false);
   void prefetch_recvs(size_t at);                  // before program_[at]: posts the receive window
-  void send(std::vector<at::Tensor> parts, size_t index);  // post and keep until waited for
+  // Posts a message (within the peer's send budget unless `budgeted` is off) and hands it to the
+  // send tracker, which frees it once sent.
+  void send(std::vector<at::Tensor> parts, size_t index, bool budgeted = true);
+  void drain_sends();  // waits for every send in flight; throws CommError
   void do_forward(const Instr& in, const ForwardFn& forward);
   void do_backward(const Instr& in, bool split);
   void do_weight(const Instr& in);
@@ -206,10 +226,7 @@ class Executor {
   void post_task(const std::shared_ptr<CommTask>& task, const Instr& in);
   // Waits until a queued task is posted; a posting error becomes a CommError.
   void await_posted(CommTask& task, const Instr& in);
-  void reap_sends();  // waits for every pending send
-  void reap_sends_through(int64_t stage, int64_t mb);
-  void wait_send_front();
-  void wait_send(size_t k);
+  void check_sends();  // throws CommError if a send failed
   std::vector<at::Tensor> take_input_grads(Slot& s);
   std::string where(const Instr& in) const;
 
@@ -226,7 +243,6 @@ class Executor {
   std::vector<std::vector<TensorSpec>> recv_b_specs_;
   std::vector<std::vector<TensorSpec>> send_f_specs_;
   std::vector<at::TensorOptions> options_;             // [stage * M + mb]
-  std::deque<PendingSend> sends_;
   std::vector<size_t> recv_instrs_;     // program indices of the RECV actions, in order
   std::vector<size_t> recvs_through_;   // [i]: RECV actions among program_[0..i]
   std::vector<int64_t> send_before_recv_;  // [k]: last SEND to RECV k's peer before it (-1: none)
@@ -238,6 +254,13 @@ class Executor {
   std::vector<int64_t> ahead_bytes_of_;  // [k]: buffer bytes of RECV k if it was posted ahead
   int64_t ahead_bytes_ = 0;             // of receives posted ahead and not reached yet
   size_t recvs_reached_ = 0;
+  // after reverse_ (whose Works it may still wait on) and before worker_ (which marks the tasks it
+  // drops as posted, waking their waiters): destroyed in that order
+  std::unique_ptr<SendTracker> sends_;
+  int64_t send_budget_ = kDefaultSendBudget;
+  int64_t last_send_posted_ = -1;  // program index of the latest SEND that posted its message
+  std::string comm_failure_;       // see last_comm_failure()
+  at::Tensor abort_scratch_;
   std::unique_ptr<CommWorker> worker_;
   int64_t large_message_bytes_ = kLargeMessageBytes;
   int64_t threaded_posts_ = 0;  // messages posted by the comm worker in the last run

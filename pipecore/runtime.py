@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import warnings
 from contextlib import nullcontext
 from datetime import timedelta
@@ -24,6 +25,8 @@ DEFAULT_TIMEOUT_S = 300.0
 # Receives posted ahead of the program point: gloo and NCCL move a message only once its receive
 # is posted, so posting each receive just before it is needed puts a round trip on the critical path.
 DEFAULT_RECV_WINDOW = 32
+# Bytes of sends in flight to one peer before the next send to it waits for earlier ones to complete.
+DEFAULT_SEND_BUDGET = 64 << 20
 
 # executor opcodes (csrc/executor.h): the schedule kinds plus an OVERLAP_F_B bracket
 _OVERLAP_BEGIN, _OVERLAP_END = 11, 12
@@ -58,22 +61,29 @@ class Pipeline:
     would (`scale_grads`: each microbatch's loss is weighted by its share of the batch rows, which
     equals the mean over the batch for mean-reduced losses; only this step's contribution is scaled).
 
+    `step(..., return_outputs=False)` drops each last-stage output as soon as its loss is computed
+    (an LLM's logits are the largest tensors of a step) and returns None; `loss_kwargs` are passed to
+    every call of `loss_fn(output, target, **loss_kwargs)`, as torch does.
+
     `recv_window`: how many receives are posted ahead of the action that needs them (0: each at
     its own RECV action), holding at most 16 MiB of buffers ahead (the next receive always goes).
     Early receives let a peer's data land while this rank computes; each holds its buffer that
     much longer.
+
+    `send_budget`: bytes of sends in flight to one peer. A sent message is freed as soon as its
+    transfer completes; a send that would exceed the budget first waits for earlier sends to that
+    peer (a larger message goes alone). It bounds what a rank holds for a peer that is behind, e.g.
+    a GPipe first stage whose sends would otherwise pile up.
 
     On a gloo `group`, the first step also opens a second gloo connection between the group's
     ranks (on the group's own gloo device): messages to a lower rank travel on it, so that a rank's
     sends never share a connection with the data it receives.
     """
 
-    _instances = 0  # per process; SPMD code creates pipelines in the same order on every rank
-
     def __init__(self, stages: PipelineStage | Sequence[PipelineStage], schedule: str | Schedule,
                  num_microbatches: int, loss_fn: Callable | None = None, group=None, scale_grads: bool = True,
                  timeout: float | None = None, trace: bool = False, *, check_finite: bool = False,
-                 recv_window: int = DEFAULT_RECV_WINDOW):
+                 recv_window: int = DEFAULT_RECV_WINDOW, send_budget: int = DEFAULT_SEND_BUDGET):
         if not dist.is_initialized():
             raise RuntimeError("Pipeline needs torch.distributed: call dist.init_process_group first")
         self.group = group if group is not None else dist.group.WORLD
@@ -117,6 +127,8 @@ class Pipeline:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
         if isinstance(recv_window, bool) or not isinstance(recv_window, int) or recv_window < 0:
             raise ValueError(f"recv_window must be an integer >= 0 (receives posted ahead), got {recv_window!r}")
+        if isinstance(send_budget, bool) or not isinstance(send_budget, int) or send_budget < 0:
+            raise ValueError(f"send_budget must be an integer >= 0 (bytes in flight per peer), got {send_budget!r}")
         topo = schedule.topology
         self.has_first = any(topo.prev_stage[s.stage_index] < 0 for s in self.stages)
         self.has_last = any(topo.next_stage[s.stage_index] < 0 for s in self.stages)
@@ -135,8 +147,9 @@ class Pipeline:
         # on an accelerator, action times come from events on its stream (one device wait per traced step)
         self._executor.set_trace(bool(trace), str(self.stages[0].device))
         # gloo runs every operation on its own; NCCL runs a peer pair's operations in posting order
-        gloo = dist.get_backend(self.group) == "gloo"
+        gloo = self._p2p_backend_is_gloo()
         self._executor.set_recv_window(recv_window, gloo)
+        self._executor.set_send_budget(send_budget)
         # posting a gloo operation can block on gloo's locks (and a send copy the message): not on the
         # compute thread
         self._executor.set_comm_thread(gloo)
@@ -152,8 +165,11 @@ class Pipeline:
         self._last_desc: dict[bool, int] = {}  # first-stage ranks: the batch description it came from
         self._loss_wants_target = _takes_two_args(loss_fn)
         self._store = dist.distributed_c10d._get_default_store() if self.world > 1 else None
-        Pipeline._instances += 1
-        self._uid = f"{dist.distributed_c10d._get_process_group_name(self.group)}/{Pipeline._instances}"
+        # Names this Pipeline's keys in the store, the same on every rank: group rank 0's nonce, learnt
+        # by all at the first agreement (a per-process count would differ between ranks that create
+        # different numbers of pipelines)
+        self._nonce = int.from_bytes(os.urandom(7), "little") if self.rank == 0 else 0
+        self._uid: str | None = None
 
     # -- program ------------------------------------------------------------------------
     def _encode(self, lowered: Schedule) -> tuple[list[int], list[str]]:
@@ -182,15 +198,17 @@ class Pipeline:
         return flat, labels
 
     # -- public -------------------------------------------------------------------------
-    def step(self, *args, target=None, losses: list | None = None, **kwargs):
+    def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
+             loss_kwargs: dict | None = None, **kwargs):
         """One training step over `num_microbatches` microbatches (see the class doc)."""
         with _range("pipecore.step"):
-            return self._run(args, kwargs, target, losses, training=True)
+            return self._run(args, kwargs, target, losses, True, return_outputs, loss_kwargs)
 
-    def eval(self, *args, target=None, losses: list | None = None, **kwargs):
+    def eval(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
+             loss_kwargs: dict | None = None, **kwargs):
         """Forward only (no gradients); losses are computed when a target and loss_fn are given."""
         with _range("pipecore.eval"), torch.no_grad():
-            return self._run(args, kwargs, target, losses, training=False)
+            return self._run(args, kwargs, target, losses, False, return_outputs, loss_kwargs)
 
     def trace(self) -> list[dict]:
         """This rank's actions of the last step: name ("PP:1F0"), start_us and end_us on the
@@ -228,7 +246,7 @@ class Pipeline:
             warnings.warn(fallback_message(stage_index, why, sorted(nodes)), stacklevel=4)
 
     # -- step ---------------------------------------------------------------------------
-    def _run(self, args, kwargs, target, losses, training: bool):
+    def _run(self, args, kwargs, target, losses, training: bool, return_outputs: bool, loss_kwargs):
         if self._broken is not None:
             raise CommunicationError(f"rank {self.rank}: this Pipeline's process group broke in an earlier step "
                                      f"({self._broken}); rebuild the group and the Pipeline before stepping again")
@@ -242,6 +260,7 @@ class Pipeline:
         desc = 0
         try:
             self._check_inputs(args, kwargs, target, training)
+            self._check_step_options(return_outputs, loss_kwargs)
             with _range("pipecore.split"):
                 inputs, targets = self._split(args, kwargs, target)
             if self.has_first:
@@ -250,10 +269,11 @@ class Pipeline:
             problem = exc
         agreed = self._agreed.get(training)
         if problem is not None:
-            self._publish_error(step, f"{type(problem).__name__}: {problem}", "input checks")
             if agreed is None:  # first step of this mode: the ranks agree on shapes anyway
-                self._agree(0, True)
+                self._agree(0, True)  # (first, so that the store keys are known)
+                self._publish_error(step, f"{type(problem).__name__}: {problem}", "input checks")
             else:  # release the peers: they get "aborted" messages instead of data
+                self._publish_error(step, f"{type(problem).__name__}: {problem}", "input checks")
                 self._ensure_loaded(agreed, training)
                 self._run_aborted(1)
             raise problem
@@ -272,6 +292,8 @@ class Pipeline:
         self._outputs: dict[int, Any] = {}
         self._losses: dict[int, torch.Tensor] = {}
         self._training = training
+        self._return_outputs = return_outputs
+        self._loss_kwargs = loss_kwargs or {}
         stash = self._stash_mirrored_grads() if training and self.is_dualpipe else None
         native = _native()
         try:
@@ -291,12 +313,19 @@ class Pipeline:
                                   ) from None
         except native.CommError as exc:
             raise self._group_broke(exc) from None
-        except BaseException:
+        except BaseException as exc:
             if stash is not None:
                 self._restore_grads(stash)
+            also = self._executor.last_comm_failure
+            if also:  # this rank's own error, and releasing its peers failed too: the group broke
+                self._broken = also
+                raise CommunicationError(f"rank {self.rank}: step {step} failed ({type(exc).__name__}: {exc}), and "
+                                         f"telling the other ranks failed too: {also}. A peer hung or died: rebuild "
+                                         "the process group and the Pipeline.") from exc
             raise
         finally:
             self._inputs = self._targets = None
+            self._loss_kwargs = None
             done, self._outputs = self._outputs, {}  # a failed step's outputs die with the exception
         if stash is not None:
             self._sum_mirrored_grads(stash)
@@ -373,6 +402,13 @@ class Pipeline:
         self._broken = str(exc)
         return CommunicationError(f"{exc}. A peer hung or died: rebuild the process group and the Pipeline.")
 
+    def _check_step_options(self, return_outputs, loss_kwargs) -> None:
+        if not isinstance(return_outputs, bool):
+            raise InputError(f"return_outputs must be True or False, got {return_outputs!r}")
+        if loss_kwargs is not None and not isinstance(loss_kwargs, dict):
+            raise InputError(f"loss_kwargs must be a dict of keyword arguments for loss_fn, got "
+                             f"{type(loss_kwargs).__name__}")
+
     def _check_inputs(self, args, kwargs, target, training: bool) -> None:
         if training and self.has_last and self.loss_fn is None:
             raise InputError(f"rank {self.rank} holds a last stage ({self._last_stages()}): training needs loss_fn")
@@ -392,7 +428,7 @@ class Pipeline:
 
     def _publish_error(self, step: int, error: str, action: str) -> None:
         """First failing rank of a step: leave its error where the other ranks will look."""
-        if self.world == 1:
+        if self.world == 1 or self._uid is None:
             return
         text = f"rank {self.rank} failed in {action}: {error.strip().splitlines()[0] if error.strip() else error}"
         try:
@@ -434,7 +470,7 @@ class Pipeline:
         input checks failed."""
         if self.world == 1:
             return local_sig, failed
-        t = torch.tensor([local_sig, int(failed)], dtype=torch.int64, device=self._comm_device())
+        t = torch.tensor([local_sig, int(failed), self._nonce], dtype=torch.int64, device=self._comm_device())
         work = dist.all_reduce(t, group=self.group, async_op=True)
         try:
             work.wait(timeout=timedelta(seconds=self.timeout))
@@ -442,11 +478,23 @@ class Pipeline:
             self._broken = str(exc)
             raise CommunicationError(f"rank {self.rank}: the ranks did not all reach step() within {self.timeout} s "
                                      f"({exc}); a rank hung or died: rebuild the process group") from None
-        return int(t[0].item()), bool(t[1].item())
+        sig, failed, nonce = t.tolist()
+        if self._uid is None:
+            self._uid = f"{dist.distributed_c10d._get_process_group_name(self.group)}/{nonce:x}"
+        return sig, bool(failed)
 
     def _comm_device(self) -> torch.device:
-        backend = dist.get_backend(self.group)
-        return self.stages[0].device if backend == "nccl" else torch.device("cpu")
+        """Where this Pipeline's own small collectives run: CPU when the group has a CPU backend
+        (gloo, also in "cpu:gloo,cuda:nccl"), else the stages' device."""
+        return torch.device("cpu") if _backend_of(self.group, torch.device("cpu")) else self.stages[0].device
+
+    def _p2p_backend_is_gloo(self) -> bool:
+        """Do the stages' messages go through gloo? Asked of the backend that serves the stages'
+        device: a group made with "cpu:gloo,cuda:nccl" is gloo on CPU and NCCL on CUDA."""
+        backend = _backend_of(self.group, self.stages[0].device)
+        if backend is None:
+            return dist.get_backend(self.group) == "gloo"
+        return isinstance(backend, dist.ProcessGroupGloo) if dist.is_gloo_available() else False
 
     def _load(self, plans: dict, training: bool) -> None:
         topo = self.schedule.topology
@@ -491,14 +539,15 @@ class Pipeline:
             # a view would keep its base alive after the send: send a viewless copy instead
             tensors = [t.clone() if t._is_view() else t for t in tensors]
             return tensors, None, 1.0
-        self._outputs[mb] = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
+        if self._return_outputs:
+            self._outputs[mb] = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
         loss = None
         seed = 1.0
         if self.loss_fn is not None and (self._training or self._targets is not None):
             if self._targets is not None:
-                loss = self.loss_fn(out, self._targets[mb])
+                loss = self.loss_fn(out, self._targets[mb], **self._loss_kwargs)
             else:
-                loss = self.loss_fn(out)
+                loss = self.loss_fn(out, **self._loss_kwargs)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
                                 f"{' of shape ' + str(tuple(loss.shape)) if isinstance(loss, torch.Tensor) else ''}")
@@ -560,6 +609,14 @@ class Pipeline:
     def __repr__(self) -> str:
         return (f"Pipeline(rank={self.rank}/{self.world}, stages={[s.stage_index for s in self.stages]}, "
                 f"schedule={self.schedule.name!r}, microbatches={self.num_microbatches})")
+
+
+def _backend_of(group, device: torch.device):
+    """The backend `group` uses for tensors on `device`, or None if it has none for that device."""
+    try:
+        return group._get_backend(device)
+    except RuntimeError:
+        return None
 
 
 def _takes_two_args(fn) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 import torch.distributed as dist
@@ -23,9 +24,9 @@ def _assert_grads_close(got: torch.Tensor | None, want: torch.Tensor | None, wha
 
 
 def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=True, optimizer=False,
-                      accumulate=False, recv_window=None, messages="default"):
+                      accumulate=False, recv_window=None, messages="default", send_budget=None):
     """`recv_window` = (receives ahead, past_sends, max_bytes ahead): run with that window, and check
-    when every receive was posted. `messages`: see set_messages."""
+    when every receive was posted. `messages`: see set_messages. `send_budget`: Pipeline's."""
     sched = pc.build_schedule(name, world, m, V)
     topo = sched.topology
     n_model = world if topo.style == "dualpipe" else topo.num_stages
@@ -35,7 +36,8 @@ def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=
             for s in sched.rank_stages(rank)]
     reduction = "mean" if scale_grads else "sum"
     loss_fn = nn.CrossEntropyLoss(reduction=reduction)
-    pipe = pc.Pipeline(mine, sched, m, loss_fn=loss_fn, scale_grads=scale_grads, timeout=60)
+    pipe = pc.Pipeline(mine, sched, m, loss_fn=loss_fn, scale_grads=scale_grads, timeout=60,
+                       **({} if send_budget is None else {"send_budget": send_budget}))
     if recv_window is not None:
         pipe._executor.set_recv_window(*recv_window)  # past_sends=False as on NCCL, here on gloo
     set_messages(pipe, messages)
@@ -201,8 +203,10 @@ def split_backward_defers_weight_grads(rank, world):
 
 
 def sent_outputs_freed(rank, world, name, messages="default"):
-    """Sent activations are released (storage too) before their backward; after step() nothing of
-    the step (outputs, received buffers, saved activations) is alive."""
+    """Sent activations are released (storage too) by the send tracker once sent: at their backward
+    (whose gradient proves the peer has the activation) they are gone, or go within a second while
+    the compute thread waits in the hook. After step() nothing of the step (outputs, received
+    buffers, saved activations) is alive."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     V = 1 if name in ("gpipe", "1f1b") else 2
@@ -223,6 +227,9 @@ def sent_outputs_freed(rank, world, name, messages="default"):
             if not last and sched.stage_to_rank(stage_index + 1) != rank:
                 # backward of this microbatch: by then the sent output must be gone
                 def on_grad(g, mb=mb, stage_index=stage_index):
+                    deadline = time.monotonic() + 1.0  # the tracker's thread may not have run yet
+                    while not refs[("out", stage_index)][mb].expired() and time.monotonic() < deadline:
+                        time.sleep(0.001)
                     if not refs[("out", stage_index)][mb].expired():
                         problems.append(f"stage {stage_index} microbatch {mb}: output alive at its backward")
                 out.grad_fn.register_prehook(lambda grads: on_grad(grads))

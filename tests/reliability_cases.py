@@ -223,3 +223,31 @@ def reverse_channel(rank, world):
     assert loop_threads() == before
     assert pipe._executor.reverse_posts > 0
     dist.destroy_process_group(group)
+
+
+def own_error_then_peer_hangs(rank, world):
+    """Rank 0's forward of microbatch 1 raises while rank 1 hangs longer than the timeout: rank 0
+    cannot release rank 1 (its wait for rank 1's gradients times out), so its own error must not
+    hide that the group broke."""
+    group = dist.new_group(backend="gloo")
+    pipe, _ = _pipe(rank, world, "1f1b", group=group, timeout=2)
+    x, y = make_batch(8)
+    _step(pipe, x, y)
+    calls = {"n": 0}
+
+    def fault(mod, args):
+        calls["n"] += 1
+        if rank == 0 and calls["n"] == 2:
+            raise RuntimeError("boom on rank 0")
+        if rank == 1 and calls["n"] == 1:
+            time.sleep(4)
+    pipe.stages[0].module.register_forward_pre_hook(fault)
+    t0 = time.monotonic()
+    try:
+        _step(pipe, x, y)
+        first = ("ok", "", None)
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        first = (type(exc).__name__, str(exc), type(exc.__cause__).__name__)
+    seconds = time.monotonic() - t0
+    after = _outcome(lambda: _step(pipe, x, y))
+    return first, seconds, after

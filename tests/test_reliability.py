@@ -4,7 +4,8 @@ import pytest
 
 from dist_pool import pool
 from reliability_cases import (bad_input, construction_errors, dying_rank, failing_stage, hanging_rank,
-                               memory_is_flat, mismatched_stage, no_loss_fn, reverse_channel, stress)
+                               memory_is_flat, mismatched_stage, no_loss_fn, own_error_then_peer_hangs,
+                               reverse_channel, stress)
 
 
 @pytest.mark.parametrize("name, world, bad_rank, where", [
@@ -36,6 +37,18 @@ def test_a_hanging_rank_times_out_with_a_clear_error():
     for rank in (0, 1):  # afterwards the Pipeline says the group must be rebuilt
         after = results[rank][1]
         assert after[0] == "CommunicationError" and "rebuild" in after[1], (rank, after)
+
+
+def test_a_ranks_own_error_does_not_hide_that_releasing_its_peers_failed():
+    p = pool(2)
+    results = p.run(own_error_then_peer_hangs, timeout=90)
+    p.broken = True  # its subgroup is broken by design
+    (kind, msg, cause), seconds, after = results[0]
+    assert kind == "CommunicationError" and cause == "RuntimeError", results[0]
+    assert "boom on rank 0" in msg and "telling the other ranks failed" in msg and "rebuild" in msg, msg
+    assert seconds < 10
+    assert after[0] == "CommunicationError" and "rebuild" in after[1], after
+    assert results[1][0][0] in ("CommunicationError", "PeerFailedError"), results[1]
 
 
 def test_a_dead_rank_is_noticed():

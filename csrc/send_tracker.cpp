@@ -1,0 +1,166 @@
+#include "send_tracker.h"
+
+#include <algorithm>
+#include <sstream>
+
+namespace pipecore {
+
+SendTracker::~SendTracker() {
+  std::unique_lock<std::mutex> lock(mu_);
+  stop_ = true;
+  // Only a failed step leaves sends in flight: their waits would run to their timeouts.
+  for (auto& [peer, lane] : lanes_) {
+    for (auto& e : lane.queue) {
+      if (!e.task->posted()) continue;
+      for (auto& work : e.task->works) {
+        if (!work) continue;
+        try {
+          work->abort();
+        } catch (...) {
+        }
+      }
+    }
+  }
+  lock.unlock();
+  changed_.notify_all();
+  for (auto& [peer, lane] : lanes_) {
+    if (lane.thread.joinable()) lane.thread.join();
+  }
+}
+
+bool SendTracker::reserve(int peer, int64_t bytes, int64_t budget, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = lanes_.find(peer);
+  if (it == lanes_.end()) return true;
+  const Lane& lane = it->second;
+  return changed_.wait_for(lock, timeout, [&] {
+    return lane.in_flight == 0 || lane.in_flight + bytes <= budget || failed_;
+  });
+}
+
+void SendTracker::track(std::shared_ptr<CommTask> task, int64_t bytes, std::string what,
+                        std::chrono::milliseconds timeout) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto [it, fresh] = lanes_.try_emplace(task->peer);
+    Lane& lane = it->second;
+    if (fresh) lane.thread = std::thread([this, peer = task->peer] { loop(peer); });
+    lane.queue.push_back(Entry{std::move(task), bytes, std::move(what), timeout});
+    lane.in_flight += bytes;
+    ++pending_;
+    if (lane.in_flight > peak_) peak_ = lane.in_flight;
+  }
+  changed_.notify_all();
+}
+
+namespace {
+bool poll_until_completed(c10d::Work& work, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto pause = std::chrono::microseconds(20);
+  while (!work.isCompleted()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+  }
+  if (auto error = work.exception()) std::rethrow_exception(error);
+  return true;
+}
+}  // namespace
+
+std::string SendTracker::wait_entry(const Entry& e) {
+  CommTask& task = *e.task;
+  if (!task.wait_posted(e.timeout)) {
+    std::ostringstream os;
+    os << e.what << " was not posted within " << e.timeout.count() / 1000.0 << " s (the group is stuck)";
+    return os.str();
+  }
+  std::string text;
+  if (task.error) {
+    try {
+      std::rethrow_exception(task.error);
+    } catch (const std::exception& ex) {
+      text = ex.what();
+    } catch (...) {
+      text = "unknown error";
+    }
+    return e.what + " failed to post: " + text;
+  }
+  // Device messages (NCCL): polled. Work::wait would make this thread's current stream wait for the
+  // transfer, i.e. the device's default stream, where compute may run.
+  const bool on_device = !task.parts.empty() && !task.parts.front().is_cpu();
+  for (const auto& work : task.works) {  // not modified while the task is in its lane
+    if (!work) continue;
+    try {
+      if (on_device) {
+        if (!poll_until_completed(*work, e.timeout)) text = "timed out";
+      } else if (!work->wait(e.timeout)) {
+        text = "the wait was aborted";
+      }
+    } catch (const std::exception& ex) {
+      text = ex.what();
+    }
+    if (!text.empty()) {
+      std::ostringstream os;
+      os << e.what << " failed (timeout " << e.timeout.count() / 1000.0 << " s): " << text;
+      return os.str();
+    }
+  }
+  return {};
+}
+
+void SendTracker::loop(int peer) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Lane& lane = lanes_.at(peer);  // std::map: stable while other lanes are added
+  while (true) {
+    changed_.wait(lock, [&] { return stop_ || !lane.queue.empty(); });
+    if (stop_) return;
+    Entry e = lane.queue.front();  // stays queued (and counted) until released
+    lock.unlock();
+    std::string error = wait_entry(e);
+    lock.lock();
+    if (!error.empty() && failure_.empty()) {
+      failure_ = std::move(error);
+      failed_ = true;
+    }
+    lane.queue.pop_front();
+    lock.unlock();
+    // the buffers go with the last references: the task's parts and its Works (which hold the
+    // tensors); freed before the bytes count as released, outside the lock
+    e.task->works.clear();
+    e.task->parts.clear();
+    e.task.reset();
+    lock.lock();
+    lane.in_flight -= e.bytes;
+    --pending_;
+    changed_.notify_all();
+  }
+}
+
+bool SendTracker::drain(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return changed_.wait_for(lock, timeout, [&] { return pending_ == 0; });
+}
+
+std::string SendTracker::failure() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failure_;
+}
+
+void SendTracker::clear_failure() {
+  std::lock_guard<std::mutex> lock(mu_);
+  failure_.clear();
+  failed_ = false;
+}
+
+int64_t SendTracker::peak_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peak_;
+}
+
+void SendTracker::reset_peak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  peak_ = 0;
+  for (const auto& [peer, lane] : lanes_) peak_ = std::max(peak_, lane.in_flight);
+}
+
+}  // namespace pipecore

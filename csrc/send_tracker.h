@@ -1,0 +1,79 @@
+// Sends in flight, per peer. Each posted send is handed to a thread of its peer's, which waits for
+// the transfer to complete and then drops the message's buffers and the Works that hold them: a sent
+// activation is freed when it has left, not at its backward or the end of the step, and the compute
+// thread never waits for it unless the peer's budget of bytes in flight is used up.
+//
+// gloo's send Works report completion only to a waiter (isCompleted stays false until wait), so
+// completion is waited for, not polled. Sends to one peer complete in posting order (one channel per
+// direction), so one thread per peer waits for them in that order; a slow peer does not hold back the
+// freeing of another peer's messages.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "comm_worker.h"
+
+namespace pipecore {
+
+class SendTracker {
+ public:
+  SendTracker() = default;
+  // Aborts the waits still in flight (after a failure) and joins the threads.
+  ~SendTracker();
+  SendTracker(const SendTracker&) = delete;
+  SendTracker& operator=(const SendTracker&) = delete;
+
+  // Before posting `bytes` to `peer`: blocks while that peer's bytes in flight plus `bytes` exceed
+  // `budget` (a message always goes when nothing else is in flight to its peer). False if `timeout`
+  // passed first.
+  bool reserve(int peer, int64_t bytes, int64_t budget, std::chrono::milliseconds timeout);
+  // A posted (or queued) send of `bytes`: waited for and released by its peer's thread. `what` names
+  // it in an error.
+  void track(std::shared_ptr<CommTask> task, int64_t bytes, std::string what, std::chrono::milliseconds timeout);
+  // Blocks until every tracked send completed or failed; false if `timeout` passed first.
+  bool drain(std::chrono::milliseconds timeout);
+  // The first send that failed (timed out, broke, or could not be posted), or empty.
+  std::string failure() const;
+  bool failed() const { return failed_; }
+  void clear_failure();
+
+  // Largest sum of bytes in flight to one peer since the last reset_peak().
+  int64_t peak_bytes() const;
+  void reset_peak();
+
+ private:
+  struct Entry {
+    std::shared_ptr<CommTask> task;
+    int64_t bytes;
+    std::string what;
+    std::chrono::milliseconds timeout;
+  };
+  struct Lane {
+    std::deque<Entry> queue;  // front: being waited for
+    int64_t in_flight = 0;
+    std::thread thread;
+  };
+  void loop(int peer);
+  // Waits for `e`'s transfer; returns the error text, empty on success.
+  static std::string wait_entry(const Entry& e);
+
+  mutable std::mutex mu_;
+  std::condition_variable changed_;
+  std::map<int, Lane> lanes_;
+  std::string failure_;
+  std::atomic<bool> failed_{false};
+  int64_t peak_ = 0;
+  int64_t pending_ = 0;  // sends not released yet, all peers
+  bool stop_ = false;
+};
+
+}  // namespace pipecore
