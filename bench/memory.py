@@ -1,5 +1,10 @@
-"""Peak memory per rank: pipecore (freeing sent outputs, and with freeing off) against
-torch.distributed.pipelining on the same schedule and stage modules.
+"""Peak memory per rank: pipecore (sent messages freed once sent, and with that off: kept to the
+end of the step) against torch.distributed.pipelining on the same schedule and stage modules.
+
+`--stage linear` makes every stage one Linear: a first stage then saves only the batch itself for
+its backward, so what it holds during a step is the activations it sent and has not freed (GPipe:
+all of them until its first backward, in torch). `--no-outputs` runs both with
+`step(..., return_outputs=False)`: the last stage drops each output once its loss is computed.
 
 Each variant runs in fresh processes. On CPU the measure is the peak resident set size during the
 first steps above the resident set before them (torch allocates persistent receive buffers in its
@@ -8,6 +13,8 @@ blocks by mmap so that freed tensors leave the resident set at once. With --devi
 GPU per rank) it is the caching allocator's peak of allocated bytes above what was allocated before.
 
     python bench/memory.py [--width 1024] [--rows 256] [--microbatches 8] [--device cuda]
+    python bench/memory.py --stage linear --schedules gpipe --microbatches 16 --rows 16384
+    python bench/memory.py --schedules 1f1b --no-outputs
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def _peak_rank(rank, world, variant, name, m, width, rows, steps, device="cpu"):
+def _peak_rank(rank, world, variant, name, m, width, rows, steps, device="cpu", stage="mlp", outputs=True):
     import torch
     from torch import nn
 
@@ -46,8 +53,11 @@ def _peak_rank(rank, world, variant, name, m, width, rows, steps, device="cpu"):
     V = 1 if name in ("gpipe", "1f1b") else 2
     sched = pc.build_schedule(name, world, m, V)
     torch.manual_seed(0)
-    model = [nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width)).to(dev)
-             for _ in range(sched.num_stages)]
+    if stage == "linear":
+        model = [nn.Linear(width, width).to(dev) for _ in range(sched.num_stages)]
+    else:
+        model = [nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width)).to(dev)
+                 for _ in range(sched.num_stages)]
     mine = sched.rank_stages(rank)
     loss_fn = nn.MSELoss()
     first = sched.topology.stage_rank[0] == rank
@@ -61,14 +71,14 @@ def _peak_rank(rank, world, variant, name, m, width, rows, steps, device="cpu"):
         runner = getattr(ts, TORCH_CLASS[name])(stages[0] if V == 1 else stages, m, loss_fn=loss_fn)
 
         def step():
-            runner.step(*((x,) if first else ()), **({"target": y} if last else {}))
+            runner.step(*((x,) if first else ()), **({"target": y} if last else {}), return_outputs=outputs)
     else:
         stages = [pc.PipelineStage(copy.deepcopy(model[s]), s, sched.num_stages) for s in mine]
         pipe = pc.Pipeline(stages, sched, m, loss_fn=loss_fn)
         pipe._executor.set_free_outputs(variant == "pipecore")
 
         def step():
-            pipe.step(*((x,) if first else ()), target=y if last else None)
+            pipe.step(*((x,) if first else ()), target=y if last else None, return_outputs=outputs)
     for s in model:
         for p in s.parameters():
             p.grad = torch.zeros_like(p)  # so gradients do not count as step memory
@@ -108,6 +118,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: NCCL, one GPU per rank, allocator statistics")
+    ap.add_argument("--stage", choices=["mlp", "linear"], default="mlp",
+                    help="every stage Linear-GELU-Linear (mlp) or one Linear")
+    ap.add_argument("--no-outputs", action="store_true", help="step(..., return_outputs=False) in both")
     ap.add_argument("--plot", default=None)
     a = ap.parse_args(argv)
     if a.device == "cuda":
@@ -120,18 +133,21 @@ def main(argv=None):
     rows = []
     for name in a.schedules:
         res = {v: spawn(_peak_rank, a.ranks, v, name, a.microbatches, a.width, a.rows, a.steps, a.device,
-                        backend=backend)
+                        a.stage, not a.no_outputs, backend=backend)
                for v in ("torch", "pipecore-keep", "pipecore")}
         for r in range(a.ranks):
             t, k, p = res["torch"][r], res["pipecore-keep"][r], res["pipecore"][r]
             rows.append([name, r, t, k, p, f"{p / t:.2f}x"])
     measure = ("peak allocated CUDA memory" if a.device == "cuda" else "peak RSS")
+    stage = f"Linear({a.width})" if a.stage == "linear" else f"Linear-GELU-Linear({a.width})"
     title = (f"{measure} during the first {a.steps} steps above what was there before them; {a.ranks} ranks, "
-             f"{a.microbatches} microbatches, stage = Linear-GELU-Linear({a.width}), one activation = {act_mib:.1f} MiB")
-    print(table(["schedule", "rank", "torch MiB", "pipecore no-free MiB", "pipecore MiB", "pipecore/torch"], rows, title))
+             f"{a.microbatches} microbatches, stage = {stage}, one activation = {act_mib:.1f} MiB"
+             f"{', return_outputs=False' if a.no_outputs else ''}")
+    print(table(["schedule", "rank", "torch MiB", "pipecore, sends kept MiB", "pipecore MiB", "pipecore/torch"], rows,
+                title))
     if a.plot:
         bar_plot(a.plot, [f"{r[0]} r{r[1]}" for r in rows], {"torch": [r[2] for r in rows],
-                 "pipecore, freeing off": [r[3] for r in rows], "pipecore": [r[4] for r in rows]}, "peak MiB", title)
+                 "pipecore, sends kept": [r[3] for r in rows], "pipecore": [r[4] for r in rows]}, "peak MiB", title)
 
 
 if __name__ == "__main__":
