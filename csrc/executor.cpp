@@ -181,12 +181,12 @@ void Executor::check_message(const std::vector<at::Tensor>& parts, const Instr& 
   }
 }
 
-void Executor::post_recv(const Instr& in, bool aborted) {
+std::shared_ptr<CommTask> Executor::make_recv(const Instr& in, bool aborted) {
   const size_t key = in.stage * num_microbatches_ + in.mb;
   const bool activations = in.op == kRecvF;
   const auto& specs = activations ? recv_f_specs_[key] : recv_b_specs_[key];
   TORCH_CHECK(!activations || !specs.empty(), where(in), ": no activation shapes known for this receive");
-  if (specs.empty()) return;  // gradients: nothing of this stage's output needs one
+  if (specs.empty()) return nullptr;  // gradients: nothing of this stage's output needs one
   auto task = std::make_shared<CommTask>();
   task->send = false;
   // allocated before anything records the receive as posted: a failed allocation leaves it unposted
@@ -195,15 +195,20 @@ void Executor::post_recv(const Instr& in, bool aborted) {
                         : alloc_frame(specs, options_[key], large_message_bytes_);
   Slot& s = slot(in.stage, in.mb);
   (activations ? s.recv_f : s.recv_b).task = task;
-  maybe_delay();
-  post_task(task, in);
+  return task;
 }
 
 void Executor::post_recvs_until(size_t end, size_t at, bool aborted) {
   while (recvs_posted_ < end) {
-    post_recv(program_[recv_instrs_[recvs_posted_]], aborted);
+    const Instr& in = program_[recv_instrs_[recvs_posted_]];
+    // a failed allocation leaves the receive unposted (an aborted step posts it); once posting
+    // starts it counts as posted: a posting failure breaks the group, and parts must not go twice
+    std::shared_ptr<CommTask> task = make_recv(in, aborted);
     recv_posted_at_[recvs_posted_] = static_cast<int64_t>(at);
     ++recvs_posted_;
+    if (!task) continue;
+    maybe_delay();
+    post_task(task, in);
   }
 }
 
@@ -290,7 +295,7 @@ void Executor::await_posted(CommTask& task, const Instr& in) {
   throw post_failure(task, in, text);
 }
 
-void Executor::send(std::vector<at::Tensor> parts, size_t index, bool budgeted) {
+void Executor::send(std::vector<at::Tensor> parts, size_t index, bool budgeted, bool aborted) {
   const Instr& in = program_[index];
   int64_t bytes = 0;
   for (const auto& p : parts) bytes += static_cast<int64_t>(p.nbytes());
@@ -300,7 +305,7 @@ void Executor::send(std::vector<at::Tensor> parts, size_t index, bool budgeted) 
        << timeout_.count() / 1000.0 << " s (the peer stopped receiving)";
     throw CommError(os.str());
   }
-  check_sends();
+  if (!aborted) check_sends();  // an aborted step still releases every peer it can
   auto task = std::make_shared<CommTask>();
   task->parts = std::move(parts);
   maybe_delay();
@@ -509,7 +514,7 @@ void Executor::exec_aborted(size_t index, bool wait, int64_t status) {
       if (specs.empty()) break;
       send(abort_frame(specs, options_[key], status, large_message_bytes_,
                        abort_scratch(options_[key], payload_bytes(specs))),
-           index, /*budgeted=*/wait);
+           index, /*budgeted=*/wait, /*aborted=*/true);
       break;
     }
     default:

@@ -206,13 +206,14 @@ class Executor {
   at::Tensor abort_scratch(const at::TensorOptions& options, int64_t bytes);
   void check_message(const std::vector<at::Tensor>& parts, const Instr& in, const char* what);
   void maybe_delay();
-  void post_recv(const Instr& in, bool aborted);   // RECV_F / RECV_B: allocate and post
+  // RECV_F / RECV_B: its buffers allocated and set in the slot, to be posted (null: nothing to receive)
+  std::shared_ptr<CommTask> make_recv(const Instr& in, bool aborted);
   // before program_[at]: posts receives up to ordinal `end` (aborted: into the abort scratch)
   void post_recvs_until(size_t end, size_t at, bool aborted = false);
   void prefetch_recvs(size_t at);                  // before program_[at]: posts the receive window
   // Posts a message (within the peer's send budget unless `budgeted` is off) and hands it to the
   // send tracker, which frees it once sent.
-  void send(std::vector<at::Tensor> parts, size_t index, bool budgeted = true);
+  void send(std::vector<at::Tensor> parts, size_t index, bool budgeted = true, bool aborted = false);
   void drain_sends();  // waits for every send in flight; throws CommError
   void do_forward(const Instr& in, const ForwardFn& forward);
   void do_backward(const Instr& in, bool split);

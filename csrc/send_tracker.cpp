@@ -1,5 +1,7 @@
 #include "send_tracker.h"
 
+#include <c10/core/DeviceGuard.h>
+
 #include <algorithm>
 #include <sstream>
 
@@ -8,6 +10,7 @@ namespace pipecore {
 SendTracker::~SendTracker() {
   std::unique_lock<std::mutex> lock(mu_);
   stop_ = true;
+  stopping_ = true;
   // Only a failed step leaves sends in flight: their waits would run to their timeouts.
   for (auto& [peer, lane] : lanes_) {
     for (auto& e : lane.queue) {
@@ -54,11 +57,11 @@ void SendTracker::track(std::shared_ptr<CommTask> task, int64_t bytes, std::stri
 }
 
 namespace {
-bool poll_until_completed(c10d::Work& work, std::chrono::milliseconds timeout) {
+bool poll_until_completed(c10d::Work& work, std::chrono::milliseconds timeout, const std::atomic<bool>& stop) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto pause = std::chrono::microseconds(20);
   while (!work.isCompleted()) {
-    if (std::chrono::steady_clock::now() > deadline) return false;
+    if (stop || std::chrono::steady_clock::now() > deadline) return false;
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::microseconds(1000));
   }
@@ -68,6 +71,16 @@ bool poll_until_completed(c10d::Work& work, std::chrono::milliseconds timeout) {
 }  // namespace
 
 std::string SendTracker::wait_entry(const Entry& e) {
+  try {
+    return wait_posted_and_sent(e);
+  } catch (const std::exception& ex) {
+    return e.what + " failed: " + ex.what();
+  } catch (...) {
+    return e.what + " failed: unknown error";
+  }
+}
+
+std::string SendTracker::wait_posted_and_sent(const Entry& e) {
   CommTask& task = *e.task;
   if (!task.wait_posted(e.timeout)) {
     std::ostringstream os;
@@ -88,11 +101,14 @@ std::string SendTracker::wait_entry(const Entry& e) {
   // Device messages (NCCL): polled. Work::wait would make this thread's current stream wait for the
   // transfer, i.e. the device's default stream, where compute may run.
   const bool on_device = !task.parts.empty() && !task.parts.front().is_cpu();
+  // a new thread's current device is device 0: events are queried on the message's own device
+  c10::OptionalDeviceGuard device_guard;
+  if (on_device) device_guard.reset_device(task.parts.front().device());
   for (const auto& work : task.works) {  // not modified while the task is in its lane
     if (!work) continue;
     try {
       if (on_device) {
-        if (!poll_until_completed(*work, e.timeout)) text = "timed out";
+        if (!poll_until_completed(*work, e.timeout, stopping_)) text = "timed out";
       } else if (!work->wait(e.timeout)) {
         text = "the wait was aborted";
       }

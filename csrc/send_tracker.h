@@ -64,7 +64,8 @@ class SendTracker {
   };
   void loop(int peer);
   // Waits for `e`'s transfer; returns the error text, empty on success.
-  static std::string wait_entry(const Entry& e);
+  std::string wait_entry(const Entry& e);  // never throws
+  std::string wait_posted_and_sent(const Entry& e);
 
   mutable std::mutex mu_;
   std::condition_variable changed_;
@@ -74,6 +75,7 @@ class SendTracker {
   int64_t peak_ = 0;
   int64_t pending_ = 0;  // sends not released yet, all peers
   bool stop_ = false;
+  std::atomic<bool> stopping_{false};  // stop_, read without the lock by device polling
 };
 
 }  // namespace pipecore

@@ -494,7 +494,8 @@ class Pipeline:
         backend = _backend_of(self.group, self.stages[0].device)
         if backend is None:
             return dist.get_backend(self.group) == "gloo"
-        return isinstance(backend, dist.ProcessGroupGloo) if dist.is_gloo_available() else False
+        backend = getattr(backend, "wrapped_pg", backend)  # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps it
+        return dist.is_gloo_available() and isinstance(backend, dist.ProcessGroupGloo)
 
     def _load(self, plans: dict, training: bool) -> None:
         topo = self.schedule.topology
