@@ -78,27 +78,17 @@ std::vector<at::Tensor> frame(const std::vector<at::Tensor>& tensors, int64_t la
 }
 
 std::vector<at::Tensor> alloc_frame(const std::vector<TensorSpec>& specs, const at::TensorOptions& options,
-                                    int64_t large) {
-  const int64_t total = payload_bytes(specs);
-  if (total < large) return {at::empty({total + kTrailer}, options.dtype(at::kByte))};
-  std::vector<at::Tensor> parts;
-  for (const auto& s : specs) {
-    if (nbytes(s.shape, s.dtype) > 0) parts.push_back(at::empty(s.shape, options.dtype(s.dtype)));
-  }
-  parts.push_back(at::empty({kTrailer}, options.dtype(at::kByte)));
-  return parts;
-}
-
-std::vector<at::Tensor> alloc_frame(const std::vector<TensorSpec>& specs, const at::TensorOptions& options,
                                     int64_t large, const at::Tensor& scratch) {
   const int64_t total = payload_bytes(specs);
   if (total < large) return {at::empty({total + kTrailer}, options.dtype(at::kByte))};  // small: its own
-  TORCH_CHECK(scratch.numel() >= total, "pipecore: abort scratch of ", scratch.numel(), " bytes for a message of ",
-              total);
+  TORCH_CHECK(!scratch.defined() || scratch.numel() >= total, "pipecore: abort scratch of ", scratch.numel(),
+              " bytes for a message of ", total);
   std::vector<at::Tensor> parts;
   for (const auto& s : specs) {
     const int64_t n = nbytes(s.shape, s.dtype);
-    if (n > 0) parts.push_back(scratch.narrow(0, 0, n).view(s.dtype).view(s.shape));
+    if (n == 0) continue;
+    parts.push_back(scratch.defined() ? scratch.narrow(0, 0, n).view(s.dtype).view(s.shape)
+                                      : at::empty(s.shape, options.dtype(s.dtype)));
   }
   parts.push_back(at::empty({kTrailer}, options.dtype(at::kByte)));
   return parts;

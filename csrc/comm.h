@@ -29,13 +29,10 @@ std::vector<at::Tensor> abort_frame(const std::vector<TensorSpec>& specs, const 
                                     int64_t status, int64_t large, const at::Tensor& scratch);
 // Payload bytes of a message of tensors shaped like `specs` (each 16-byte aligned).
 int64_t payload_bytes(const std::vector<TensorSpec>& specs);
-// Buffers to receive a message of tensors shaped like `specs`.
+// Buffers to receive a message of tensors shaped like `specs`. With `scratch` (a message that will be
+// dropped unread but its status), a large message's data parts are views of it (see abort_frame).
 std::vector<at::Tensor> alloc_frame(const std::vector<TensorSpec>& specs, const at::TensorOptions& options,
-                                    int64_t large);
-// The same for a message that will be dropped unread but its status: large data parts are views of
-// `scratch` (see abort_frame).
-std::vector<at::Tensor> alloc_frame(const std::vector<TensorSpec>& specs, const at::TensorOptions& options,
-                                    int64_t large, const at::Tensor& scratch);
+                                    int64_t large, const at::Tensor& scratch = at::Tensor());
 // The status in a received message's trailer (kMessageUnknown if the trailer is not pipecore's).
 int64_t message_status(const std::vector<at::Tensor>& parts);
 // The tensors of a received message (views of its buffers).

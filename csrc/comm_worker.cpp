@@ -14,6 +14,16 @@ void post_parts(CommTask& task) {
   }
 }
 
+std::string error_text(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
 void CommTask::mark_posted(std::exception_ptr failure) {
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -13,6 +13,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 
 namespace pipecore {
@@ -41,6 +42,9 @@ struct CommTask {
   std::condition_variable cv_;
   bool posted_ = false;
 };
+
+// The message of a stored exception ("unknown error" if it is not a std::exception).
+std::string error_text(const std::exception_ptr& error);
 
 // Posts `task`'s parts in order, appending their Works (throws what the group throws).
 void post_parts(CommTask& task);

@@ -146,13 +146,8 @@ void Executor::wait_task(CommTask& task, const Instr& in, const char* what) {
       work->wait(timeout_);
     } catch (const std::exception& e) {
       std::ostringstream os;
-      os << where(in) << ": ";
-      if (task.send) {
-        os << "send to rank " << task.peer;
-      } else {
-        os << "waiting for " << what << " of microbatch " << in.mb << " from rank " << task.peer;
-      }
-      os << " failed (timeout " << timeout_.count() / 1000.0 << " s): " << e.what();
+      os << where(in) << ": waiting for " << what << " of microbatch " << in.mb << " from rank " << task.peer
+         << " failed (timeout " << timeout_.count() / 1000.0 << " s): " << e.what();
       throw CommError(os.str());
     }
     work.reset();
@@ -284,15 +279,7 @@ void Executor::await_posted(CommTask& task, const Instr& in) {
        << " was not posted within " << timeout_.count() / 1000.0 << " s (the group's posting is stuck)";
     throw CommError(os.str());
   }
-  if (!task.error) return;
-  std::string text = "unknown error";
-  try {
-    std::rethrow_exception(task.error);
-  } catch (const std::exception& e) {
-    text = e.what();
-  } catch (...) {
-  }
-  throw post_failure(task, in, text);
+  if (task.error) throw post_failure(task, in, error_text(task.error));
 }
 
 void Executor::send(std::vector<at::Tensor> parts, size_t index, bool budgeted, bool aborted) {
@@ -377,15 +364,8 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort) {
   open_trace_.clear();
   const std::string action = i < program_.size() ? labels_[program_[i].label] : std::string("end of step");
   if (why == kOrigin && on_abort) {
-    std::string text = "unknown error";
     try {
-      std::rethrow_exception(origin);
-    } catch (const std::exception& e) {
-      text = e.what();
-    } catch (...) {
-    }
-    try {
-      on_abort(text, action);
+      on_abort(error_text(origin), action);
     } catch (...) {
     }
   }

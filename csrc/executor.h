@@ -219,7 +219,7 @@ class Executor {
   void do_backward(const Instr& in, bool split);
   void do_weight(const Instr& in);
   void wait_recv(Inbox& inbox, const Instr& in, const char* what);
-  // Waits for every part of `task` (`what`: "activations" / "output gradients" for the error).
+  // Waits for every part of the receive `task` (`what`: "activations" / "output gradients" for the error).
   void wait_task(CommTask& task, const Instr& in, const char* what);
   // The CommError for a send or receive the group refused to post.
   CommError post_failure(const CommTask& task, const Instr& in, const std::string& text) const;

@@ -10,7 +10,6 @@ namespace pipecore {
 SendTracker::~SendTracker() {
   std::unique_lock<std::mutex> lock(mu_);
   stop_ = true;
-  stopping_ = true;
   // Only a failed step leaves sends in flight: their waits would run to their timeouts.
   for (auto& [peer, lane] : lanes_) {
     for (auto& e : lane.queue) {
@@ -87,17 +86,8 @@ std::string SendTracker::wait_posted_and_sent(const Entry& e) {
     os << e.what << " was not posted within " << e.timeout.count() / 1000.0 << " s (the group is stuck)";
     return os.str();
   }
+  if (task.error) return e.what + " failed to post: " + error_text(task.error);
   std::string text;
-  if (task.error) {
-    try {
-      std::rethrow_exception(task.error);
-    } catch (const std::exception& ex) {
-      text = ex.what();
-    } catch (...) {
-      text = "unknown error";
-    }
-    return e.what + " failed to post: " + text;
-  }
   // Device messages (NCCL): polled. Work::wait would make this thread's current stream wait for the
   // transfer, i.e. the device's default stream, where compute may run.
   const bool on_device = !task.parts.empty() && !task.parts.front().is_cpu();
@@ -108,7 +98,7 @@ std::string SendTracker::wait_posted_and_sent(const Entry& e) {
     if (!work) continue;
     try {
       if (on_device) {
-        if (!poll_until_completed(*work, e.timeout, stopping_)) text = "timed out";
+        if (!poll_until_completed(*work, e.timeout, stop_)) text = "timed out";
       } else if (!work->wait(e.timeout)) {
         text = "the wait was aborted";
       }

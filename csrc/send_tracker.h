@@ -74,8 +74,7 @@ class SendTracker {
   std::atomic<bool> failed_{false};
   int64_t peak_ = 0;
   int64_t pending_ = 0;  // sends not released yet, all peers
-  bool stop_ = false;
-  std::atomic<bool> stopping_{false};  // stop_, read without the lock by device polling
+  std::atomic<bool> stop_{false};  // set under mu_; device polling reads it without the lock
 };
 
 }  // namespace pipecore
