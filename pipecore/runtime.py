@@ -269,11 +269,10 @@ class Pipeline:
             problem = exc
         agreed = self._agreed.get(training)
         if problem is not None:
-            if agreed is None:  # first step of this mode: the ranks agree on shapes anyway
-                self._agree(0, True)  # (first, so that the store keys are known)
-                self._publish_error(step, f"{type(problem).__name__}: {problem}", "input checks")
-            else:  # release the peers: they get "aborted" messages instead of data
-                self._publish_error(step, f"{type(problem).__name__}: {problem}", "input checks")
+            if agreed is None:  # first step of this mode: the ranks agree on shapes anyway (and learn the store keys)
+                self._agree(0, True)
+            self._publish_error(step, f"{type(problem).__name__}: {problem}", "input checks")
+            if agreed is not None:  # release the peers: they get "aborted" messages instead of data
                 self._ensure_loaded(agreed, training)
                 self._run_aborted(1)
             raise problem
