@@ -189,9 +189,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("past_sends"), py::arg("max_bytes") = pipecore::kRecvWindowBytes)
       .def("set_large_messages", &pipecore::Executor::set_large_messages, py::arg("min_bytes"))
       .def("set_comm_thread", &pipecore::Executor::set_comm_thread, py::arg("on"))
+      .def("set_device_comm", &pipecore::Executor::set_device_comm, py::arg("device"),
+           "NCCL groups: batches on a communication stream, events, statuses on the device; False where this "
+           "build has no such path for `device`")
+      .def_property_readonly("device_comm", &pipecore::Executor::device_comm)
       .def("set_reverse_channel", &pipecore::Executor::set_reverse_channel, py::arg("channel"))
       .def("recv_posted_at", &pipecore::Executor::recv_posted_at,
            "per RECV action of the last run, in program order: the program index before which it was posted")
+      .def("batch_ends", &pipecore::Executor::batch_ends,
+           "per program index: for a SEND/RECV, one past the last action of its device batch (else 0)")
       .def("run", &run, py::arg("forward"), py::arg("on_abort"))
       .def("set_trace", &pipecore::Executor::set_trace, py::arg("on"), py::arg("device") = "cpu")
       .def("trace",

@@ -11,7 +11,7 @@ namespace {
 
 constexpr int64_t kAlign = 16;
 constexpr int64_t kTrailer = 16;
-constexpr int64_t kMagic = 0x65726f6365706970LL;  // "pipecore"
+constexpr int64_t kMagic = kTrailerMagic;
 
 int64_t nbytes(const std::vector<int64_t>& shape, c10::ScalarType dtype) {
   int64_t n = static_cast<int64_t>(c10::elementSize(dtype));
@@ -40,9 +40,13 @@ void write_trailer(at::Tensor& buffer, int64_t status) {
   }
 }
 
-at::Tensor trailer_part(const at::TensorOptions& options, int64_t status) {
+at::Tensor trailer_part(const at::TensorOptions& options, int64_t status, const TrailerWriter& writer = {}) {
   auto t = at::empty({kTrailer}, options.dtype(at::kByte));
-  write_trailer(t, status);
+  if (writer) {
+    writer(t);
+  } else {
+    write_trailer(t, status);
+  }
   return t;
 }
 
@@ -54,7 +58,7 @@ int64_t payload_bytes(const std::vector<TensorSpec>& specs) {
   return total;
 }
 
-std::vector<at::Tensor> frame(const std::vector<at::Tensor>& tensors, int64_t large) {
+std::vector<at::Tensor> frame(const std::vector<at::Tensor>& tensors, int64_t large, const TrailerWriter& writer) {
   TORCH_CHECK(!tensors.empty(), "pipecore: a message needs at least one tensor");
   const int64_t total = payload_bytes(tensors);
   const auto options = tensors[0].options();
@@ -63,7 +67,7 @@ std::vector<at::Tensor> frame(const std::vector<at::Tensor>& tensors, int64_t la
     for (const auto& t : tensors) {
       if (t.numel() > 0) parts.push_back(t.detach().contiguous());
     }
-    parts.push_back(trailer_part(options, kMessageOk));
+    parts.push_back(trailer_part(options, kMessageOk, writer));
     return parts;
   }
   auto buffer = at::empty({total + kTrailer}, options.dtype(at::kByte));
@@ -73,7 +77,12 @@ std::vector<at::Tensor> frame(const std::vector<at::Tensor>& tensors, int64_t la
     if (n > 0) buffer.narrow(0, offset, n).copy_(t.detach().contiguous().reshape({-1}).view(at::kByte));
     offset += aligned(n);
   }
-  write_trailer(buffer, kMessageOk);
+  if (writer) {
+    auto trailer = buffer.narrow(0, total, kTrailer);
+    writer(trailer);
+  } else {
+    write_trailer(buffer, kMessageOk);
+  }
   return {buffer};
 }
 

@@ -11,17 +11,20 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <vector>
 
 #include "executor.h"
+#include "message_status.h"
 
 namespace pipecore {
 
-// kMessageUnknown: the trailer is not pipecore's (the channel is out of step); never sent.
-enum MessageStatus : int64_t { kMessageUnknown = -1, kMessageOk = 0, kMessageAborted = 1, kMessageReplan = 2 };
+// Writes a 16-byte trailer (a byte tensor on the message's device) in place of the default "ok" one.
+using TrailerWriter = std::function<void(at::Tensor& trailer)>;
 
-// The parts of a message carrying `tensors` and an "ok" trailer.
-std::vector<at::Tensor> frame(const std::vector<at::Tensor>& tensors, int64_t large);
+// The parts of a message carrying `tensors` and an "ok" trailer (or one `write_trailer` writes).
+std::vector<at::Tensor> frame(const std::vector<at::Tensor>& tensors, int64_t large,
+                              const TrailerWriter& write_trailer = {});
 // The parts of a message of the size `specs` describe whose trailer carries `status` instead of data.
 // A large message's data parts are views of `scratch` (a byte tensor of at least its payload bytes,
 // shared by every aborted message: their contents do not matter).

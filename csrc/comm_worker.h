@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
@@ -30,6 +31,7 @@ struct CommTask {
   bool queued = false;                  // posted by the comm worker (else by the thread that made it)
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::exception_ptr error;
+  std::shared_ptr<c10::Event> ready;  // device receives: recorded on the comm stream once the data is in
 
   // Once the parts are posted (or posting failed): `works` or `error` are set and may be read.
   void mark_posted(std::exception_ptr failure);

@@ -13,6 +13,7 @@
 
 #include "backward.h"
 #include "comm.h"
+#include "device_comm.h"
 #include "device_timer.h"
 #include "comm_worker.h"
 #include "send_tracker.h"
@@ -100,6 +101,13 @@ void Executor::set_program(std::vector<int64_t> flat, std::vector<std::string> l
     }
     recvs_through_[i] = recv_instrs_.size();
   }
+  batch_end_.assign(program_.size(), 0);  // a batch: a run of consecutive SEND/RECV actions
+  for (size_t i = program_.size(); i-- > 0;) {
+    const int64_t op = program_[i].op;
+    if (op >= kSendF && op <= kRecvB) {
+      batch_end_[i] = i + 1 < program_.size() && batch_end_[i + 1] != 0 ? batch_end_[i + 1] : i + 1;
+    }
+  }
 }
 
 void Executor::set_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> recv_f, std::vector<TensorSpec> recv_b,
@@ -129,13 +137,24 @@ void Executor::reset() {
   sends_->clear_failure();
   sends_->reset_peak();
   last_send_posted_ = -1;
+  posted_through_ = 0;
   kept_.clear();
 }
 
 int64_t Executor::peak_send_bytes() const { return sends_->peak_bytes(); }
 
 void Executor::wait_recv(Inbox& inbox, const Instr& in, const char* what) {
-  if (inbox.task) wait_task(*inbox.task, in, what);
+  if (inbox.task && !device_comm_) wait_task(*inbox.task, in, what);  // the device waits on its own
+}
+
+const std::vector<at::Tensor>& Executor::receive(Inbox& inbox, const Instr& in, const char* what) {
+  if (device_comm_) {
+    device_comm_->consume(*inbox.task);  // the status is checked on the device, read at the step's end
+  } else {
+    wait_task(*inbox.task, in, what);
+    check_message(inbox.task->parts, in, what);
+  }
+  return inbox.task->parts;
 }
 
 void Executor::wait_task(CommTask& task, const Instr& in, const char* what) {
@@ -153,6 +172,32 @@ void Executor::wait_task(CommTask& task, const Instr& in, const char* what) {
     work.reset();
   }
   task.works.clear();
+}
+
+void Executor::check_device_status() {
+  int64_t status = kMessageOk;
+  if (!device_comm_->finish_step(timeout_, status)) {
+    std::ostringstream os;
+    os << "pipecore rank " << rank_ << ": the step's work on the device did not finish within "
+       << timeout_.count() / 1000.0 << " s (a peer stopped sending or receiving)";
+    throw CommError(os.str());
+  }
+  std::ostringstream os;
+  os << "pipecore rank " << rank_ << ": ";
+  if (status == kMessageUnknown) {
+    os << "a message received in this step does not end with pipecore's trailer: the messages between this rank "
+          "and a peer are out of step (another send or receive on this process group with the same peer, or a "
+          "schedule lowered differently there)";
+    throw CommError(os.str());
+  }
+  if (status == kMessageReplan) {
+    os << "messages of this step say a first stage's batch changed shape";
+    throw PeerReplan(os.str());
+  }
+  if (status == kMessageAborted) {
+    os << "messages of this step say a peer's step was aborted";
+    throw PeerAbort(os.str());
+  }
 }
 
 void Executor::check_message(const std::vector<at::Tensor>& parts, const Instr& in, const char* what) {
@@ -210,7 +255,8 @@ void Executor::post_recvs_until(size_t end, size_t at, bool aborted) {
 at::Tensor Executor::abort_scratch(const at::TensorOptions& options, int64_t bytes) {
   if (!abort_scratch_.defined() || abort_scratch_.device() != options.device() ||
       abort_scratch_.numel() < bytes) {
-    abort_scratch_ = at::empty({std::max<int64_t>(bytes, 1)}, options.dtype(at::kByte));
+    // zeros: on a device, compute may run on an aborted message before its status is read
+    abort_scratch_ = at::zeros({std::max<int64_t>(bytes, 1)}, options.dtype(at::kByte));
   }
   return abort_scratch_;
 }
@@ -235,6 +281,96 @@ void Executor::prefetch_recvs(size_t at) {
     }
     post_recvs_until(k + 1, at);
   }
+}
+
+bool Executor::set_device_comm(const std::string& device) {
+  device_comm_ = make_device_comm(c10::Device(device));
+  return device_comm_ != nullptr;
+}
+
+void Executor::post_batch(size_t index, bool aborted, int64_t status) {
+  if (index < posted_through_) return;  // posted with an earlier action of its batch
+  const size_t end = batch_end_[index];
+  TORCH_CHECK(end > index, "pipecore: action ", index, " is not a send or receive");
+  const TrailerWriter carry_status = [this](at::Tensor& trailer) { device_comm_->write_trailer(trailer); };
+  struct Posted {
+    std::shared_ptr<CommTask> task;
+    size_t index;
+    int64_t bytes;
+  };
+  std::vector<Posted> batch;
+  std::vector<std::shared_ptr<CommTask>> tasks;
+  for (size_t j = index; j < end; ++j) {
+    const Instr& in = program_[j];
+    const size_t key = in.stage * num_microbatches_ + in.mb;
+    std::shared_ptr<CommTask> task;
+    int64_t bytes = 0;
+    if (in.op == kRecvF || in.op == kRecvB) {
+      task = make_recv(in, aborted);
+      recv_posted_at_[recvs_through_[j] - 1] = static_cast<int64_t>(index);
+    } else {
+      std::vector<at::Tensor> parts;
+      if (aborted) {
+        const std::vector<TensorSpec> specs = send_specs(in);
+        if (!specs.empty()) {
+          parts = abort_frame(specs, options_[key], status, large_message_bytes_,
+                              abort_scratch(options_[key], payload_bytes(specs)));
+        }
+      } else {
+        std::vector<at::Tensor> tensors = outgoing(in);
+        if (!tensors.empty()) parts = frame(tensors, large_message_bytes_, carry_status);
+      }
+      if (parts.empty()) continue;
+      for (const auto& p : parts) bytes += static_cast<int64_t>(p.nbytes());
+      task = std::make_shared<CommTask>();
+      task->parts = std::move(parts);
+    }
+    if (!task) continue;
+    task->peer = static_cast<int>(in.peer);
+    task->tag = kTag;
+    task->group = pg_.get();
+    tasks.push_back(task);
+    batch.push_back({std::move(task), j, bytes});
+  }
+  posted_through_ = end;  // once posting starts nothing of it is posted again
+  if (tasks.empty()) return;
+  maybe_delay();
+  try {
+    device_comm_->post_batch(*pg_, tasks);
+  } catch (const std::exception& e) {
+    throw post_failure(*tasks.front(), program_[index], e.what());
+  }
+  for (auto& p : batch) {
+    if (!p.task->send) continue;
+    const Instr& in = program_[p.index];
+    sends_->track(std::move(p.task), p.bytes, where(in) + ": send to rank " + std::to_string(in.peer), timeout_);
+  }
+}
+
+std::vector<TensorSpec> Executor::send_specs(const Instr& in) const {
+  const size_t key = in.stage * num_microbatches_ + in.mb;
+  if (in.op == kSendF) return send_f_specs_[key];
+  std::vector<TensorSpec> specs;
+  for (const auto& sp : recv_f_specs_[key]) {
+    if (sp.requires_grad) specs.push_back(sp);
+  }
+  return specs;
+}
+
+std::vector<at::Tensor> Executor::outgoing(const Instr& in) {
+  Slot& s = slot(in.stage, in.mb);
+  if (in.op == kSendB) return take_input_grads(s);
+  TORCH_CHECK(!s.outputs.empty(), where(in), ": nothing to send (forward produced no tensors)");
+  // The slot lets go of the outputs: the message keeps the data alive until sent, the autograd graph
+  // lives on through the stored gradient edges.
+  std::vector<at::Tensor> tensors = std::move(s.outputs);
+  s.outputs.clear();
+  if (free_outputs_) {
+    ++freed_outputs_;
+  } else {
+    kept_.insert(kept_.end(), tensors.begin(), tensors.end());
+  }
+  return tensors;
 }
 
 void Executor::set_comm_thread(bool on) {
@@ -329,6 +465,7 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort) {
   open_trace_.clear();
   if (trace_on_ && timer_) timer_->start(now_us());
   trace_resolved_ = !timer_;
+  if (device_comm_) device_comm_->begin_step();
   size_t i = 0;
   std::exception_ptr origin;  // this rank's own failure
   std::string failure;        // what stopped the normal run
@@ -336,10 +473,11 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort) {
   try {
     for (; i < program_.size(); ++i) {
       check_sends();
-      prefetch_recvs(i);
+      if (!device_comm_) prefetch_recvs(i);  // the device path posts receives with their batch
       exec_traced(i, forward);
     }
     drain_sends();
+    if (device_comm_) check_device_status();
   } catch (const PeerAbort& e) {
     why = kPeer;
     failure = e.what();
@@ -469,7 +607,11 @@ void Executor::exec_aborted(size_t index, bool wait, int64_t status) {
   switch (in.op) {
     case kRecvF:
     case kRecvB:  // post (unless posted ahead): the peer's send must complete
-      post_recvs_until(recvs_through_[index], index, /*aborted=*/true);
+      if (device_comm_) {
+        post_batch(index, /*aborted=*/true, status);
+      } else {
+        post_recvs_until(recvs_through_[index], index, /*aborted=*/true);
+      }
       break;
     case kF:
     case kB:
@@ -482,15 +624,12 @@ void Executor::exec_aborted(size_t index, bool wait, int64_t status) {
     }
     case kSendF:
     case kSendB: {
-      if (static_cast<int64_t>(index) == last_send_posted_) break;  // the failure came after its send
-      std::vector<TensorSpec> specs;
-      if (in.op == kSendF) {
-        specs = send_f_specs_[key];
-      } else {
-        for (const auto& sp : recv_f_specs_[key]) {
-          if (sp.requires_grad) specs.push_back(sp);
-        }
+      if (device_comm_) {
+        post_batch(index, /*aborted=*/true, status);
+        break;
       }
+      if (static_cast<int64_t>(index) == last_send_posted_) break;  // the failure came after its send
+      const std::vector<TensorSpec> specs = send_specs(in);
       if (specs.empty()) break;
       send(abort_frame(specs, options_[key], status, large_message_bytes_,
                        abort_scratch(options_[key], payload_bytes(specs))),
@@ -528,27 +667,20 @@ void Executor::exec(size_t index, const ForwardFn& forward) {
       break;
     case kRecvF:
     case kRecvB:  // usually posted ahead already (recv window)
-      post_recvs_until(recvs_through_[index], index);
-      break;
-    case kSendF: {
-      Slot& s = slot(in.stage, in.mb);
-      TORCH_CHECK(!s.outputs.empty(), where(in), ": nothing to send (forward produced no tensors)");
-      // The slot lets go of the outputs once sent: the message keeps the data alive until the send is reaped,
-      // the autograd graph lives on through the stored gradient edges.
-      send(frame(s.outputs, large_message_bytes_), index);
-      if (free_outputs_) {
-        ++freed_outputs_;
+      if (device_comm_) {
+        post_batch(index, /*aborted=*/false);
       } else {
-        kept_.insert(kept_.end(), s.outputs.begin(), s.outputs.end());
+        post_recvs_until(recvs_through_[index], index);
       }
-      s.outputs.clear();
       break;
-    }
+    case kSendF:
     case kSendB: {
-      Slot& s = slot(in.stage, in.mb);
-      std::vector<at::Tensor> grads = take_input_grads(s);
-      if (grads.empty()) break;
-      send(frame(grads, large_message_bytes_), index);
+      if (device_comm_) {
+        post_batch(index, /*aborted=*/false);
+        break;
+      }
+      std::vector<at::Tensor> tensors = outgoing(in);
+      if (!tensors.empty()) send(frame(tensors, large_message_bytes_), index);
       break;
     }
     case kReduceGrad:
@@ -566,10 +698,8 @@ void Executor::do_forward(const Instr& in, const ForwardFn& forward) {
   Slot& s = slot(in.stage, in.mb);
   const size_t key = in.stage * num_microbatches_ + in.mb;
   if (s.recv_f.posted()) {
-    wait_recv(s.recv_f, in, "activations");
-    check_message(s.recv_f.task->parts, in, "activations");
     const auto& specs = recv_f_specs_[key];
-    s.inputs = unframe(s.recv_f.task->parts, specs);
+    s.inputs = unframe(receive(s.recv_f, in, "activations"), specs);
     for (size_t k = 0; k < specs.size(); ++k) {
       if (specs[k].requires_grad) s.inputs[k].requires_grad_(true);
     }
@@ -598,7 +728,12 @@ void Executor::do_forward(const Instr& in, const ForwardFn& forward) {
     s.has_loss = true;
     if (loss.requires_grad()) {
       s.loss_edge = torch::autograd::impl::gradient_edge(loss);
-      s.loss_seed = at::full_like(loss, seed);
+      if (device_comm_ && loss.is_cuda()) {  // zero unless every message of the step so far was ok
+        s.loss_seed = at::empty_like(loss);
+        device_comm_->fill_seed(s.loss_seed, seed);
+      } else {
+        s.loss_seed = at::full_like(loss, seed);
+      }
     }
   }
 }
@@ -614,9 +749,8 @@ void Executor::do_backward(const Instr& in, bool split) {
     }
   } else {
     if (s.recv_b.posted()) {
-      wait_recv(s.recv_b, in, "output gradients");
-      check_message(s.recv_b.task->parts, in, "output gradients");
-      s.out_grads = unframe(s.recv_b.task->parts, recv_b_specs_[in.stage * num_microbatches_ + in.mb]);
+      s.out_grads = unframe(receive(s.recv_b, in, "output gradients"),
+                            recv_b_specs_[in.stage * num_microbatches_ + in.mb]);
       s.recv_b = Inbox();
     }
     TORCH_CHECK(s.out_grads.size() == s.out_edges.size(), where(in), ": received ", s.out_grads.size(),

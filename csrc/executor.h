@@ -23,6 +23,7 @@ namespace pipecore {
 class ActionScope;
 class DeviceTimer;
 class CommWorker;
+class DeviceComm;
 class SendTracker;
 struct CommTask;
 
@@ -137,6 +138,11 @@ class Executor {
   void set_large_messages(int64_t min_bytes) { large_message_bytes_ = min_bytes; }
   // CPU groups: post every send and receive from a thread of its own (see comm_worker.h).
   void set_comm_thread(bool on);
+  // Accelerator groups (NCCL): communication without host waits (see device_comm.h) for messages on
+  // `device`. False where this build has none for it (then messages take the host-waiting path).
+  // Batches replace the receive window and the send budget there (device_comm.h says why).
+  bool set_device_comm(const std::string& device);
+  bool device_comm() const { return device_comm_ != nullptr; }
   // gloo: messages travelling to a lower group rank go through `channel`, a second gloo group over
   // the same ranks, so that each pair of ranks has one connection per direction. gloo holds a pair's
   // lock while a send is written into its socket, and its event loop skips a locked pair and polls
@@ -187,6 +193,8 @@ class Executor {
   int64_t threaded_posts() const { return threaded_posts_; }
   int64_t reverse_posts() const { return reverse_posts_; }
   const std::vector<int64_t>& recv_posted_at() const { return recv_posted_at_; }
+  // Per program index: for a SEND/RECV, one past the last action of its device batch; else 0.
+  const std::vector<size_t>& batch_ends() const { return batch_end_; }
   // Per stage, since construction: microbatches whose I computed weight gradients (or all of its
   // backward) because of a node that cannot be split, by (node, why).
   const std::vector<std::map<SplitFallback, int64_t>>& split_fallbacks() const { return split_fallbacks_; }
@@ -211,6 +219,11 @@ class Executor {
   // before program_[at]: posts receives up to ordinal `end` (aborted: into the abort scratch)
   void post_recvs_until(size_t end, size_t at, bool aborted = false);
   void prefetch_recvs(size_t at);                  // before program_[at]: posts the receive window
+  // Device path: posts the batch of SEND/RECV actions that starts at program_[index] (if not posted
+  // yet); `aborted`: sends carry `status` and receives land in the abort scratch.
+  void post_batch(size_t index, bool aborted, int64_t status = 0);
+  // The parts of a received message, once waited for (host) or ordered on the device.
+  const std::vector<at::Tensor>& receive(Inbox& inbox, const Instr& in, const char* what);
   // Posts a message (within the peer's send budget unless `budgeted` is off) and hands it to the
   // send tracker, which frees it once sent.
   void send(std::vector<at::Tensor> parts, size_t index, bool budgeted = true, bool aborted = false);
@@ -229,6 +242,12 @@ class Executor {
   void await_posted(CommTask& task, const Instr& in);
   void check_sends();  // throws CommError if a send failed
   std::vector<at::Tensor> take_input_grads(Slot& s);
+  // What SEND action `in` sends: the stage's outputs (let go of by the slot) or its input gradients.
+  std::vector<at::Tensor> outgoing(const Instr& in);
+  // Shapes of what SEND action `in` sends (for an aborted message of the same size).
+  std::vector<TensorSpec> send_specs(const Instr& in) const;
+  // Device path, end of step: reads the step's message status; throws what it says.
+  void check_device_status();
   std::string where(const Instr& in) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
@@ -263,6 +282,9 @@ class Executor {
   std::string comm_failure_;       // see last_comm_failure()
   at::Tensor abort_scratch_;
   std::unique_ptr<CommWorker> worker_;
+  std::unique_ptr<DeviceComm> device_comm_;
+  std::vector<size_t> batch_end_;  // [i] for a SEND/RECV: one past the last action of its batch
+  size_t posted_through_ = 0;      // device path: every SEND/RECV before this index is posted
   int64_t large_message_bytes_ = kLargeMessageBytes;
   int64_t threaded_posts_ = 0;  // messages posted by the comm worker in the last run
   int64_t reverse_posts_ = 0;   // messages posted on the reverse channel in the last run

@@ -1,0 +1,126 @@
+// DeviceComm on CUDA: a communication stream per executor, events between it and the compute
+// stream, one NCCL group per batch, message statuses on the device (see ../device_comm.h).
+#include "../device_comm.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/Event.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <thread>
+
+#include "../message_status.h"
+#include "status_kernels.h"
+
+namespace pipecore {
+namespace {
+
+class CudaComm final : public DeviceComm {
+ public:
+  explicit CudaComm(const c10::Device& device)
+      : device_(device),
+        // high priority: a transfer's wait never queues behind compute kernels
+        comm_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index())),
+        status_(at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(device))),
+        host_status_(at::empty({1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true))),
+        status_read_(c10::DeviceType::CUDA) {}
+
+  void begin_step() override { status_.zero_(); }
+
+  void post_batch(c10d::ProcessGroup& group, const std::vector<std::shared_ptr<CommTask>>& tasks) override {
+    c10::cuda::CUDAGuard device_guard(device_);
+    const bool sends = std::any_of(tasks.begin(), tasks.end(), [](const auto& t) { return t->send; });
+    const bool recvs = std::any_of(tasks.begin(), tasks.end(), [](const auto& t) { return !t->send; });
+    if (sends) {  // the data to send was produced by compute queued before this point
+      c10::Event produced(c10::DeviceType::CUDA);
+      produced.record(compute_stream());
+      produced.block(comm_);
+    }
+    c10::intrusive_ptr<c10d::Work> work;
+    {
+      // c10d's NCCL stream waits on the current stream at posting: our communication stream
+      c10::cuda::CUDAStreamGuard on_comm(comm_);
+      group.startCoalescing(c10::DeviceType::CUDA);
+      try {
+        for (const auto& task : tasks) post_parts(*task);
+      } catch (...) {
+        try {
+          group.endCoalescing(c10::DeviceType::CUDA);
+        } catch (...) {
+        }
+        throw;
+      }
+      work = group.endCoalescing(c10::DeviceType::CUDA);
+      TORCH_CHECK(work, "pipecore: the group returned no Work for a batch of sends and receives");
+      std::shared_ptr<c10::Event> ready;
+      if (recvs) {
+        work->wait();  // no timeout: the communication stream waits for the group; the host does not
+        ready = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
+        ready->record(comm_);
+      }
+      for (const auto& task : tasks) {
+        task->works.assign(1, work);  // coalesced operations have no Work of their own
+        if (!task->send) task->ready = ready;
+      }
+    }
+    for (const auto& task : tasks) task->mark_posted(nullptr);
+  }
+
+  void consume(const CommTask& task) override {
+    TORCH_CHECK(task.ready, "pipecore: a device receive without its ready event");
+    c10::cuda::CUDAGuard device_guard(device_);
+    auto stream = compute_stream();
+    task.ready->block(stream);
+    const at::Tensor& last = task.parts.back();
+    cuda::fold_trailer(last.narrow(0, last.numel() - 16, 16), status_, stream.stream());
+  }
+
+  void write_trailer(at::Tensor& trailer) override {
+    cuda::write_trailer(trailer, status_, compute_stream().stream());
+  }
+
+  void fill_seed(at::Tensor& seed, double value) override {
+    cuda::fill_seed(seed, value, status_, compute_stream().stream());
+  }
+
+  bool finish_step(std::chrono::milliseconds timeout, int64_t& status) override {
+    c10::cuda::CUDAGuard device_guard(device_);
+    auto stream = compute_stream();
+    host_status_.copy_(status_, /*non_blocking=*/true);
+    status_read_.record(stream);
+    // queried, not synchronized: a stuck peer ends in a timeout, not a hang
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    auto pause = std::chrono::microseconds(10);
+    while (!status_read_.query()) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(500));
+    }
+    const int64_t code = host_status_.data_ptr<int64_t>()[0];
+    status = code == cuda::kStatusNotOurs ? kMessageUnknown : code;
+    return true;
+  }
+
+ private:
+  c10::cuda::CUDAStream compute_stream() const { return c10::cuda::getCurrentCUDAStream(device_.index()); }
+
+  c10::Device device_;
+  c10::cuda::CUDAStream comm_;
+  at::Tensor status_;       // int64[1] on the device: the largest status code seen this step
+  at::Tensor host_status_;  // pinned: where the status lands at the end of a step
+  c10::Event status_read_;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceComm> make_device_comm(const c10::Device& device) {
+  if (device.type() != c10::DeviceType::CUDA) return nullptr;
+  c10::Device d = device;
+  if (!d.has_index()) d = c10::Device(c10::DeviceType::CUDA, c10::cuda::current_device());
+  return std::make_unique<CudaComm>(d);
+}
+
+}  // namespace pipecore

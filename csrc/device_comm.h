@@ -1,0 +1,52 @@
+// Communication on an accelerator without host waits (CUDA builds: csrc/cuda/device_comm.cpp).
+//
+// The host only queues work there; it never waits for a transfer inside a step:
+// - A batch of sends and receives (a run of consecutive SEND/RECV actions, see
+//   pipecore/schedule/p2p_order.py for why that order cannot deadlock) is posted as one group on a
+//   communication stream. If it sends, that stream first waits on an event recorded on the compute
+//   stream after the forward or backward that produced the data.
+// - A receive's data is ready at an event recorded on the communication stream after its group;
+//   the compute stream waits on that event when an action consumes the message.
+// - Message statuses (a peer's step aborted, shapes changed, channel out of step) are checked on
+//   the device: each received trailer folds into a step status on the device, each sent trailer
+//   carries that status on, and a last stage's loss seed is zero unless it is ok, so a failed step
+//   adds nothing to any gradient. The host reads the status once, when the step ends.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "comm_worker.h"
+
+namespace pipecore {
+
+class DeviceComm {
+ public:
+  virtual ~DeviceComm() = default;
+  // Start of a step (on the compute stream): the step status is ok.
+  virtual void begin_step() = 0;
+  // Posts `tasks` (program order) as one group (c10d coalescing) on the communication stream and
+  // marks them posted; sends hold the group's Work, receives also an event for their data.
+  virtual void post_batch(c10d::ProcessGroup& group, const std::vector<std::shared_ptr<CommTask>>& tasks) = 0;
+  // Before the compute stream reads received `task`: waits (on the device) for its data and folds its
+  // trailer into the step status.
+  virtual void consume(const CommTask& task) = 0;
+  // Writes the step status (ok, or the first bad status a message brought) into a 16-byte trailer.
+  virtual void write_trailer(at::Tensor& trailer) = 0;
+  // `seed` (one element) = value if the step status is ok, else 0.
+  virtual void fill_seed(at::Tensor& seed, double value) = 0;
+  // End of step: the step status (a MessageStatus; kMessageUnknown if a trailer was not pipecore's),
+  // read once the compute stream's work is done. False if that took longer than `timeout`.
+  virtual bool finish_step(std::chrono::milliseconds timeout, int64_t& status) = 0;
+};
+
+// A DeviceComm for `device`, or null where this build has none (CPU devices; builds without CUDA).
+std::unique_ptr<DeviceComm> make_device_comm(const c10::Device& device);
+
+}  // namespace pipecore

@@ -1,0 +1,13 @@
+// The status word of a message's trailer (see comm.h), shared with the CUDA kernels.
+#pragma once
+
+#include <cstdint>
+
+namespace pipecore {
+
+// kMessageUnknown: the trailer is not pipecore's (the channel is out of step); never sent.
+enum MessageStatus : int64_t { kMessageUnknown = -1, kMessageOk = 0, kMessageAborted = 1, kMessageReplan = 2 };
+// The trailer's second word: "pipecore" in ASCII.
+constexpr int64_t kTrailerMagic = 0x65726f6365706970LL;
+
+}  // namespace pipecore

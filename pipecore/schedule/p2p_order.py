@@ -1,0 +1,178 @@
+"""The order in which a rank's sends and receives reach a device backend, and a proof by replay
+that this order cannot deadlock where the backend runs all of a group's P2P operations on one
+serialised stream.
+
+The rules (the CUDA executor, csrc/cuda/device_comm.cpp, follows them):
+
+1. **Batches.** Each maximal run of consecutive SEND/RECV actions in a rank's lowered program is
+   one batch, posted as one NCCL group (c10d coalescing) when the program reaches the run's first
+   action. Its operations are posted in program order.
+2. **No receive ahead of its batch.** A receive is never posted in an earlier batch: with one
+   serialised stream (``init_process_group(device_id=...)``) a receive blocks every operation
+   posted after it until its data arrives, so a receive hoisted past a send can wait for a peer
+   that waits for that send.
+3. **Per pair, one order.** The sends from rank a to rank b, in a's program order, match b's
+   receives from a in b's program order (NCCL matches point-to-point operations by order, not by
+   tag). Lowering guarantees it; `replay_serialized` checks it.
+4. **Dependencies on the device.** A batch with a send starts on the device after the compute the
+   program ran before it (an event recorded on the compute stream at posting). A compute action
+   starts after the batches that hold the receives it consumes completed (the compute stream
+   waits on an event recorded after them). Nothing waits on the host.
+
+`replay_serialized` replays a lowered schedule under the strictest model of such a backend: every
+rank has one FIFO of batches, a batch runs only at the head of its rank's FIFO, and a batch
+completes only when the batch holding each of its operations' partners is running at the same
+time (rendezvous: a large message moves only while both sides are at it). Deadlock-free there is
+deadlock-free on per-pair streams too (they only remove orderings).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .action import Action, Kind
+from .errors import ScheduleError
+from .schedule import Schedule
+
+__all__ = ["p2p_batches", "replay_serialized", "SerializedReplay"]
+
+_RECEIVES = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B, Kind.I: Kind.RECV_B}
+
+
+def p2p_batches(lowered: Schedule, rank: int) -> list[list[int]]:
+    """Rule 1: the positions (in `lowered.actions[rank]`) of each batch's SEND/RECV actions."""
+    batches: list[list[int]] = []
+    previous_comm = False
+    for i, a in enumerate(lowered.actions[rank]):
+        comm = a.kind.is_comm
+        if comm:
+            if not previous_comm:
+                batches.append([])
+            batches[-1].append(i)
+        previous_comm = comm
+    return batches
+
+
+def _message_key(lowered: Schedule, a: Action) -> tuple:
+    """(direction, receiving stage, microbatch): the same for a send and the receive it matches."""
+    topo = lowered.topology
+    if a.kind is Kind.SEND_F:
+        return ("F", topo.next_stage[a.stage], a.microbatch)
+    if a.kind is Kind.SEND_B:
+        return ("B", topo.prev_stage[a.stage], a.microbatch)
+    return ("F" if a.kind is Kind.RECV_F else "B", a.stage, a.microbatch)
+
+
+def _peer(lowered: Schedule, a: Action) -> int:
+    topo = lowered.topology
+    if a.kind in (Kind.SEND_F, Kind.RECV_B):
+        return topo.stage_rank[topo.next_stage[a.stage]]
+    return topo.stage_rank[topo.prev_stage[a.stage]]
+
+
+@dataclass
+class SerializedReplay:
+    """Outcome of `replay_serialized`: per rank, the number of batches and of compute actions, and
+    the rounds of the replay (each round runs everything that can run)."""
+    batches: list[int]
+    computes: list[int]
+    rounds: int
+
+
+def replay_serialized(lowered: Schedule) -> SerializedReplay:
+    """Replays `lowered` with every rank's P2P operations in one FIFO of batches (rules 1-4, under
+    rendezvous). Raises ScheduleError naming each stuck rank's next batch and compute action if
+    the ranks would wait for each other forever, or if a pair of ranks disagrees on the order of
+    its messages."""
+    if not lowered.is_lowered and lowered.num_ranks > 1:
+        raise ScheduleError("replay_serialized needs a lowered schedule (Schedule.lower())")
+    R = lowered.num_ranks
+    actions = lowered.actions
+    # per rank: batches (lists of positions) and compute positions, in program order
+    batches = [p2p_batches(lowered, r) for r in range(R)]
+    computes = [[i for i, a in enumerate(actions[r]) if a.kind.is_compute] for r in range(R)]
+    # rule 3: per ordered pair, the same message order on both sides
+    sent: dict[tuple[int, int], list] = {}
+    received: dict[tuple[int, int], list] = {}
+    where: dict[tuple, tuple[int, int]] = {}  # message key + side -> (rank, batch)
+    for r in range(R):
+        for b, batch in enumerate(batches[r]):
+            for i in batch:
+                a = actions[r][i]
+                key = _message_key(lowered, a)
+                sending = a.kind in (Kind.SEND_F, Kind.SEND_B)
+                pair = (r, _peer(lowered, a)) if sending else (_peer(lowered, a), r)
+                (sent if sending else received).setdefault(pair, []).append(key)
+                where[(key, sending)] = (r, b)
+    for pair in set(sent) | set(received):
+        if sent.get(pair, []) != received.get(pair, []):
+            raise ScheduleError(f"rank {pair[0]} sends to rank {pair[1]} in the order {sent.get(pair, [])} but "
+                                f"rank {pair[1]} receives in the order {received.get(pair, [])}: NCCL matches "
+                                "messages by order")
+    # what each batch and compute action waits for
+    partners: list[list[list[tuple[int, int]]]] = [[[] for _ in batches[r]] for r in range(R)]
+    has_send = [[False] * len(batches[r]) for r in range(R)]
+    computes_before = [[0] * len(batches[r]) for r in range(R)]
+    for r in range(R):
+        for b, batch in enumerate(batches[r]):
+            computes_before[r][b] = sum(1 for i in computes[r] if i < batch[0])
+            for i in batch:
+                a = actions[r][i]
+                sending = a.kind in (Kind.SEND_F, Kind.SEND_B)
+                has_send[r][b] = has_send[r][b] or sending
+                partners[r][b].append(where[(_message_key(lowered, a), not sending)])
+    recv_batch = [{} for _ in range(R)]  # rank -> message key -> batch
+    for r in range(R):
+        for b, batch in enumerate(batches[r]):
+            for i in batch:
+                a = actions[r][i]
+                if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                    recv_batch[r][_message_key(lowered, a)] = b
+    needs: list[list[list[int]]] = [[] for _ in range(R)]  # per compute action: batches it consumes
+    for r in range(R):
+        for i in computes[r]:
+            got = []
+            for leaf in actions[r][i].leaves():
+                kind = _RECEIVES.get(leaf.kind)
+                if kind is not None:
+                    b = recv_batch[r].get(("F" if kind is Kind.RECV_F else "B", leaf.stage, leaf.microbatch))
+                    if b is not None:
+                        got.append(b)
+            needs[r].append(got)
+    head = [0] * R           # next batch of each rank's FIFO
+    running = [False] * R    # is the head batch running (its dependencies met)?
+    done_computes = [0] * R
+    rounds = 0
+    while True:
+        rounds += 1
+        progress = False
+        # computes: in order, once the batches they consume completed
+        for r in range(R):
+            while done_computes[r] < len(computes[r]) and all(b < head[r] for b in needs[r][done_computes[r]]):
+                done_computes[r] += 1
+                progress = True
+        # batches start at the head of their FIFO once the compute before them ran (if they send)
+        for r in range(R):
+            if head[r] < len(batches[r]) and not running[r]:
+                if not has_send[r][head[r]] or done_computes[r] >= computes_before[r][head[r]]:
+                    running[r] = True
+                    progress = True
+        # a running batch completes when every partner's batch is running (or already completed)
+        finished = [r for r in range(R) if running[r] and all(
+            (head[pr] == pb and running[pr]) or head[pr] > pb for pr, pb in partners[r][head[r]])]
+        for r in finished:
+            running[r] = False
+            head[r] += 1
+            progress = True
+        if not progress:
+            break
+    stuck = [r for r in range(R) if head[r] < len(batches[r]) or done_computes[r] < len(computes[r])]
+    if stuck:
+        parts = []
+        for r in stuck:
+            batch = ([str(actions[r][i]) for i in batches[r][head[r]]] if head[r] < len(batches[r]) else [])
+            comp = str(actions[r][computes[r][done_computes[r]]]) if done_computes[r] < len(computes[r]) else "-"
+            parts.append(f"rank {r}: batch {batch} ({'running' if running[r] else 'waiting'}), compute {comp}")
+        raise ScheduleError(f"{lowered.name or 'schedule'}: with every rank's P2P operations on one serialised "
+                            "stream the ranks wait for each other forever: " + "; ".join(parts))
+    return SerializedReplay([len(b) for b in batches], [len(c) for c in computes], rounds)

@@ -1,0 +1,139 @@
+"""The CUDA path on one GPU: all stages in one process, and the device communication path through
+NCCL sends to the process itself (tests/cuda_loopback.py). Skipped, with the reason, where there is
+no GPU, no NCCL, or the extension was built without CUDA sources. Multi-rank NCCL needs two GPUs;
+its posting order is proven on CPU (tests/test_p2p_order.py)."""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import pipecore as pc
+from cuda_loopback import make_loopback
+from models import make_batch, make_stages, reference_forward
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not dist.is_nccl_available(), reason="needs NCCL"),
+]
+
+
+@pytest.fixture(scope="module")
+def nccl_world():
+    import pipecore._C as C
+    if not C.build_info().get("cuda"):
+        pytest.skip("pipecore._C was built without CUDA sources")
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", rank=0, world_size=1, store=dist.HashStore(), device_id=dev)
+    yield dev
+    dist.destroy_process_group()
+
+
+def _build(name, V, dev, width=32, m=8, loopback=False, loss_fn=None):
+    model = make_stages("multi", V, width=width)
+    ref = [copy.deepcopy(mod).to(dev) for mod in model]
+    stages = [pc.PipelineStage(copy.deepcopy(mod).to(dev), i, V, device=dev) for i, mod in enumerate(model)]
+    pipe = pc.Pipeline(stages, name, m, loss_fn=loss_fn or nn.CrossEntropyLoss(), timeout=60)
+    if loopback:
+        make_loopback(pipe)
+    return pipe, stages, ref
+
+
+def _worst_grad_error(stages, ref):
+    worst = 0.0
+    for a, b in zip([p for s in stages for p in s.module.parameters()], [p for r in ref for p in r.parameters()]):
+        worst = max(worst, ((a.grad - b.grad).abs().max() / b.grad.abs().max().clamp_min(1e-30)).item())
+    return worst
+
+
+CASES = [("interleaved_1f1b", 4), ("zbv", 2), ("dualpipev", 2), ("looped_bfs", 3), ("interleaved_zb", 2)]
+
+
+@pytest.mark.parametrize("loopback", [False, True], ids=["local", "nccl-loopback"])
+@pytest.mark.parametrize("name, V", CASES)
+def test_matches_reference_on_gpu(nccl_world, name, V, loopback):
+    dev = nccl_world
+    pipe, stages, ref = _build(name, V, dev, loopback=loopback)
+    assert pipe._executor.device_comm
+    for rows in (32, 48, 32):  # batch shape changes: the replan protocol runs on the device too
+        x, y = (t.to(dev) for t in make_batch(rows, width=32, seed=rows))
+        for s in stages:
+            s.module.zero_grad(set_to_none=True)
+        for r in ref:
+            r.zero_grad(set_to_none=True)
+        losses = []
+        pipe.step(x, target=y, losses=losses)
+        nn.CrossEntropyLoss()(reference_forward(ref, x), y).backward()
+        assert _worst_grad_error(stages, ref) < 1e-5
+        assert abs(sum(l.item() for l in losses) / len(losses) - nn.CrossEntropyLoss()(reference_forward(ref, x), y).item()) < 1e-5
+    if loopback:  # every boundary went through NCCL
+        assert pipe._executor.freed_outputs == 8 * (pipe.schedule.num_stages - 1)
+
+
+@pytest.mark.parametrize("loopback", [False, True], ids=["local", "nccl-loopback"])
+def test_step_never_synchronizes_the_host(nccl_world, loopback):
+    dev = nccl_world
+    pipe, stages, ref = _build("interleaved_1f1b", 4, dev, loopback=loopback)
+    x, y = (t.to(dev) for t in make_batch(32, width=32))
+    pipe.step(x, target=y)  # shapes are agreed and planned on the first step
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pipe.step(x, target=y, return_outputs=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_sent_outputs_freed_on_gpu(nccl_world):
+    """GPipe order (all forwards, then all backwards) over a boundary with large activations: with
+    freeing on, each sent output is released once sent; off, all of them live to the end."""
+    dev = nccl_world
+    peaks = {}
+    for free in (True, False):
+        stages = [pc.PipelineStage(nn.Linear(1024, 1024).to(dev), 0, 2, device=dev),
+                  pc.PipelineStage(nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 4)).to(dev), 1, 2, device=dev)]
+        sched = pc.Schedule([[f"{s}F{mb}" for s in (0, 1) for mb in range(8)] +
+                             [f"{s}B{mb}" for s in (1, 0) for mb in range(8)]],
+                            placement=[0, 0], name="gpipe-one-rank")
+        pipe = pc.Pipeline(stages, sched, 8, loss_fn=nn.CrossEntropyLoss(), timeout=60)
+        make_loopback(pipe)
+        pipe._executor.set_free_outputs(free)
+        x = torch.randn(8 * 2048, 1024, device=dev)
+        y = torch.randint(0, 4, (8 * 2048,), device=dev)
+        pipe.step(x, target=y, return_outputs=False)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        pipe.step(x, target=y, return_outputs=False)
+        torch.cuda.synchronize()
+        peaks[free] = torch.cuda.max_memory_allocated() - base
+        del pipe, stages
+    activation = 2048 * 1024 * 4
+    print(f"peak above baseline: freeing {peaks[True] / 2**20:.1f} MiB, kept {peaks[False] / 2**20:.1f} MiB")
+    # 8 sent activations of 8 MiB live to the end when kept; freed, at most a couple are alive at once
+    assert peaks[False] - peaks[True] >= 6 * activation
+
+
+def test_device_trace_and_profiler_ranges(nccl_world):
+    dev = nccl_world
+    model = make_stages("multi", 2, width=32)
+    stages = [pc.PipelineStage(m.to(dev), i, 2, device=dev) for i, m in enumerate(model)]
+    pipe = pc.Pipeline(stages, "interleaved_1f1b", 4, loss_fn=nn.CrossEntropyLoss(), timeout=60, trace=True)
+    make_loopback(pipe)
+    x, y = (t.to(dev) for t in make_batch(16, width=32))
+    pipe.step(x, target=y)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        pipe.step(x, target=y)
+    names = {e.name for e in prof.events()}
+    assert {"PP:0F0", "PP:0SEND_F0", "PP:1RECV_F0", "PP:1B3"} <= names
+    trace = pipe.trace()
+    assert [t["name"] for t in trace][:3] == ["PP:0F0", "PP:0SEND_F0", "PP:1RECV_F0"]
+    assert all(t["start_us"] <= t["end_us"] for t in trace)
+    starts = [t["start_us"] for t in trace]
+    assert starts == sorted(starts)  # one compute stream: device times follow program order

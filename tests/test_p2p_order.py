@@ -1,0 +1,102 @@
+"""The posting order of the device path (pipecore/schedule/p2p_order.py, csrc/device_comm.h),
+replayed on CPU as NCCL runs it with init_process_group(device_id=...): every rank's P2P operations
+in one serialised FIFO of batches, each operation waiting for its partner (rendezvous)."""
+
+import pytest
+
+import pipecore as pc
+from pipecore.schedule import Kind, Schedule, ScheduleError
+from pipecore.schedule.p2p_order import p2p_batches, replay_serialized
+
+CONFIGS = [(name, R, m) for name in sorted(pc.SCHEDULES) for R in range(2, 9)
+           for m in sorted({1, 2, R - 1, R, R + 1, 2 * R, 3 * R + 1, 4 * R} - {0})]
+
+
+def _build(name, R, m):
+    try:
+        return pc.build_schedule(name, R, m)
+    except (ValueError, ScheduleError) as exc:  # e.g. dualpipe needs an even number of ranks
+        pytest.skip(f"{name} does not build for R={R}, m={m}: {exc}")
+
+
+@pytest.mark.parametrize("name, R, m", CONFIGS)
+def test_batches_in_program_order_never_deadlock_on_one_serialised_stream(name, R, m):
+    lowered = _build(name, R, m).lower()
+    replay = replay_serialized(lowered)
+    assert sum(replay.batches) > 0
+    assert replay.computes == [sum(1 for a in row if a.kind.is_compute) for row in lowered.actions]
+
+
+def _hoist_receives(lowered: Schedule, rank: int) -> Schedule:
+    """The old receive window on `rank`: every receive posted in the batch before its own."""
+    rows = [list(r) for r in lowered.actions]
+    batches = p2p_batches(lowered, rank)
+    row = rows[rank]
+    moved = {}
+    for prev, cur in zip(batches, batches[1:]):
+        for i in cur:
+            if row[i].kind in (Kind.RECV_F, Kind.RECV_B):
+                moved.setdefault(prev[-1], []).append(i)
+    out = []
+    skip = {i for ids in moved.values() for i in ids}
+    for i, a in enumerate(row):
+        if i not in skip:
+            out.append(a)
+        out.extend(row[j] for j in moved.get(i, []))
+    rows[rank] = out
+    return Schedule._from_codes([[a.code for a in r] for r in rows], lowered.topology, name=lowered.name)
+
+
+def test_receives_posted_ahead_deadlock_where_the_stream_is_serialised():
+    """What the issue saw: interleaved_1f1b on 4 ranks with receives posted ahead of sends waits
+    forever on one serialised stream; the replay says which ranks wait for what."""
+    lowered = pc.build_schedule("interleaved_1f1b", 4, 8).lower()
+    hoisted = lowered
+    for rank in range(4):
+        hoisted = _hoist_receives(hoisted, rank)
+    with pytest.raises(ScheduleError, match="wait for each other forever") as info:
+        replay_serialized(hoisted)
+    assert "rank " in str(info.value) and "RECV" in str(info.value)
+
+
+def test_message_order_disagreement_is_named():
+    lowered = pc.build_schedule("1f1b", 2, 4).lower()
+    rows = [list(r) for r in lowered.actions]
+    recvs = [i for i, a in enumerate(rows[1]) if a.kind is Kind.RECV_F]
+    rows[1][recvs[0]], rows[1][recvs[1]] = rows[1][recvs[1]], rows[1][recvs[0]]
+    swapped = Schedule._from_codes([[a.code for a in r] for r in rows], lowered.topology)
+    with pytest.raises(ScheduleError, match="matches messages by order"):
+        replay_serialized(swapped)
+
+
+def executor_batches(rank, world, name, R):
+    """On a one-rank gloo group: the executor's batches of each rank's program, as action names."""
+    import torch.distributed as dist
+    from types import SimpleNamespace
+    from pipecore._C import Executor
+    from pipecore.runtime import Pipeline
+    lowered = pc.build_schedule(name, R, 2 * R).lower()
+    out = []
+    for r in range(R):
+        mine = lowered.rank_stages(r)
+        fake = SimpleNamespace(rank=r, local_index={s: i for i, s in enumerate(mine)})
+        flat, labels = Pipeline._encode(fake, lowered)
+        ex = Executor(dist.group.WORLD, len(mine), 2 * R, 10.0)
+        ex.set_program(flat, labels)
+        ends = ex.batch_ends()
+        groups: dict[int, list[str]] = {}
+        for j, end in enumerate(ends):
+            if end:
+                groups.setdefault(end, []).append(labels[flat[5 * j + 4]][3:])
+        out.append([groups[e] for e in sorted(groups)])
+    return out
+
+
+@pytest.mark.parametrize("name, R", [("interleaved_1f1b", 4), ("zbv", 2), ("dualpipev", 4), ("1f1b", 3)])
+def test_executor_batches_are_the_replayed_batches(name, R):
+    """The C++ executor's batches (csrc/executor.cpp, set_program) are p2p_batches' for every rank."""
+    from dist_pool import pool
+    got = pool(1).run(executor_batches, name, R)[0]
+    lowered = pc.build_schedule(name, R, 2 * R).lower()
+    want = [[[str(lowered.actions[r][i]) for i in b] for b in p2p_batches(lowered, r)] for r in range(R)]
+    assert got == want
