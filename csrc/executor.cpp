@@ -22,6 +22,11 @@
 namespace pipecore {
 
 namespace {
+int64_t message_bytes(const std::vector<at::Tensor>& parts) {
+  int64_t bytes = 0;
+  for (const auto& p : parts) bytes += static_cast<int64_t>(p.nbytes());
+  return bytes;
+}
 double now_us() {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -292,36 +297,17 @@ void Executor::post_batch(size_t index, bool aborted, int64_t status) {
   if (index < posted_through_) return;  // posted with an earlier action of its batch
   const size_t end = batch_end_[index];
   TORCH_CHECK(end > index, "pipecore: action ", index, " is not a send or receive");
-  const TrailerWriter carry_status = [this](at::Tensor& trailer) { device_comm_->write_trailer(trailer); };
-  struct Posted {
-    std::shared_ptr<CommTask> task;
-    size_t index;
-    int64_t bytes;
-  };
-  std::vector<Posted> batch;
   std::vector<std::shared_ptr<CommTask>> tasks;
+  std::vector<size_t> task_index;  // tasks[k] is program_[task_index[k]]'s message
   for (size_t j = index; j < end; ++j) {
     const Instr& in = program_[j];
-    const size_t key = in.stage * num_microbatches_ + in.mb;
     std::shared_ptr<CommTask> task;
-    int64_t bytes = 0;
     if (in.op == kRecvF || in.op == kRecvB) {
       task = make_recv(in, aborted);
       recv_posted_at_[recvs_through_[j] - 1] = static_cast<int64_t>(index);
     } else {
-      std::vector<at::Tensor> parts;
-      if (aborted) {
-        const std::vector<TensorSpec> specs = send_specs(in);
-        if (!specs.empty()) {
-          parts = abort_frame(specs, options_[key], status, large_message_bytes_,
-                              abort_scratch(options_[key], payload_bytes(specs)));
-        }
-      } else {
-        std::vector<at::Tensor> tensors = outgoing(in);
-        if (!tensors.empty()) parts = frame(tensors, large_message_bytes_, carry_status);
-      }
+      std::vector<at::Tensor> parts = message_of(in, aborted, status);
       if (parts.empty()) continue;
-      for (const auto& p : parts) bytes += static_cast<int64_t>(p.nbytes());
       task = std::make_shared<CommTask>();
       task->parts = std::move(parts);
     }
@@ -329,8 +315,8 @@ void Executor::post_batch(size_t index, bool aborted, int64_t status) {
     task->peer = static_cast<int>(in.peer);
     task->tag = kTag;
     task->group = pg_.get();
-    tasks.push_back(task);
-    batch.push_back({std::move(task), j, bytes});
+    tasks.push_back(std::move(task));
+    task_index.push_back(j);
   }
   posted_through_ = end;  // once posting starts nothing of it is posted again
   if (tasks.empty()) return;
@@ -340,11 +326,26 @@ void Executor::post_batch(size_t index, bool aborted, int64_t status) {
   } catch (const std::exception& e) {
     throw post_failure(*tasks.front(), program_[index], e.what());
   }
-  for (auto& p : batch) {
-    if (!p.task->send) continue;
-    const Instr& in = program_[p.index];
-    sends_->track(std::move(p.task), p.bytes, where(in) + ": send to rank " + std::to_string(in.peer), timeout_);
+  for (size_t k = 0; k < tasks.size(); ++k) {
+    if (!tasks[k]->send) continue;
+    const Instr& in = program_[task_index[k]];
+    const int64_t bytes = message_bytes(tasks[k]->parts);
+    sends_->track(std::move(tasks[k]), bytes, where(in) + ": send to rank " + std::to_string(in.peer), timeout_);
   }
+}
+
+std::vector<at::Tensor> Executor::message_of(const Instr& in, bool aborted, int64_t status) {
+  if (aborted) {
+    const std::vector<TensorSpec> specs = send_specs(in);
+    if (specs.empty()) return {};
+    const at::TensorOptions& options = options_[in.stage * num_microbatches_ + in.mb];
+    return abort_frame(specs, options, status, large_message_bytes_, abort_scratch(options, payload_bytes(specs)));
+  }
+  std::vector<at::Tensor> tensors = outgoing(in);
+  if (tensors.empty()) return {};
+  if (!device_comm_) return frame(tensors, large_message_bytes_);
+  // the device path's trailers carry the step status on (device_comm.h)
+  return frame(tensors, large_message_bytes_, [this](at::Tensor& trailer) { device_comm_->write_trailer(trailer); });
 }
 
 std::vector<TensorSpec> Executor::send_specs(const Instr& in) const {
@@ -420,8 +421,7 @@ void Executor::await_posted(CommTask& task, const Instr& in) {
 
 void Executor::send(std::vector<at::Tensor> parts, size_t index, bool budgeted, bool aborted) {
   const Instr& in = program_[index];
-  int64_t bytes = 0;
-  for (const auto& p : parts) bytes += static_cast<int64_t>(p.nbytes());
+  const int64_t bytes = message_bytes(parts);
   if (budgeted && !sends_->reserve(static_cast<int>(in.peer), bytes, send_budget_, timeout_)) {
     std::ostringstream os;
     os << where(in) << ": earlier sends to rank " << in.peer << " did not complete within "
@@ -603,7 +603,6 @@ void Executor::exec_traced(size_t i, const ForwardFn& forward) {
 
 void Executor::exec_aborted(size_t index, bool wait, int64_t status) {
   const Instr& in = program_[index];
-  const size_t key = in.stage * num_microbatches_ + in.mb;
   switch (in.op) {
     case kRecvF:
     case kRecvB:  // post (unless posted ahead): the peer's send must complete
@@ -629,11 +628,8 @@ void Executor::exec_aborted(size_t index, bool wait, int64_t status) {
         break;
       }
       if (static_cast<int64_t>(index) == last_send_posted_) break;  // the failure came after its send
-      const std::vector<TensorSpec> specs = send_specs(in);
-      if (specs.empty()) break;
-      send(abort_frame(specs, options_[key], status, large_message_bytes_,
-                       abort_scratch(options_[key], payload_bytes(specs))),
-           index, /*budgeted=*/wait, /*aborted=*/true);
+      std::vector<at::Tensor> parts = message_of(in, /*aborted=*/true, status);
+      if (!parts.empty()) send(std::move(parts), index, /*budgeted=*/wait, /*aborted=*/true);
       break;
     }
     default:
@@ -679,8 +675,8 @@ void Executor::exec(size_t index, const ForwardFn& forward) {
         post_batch(index, /*aborted=*/false);
         break;
       }
-      std::vector<at::Tensor> tensors = outgoing(in);
-      if (!tensors.empty()) send(frame(tensors, large_message_bytes_), index);
+      std::vector<at::Tensor> parts = message_of(in, /*aborted=*/false);
+      if (!parts.empty()) send(std::move(parts), index);
       break;
     }
     case kReduceGrad:

@@ -246,6 +246,9 @@ class Executor {
   std::vector<at::Tensor> outgoing(const Instr& in);
   // Shapes of what SEND action `in` sends (for an aborted message of the same size).
   std::vector<TensorSpec> send_specs(const Instr& in) const;
+  // The parts of SEND action `in`'s message (empty: nothing to send): what it sends, or (`aborted`) a
+  // message of the same size whose trailer carries `status`.
+  std::vector<at::Tensor> message_of(const Instr& in, bool aborted, int64_t status = 0);
   // Device path, end of step: reads the step's message status; throws what it says.
   void check_device_status();
   std::string where(const Instr& in) const;

@@ -156,7 +156,8 @@ class Pipeline:
         # NCCL: batches on a communication stream, events, message statuses on the device: no host
         # wait inside a step (csrc/device_comm.h; posting order in pipecore/schedule/p2p_order.py)
         device = self.stages[0].device
-        self._device_comm = (not gloo and device.type == "cuda" and self._executor.set_device_comm(str(device)))
+        if not gloo and device.type == "cuda":
+            self._executor.set_device_comm(str(device))  # False (host-waiting path) in builds without CUDA
         self._reverse_channel = None  # gloo: opened at the first agreement (_open_reverse_channel)
         self._wants_reverse_channel = gloo and self.world > 1
         self._trace: list[dict] = []

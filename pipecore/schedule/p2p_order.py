@@ -28,6 +28,7 @@ deadlock-free on per-pair streams too (they only remove orderings).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 
 from .action import Action, Kind
@@ -115,19 +116,12 @@ def replay_serialized(lowered: Schedule) -> SerializedReplay:
     computes_before = [[0] * len(batches[r]) for r in range(R)]
     for r in range(R):
         for b, batch in enumerate(batches[r]):
-            computes_before[r][b] = sum(1 for i in computes[r] if i < batch[0])
+            computes_before[r][b] = bisect_left(computes[r], batch[0])
             for i in batch:
                 a = actions[r][i]
                 sending = a.kind in (Kind.SEND_F, Kind.SEND_B)
                 has_send[r][b] = has_send[r][b] or sending
                 partners[r][b].append(where[(_message_key(lowered, a), not sending)])
-    recv_batch = [{} for _ in range(R)]  # rank -> message key -> batch
-    for r in range(R):
-        for b, batch in enumerate(batches[r]):
-            for i in batch:
-                a = actions[r][i]
-                if a.kind in (Kind.RECV_F, Kind.RECV_B):
-                    recv_batch[r][_message_key(lowered, a)] = b
     needs: list[list[list[int]]] = [[] for _ in range(R)]  # per compute action: batches it consumes
     for r in range(R):
         for i in computes[r]:
@@ -135,9 +129,10 @@ def replay_serialized(lowered: Schedule) -> SerializedReplay:
             for leaf in actions[r][i].leaves():
                 kind = _RECEIVES.get(leaf.kind)
                 if kind is not None:
-                    b = recv_batch[r].get(("F" if kind is Kind.RECV_F else "B", leaf.stage, leaf.microbatch))
-                    if b is not None:
-                        got.append(b)
+                    # the receive, if any, is on this rank: it holds the receiving stage
+                    found = where.get((("F" if kind is Kind.RECV_F else "B", leaf.stage, leaf.microbatch), False))
+                    if found is not None:
+                        got.append(found[1])
             needs[r].append(got)
     head = [0] * R           # next batch of each rank's FIFO
     running = [False] * R    # is the head batch running (its dependencies met)?
