@@ -12,6 +12,7 @@
 #endif
 #endif
 
+#include "collectives.h"
 #include "executor.h"
 #include "send_recv.h"
 #include "weight_store.h"
@@ -114,7 +115,7 @@ std::vector<pipecore::TensorSpec> to_specs(const std::vector<at::Tensor>& metas)
   return specs;
 }
 
-void run(pipecore::Executor& self, py::function forward, py::function on_abort) {
+void run(pipecore::Executor& self, py::function forward, py::function on_abort, py::object discover) {
   // The loop runs without the GIL; only a stage's forward (user Python) takes it.
   pipecore::ForwardFn fn = [&forward](int64_t stage, int64_t mb, std::vector<at::Tensor>& inputs,
                                       std::vector<at::Tensor>& outputs, at::Tensor& loss, double& seed) {
@@ -136,8 +137,16 @@ void run(pipecore::Executor& self, py::function forward, py::function on_abort) 
       e.discard_as_unraisable("pipecore: reporting a failure to the other ranks");
     }
   };
+  pipecore::SpecFn spec_fn;
+  if (!discover.is_none()) {
+    spec_fn = [&discover](int64_t stage, int64_t mb, int64_t op, bool may_wait) -> int64_t {
+      py::gil_scoped_acquire gil;
+      py::error_scope keep;  // asked while a failed step releases its peers: its Python error waits
+      return discover(stage, mb, op, may_wait).cast<int64_t>();
+    };
+  }
   py::gil_scoped_release nogil;
-  self.run(fn, abort_fn);
+  self.run(fn, abort_fn, spec_fn ? &spec_fn : nullptr);
 }
 
 }  // namespace
@@ -153,6 +162,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::register_exception<pipecore::CommError>(m, "CommError", PyExc_RuntimeError);
   py::register_exception<pipecore::PeerReplan>(m, "PeerReplan", PyExc_RuntimeError);
 
+  m.def("all_reduce_sum", &pipecore::all_reduce_sum, py::arg("group"), py::arg("values"), py::arg("device"),
+        py::arg("timeout"), py::arg("what"), py::call_guard<py::gil_scoped_release>(),
+        "the sums of every rank's int64 `values` (tensors on `device` never seen by Python); CommError on failure");
+  m.def("all_gather", &pipecore::all_gather, py::arg("group"), py::arg("values"), py::arg("device"),
+        py::arg("timeout"), py::arg("what"), py::call_guard<py::gil_scoped_release>(),
+        "every rank's int64 `values`, in group rank order; CommError on failure");
+  m.def("exchange", &pipecore::exchange, py::arg("group"), py::arg("tensor"), py::arg("peer"), py::arg("timeout"),
+        py::arg("what"), py::call_guard<py::gil_scoped_release>(),
+        "sends `tensor` to group rank `peer`, returns what `peer` sends (same size); CommError on failure");
   m.def("add_send_recv", &add_send_recv_py, py::arg("rows"), py::arg("links"),
         "Schedule lowering's send/recv insertion (pipecore.schedule.lowering.add_send_recv), natively: "
         "rows of action codes in, (rows with SEND/RECV codes, [(rank, position, awaited key)] of stuck ranks) out; "
@@ -198,7 +216,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "per RECV action of the last run, in program order: the program index before which it was posted")
       .def("batch_ends", &pipecore::Executor::batch_ends,
            "per program index: for a SEND/RECV, one past the last action of its device batch (else 0)")
-      .def("run", &run, py::arg("forward"), py::arg("on_abort"))
+      .def("run", &run, py::arg("forward"), py::arg("on_abort"), py::arg("discover") = py::none(),
+           "runs the program; `discover(stage, mb, op, may_wait) -> 0 set / 1 absent / 2 timed out` makes it a "
+           "discovery run (see SpecFn in executor.h)")
+      .def(
+          "set_input_specs",
+          [](pipecore::Executor& self, int64_t stage, int64_t mb, const std::vector<at::Tensor>& recv_f,
+             const at::Tensor& like) { self.set_input_specs(stage, mb, to_specs(recv_f), like.options()); },
+          py::arg("stage"), py::arg("mb"), py::arg("recv_f"), py::arg("like"))
+      .def(
+          "set_output_specs",
+          [](pipecore::Executor& self, int64_t stage, int64_t mb, const std::vector<at::Tensor>& recv_b,
+             const std::vector<at::Tensor>& send_f, const at::Tensor& like) {
+            self.set_output_specs(stage, mb, to_specs(recv_b), to_specs(send_f), like.options());
+          },
+          py::arg("stage"), py::arg("mb"), py::arg("recv_b"), py::arg("send_f"), py::arg("like"))
+      .def("forget_specs", &pipecore::Executor::forget_specs)
       .def("set_trace", &pipecore::Executor::set_trace, py::arg("on"), py::arg("device") = "cpu")
       .def("trace",
            [](pipecore::Executor& self) {

@@ -45,6 +45,8 @@ Executor::Executor(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t num_stages
       recv_b_specs_(num_stages * num_microbatches),
       send_f_specs_(num_stages * num_microbatches),
       options_(num_stages * num_microbatches),
+      input_known_(num_stages * num_microbatches, 0),
+      output_known_(num_stages * num_microbatches, 0),
       sends_(std::make_unique<SendTracker>()),
       next_local_(num_stages, -1),
       prev_local_(num_stages, -1),
@@ -122,6 +124,71 @@ void Executor::set_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> recv
   recv_b_specs_[stage * num_microbatches_ + mb] = std::move(recv_b);
   send_f_specs_[stage * num_microbatches_ + mb] = std::move(send_f);
   options_[stage * num_microbatches_ + mb] = options;
+  input_known_[stage * num_microbatches_ + mb] = 1;
+  output_known_[stage * num_microbatches_ + mb] = 1;
+}
+
+void Executor::set_input_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> recv_f, at::TensorOptions options) {
+  TORCH_CHECK(stage >= 0 && stage < num_stages_ && mb >= 0 && mb < num_microbatches_, "pipecore: bad spec index");
+  const size_t key = stage * num_microbatches_ + mb;
+  recv_f_specs_[key] = std::move(recv_f);
+  options_[key] = options;
+  input_known_[key] = 1;
+}
+
+void Executor::set_output_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> recv_b,
+                                std::vector<TensorSpec> send_f, at::TensorOptions options) {
+  TORCH_CHECK(stage >= 0 && stage < num_stages_ && mb >= 0 && mb < num_microbatches_, "pipecore: bad spec index");
+  const size_t key = stage * num_microbatches_ + mb;
+  recv_b_specs_[key] = std::move(recv_b);
+  send_f_specs_[key] = std::move(send_f);
+  options_[key] = options;
+  output_known_[key] = 1;
+}
+
+void Executor::forget_specs() {
+  for (auto* specs : {&recv_f_specs_, &recv_b_specs_, &send_f_specs_}) {
+    for (auto& v : *specs) v.clear();
+  }
+  std::fill(input_known_.begin(), input_known_.end(), 0);
+  std::fill(output_known_.begin(), output_known_.end(), 0);
+}
+
+bool Executor::learn_specs(const Instr& in, bool aborted) {
+  const size_t key = in.stage * num_microbatches_ + in.mb;
+  const bool input = in.op == kRecvF;
+  auto& known = input ? input_known_ : output_known_;
+  if (known[key]) return true;
+  TORCH_CHECK(spec_source_ != nullptr, where(in), ": no shapes known for this message");
+  const int64_t answer = (*spec_source_)(in.stage, in.mb, input ? kRecvF : kSendF, !aborted || abort_may_wait_);
+  if (answer == kSpecsTimedOut) {
+    abort_may_wait_ = false;  // the rest of an aborted run does not wait a timeout per receive
+    std::ostringstream os;
+    os << where(in) << ": the shapes of microbatch " << in.mb << "'s activations did not arrive from rank "
+       << in.peer << " within " << timeout_.count() / 1000.0
+       << " s (its forward of the first step with this batch shape did not finish: a first forward that "
+          "compiles or loads for longer needs a larger timeout=)";
+    throw CommError(os.str());
+  }
+  if (answer == kSpecsSet) {
+    TORCH_CHECK(known[key], where(in), ": the spec source answered without setting the shapes");
+    return true;
+  }
+  // absent: no message travels for it, in this run or its aborted rest
+  if (input) {
+    recv_f_specs_[key].clear();
+  } else {
+    recv_b_specs_[key].clear();
+    send_f_specs_[key].clear();
+  }
+  known[key] = 1;
+  if (input && !aborted) {
+    std::ostringstream os;
+    os << where(in) << ": rank " << in.peer << "'s step failed before it produced the activations of microbatch "
+       << in.mb;
+    throw PeerAbort(os.str());
+  }
+  return false;
 }
 
 std::string Executor::where(const Instr& in) const {
@@ -229,9 +296,10 @@ void Executor::check_message(const std::vector<at::Tensor>& parts, const Instr& 
 std::shared_ptr<CommTask> Executor::make_recv(const Instr& in, bool aborted) {
   const size_t key = in.stage * num_microbatches_ + in.mb;
   const bool activations = in.op == kRecvF;
+  // output gradients whose shapes were never learnt: this stage's forward did not run, nothing comes
+  if (activations ? !learn_specs(in, aborted) : !output_known_[key]) return nullptr;
   const auto& specs = activations ? recv_f_specs_[key] : recv_b_specs_[key];
-  TORCH_CHECK(!activations || !specs.empty(), where(in), ": no activation shapes known for this receive");
-  if (specs.empty()) return nullptr;  // gradients: nothing of this stage's output needs one
+  if (specs.empty()) return nullptr;  // nothing of the message needs a gradient, or it never comes
   auto task = std::make_shared<CommTask>();
   task->send = false;
   // allocated before anything records the receive as posted: a failed allocation leaves it unposted
@@ -348,10 +416,11 @@ std::vector<at::Tensor> Executor::message_of(const Instr& in, bool aborted, int6
   return frame(tensors, large_message_bytes_, [this](at::Tensor& trailer) { device_comm_->write_trailer(trailer); });
 }
 
-std::vector<TensorSpec> Executor::send_specs(const Instr& in) const {
+std::vector<TensorSpec> Executor::send_specs(const Instr& in) {
   const size_t key = in.stage * num_microbatches_ + in.mb;
-  if (in.op == kSendF) return send_f_specs_[key];
+  if (in.op == kSendF) return learn_specs(in, /*aborted=*/true) ? send_f_specs_[key] : std::vector<TensorSpec>();
   std::vector<TensorSpec> specs;
+  if (!input_known_[key]) return specs;  // its activations never came: no gradients go back
   for (const auto& sp : recv_f_specs_[key]) {
     if (sp.requires_grad) specs.push_back(sp);
   }
@@ -457,7 +526,23 @@ void Executor::maybe_delay() {
   std::this_thread::sleep_for(std::chrono::microseconds(dist(rng_)));
 }
 
-void Executor::run(const ForwardFn& forward, const AbortFn& on_abort) {
+void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const SpecFn* discover) {
+  // A discovery run takes the host-waiting path with no receive posted ahead: a receive's shapes are
+  // known only once its sender's forward ran. Everything is put back however the run ends.
+  struct Discovering {
+    Executor& ex;
+    std::unique_ptr<DeviceComm> parked;
+    int64_t window;
+    ~Discovering() {
+      if (parked) ex.device_comm_ = std::move(parked);
+      ex.recv_window_ = window;
+      ex.spec_source_ = nullptr;
+    }
+  } discovering{*this, discover ? std::move(device_comm_) : nullptr, recv_window_};
+  if (discover) {
+    recv_window_ = 0;
+    spec_source_ = discover;
+  }
   reset();
   comm_failure_.clear();
   freed_outputs_ = 0;
@@ -539,6 +624,7 @@ void Executor::run_aborted(int64_t status) {
 std::string Executor::finish_aborted(size_t from, bool wait, int64_t status) {
   // The rest of the program without compute: receives posted and drained, sends carry `status`.
   std::string comm_failure;
+  abort_may_wait_ = wait;
   for (size_t j = from; j < program_.size(); ++j) {
     try {
       exec_aborted(j, wait, status);

@@ -100,6 +100,18 @@ struct CommError : std::runtime_error {
 // Told once when this rank's own action fails (before its peers are told), with the error text.
 using AbortFn = std::function<void(const std::string& error, const std::string& action)>;
 
+// Discovery steps (the first step of each batch shape, pipecore/discovery.py) start without shapes:
+// each message's shapes are learnt when the step reaches it. The spec source is asked for those of
+// (stage, mb)'s receive of activations (kRecvF) or, in an aborted step, its send of activations
+// (kSendF) when none are set; it sets them (set_input_specs / set_output_specs) and answers.
+// `may_wait`: false once the group broke (answer from what already arrived).
+enum SpecAnswer : int64_t {
+  kSpecsSet = 0,       // set: the message travels with these shapes
+  kSpecsAbsent = 1,    // the sender's step failed before its forward produced it: no message travels
+  kSpecsTimedOut = 2,  // nothing arrived within the timeout: a peer hung or died
+};
+using SpecFn = std::function<int64_t(int64_t stage, int64_t mb, int64_t op, bool may_wait)>;
+
 // What the executor calls back into Python for: a stage's forward.
 // Returns (outputs to send, loss or undefined, loss seed).
 using ForwardFn = std::function<void(int64_t stage, int64_t mb, std::vector<at::Tensor>& inputs,
@@ -114,6 +126,12 @@ class Executor {
   void set_program(std::vector<int64_t> flat, std::vector<std::string> labels);
   void set_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> recv_f, std::vector<TensorSpec> recv_b,
                  std::vector<TensorSpec> send_f, at::TensorOptions options);
+  // What (stage, mb) receives from the previous stage; what it sends to the next one and gets back.
+  void set_input_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> recv_f, at::TensorOptions options);
+  void set_output_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> recv_b, std::vector<TensorSpec> send_f,
+                        at::TensorOptions options);
+  // Every message's shapes unknown, to be learnt by a discovery run.
+  void forget_specs();
   // Tests: sleep a random 0..max_us before every send and receive.
   void set_delays(int64_t max_us, uint64_t seed) {
     delay_us_ = max_us;
@@ -177,7 +195,10 @@ class Executor {
   // by a message, CommError where a wait timed out or a connection broke). When this rank's own
   // error is rethrown and communication failed too while releasing the peers, last_comm_failure()
   // says how (the group cannot be trusted then).
-  void run(const ForwardFn& forward, const AbortFn& on_abort);
+  // With `discover` (a discovery step, see SpecFn): the shapes not set are asked for as the step
+  // reaches them; the step takes the host-waiting path, each receive posted at its own action
+  // (its sender's forward may not have run before).
+  void run(const ForwardFn& forward, const AbortFn& on_abort, const SpecFn* discover = nullptr);
   // Runs the whole program without compute, sending "aborted" (status 1) or "shapes changed"
   // (status 2) messages: how a rank that cannot start its step releases its peers.
   void run_aborted(int64_t status);
@@ -245,7 +266,10 @@ class Executor {
   // What SEND action `in` sends: the stage's outputs (let go of by the slot) or its input gradients.
   std::vector<at::Tensor> outgoing(const Instr& in);
   // Shapes of what SEND action `in` sends (for an aborted message of the same size).
-  std::vector<TensorSpec> send_specs(const Instr& in) const;
+  std::vector<TensorSpec> send_specs(const Instr& in);
+  // Are the shapes of RECV_F/SEND_F `in` known? In a discovery run, asks the spec source for them;
+  // false: no message travels (a receive that is not aborted throws PeerAbort then).
+  bool learn_specs(const Instr& in, bool aborted);
   // The parts of SEND action `in`'s message (empty: nothing to send): what it sends, or (`aborted`) a
   // message of the same size whose trailer carries `status`.
   std::vector<at::Tensor> message_of(const Instr& in, bool aborted, int64_t status = 0);
@@ -266,6 +290,10 @@ class Executor {
   std::vector<std::vector<TensorSpec>> recv_b_specs_;
   std::vector<std::vector<TensorSpec>> send_f_specs_;
   std::vector<at::TensorOptions> options_;             // [stage * M + mb]
+  std::vector<uint8_t> input_known_;   // [stage * M + mb]: recv_f specs set
+  std::vector<uint8_t> output_known_;  // [stage * M + mb]: send_f and recv_b specs set
+  const SpecFn* spec_source_ = nullptr;  // during a discovery run
+  bool abort_may_wait_ = true;           // finish_aborted's `wait`
   std::vector<size_t> recv_instrs_;     // program indices of the RECV actions, in order
   std::vector<size_t> recvs_through_;   // [i]: RECV actions among program_[0..i]
   std::vector<int64_t> send_before_recv_;  // [k]: last SEND to RECV k's peer before it (-1: none)

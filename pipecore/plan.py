@@ -1,23 +1,22 @@
-"""What crosses each stage boundary: shapes, dtypes and structure, found once per batch shape.
+"""What crosses a stage boundary for one microbatch, and how it travels.
 
-Every stage's output structure is computed on meta tensors (no real compute; a real forward on
-placeholder inputs where an op has no meta kernel), or taken from the stage's output_args where
-given, and passed down the pipeline once, so that receivers can post buffers of the right size
-before the data arrives.
+A stage's output goes to the next stage as one message: its tensors in flattening order, then, when
+the output also holds other values (ints, floats, bools, None, small picklable objects), one byte
+tensor carrying those values pickled, so that they reach the next stage as the forward returned
+them, every step. A `Boundary` describes such a message: the output's structure, each tensor's
+shape, dtype and gradient flag, and the byte tensor's capacity. The first step of each batch shape
+learns every boundary from the forwards it runs (pipecore/discovery.py); later steps post receives
+of those shapes and check every output against them.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import pickle
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .errors import InputError
@@ -53,14 +52,6 @@ def tensor_leaves(desc: Any) -> list[TensorMeta]:
     return [x for x in tree_flatten(desc)[0] if isinstance(x, TensorMeta)]
 
 
-def rebuild(desc: Any, tensors: list[torch.Tensor]) -> Any:
-    """The structure `desc` describes, with its tensors taken in order from `tensors`."""
-    leaves, spec = tree_flatten(desc)
-    it = iter(tensors)
-    out = [next(it) if isinstance(x, TensorMeta) else x for x in leaves]
-    return tree_unflatten(out, spec)
-
-
 def as_call(value: Any) -> tuple[tuple, dict]:
     """How a stage's output feeds the next stage: tuple/list -> positional args, dict -> kwargs."""
     if isinstance(value, dict):
@@ -70,175 +61,107 @@ def as_call(value: Any) -> tuple[tuple, dict]:
     return (value,), {}
 
 
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-               "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+# The byte tensor of a message's values: a 4-byte length, then the pickled values. Its capacity is
+# fixed on the first step of a batch shape (receives are posted at that size): room for values that
+# grow, within reason.
+_LENGTH_BYTES = 4
+_MIN_VALUE_BYTES = 256
 
 
-@contextmanager
-def hooks_silenced(module: torch.nn.Module):
-    """The user's module hooks do not see the shape-finding forward."""
-    saved = []
-    for mod in module.modules():
-        for name in _HOOK_DICTS:
-            hooks = getattr(mod, name, None)
-            if hooks:
-                saved.append((mod, name, hooks))
-                setattr(mod, name, type(hooks)())
+@dataclass(frozen=True)
+class Boundary:
+    """One microbatch's message from a stage to the next (see the module doc)."""
+    tree: Any             # the output with TensorMeta for its tensors; other values as of the first step
+    value_bytes: int = 0  # capacity of the values' byte tensor; 0: the output holds only tensors
+    tensors: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "tensors", tuple(tensor_leaves(self.tree)))
+
+    @staticmethod
+    def of(out: Any, what: str) -> "Boundary":
+        """The boundary of output `out` (`what` names it in errors)."""
+        tree = describe(out)
+        values = _values(out)
+        if not values:
+            return Boundary(tree)
+        size = len(_pickled(values, what))
+        return Boundary(tree, max(_MIN_VALUE_BYTES, 2 * (size + _LENGTH_BYTES) + 63 & ~63))
+
+    def metas(self) -> list[TensorMeta]:
+        """The message's tensors: the output's, then the values' byte tensor (no gradient)."""
+        extra = [TensorMeta((self.value_bytes,), torch.uint8, False)] if self.value_bytes else []
+        return [*self.tensors, *extra]
+
+    def mismatch(self, out: Any) -> str | None:
+        """Why `out` does not fit this boundary (None: it does)."""
+        leaves, spec = tree_flatten(out)
+        want_leaves, want_spec = tree_flatten(self.tree)
+        if spec != want_spec or [isinstance(x, torch.Tensor) for x in leaves] != [
+                isinstance(x, TensorMeta) for x in want_leaves]:
+            return f"an output structured as {_structure(out)} where the first step had {_structure(self.tree)}"
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if any(TensorMeta.of(t) != m for t, m in zip(tensors, self.tensors)):
+            got = [_show(TensorMeta.of(t)) for t in tensors]
+            return f"tensors {got} where {[_show(m) for m in self.tensors]} were expected"
+        return None
+
+    def encode(self, out: Any, device: torch.device, what: str) -> list[torch.Tensor]:
+        """The message of output `out` (which fits this boundary)."""
+        tensors = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+        if not self.value_bytes:
+            return tensors
+        data = _pickled(_values(out), what)
+        if len(data) + _LENGTH_BYTES > self.value_bytes:
+            raise InputError(f"{what} holds non-tensor values of {len(data)} bytes pickled, but its messages carry at "
+                             f"most {self.value_bytes - _LENGTH_BYTES} (sized on the first step of this batch shape): "
+                             "return large values as tensors")
+        buf = bytearray(self.value_bytes)
+        buf[:_LENGTH_BYTES] = len(data).to_bytes(_LENGTH_BYTES, "little")
+        buf[_LENGTH_BYTES:_LENGTH_BYTES + len(data)] = data
+        return [*tensors, torch.frombuffer(buf, dtype=torch.uint8).to(device)]
+
+    def decode(self, received: list[torch.Tensor]) -> Any:
+        """The output a message carried: its tensors, and its values as sent this step."""
+        leaves, spec = tree_flatten(self.tree)
+        tensors = iter(received)
+        values = None
+        if self.value_bytes:
+            raw = received[len(self.tensors)].cpu().numpy().tobytes()  # a device's values come to the host
+            size = int.from_bytes(raw[:_LENGTH_BYTES], "little")
+            # zero: an aborted message whose status the device checks later (its payload is zeros); the
+            # first step's values stand in, the step fails at its end anyway
+            values = iter(pickle.loads(raw[_LENGTH_BYTES:_LENGTH_BYTES + size])) if size else None
+        out = [next(tensors) if isinstance(x, TensorMeta) else (next(values) if values else x) for x in leaves]
+        return tree_unflatten(out, spec)
+
+
+def _values(out: Any) -> list:
+    return [x for x in tree_flatten(out)[0] if not isinstance(x, torch.Tensor)]
+
+
+def _pickled(values: list, what: str) -> bytes:
     try:
-        yield
-    finally:
-        for mod, name, hooks in saved:
-            setattr(mod, name, hooks)
+        return pickle.dumps(values, protocol=4)
+    except Exception as exc:  # noqa: BLE001 - any pickling failure says the same
+        kinds = sorted({type(v).__name__ for v in values})
+        raise InputError(f"{what} holds non-tensor values ({', '.join(kinds)}) that cannot be pickled ({exc}): only "
+                         "tensors and picklable values can cross a stage boundary") from None
 
 
-def output_description(module: torch.nn.Module, args_desc: Any, kwargs_desc: Any, device: torch.device,
-                       training: bool) -> Any:
-    """Describe module(*args, **kwargs) without computing it: on meta tensors, or, where an op has
-    no meta kernel, a real forward on zero inputs (module state restored afterwards)."""
-    with hooks_silenced(module):
-        return _output_description(module, args_desc, kwargs_desc, device, training)
+def _show(m: TensorMeta) -> tuple:
+    return m.shape, str(m.dtype), "grad" if m.requires_grad else "no grad"
 
 
-def _output_description(module, args_desc, kwargs_desc, device, training):
-    grad_mode = torch.enable_grad() if training else torch.no_grad()
-    try:
-        state = {n: torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
-                 for n, p in module.named_parameters()}
-        state.update({n: torch.empty_like(b, device="meta") for n, b in module.named_buffers()})
-        to_meta = lambda x: x.meta_tensor() if isinstance(x, TensorMeta) else x  # noqa: E731
-        with grad_mode:
-            out = functional_call(module, state, tree_map(to_meta, args_desc), tree_map(to_meta, kwargs_desc))
-        return describe(out)
-    except Exception:  # an op without a meta kernel, or data-dependent control flow
-        pass
-
-    def to_real(x):
-        if not isinstance(x, TensorMeta):
-            return x
-        t = torch.zeros(x.shape, dtype=x.dtype, device=device)
-        return t.requires_grad_(x.requires_grad) if x.requires_grad else t
-
-    saved = copy.deepcopy({n: b for n, b in module.named_buffers()})
-    try:
-        with grad_mode:
-            out = module(*tree_map(to_real, args_desc), **tree_map(to_real, kwargs_desc))
-        return describe(out)
-    finally:
-        with torch.no_grad():
-            for n, b in module.named_buffers():
-                b.copy_(saved[n])
+def _structure(tree: Any) -> str:
+    leaves, spec = tree_flatten(tree)
+    kinds = ["tensor" if isinstance(x, (torch.Tensor, TensorMeta)) else type(x).__name__ for x in leaves]
+    return f"{tree_unflatten(kinds, spec)!r}".replace("'", "")
 
 
 @dataclass
 class StagePlan:
-    """Per microbatch: what the stage receives (description of its inputs) and what it returns."""
-    inputs: dict[int, Any]   # mb -> description of the previous stage's output (None: first stage)
-    outputs: dict[int, Any]  # mb -> description of this stage's output
-    declared: frozenset = frozenset()  # microbatches whose outputs come from the stage's output_args
-
-
-def send_object(obj: Any, peer: int, pipe) -> None:
-    """Pickled `obj` to group rank `peer`: its length, then its bytes (waits bounded by the timeout)."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=4)), dtype=torch.uint8)
-    device = pipe._comm_device()
-    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    dst = dist.get_global_rank(pipe.group, peer)
-    for t in (length, data.to(device)):
-        _wait(dist.isend(t, dst, group=pipe.group), pipe, f"sending stage shapes to rank {peer}")
-
-
-def recv_object(peer: int, pipe) -> Any:
-    device = pipe._comm_device()
-    src = dist.get_global_rank(pipe.group, peer)
-    length = torch.zeros(1, dtype=torch.int64, device=device)
-    _wait(dist.irecv(length, src, group=pipe.group), pipe, f"waiting for stage shapes from rank {peer}")
-    data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    _wait(dist.irecv(data, src, group=pipe.group), pipe, f"waiting for stage shapes from rank {peer}")
-    return pickle.loads(data.cpu().numpy().tobytes())
-
-
-def _wait(work, pipe, what: str) -> None:
-    from datetime import timedelta
-
-    from .errors import CommunicationError
-
-    try:
-        work.wait(timeout=timedelta(seconds=pipe.timeout))
-    except Exception as exc:
-        pipe._broken = str(exc)
-        raise CommunicationError(f"rank {pipe.rank}: {what} failed within {pipe.timeout} s ({exc}); "
-                                 "a rank hung or died: rebuild the process group") from None
-
-
-# Sent down a chain instead of a description when a stage could not be planned, so that no rank
-# waits for a description that will never come.
-PLANNING_FAILED = "pipecore: planning failed upstream"
-
-
-def discover(pipe, first_inputs: dict[int, tuple[Any, Any]], training: bool) -> tuple[dict[int, StagePlan],
-                                                                                      Exception | None]:
-    """Walk every pipeline chain in order; each rank describes its stages' outputs for all
-    microbatches and hands the descriptions to the next stage's rank. A stage that cannot run on its
-    inputs does not stop the walk: it and everything after it in its chain pass PLANNING_FAILED on,
-    and the error is returned (the caller tells all ranks)."""
-    topo = pipe.schedule.topology
-    rank = pipe.rank
-    plans: dict[int, StagePlan] = {}
-    error: Exception | None = None
-    chains: list[list[int]] = []
-    for s in range(topo.num_stages):
-        if topo.prev_stage[s] < 0:
-            chain = [s]
-            while topo.next_stage[chain[-1]] >= 0:
-                chain.append(topo.next_stage[chain[-1]])
-            chains.append(chain)
-    for chain in chains:
-        for s in chain:
-            if topo.stage_rank[s] != rank:
-                continue
-            prev = topo.prev_stage[s]
-            if prev < 0:
-                in_desc = {mb: None for mb in topo.microbatches[s]}
-            elif topo.stage_rank[prev] == rank:
-                in_desc = dict(plans[prev].outputs) if prev in plans else PLANNING_FAILED
-            else:
-                in_desc = recv_object(topo.stage_rank[prev], pipe)
-            out_desc = PLANNING_FAILED
-            if in_desc != PLANNING_FAILED:
-                try:
-                    plans[s] = _plan_stage(pipe.stage_by_index[s], topo.microbatches[s], in_desc, first_inputs,
-                                           training)
-                    out_desc = plans[s].outputs
-                except Exception as exc:  # noqa: BLE001 - every rank is told below
-                    error = error or exc
-            nxt = topo.next_stage[s]
-            if nxt >= 0 and topo.stage_rank[nxt] != rank:
-                send_object(out_desc, topo.stage_rank[nxt], pipe)
-    return plans, error
-
-
-def _plan_stage(stage, mbs, in_desc, first_inputs, training) -> StagePlan:
-    out_desc: dict[int, Any] = {}
-    cache: dict[int, Any] = {}
-    declared = set()
-    for mb in mbs:
-        if in_desc[mb] is None:
-            args, kwargs = first_inputs[mb]
-            a_desc, k_desc = describe(args), describe(kwargs)
-        else:
-            a_desc, k_desc = as_call(in_desc[mb])
-        given = stage.declared_output(a_desc, k_desc, training)
-        if given is not None:
-            out_desc[mb] = given
-            declared.add(mb)
-            continue
-        key = signature((a_desc, k_desc))
-        if key not in cache:
-            try:
-                cache[key] = output_description(stage.module, a_desc, k_desc, stage.device, training)
-            except Exception as exc:
-                shapes = [(m.shape, str(m.dtype)) for m in tensor_leaves((a_desc, k_desc))]
-                raise InputError(f"stage {stage.stage_index} cannot run on its inputs {shapes} of microbatch {mb} "
-                                 f"(found while planning the step's shapes): {type(exc).__name__}: {exc}") from exc
-        out_desc[mb] = cache[key]
-    return StagePlan(in_desc, out_desc, frozenset(declared))
+    """Per microbatch: the message the stage receives (None: a first stage, or not learnt) and the
+    one it sends (absent for a last stage)."""
+    inputs: dict[int, Boundary | None] = field(default_factory=dict)
+    outputs: dict[int, Boundary] = field(default_factory=dict)

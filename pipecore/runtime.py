@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import plan as planning
+from .discovery import Discovery, declared_mismatch
 from .microbatch import batch_size, merge, split
 from .schedule import Action, Kind, Schedule, ScheduleError, build_schedule
 from .errors import CommunicationError, InputError, PeerFailedError
@@ -66,7 +67,8 @@ class Pipeline:
     every call of `loss_fn(output, target, **loss_kwargs)`, as torch does.
 
     `recv_window`: how many receives are posted ahead of the action that needs them (0: each at
-    its own RECV action), holding at most 16 MiB of buffers ahead (the next receive always goes).
+    its own RECV action), holding at most 16 MiB of buffers ahead (the next receive always goes). The
+    first step of each batch shape posts every receive at its own action (it learns the shapes).
     Early receives let a peer's data land while this rank computes; each holds its buffer that
     much longer.
 
@@ -89,9 +91,7 @@ class Pipeline:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
-        stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
-        if not stages or not all(isinstance(s, PipelineStage) for s in stages):
-            raise TypeError("stages must be a PipelineStage or a non-empty list of them")
+        stages = _stage_list(stages)
         if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
         self.num_microbatches = num_microbatches
@@ -133,9 +133,15 @@ class Pipeline:
         self.has_first = any(topo.prev_stage[s.stage_index] < 0 for s in self.stages)
         self.has_last = any(topo.next_stage[s.stage_index] < 0 for s in self.stages)
         self.is_dualpipe = topo.style == "dualpipe"
-        self._programs: dict[bool, tuple[list[int], list[str]]] = {
-            True: self._encode(schedule.lower()),
-            False: self._encode(_forward_only(schedule).lower()),
+        lowered = {True: schedule.lower(), False: _forward_only(schedule).lower()}
+        self._programs: dict[bool, tuple[list[int], list[str]]] = {k: self._encode(v) for k, v in lowered.items()}
+        # what every rank must agree on before the first step (checked at the first agreement)
+        self._program = {
+            "schedule": schedule.name or "a custom Schedule",
+            "microbatches": num_microbatches,
+            "stages": schedule.num_stages,
+            "placement": f"{schedule.placement} (stage -> rank {list(topo.stage_rank)})",
+            "program": planning.signature([[str(a) for a in row] for v in lowered.values() for row in v.actions]),
         }
         self._executor = _native().Executor(self.group, len(self.stages), num_microbatches, self.timeout)
         for s in self.stages:
@@ -163,7 +169,9 @@ class Pipeline:
         self._trace: list[dict] = []
         self._warned_fallbacks: set[tuple[int, tuple]] = set()
         self._step_count = 0
-        self._plans: dict[tuple[int, bool], dict] = {}
+        self._plans: dict[tuple[int, bool], dict] = {}  # per (batch signature, training): every stage's plan
+        self._discovery: Discovery | None = None  # during a step that learns its batch shape's plan
+        self._misbuilt: str | None = None  # the ranks' programs differ (see _first_agreement)
         self._loaded: tuple[int, bool] | None = None
         self._broken: str | None = None
         self._agreed: dict[bool, int] = {}  # per mode (train/eval): the signature all ranks agreed on
@@ -252,6 +260,8 @@ class Pipeline:
 
     # -- step ---------------------------------------------------------------------------
     def _run(self, args, kwargs, target, losses, training: bool, return_outputs: bool, loss_kwargs):
+        if self._misbuilt is not None:
+            raise InputError(self._misbuilt)
         if self._broken is not None:
             raise CommunicationError(f"rank {self.rank}: this Pipeline's process group broke in an earlier step "
                                      f"({self._broken}); rebuild the group and the Pipeline before stepping again")
@@ -289,9 +299,10 @@ class Pipeline:
             self._run_aborted(2)
             agreed = None
         if agreed is None:
-            agreed = self._agree_and_plan(step, desc, inputs, training)
-        self._ensure_loaded(agreed, training)
-        # 3. the step
+            agreed = self._agree_and_plan(step, desc, training)
+        else:
+            self._ensure_loaded(agreed, training)
+        # 3. the step (the first one of a batch shape learns its plan: pipecore/discovery.py)
         self._inputs, self._targets = inputs, targets
         self._outputs: dict[int, Any] = {}
         self._losses: dict[int, torch.Tensor] = {}
@@ -303,19 +314,21 @@ class Pipeline:
         try:
             while True:
                 try:
-                    self._executor.run(self._forward, lambda error, action: self._publish_error(step, error, action))
+                    self._executor.run(self._forward, lambda error, action: self._publish_error(step, error, action),
+                                       self._discovery.answer if self._discovery is not None else None)
                     break
                 except native.PeerReplan:  # a first stage's batch changed shape: agree, then run again
-                    agreed = self._agree_and_plan(step, desc, inputs, training)
-                    self._ensure_loaded(agreed, training)
+                    agreed = self._agree_and_plan(step, desc, training)
                     self._outputs, self._losses = {}, {}
         except native.PeerAbort as exc:
+            self._end_discovery(failed=True)
             if stash is not None:
                 self._restore_grads(stash)
             raise PeerFailedError(f"rank {self.rank}: step {step} aborted because {self._peer_error(step)} "
                                   f"(noticed here: {exc}). The group is fine: zero the gradients and step again."
                                   ) from None
         except native.CommError as exc:
+            self._discovery = None
             raise self._group_broke(exc) from None
         except BaseException as exc:
             if stash is not None:
@@ -323,14 +336,17 @@ class Pipeline:
             also = self._executor.last_comm_failure
             if also:  # this rank's own error, and releasing its peers failed too: the group broke
                 self._broken = also
+                self._discovery = None
                 raise CommunicationError(f"rank {self.rank}: step {step} failed ({type(exc).__name__}: {exc}), and "
                                          f"telling the other ranks failed too: {also}. A peer hung or died: rebuild "
                                          "the process group and the Pipeline.") from exc
+            self._end_discovery(failed=True)
             raise
         finally:
             self._inputs = self._targets = None
             self._loss_kwargs = None
             done, self._outputs = self._outputs, {}  # a failed step's outputs die with the exception
+        self._end_discovery(failed=False)
         if stash is not None:
             self._sum_mirrored_grads(stash)
         if training:
@@ -347,27 +363,42 @@ class Pipeline:
         self._losses = {}
         return result
 
-    def _agree_and_plan(self, step: int, desc: int, inputs, training: bool) -> int:
+    def _agree_and_plan(self, step: int, desc: int, training: bool) -> int:
+        """All ranks agree on the batch signature; its plan is loaded, or this step learns it."""
         sig, failed = self._agree(desc, False)
         if failed:  # another rank's input checks failed on the first step of this mode
             raise InputError(f"rank {self.rank}: step {step} not run: {self._peer_error(step)}")
         if self._wants_reverse_channel and self._reverse_channel is None:
             self._open_reverse_channel()
-        if (sig, training) not in self._plans:
-            plans, error = planning.discover(self, inputs, training)
-            if error is not None:
-                self._publish_error(step, f"{type(error).__name__}: {error}", "planning shapes")
-            # the ranks that planned fine would otherwise wait in the step for the one that failed
-            _, failed = self._agree(0, error is not None)
-            if error is not None:
-                raise InputError(f"rank {self.rank}: step {step} not run: {error}") from error
-            if failed:
-                raise InputError(f"rank {self.rank}: step {step} not run: {self._peer_error(step)}")
-            self._plans[(sig, training)] = plans
         self._agreed[training] = sig
         if self.has_first:
             self._last_desc[training] = desc
+        if (sig, training) in self._plans:
+            self._ensure_loaded(sig, training)
+            return sig
+        flat, labels = self._programs[training]
+        self._executor.set_program(flat, labels)
+        self._executor.forget_specs()
+        self._loaded = None
+        self._discovery = Discovery(self, step, training)
+        self._plans_in_use = self._discovery.plans
         return sig
+
+    def _end_discovery(self, failed: bool) -> None:
+        """After a step that learnt its batch shape's plan: the plan is kept once every rank ran the
+        step (one small all-reduce); otherwise the next step learns it again."""
+        discovery, self._discovery = self._discovery, None
+        if discovery is None:
+            return
+        _, failed_somewhere = self._agree(0, failed, "agreeing whether every rank ran the step that learnt this "
+                                                  "batch shape's messages")
+        if failed_somewhere:
+            self._agreed.pop(discovery.training, None)
+            return
+        key = (self._agreed[discovery.training], discovery.training)
+        self._plans[key] = discovery.plans
+        self._load(discovery.plans, discovery.training)
+        self._loaded = key
 
     def _open_reverse_channel(self) -> None:
         """gloo: a second gloo group over these ranks for the messages that travel to a lower rank,
@@ -469,23 +500,64 @@ class Pipeline:
                 self._rows = [batch_size(t) for t in targets]
         return inputs, targets
 
-    def _agree(self, local_sig: int, failed: bool) -> tuple[int, bool]:
+    def _agree(self, local_sig: int, failed: bool, what: str = "the ranks reaching step()") -> tuple[int, bool]:
         """One small all-reduce: the batch signature (did shapes change?) and whether any rank's
-        input checks failed."""
+        step failed. The first one gathers instead, and checks that every rank runs the same program."""
         if self.world == 1:
             return local_sig, failed
-        t = torch.tensor([local_sig, int(failed), self._nonce], dtype=torch.int64, device=self._comm_device())
-        work = dist.all_reduce(t, group=self.group, async_op=True)
-        try:
-            work.wait(timeout=timedelta(seconds=self.timeout))
-        except Exception as exc:
-            self._broken = str(exc)
-            raise CommunicationError(f"rank {self.rank}: the ranks did not all reach step() within {self.timeout} s "
-                                     f"({exc}); a rank hung or died: rebuild the process group") from None
-        sig, failed, nonce = t.tolist()
         if self._uid is None:
-            self._uid = f"{dist.distributed_c10d._get_process_group_name(self.group)}/{nonce:x}"
+            return self._first_agreement(local_sig, failed)
+        sig, failed = self._collective(_native().all_reduce_sum, [local_sig, int(failed)], what=what)
         return sig, bool(failed)
+
+    def _first_agreement(self, local_sig: int, failed: bool) -> tuple[int, bool]:
+        """The first agreement, gathered: besides the batch signature (summed as the all-reduce
+        does) and the failure flags, group rank 0's nonce (which names this Pipeline's store keys)
+        and each rank's program digest: ranks built with different schedules, microbatch counts or
+        stage layouts fail here, at once, every one of them with the same message."""
+        fields = [planning.signature(v) for v in self._program.values()]
+        rows = self._collective(_native().all_gather, [local_sig, int(failed), self._nonce, *fields])
+        nonce = rows[0][2]
+        self._uid = f"{dist.distributed_c10d._get_process_group_name(self.group)}/{nonce:x}"
+        if any(r[3:] != rows[0][3:] for r in rows):
+            self._misbuilt = self._program_mismatch([r[3:] for r in rows])  # every later step says it again
+            raise InputError(self._misbuilt)
+        sig = (sum(r[0] for r in rows) + (1 << 63)) % (1 << 64) - (1 << 63)  # int64 wrap-around, as all_reduce
+        return sig, any(r[1] for r in rows)
+
+    def _program_mismatch(self, digests: list[list[int]]) -> str:
+        """Names the ranks and what differs between their programs (their summaries via the store)."""
+        import json
+
+        key = f"pipecore/{self._uid}/program/rank"
+        self._store.set(f"{key}{self.rank}", json.dumps(self._program))
+        try:
+            self._store.wait([f"{key}{r}" for r in range(self.world)], timedelta(seconds=min(self.timeout, 10)))
+            theirs = [json.loads(self._store.get(f"{key}{r}")) for r in range(self.world)]
+        except Exception:  # noqa: BLE001 - the digests still say which ranks differ
+            theirs = None
+        lines = []
+        for k, name in enumerate(self._program):
+            if len({d[k] for d in digests}) > 1:
+                if theirs is None:
+                    groups: dict[int, list[int]] = {}
+                    for r, d in enumerate(digests):
+                        groups.setdefault(d[k], []).append(r)
+                    lines.append(f"{name} differs between ranks {' / '.join(str(g) for g in groups.values())}")
+                else:
+                    lines.append(f"{name}: " + ", ".join(f"rank {r} {t[name]!r}" for r, t in enumerate(theirs)))
+        return (f"rank {self.rank}: the ranks were built with different pipelines ({'; '.join(lines)}). Build the "
+                "same Pipeline on every rank: the same schedule, num_microbatches and number of stages")
+
+    def _collective(self, fn, *args, what: str = "the ranks reaching step()"):
+        """One of the native small collectives (csrc/collectives.h says why they are native)."""
+        native = _native()
+        try:
+            return fn(self.group, *args, timeout=self.timeout, what=what,
+                      **({} if fn is native.exchange else {"device": str(self._comm_device())}))
+        except native.CommError as exc:
+            self._broken = str(exc)
+            raise CommunicationError(f"{exc}; a rank hung or died: rebuild the process group") from None
 
     def _comm_device(self) -> torch.device:
         """Where this Pipeline's own small collectives run: CPU when the group has a CPU backend
@@ -506,44 +578,37 @@ class Pipeline:
         flat, labels = self._programs[training]
         self._executor.set_program(flat, labels)
         self._plans_in_use = plans
-        self._expected_outputs: dict[tuple[int, int], list] = {}  # (stage, mb) -> output TensorMetas
         for s in self.stages:
             p = plans[s.stage_index]
             like = torch.empty(0, device=s.device)
             for mb in topo.microbatches[s.stage_index]:
-                recv_f = [t.meta_tensor() for t in planning.tensor_leaves(p.inputs[mb])] if p.inputs[mb] is not None else []
-                outs = planning.tensor_leaves(p.outputs[mb])
-                self._expected_outputs[(s.stage_index, mb)] = outs
-                recv_b = [t.meta_tensor() for t in outs if t.requires_grad]
-                send_f = [t.meta_tensor() for t in outs]
-                self._executor.set_specs(self.local_index[s.stage_index], mb, recv_f, recv_b, send_f, like)
+                given, sent = p.inputs.get(mb), p.outputs.get(mb)
+                recv_f = [m.meta_tensor() for m in given.metas()] if given is not None else []
+                send_f = [m.meta_tensor() for m in sent.metas()] if sent is not None else []
+                self._executor.set_specs(self.local_index[s.stage_index], mb, recv_f,
+                                         [t for t in send_f if t.requires_grad], send_f, like)
 
     def _forward(self, local: int, mb: int, received: list[torch.Tensor]):
         stage = self.stages[local]
         s = stage.stage_index
         topo = self.schedule.topology
-        plan = self._plans_in_use[s]
-        if plan.inputs[mb] is None:
+        if topo.prev_stage[s] < 0:
             args, kwargs = self._inputs[mb]
         else:
-            args, kwargs = planning.as_call(planning.rebuild(plan.inputs[mb], received))
-        out = stage.module(*args, **kwargs)
+            args, kwargs = planning.as_call(self._plans_in_use[s].inputs[mb].decode(received))
+        try:
+            out = stage.module(*args, **kwargs)
+        except Exception as exc:
+            shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_flatten((args, kwargs))[0]
+                      if isinstance(t, torch.Tensor)]
+            exc.add_note(f"pipecore: raised by stage {s}'s forward of microbatch {mb} on rank {self.rank}, inputs "
+                         f"{shapes}")
+            if "leaf Variable that requires grad" in str(exc) and topo.prev_stage[s] >= 0:
+                exc.add_note("pipecore: a stage's received inputs are leaves that need a gradient, so they cannot "
+                             "be changed in place: write `h = h + x` instead of `h += x` (or clone the input first)")
+            raise
         if topo.next_stage[s] >= 0:
-            tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            expected = self._expected_outputs[(s, mb)]
-            if len(tensors) != len(expected) or any(
-                    tuple(t.shape) != e.shape or t.dtype != e.dtype or t.requires_grad != e.requires_grad
-                    for t, e in zip(tensors, expected)):
-                got = [(tuple(t.shape), str(t.dtype), "grad" if t.requires_grad else "no grad") for t in tensors]
-                want = [(e.shape, str(e.dtype), "grad" if e.requires_grad else "no grad") for e in expected]
-                source = ("given as this stage's output_args" if mb in plan.declared
-                          else "found on the first step with this batch shape; a stage's output shapes may depend "
-                               "only on its input shapes")
-                raise InputError(f"rank {self.rank}: stage {s} returned tensors {got} for microbatch {mb}, but stage "
-                                 f"{topo.next_stage[s]} expects {want} ({source})")
-            # a view would keep its base alive after the send: send a viewless copy instead
-            tensors = [t.clone() if t._is_view() else t for t in tensors]
-            return tensors, None, 1.0
+            return self._message(local, mb, args, kwargs, out), None, 1.0
         if self._return_outputs:
             self._outputs[mb] = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
         loss = None
@@ -565,6 +630,35 @@ class Pipeline:
         if not self._training:
             loss = None
         return [], loss, seed
+
+    def _message(self, local: int, mb: int, args, kwargs, out) -> list[torch.Tensor]:
+        """What stage `local`'s output for `mb` sends to the next stage; on the first step of a batch
+        shape its boundary is learnt here, on later steps the output is checked against it."""
+        stage = self.stages[local]
+        s = stage.stage_index
+        nxt = self.schedule.topology.next_stage[s]
+        what = f"rank {self.rank}: stage {s}'s output for microbatch {mb}"
+        if out is None:
+            raise InputError(f"{what} is None, but stage {nxt} takes it as its input: a stage returns what the next "
+                             "stage takes (a tensor, or a tuple, list or dict of tensors and other values). Does its "
+                             "forward miss a `return`?")
+        if self._discovery is not None:
+            problem = declared_mismatch(stage, args, kwargs, out)
+            if problem is not None:
+                raise InputError(f"{what} has {problem} (given as this stage's output_args)")
+            boundary = planning.Boundary.of(out, what)
+            tensors = boundary.encode(out, stage.device, what)
+            self._discovery.learnt_output(local, mb, boundary)
+        else:
+            boundary = self._plans_in_use[s].outputs[mb]
+            problem = boundary.mismatch(out)
+            if problem is not None:
+                raise InputError(f"{what} has {problem}: stage {nxt} receives what the first step with this batch "
+                                 "shape returned (a stage's output may change its shapes, dtypes, gradient flags or "
+                                 "structure only with the batch's shapes)")
+            tensors = boundary.encode(out, stage.device, what)
+        # a view would keep its base alive after the send: send a viewless copy instead
+        return [t.clone() if t._is_view() else t for t in tensors]
 
     def _loss_weight(self, mb: int) -> float:
         """This microbatch's share of the batch: n_mb / N (1/m when rows are unknown)."""
@@ -594,14 +688,8 @@ class Pipeline:
                     params.append((s.stage_index, name, p))
                     mine.append((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1))
         flat = torch.cat(mine) if mine else torch.zeros(0)
-        theirs = torch.empty_like(flat)
-        peer = dist.get_global_rank(self.group, partner)
-        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, flat, peer, self.group),
-                                       dist.P2POp(dist.irecv, theirs, peer, self.group)])
-        for r in reqs:
-            planning._wait(r, self, f"summing mirrored dualpipe gradients with rank {partner}")
-        if theirs.numel() != flat.numel():
-            raise RuntimeError("dualpipe mirrored stages differ in size")
+        theirs = self._collective(_native().exchange, flat, partner,
+                                  what=f"summing mirrored dualpipe gradients with rank {partner}")
         total = flat + theirs
         offset = 0
         for stage_index, name, p in params:
@@ -614,6 +702,29 @@ class Pipeline:
     def __repr__(self) -> str:
         return (f"Pipeline(rank={self.rank}/{self.world}, stages={[s.stage_index for s in self.stages]}, "
                 f"schedule={self.schedule.name!r}, microbatches={self.num_microbatches})")
+
+
+def _stage_list(stages) -> list[PipelineStage]:
+    """The Pipeline's stages argument as a list, or a TypeError that says what was given."""
+    if isinstance(stages, PipelineStage):
+        return [stages]
+    kind = type(stages)
+    if isinstance(stages, (list, tuple)) and stages and not isinstance(stages[0], PipelineStage):
+        kind = type(stages[0])  # a list of torch's stages: the same advice
+    if kind.__module__.startswith("torch.distributed.pipelining"):
+        raise TypeError(f"stages is a {kind.__module__}.{kind.__name__}: pipecore.Pipeline takes pipecore's own "
+                        "stages (or a list of them), built from the same arguments: pipecore.PipelineStage("
+                        "stage.submod, stage.stage_index, stage.num_stages, stage.device)")
+    try:
+        stages = list(stages)
+    except TypeError:
+        raise TypeError(f"stages must be a pipecore.PipelineStage or a non-empty list of them, got "
+                        f"{kind.__name__}") from None
+    wrong = [type(s).__name__ for s in stages if not isinstance(s, PipelineStage)]
+    if not stages or wrong:
+        raise TypeError(f"stages must be a pipecore.PipelineStage or a non-empty list of them, got "
+                        f"{'an empty list' if not stages else 'a list holding ' + ', '.join(sorted(set(wrong)))}")
+    return stages
 
 
 def _backend_of(group, device: torch.device):

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
-from .plan import TensorMeta, describe, tensor_leaves
+from .plan import describe, tensor_leaves
 
 
 class PipelineStage:
@@ -17,16 +17,16 @@ class PipelineStage:
     The module's forward takes what the previous stage returned (a tuple is unpacked into
     positional arguments, a dict into keyword arguments) or, for the first stage, the arguments
     given to `Pipeline.step`. It may return a tensor, or a tuple/list/dict of tensors and other
-    values; several tensors per boundary travel as one message, non-tensor values and integer
+    values; several tensors per boundary travel as one message, other values (ints, floats, bools,
+    None, small picklable objects) travel with them and reach the next stage as returned, integer
     tensors pass through, tensors that need no gradient get none.
     For `dualpipe`, stage R+j holds a copy of model stage j (see `Schedule.topology.model_stage`).
 
-    Shapes crossing the boundaries are found on the first step with each batch shape (on meta
-    tensors). They can be given instead, as torch's PipelineStage takes them: `output_args` is what
-    the module returns for one microbatch shaped like `input_args` (example tensors, real or meta;
-    only shapes and dtypes count). Microbatches of another shape (an uneven last one) are still
-    inferred. In training, floating-point outputs are taken to need a gradient; a forward whose
-    outputs differ from what was given fails with an error that names both.
+    What crosses the boundaries is learnt from the forwards of the first step with each batch
+    shape (pipecore/discovery.py): nothing runs the module beforehand. `input_args`/`output_args`
+    are accepted as torch's PipelineStage takes them (examples of one microbatch's inputs and of what
+    the module returns for them, real or meta; only shapes and dtypes count): a forward on inputs
+    shaped like `input_args` that returns other shapes fails with an error that names both.
     """
 
     def __init__(self, module: nn.Module, stage_index: int, num_stages: int, device: torch.device | str | None = None,
@@ -56,14 +56,14 @@ class PipelineStage:
             self._given_out = describe(output_args)
             _shapes(output_args, "output_args")
 
-    def declared_output(self, args_desc: Any, kwargs_desc: Any, training: bool) -> Any | None:
+    def declared_output(self, args_desc: Any, kwargs_desc: Any) -> Any | None:
         """The description of this stage's output declared by output_args, when these inputs are
-        shaped like input_args; None: infer it."""
+        shaped like input_args; None: nothing declared for them."""
         if self._given_in is None or tensor_leaves(kwargs_desc):
             return None
         if [(m.shape, m.dtype) for m in tensor_leaves(args_desc)] != self._given_in:
             return None
-        return _mark_grads(self._given_out, training)
+        return self._given_out
 
     def __repr__(self) -> str:
         return f"PipelineStage({self.stage_index}/{self.num_stages}, {type(self.module).__name__}, {self.device})"
@@ -74,10 +74,3 @@ def _shapes(tree: Any, what: str) -> list[tuple]:
     if not leaves:
         raise TypeError(f"{what} must be a tensor or hold tensors (examples of one microbatch), got {tree!r:.80}")
     return [(tuple(t.shape), t.dtype) for t in leaves]
-
-
-def _mark_grads(desc: Any, training: bool) -> Any:
-    leaves, spec = tree_flatten(desc)
-    out = [TensorMeta(x.shape, x.dtype, training and x.dtype.is_floating_point) if isinstance(x, TensorMeta) else x
-           for x in leaves]
-    return tree_unflatten(out, spec)

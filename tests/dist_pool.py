@@ -115,3 +115,9 @@ def close_all():
     for p in _POOLS.values():
         p.close()
     _POOLS.clear()
+
+
+def fresh_pool(world: int) -> RankPool:
+    """A pool of new processes for one test (close it after): cases that must not inherit a
+    process's earlier state, like a Pipeline's first step on a fresh group."""
+    return RankPool(world)

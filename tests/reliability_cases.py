@@ -93,10 +93,15 @@ def _faulty_pipe(rank, world, bad_rank, fault, timeout):
     return pipe
 
 
-def hanging_rank(rank, world, bad_rank):
-    """A rank stuck in its forward longer than the timeout: its peers fail with a clear error."""
-    pipe = _faulty_pipe(rank, world, bad_rank, lambda: time.sleep(6), timeout=2)
+def hanging_rank(rank, world, bad_rank, warm=False):
+    """A rank stuck in its forward longer than the timeout: its peers fail with a clear error.
+    `warm`: after a first good step (the hang is then met waiting for data, not for shapes)."""
+    hang = {"on": not warm}
+    pipe = _faulty_pipe(rank, world, bad_rank, lambda: time.sleep(6) if hang["on"] else None, timeout=2)
     x, y = make_batch(8)
+    if warm:
+        _step(pipe, x, y)
+        hang["on"] = True
     result = _outcome(lambda: _step(pipe, x, y))
     after = _outcome(lambda: _step(pipe, x, y))
     return result, after
@@ -122,23 +127,33 @@ def bad_input(rank, world, case):
         mod = pipe.stages[0].module
         calls = {"n": 0}
 
-        def grow(m_, args, out):  # data-dependent output shape: differs from what was planned
+        def grow(m_, args, out):  # data-dependent output shape, from the second step on: differs from the plan
             calls["n"] += 1
-            return torch.cat([out, out[:1]]) if rank == 0 and calls["n"] > 2 else out
+            return torch.cat([out, out[:1]]) if rank == 0 and calls["n"] > 6 else out
         mod.register_forward_hook(grow)
+        pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
     first = _outcome(lambda: pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None))
     return first
 
 
 def mismatched_stage(rank, world, name, bad_stage):
-    """Stage `bad_stage` takes another width than its predecessor returns (a model bug): found while
-    planning; every rank fails at once, twice in a row (the group stays usable)."""
+    """Stage `bad_stage` takes another width than its predecessor returns (a model bug): its forward
+    fails in the first step; every rank fails at once, twice in a row (the group stays usable)."""
     V = 1 if name in ("gpipe", "1f1b") else 2
     model = make_stages("mlp", world * V)
     model[bad_stage].fc = nn.Linear(7, 16)
     pipe, _ = _pipe(rank, world, name, m=4, timeout=30, model=model)
     x, y = make_batch(8)
-    return [_outcome(lambda: _step(pipe, x, y)) for _ in range(2)]
+    outcomes = []
+    for _ in range(2):
+        t0 = time.monotonic()
+        try:
+            _step(pipe, x, y)
+            outcomes.append(("ok", "", time.monotonic() - t0, ""))
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            notes = "\n".join(getattr(exc, "__notes__", []))
+            outcomes.append((type(exc).__name__, str(exc), time.monotonic() - t0, notes))
+    return outcomes
 
 
 def no_loss_fn(rank, world):

@@ -81,7 +81,7 @@ def test_step_never_synchronizes_the_host(nccl_world, loopback):
     dev = nccl_world
     pipe, stages, ref = _build("interleaved_1f1b", 4, dev, loopback=loopback)
     x, y = (t.to(dev) for t in make_batch(32, width=32))
-    pipe.step(x, target=y)  # shapes are agreed and planned on the first step
+    pipe.step(x, target=y)  # the first step learns the shapes (host-waiting path)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -165,7 +165,8 @@ class Schedule:
 
     def format(self, *, aligned: bool = True, steps: range | None = None,
                highlight: tuple[int, int] | None = None) -> str:
-        """Step x rank table. `aligned` places actions at their unit-time step so bubbles show."""
+        """Step x rank table. `aligned` places actions at their unit-time step so bubbles show; a
+        lowered schedule prints each rank's program in order, its sends and receives included."""
         from .timeline import format_table
 
         return format_table(self, aligned=aligned, steps=steps, highlight=highlight)

@@ -27,7 +27,7 @@ def aligned_rows(schedule) -> list[list[str]]:
 def format_table(schedule, *, aligned: bool = True, steps: range | None = None,
                  highlight: tuple[int, int] | None = None) -> str:
     rows = None
-    if aligned:
+    if aligned and not schedule.is_lowered:  # a lowered program prints in its order, communication included
         try:
             rows = aligned_rows(schedule.compute_only())
         except ScheduleError:

@@ -1,0 +1,73 @@
+#include "collectives.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+
+#include <chrono>
+#include <cstring>
+#include <sstream>
+
+#include "executor.h"  // CommError
+
+namespace pipecore {
+
+namespace {
+at::Tensor to_tensor(const std::vector<int64_t>& values, const std::string& device) {
+  at::Tensor t = at::empty({static_cast<int64_t>(values.size())}, at::kLong);
+  if (!values.empty()) std::memcpy(t.data_ptr<int64_t>(), values.data(), values.size() * sizeof(int64_t));
+  return t.to(c10::Device(device));
+}
+
+std::vector<int64_t> to_values(const at::Tensor& t) {
+  at::Tensor host = t.cpu().contiguous();
+  return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
+}
+
+void wait(const c10::intrusive_ptr<c10d::Work>& work, const c10d::ProcessGroup& group, double timeout_s,
+          const std::string& what) {
+  try {
+    work->wait(std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+  } catch (const std::exception& e) {
+    std::ostringstream os;
+    os << "rank " << group.getRank() << ": " << what << " failed within " << timeout_s << " s (" << e.what() << ")";
+    throw CommError(os.str());
+  }
+}
+}  // namespace
+
+std::vector<int64_t> all_reduce_sum(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                    const std::vector<int64_t>& values, const std::string& device, double timeout_s,
+                                    const std::string& what) {
+  std::vector<at::Tensor> tensors{to_tensor(values, device)};
+  wait(group->allreduce(tensors), *group, timeout_s, what);
+  return to_values(tensors[0]);
+}
+
+std::vector<std::vector<int64_t>> all_gather(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                             const std::vector<int64_t>& values, const std::string& device,
+                                             double timeout_s, const std::string& what) {
+  std::vector<at::Tensor> inputs{to_tensor(values, device)};
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int r = 0; r < group->getSize(); ++r) outputs[0].push_back(at::empty_like(inputs[0]));
+  wait(group->allgather(outputs, inputs), *group, timeout_s, what);
+  std::vector<std::vector<int64_t>> rows;
+  for (const auto& t : outputs[0]) rows.push_back(to_values(t));
+  return rows;
+}
+
+at::Tensor exchange(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at::Tensor& tensor, int64_t peer,
+                    double timeout_s, const std::string& what) {
+  std::vector<at::Tensor> mine{tensor.clone()};
+  std::vector<at::Tensor> theirs{at::empty_like(tensor)};
+  const int dst = static_cast<int>(peer);
+  if (group->getRank() < peer) {
+    wait(group->send(mine, dst, 0), *group, timeout_s, what);
+    wait(group->recv(theirs, dst, 0), *group, timeout_s, what);
+  } else {
+    wait(group->recv(theirs, dst, 0), *group, timeout_s, what);
+    wait(group->send(mine, dst, 0), *group, timeout_s, what);
+  }
+  return theirs[0].clone();
+}
+
+}  // namespace pipecore

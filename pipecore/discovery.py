@@ -1,0 +1,115 @@
+"""The first step of each batch shape learns what crosses every stage boundary from its own forwards.
+
+Nothing runs the user's model to find shapes: no meta tensors (which CPU autocast, DTensor
+parameters, FSDP2's hooks and torch.compile do not follow), no forward run twice (no extra RNG
+draws, no module state moved). Instead that step runs as any other, and:
+
+- when a stage's forward returns, its rank describes the output (a `Boundary`), publishes it
+  through the process group's store under the step's key, and sets the shapes of its own send
+  and of the gradients it will get back;
+- a rank whose program reaches a receive of activations reads that description first (waiting up
+  to the Pipeline's timeout), then posts the receive with those shapes;
+- a rank whose step failed before a forward publishes ABSENT for it: the receiver then knows no
+  message comes and that the sender's step was aborted.
+
+The executor takes its host-waiting path in that step, each receive posted at its own action
+(csrc/executor.h, SpecFn). The descriptions become the plan of that batch shape once every rank
+ran the step: later steps post receives ahead and check each output against its boundary.
+"""
+
+from __future__ import annotations
+
+import pickle
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from .plan import Boundary, StagePlan
+
+ABSENT = b"pipecore: no output (the step failed before this forward)"
+
+# executor answers (csrc/executor.h SpecAnswer) and opcodes
+SPECS_SET, SPECS_ABSENT, SPECS_TIMED_OUT = 0, 1, 2
+_RECV_F = 5
+
+
+class Discovery:
+    """One step learning the boundaries of its batch shape (train or eval)."""
+
+    def __init__(self, pipe, step: int, training: bool):
+        self.pipe = pipe
+        self.training = training
+        self.prefix = f"pipecore/{pipe._uid}/shapes/step{step}/{'train' if training else 'eval'}"
+        self.plans: dict[int, StagePlan] = {s.stage_index: StagePlan() for s in pipe.stages}
+
+    def _key(self, stage: int, mb: int) -> str:
+        return f"{self.prefix}/stage{stage}/mb{mb}"
+
+    def learnt_output(self, local: int, mb: int, boundary: Boundary) -> None:
+        """Stage `local`'s forward of `mb` returned an output of this boundary: its rank records it,
+        hands it to the next stage (published, or directly when that stage is on this rank), and
+        sets the shapes of the send and of the gradients that come back."""
+        pipe = self.pipe
+        stage = pipe.stages[local]
+        s = stage.stage_index
+        nxt = pipe.schedule.topology.next_stage[s]
+        self.plans[s].outputs[mb] = boundary
+        metas = [m.meta_tensor() for m in boundary.metas()]
+        pipe._executor.set_output_specs(local, mb, [t for t in metas if t.requires_grad], metas,
+                                        torch.empty(0, device=stage.device))
+        if nxt in self.plans:
+            self.plans[nxt].inputs[mb] = boundary
+        else:
+            self._publish(s, mb, boundary)
+
+    def answer(self, local: int, mb: int, op: int, may_wait: bool) -> int:
+        """The executor asks for the shapes of a message it never had (csrc/executor.h SpecFn)."""
+        pipe = self.pipe
+        stage = pipe.stages[local]
+        s = stage.stage_index
+        if op != _RECV_F:
+            # an aborted step's send of activations whose forward never returned (learnt_output sets the
+            # shapes before it publishes them): no message goes, the receiver learns why
+            self._publish(s, mb, None)
+            return SPECS_ABSENT
+        key = self._key(pipe.schedule.topology.prev_stage[s], mb)
+        store = pipe._store
+        try:
+            if may_wait:
+                store.wait([key], timedelta(seconds=pipe.timeout))
+            elif not store.check([key]):
+                return SPECS_ABSENT
+            data = store.get(key)
+        except Exception:  # noqa: BLE001 - a store timeout or a lost store: a peer hung or died
+            return SPECS_TIMED_OUT
+        try:
+            store.delete_key(key)  # read once: the keys of a step do not pile up in the store
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+        if data == ABSENT:
+            return SPECS_ABSENT
+        boundary: Boundary = pickle.loads(data)
+        self.plans[s].inputs[mb] = boundary
+        pipe._executor.set_input_specs(local, mb, [m.meta_tensor() for m in boundary.metas()],
+                                       torch.empty(0, device=stage.device))
+        return SPECS_SET
+
+    def _publish(self, stage: int, mb: int, boundary: Boundary | None) -> None:
+        self.pipe._store.set(self._key(stage, mb), ABSENT if boundary is None else pickle.dumps(boundary, protocol=4))
+
+
+def declared_mismatch(stage, args: Any, kwargs: Any, out: Any) -> str | None:
+    """Where the stage was built with input_args/output_args and these inputs are shaped like
+    input_args: how the output differs from output_args (None: it does not, or nothing was given)."""
+    from .plan import describe, tensor_leaves
+
+    given = stage.declared_output(describe(args), describe(kwargs))
+    if given is None:
+        return None
+    got = [(m.shape, m.dtype) for m in tensor_leaves(describe(out))]
+    want = [(m.shape, m.dtype) for m in tensor_leaves(given)]
+    if got == want:
+        return None
+    return (f"tensors {[(s, str(d)) for s, d in got]}, but its output_args say {[(s, str(d)) for s, d in want]} "
+            "for inputs shaped like its input_args")
