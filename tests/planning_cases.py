@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -15,6 +14,7 @@ import pipecore as pc
 from models import make_batch
 from pipecore.plan import as_call
 from pipeline_cases import _assert_grads_close
+from reliability_cases import _outcome
 
 WIDTH, CLASSES = 16, 5
 
@@ -238,15 +238,6 @@ def compiled_stage(rank, world, m, workdir):
 
 
 # -- configuration slips: every rank fails at once with words that say what differs --------------------
-def _timed(fn):
-    t0 = time.monotonic()
-    try:
-        fn()
-        return ("ok", "", time.monotonic() - t0)
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return (type(exc).__name__, str(exc), time.monotonic() - t0)
-
-
 def slipped_configuration(rank, world, slip):
     """Ranks built with different pipelines (`slip`), or a stage returning None."""
     n, m, name, V = world, 4, "1f1b", 1
@@ -275,8 +266,8 @@ def slipped_configuration(rank, world, slip):
     pipe = pc.Pipeline(mine, sched, m, loss_fn=loss, timeout=60)
     x = torch.randn(2 * m, WIDTH)
     run = lambda: pipe.step(*((x,) if pipe.has_first else ()), target=x if pipe.has_last else None)  # noqa: E731
-    outcome = _timed(run)
-    again = _timed(run) if slip != "none" else None  # a misbuilt Pipeline says so at every step
+    outcome = _outcome(run)
+    again = _outcome(run) if slip != "none" else None  # a misbuilt Pipeline says so at every step
     dist.barrier()
     return outcome, again
 
@@ -285,4 +276,4 @@ def torch_stage_given(rank, world):
     from torch.distributed.pipelining import PipelineStage as TorchStage
 
     stage = TorchStage(nn.Linear(WIDTH, WIDTH), rank, world, torch.device("cpu"))
-    return _timed(lambda: pc.Pipeline(stage, "1f1b", 2, loss_fn=nn.MSELoss()))
+    return _outcome(lambda: pc.Pipeline(stage, "1f1b", 2, loss_fn=nn.MSELoss()))
