@@ -1,7 +1,9 @@
 """Step time: pipecore against torch.distributed.pipelining, side by side in one run.
 
 The same stage modules, the same schedule and the same gloo group run through both, in
-alternating timed blocks; the table gives the median ms/step of each and torch/pipecore.
+alternating timed blocks; the table gives the median ms/step of each and torch/pipecore, and
+each one's first step (shapes found: torch infers them on meta tensors, pipecore learns them from
+that step's own forwards, each receive posted at its action).
 
     python bench/vs_torch.py                      # overhead-dominated: 2 ranks, 32 microbatches, width 64
     python bench/vs_torch.py --width 1024 --rows 256   # larger stages
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import time
 
 import _harness  # noqa: F401  (puts the repo on sys.path)
 from _harness import bar_plot, median_ms, spawn, table, timed_blocks
@@ -58,20 +61,24 @@ def _bench_rank(rank, world, name, m, width, depth, rows, blocks, steps, recv_wi
     def run_pipecore():
         pipe.step(*((x,) if first else ()), target=y if last else None)
 
-    for _ in range(2):  # warm up both (shape inference, allocator)
-        run_torch()
-        run_pipecore()
+    first_ms = {}
+    for label, fn in (("torch", run_torch), ("pipecore", run_pipecore)):  # first steps: shapes found
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        first_ms[label] = (time.perf_counter() - t0) * 1e3
+    run_torch()  # warm up both once more (allocator)
+    run_pipecore()
     times = timed_blocks({"torch": run_torch, "pipecore": run_pipecore}, blocks, steps, dist.barrier)
-    return {k: median_ms(v) for k, v in times.items()}
+    return {**{k: median_ms(v) for k, v in times.items()}, **{f"{k} first": v for k, v in first_ms.items()}}
 
 
 def run(schedules, world, m, width, depth, rows, blocks, steps, recv_window):
     out = []
     for name in schedules:
         per_rank = spawn(_bench_rank, world, name, m, width, depth, rows, blocks, steps, recv_window)
-        t = max(r["torch"] for r in per_rank)
-        p = max(r["pipecore"] for r in per_rank)
-        out.append((name, t, p))
+        t, p, t1, p1 = (max(r[k] for r in per_rank) for k in ("torch", "pipecore", "torch first", "pipecore first"))
+        out.append((name, t, p, t1, p1))
     return out
 
 
@@ -92,8 +99,9 @@ def main(argv=None):
     rows = run(a.schedules, a.ranks, a.microbatches, a.width, a.depth, a.rows, a.blocks, a.steps, a.recv_window)
     title = (f"{a.ranks} gloo ranks, {a.microbatches} microbatches, {a.depth} x Linear({a.width}) per stage, "
              f"batch {a.rows}; recv_window {a.recv_window}; median of {a.blocks} alternating blocks of {a.steps} steps")
-    print(table(["schedule", "torch ms", "pipecore ms", "pipecore/torch"],
-                [[n, t, p, f"{p / t:.2f}x"] for n, t, p in rows], title))
+    print(table(["schedule", "torch ms", "pipecore ms", "pipecore/torch", "torch 1st ms", "pipecore 1st ms",
+                 "1st pipecore/torch"],
+                [[n, t, p, f"{p / t:.2f}x", t1, p1, f"{p1 / t1:.2f}x"] for n, t, p, t1, p1 in rows], title))
     if a.plot:
         bar_plot(a.plot, [r[0] for r in rows], {"torch.distributed.pipelining": [r[1] for r in rows],
                                                 "pipecore": [r[2] for r in rows]}, "ms / step (median)", title)

@@ -500,7 +500,8 @@ class Pipeline:
                 self._rows = [batch_size(t) for t in targets]
         return inputs, targets
 
-    def _agree(self, local_sig: int, failed: bool, what: str = "the ranks reaching step()") -> tuple[int, bool]:
+    def _agree(self, local_sig: int, failed: bool,
+               what: str = "waiting for every rank to reach step()") -> tuple[int, bool]:
         """One small all-reduce: the batch signature (did shapes change?) and whether any rank's
         step failed. The first one gathers instead, and checks that every rank runs the same program."""
         if self.world == 1:
@@ -537,8 +538,14 @@ class Pipeline:
         except Exception:  # noqa: BLE001 - the digests still say which ranks differ
             theirs = None
         lines = []
+        differ = [len({d[k] for d in digests}) > 1 for k in range(len(self._program))]
+        if any(differ[:-1]):
+            differ[-1] = False  # the lowered program differs because of what is named
         for k, name in enumerate(self._program):
-            if len({d[k] for d in digests}) > 1:
+            if name == "program" and differ[k]:
+                lines.append("the lowered programs differ (the same schedule built differently: a custom Schedule or "
+                             "other builder options)")
+            elif differ[k]:
                 if theirs is None:
                     groups: dict[int, list[int]] = {}
                     for r, d in enumerate(digests):
@@ -549,7 +556,7 @@ class Pipeline:
         return (f"rank {self.rank}: the ranks were built with different pipelines ({'; '.join(lines)}). Build the "
                 "same Pipeline on every rank: the same schedule, num_microbatches and number of stages")
 
-    def _collective(self, fn, *args, what: str = "the ranks reaching step()"):
+    def _collective(self, fn, *args, what: str = "waiting for every rank to reach step()"):
         """One of the native small collectives (csrc/collectives.h says why they are native)."""
         native = _native()
         try:
