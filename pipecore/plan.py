@@ -12,6 +12,7 @@ of those shapes and check every output against them.
 from __future__ import annotations
 
 import hashlib
+import io
 import pickle
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,13 +141,35 @@ def _values(out: Any) -> list:
     return [x for x in tree_flatten(out)[0] if not isinstance(x, torch.Tensor)]
 
 
+class _HiddenTensor(Exception):
+    pass
+
+
+class _ValuePickler(pickle.Pickler):
+    """Pickles values, refusing tensors: a tensor inside an object pytree does not flatten (a
+    dataclass, a namespace) would travel as a copy, cut from the autograd graph."""
+
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.Tensor):
+            raise _HiddenTensor
+        return None
+
+
 def _pickled(values: list, what: str) -> bytes:
+    buf = io.BytesIO()
     try:
-        return pickle.dumps(values, protocol=4)
+        _ValuePickler(buf, protocol=4).dump(values)
+    except _HiddenTensor:
+        kinds = sorted({type(v).__name__ for v in values if not isinstance(v, (int, float, bool, str, type(None)))})
+        raise InputError(f"{what} holds a tensor inside a {' or '.join(kinds) or 'value'} that torch's pytree does not "
+                         "flatten: it would reach the next stage without its gradient. Return tensors in tuples, lists "
+                         "or dicts, or register the class (torch.utils._pytree.register_dataclass or "
+                         "register_pytree_node)") from None
     except Exception as exc:  # noqa: BLE001 - any pickling failure says the same
         kinds = sorted({type(v).__name__ for v in values})
         raise InputError(f"{what} holds non-tensor values ({', '.join(kinds)}) that cannot be pickled ({exc}): only "
                          "tensors and picklable values can cross a stage boundary") from None
+    return buf.getvalue()
 
 
 def _show(m: TensorMeta) -> tuple:

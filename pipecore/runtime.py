@@ -285,7 +285,7 @@ class Pipeline:
         agreed = self._agreed.get(training)
         if problem is not None:
             if agreed is None:  # first step of this mode: the ranks agree on shapes anyway (and learn the store keys)
-                self._agree(0, True)
+                self._agree(0, True, training)
             self._publish_error(step, f"{type(problem).__name__}: {problem}", "input checks")
             if agreed is not None:  # release the peers: they get "aborted" messages instead of data
                 self._ensure_loaded(agreed, training)
@@ -365,7 +365,7 @@ class Pipeline:
 
     def _agree_and_plan(self, step: int, desc: int, training: bool) -> int:
         """All ranks agree on the batch signature; its plan is loaded, or this step learns it."""
-        sig, failed = self._agree(desc, False)
+        sig, failed = self._agree(desc, False, training)
         if failed:  # another rank's input checks failed on the first step of this mode
             raise InputError(f"rank {self.rank}: step {step} not run: {self._peer_error(step)}")
         if self._wants_reverse_channel and self._reverse_channel is None:
@@ -390,7 +390,7 @@ class Pipeline:
         discovery, self._discovery = self._discovery, None
         if discovery is None:
             return
-        _, failed_somewhere = self._agree(0, failed, "agreeing whether every rank ran the step that learnt this "
+        _, failed_somewhere = self._agree(0, failed, discovery.training, "agreeing whether every rank ran the step that learnt this "
                                                   "batch shape's messages")
         if failed_somewhere:
             self._agreed.pop(discovery.training, None)
@@ -452,6 +452,14 @@ class Pipeline:
         if training and self.has_last and target is None and self.loss_fn is not None and self._loss_wants_target:
             raise InputError(f"rank {self.rank} holds a last stage ({self._last_stages()}): step() needs target= "
                              "for loss_fn(output, target) (or give a loss_fn that takes the output alone)")
+        if training and self.has_first:
+            for i, t in enumerate(tree_flatten((args, kwargs))[0]):
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
+                    raise InputError(
+                        f"rank {self.rank}: step()'s input tensor {i} was computed with a gradient outside the "
+                        f"pipeline (grad_fn {type(t.grad_fn).__name__}): each microbatch's backward would run through "
+                        "that shared graph again. Compute it inside the first stage, or pass "
+                        "x.detach().requires_grad_() and backward x's .grad into that graph after the step")
 
     def _last_stages(self) -> str:
         topo = self.schedule.topology
@@ -500,29 +508,39 @@ class Pipeline:
                 self._rows = [batch_size(t) for t in targets]
         return inputs, targets
 
-    def _agree(self, local_sig: int, failed: bool,
+    def _agree(self, local_sig: int, failed: bool, training: bool,
                what: str = "waiting for every rank to reach step()") -> tuple[int, bool]:
-        """One small all-reduce: the batch signature (did shapes change?) and whether any rank's
-        step failed. The first one gathers instead, and checks that every rank runs the same program."""
+        """One small all-reduce: the batch signature (did shapes change?), whether any rank's step
+        failed, and how many ranks train (a rank in eval() while the others step() would wait for
+        gradients that never come). The first one gathers instead, and checks that every rank runs
+        the same program."""
         if self.world == 1:
             return local_sig, failed
         if self._uid is None:
-            return self._first_agreement(local_sig, failed)
-        sig, failed = self._collective(_native().all_reduce_sum, [local_sig, int(failed)], what=what)
+            return self._first_agreement(local_sig, failed, training)
+        sig, failed, trainers = self._collective(_native().all_reduce_sum, [local_sig, int(failed), int(training)],
+                                                 what=what)
+        if 0 < trainers < self.world:
+            raise InputError(f"rank {self.rank}: {trainers} of the {self.world} ranks called step() and the others "
+                             f"eval() (this rank: {'step' if training else 'eval'}()): every rank makes the same call")
         return sig, bool(failed)
 
-    def _first_agreement(self, local_sig: int, failed: bool) -> tuple[int, bool]:
+    def _first_agreement(self, local_sig: int, failed: bool, training: bool) -> tuple[int, bool]:
         """The first agreement, gathered: besides the batch signature (summed as the all-reduce
         does) and the failure flags, group rank 0's nonce (which names this Pipeline's store keys)
         and each rank's program digest: ranks built with different schedules, microbatch counts or
         stage layouts fail here, at once, every one of them with the same message."""
         fields = [planning.signature(v) for v in self._program.values()]
-        rows = self._collective(_native().all_gather, [local_sig, int(failed), self._nonce, *fields])
+        rows = self._collective(_native().all_gather, [local_sig, int(failed), self._nonce, int(training), *fields])
         nonce = rows[0][2]
         self._uid = f"{dist.distributed_c10d._get_process_group_name(self.group)}/{nonce:x}"
-        if any(r[3:] != rows[0][3:] for r in rows):
-            self._misbuilt = self._program_mismatch([r[3:] for r in rows])  # every later step says it again
+        if any(r[4:] != rows[0][4:] for r in rows):
+            self._misbuilt = self._program_mismatch([r[4:] for r in rows])  # every later step says it again
             raise InputError(self._misbuilt)
+        if len({r[3] for r in rows}) > 1:
+            calls = ", ".join(f"rank {r} {'step' if row[3] else 'eval'}()" for r, row in enumerate(rows))
+            raise InputError(f"rank {self.rank}: the ranks made different calls ({calls}): every rank makes the same "
+                             "call, step() or eval()")
         sig = (sum(r[0] for r in rows) + (1 << 63)) % (1 << 64) - (1 << 63)  # int64 wrap-around, as all_reduce
         return sig, any(r[1] for r in rows)
 

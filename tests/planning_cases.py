@@ -239,7 +239,8 @@ def compiled_stage(rank, world, m, workdir):
 
 # -- configuration slips: every rank fails at once with words that say what differs --------------------
 def slipped_configuration(rank, world, slip):
-    """Ranks built with different pipelines (`slip`), or a stage returning None."""
+    """Ranks built with different pipelines (`slip`), a stage returning None, ("mode") rank 1
+    calling eval() where rank 0 calls step(), or ("computed_input") an input with a graph."""
     n, m, name, V = world, 4, "1f1b", 1
     if slip == "schedule" and rank == 1:
         name = "gpipe"
@@ -261,13 +262,16 @@ def slipped_configuration(rank, world, slip):
 
     if slip == "none":
         model[0] = ReturnsNothing(model[0])
+    x = torch.randn(2 * m, WIDTH)
+    if slip == "computed_input":  # an embedding computed outside the pipeline, with its graph
+        x = nn.Linear(WIDTH, WIDTH)(x)
     mine = [pc.PipelineStage(model[s], s, n) for s in sched.rank_stages(rank)]
     loss = lambda out, t: out.float().pow(2).mean()  # noqa: E731
     pipe = pc.Pipeline(mine, sched, m, loss_fn=loss, timeout=60)
-    x = torch.randn(2 * m, WIDTH)
-    run = lambda: pipe.step(*((x,) if pipe.has_first else ()), target=x if pipe.has_last else None)  # noqa: E731
+    call = pipe.eval if slip == "mode" and rank == 1 else pipe.step
+    run = lambda: call(*((x,) if pipe.has_first else ()), target=x if pipe.has_last else None)  # noqa: E731
     outcome = _outcome(run)
-    again = _outcome(run) if slip != "none" else None  # a misbuilt Pipeline says so at every step
+    again = _outcome(run) if slip not in ("none", "computed_input") else None  # a misbuilt Pipeline says so at every step
     dist.barrier()
     return outcome, again
 
