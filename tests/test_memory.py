@@ -30,10 +30,12 @@ def test_the_last_stage_keeps_outputs_only_when_asked():
     # one microbatch, whatever their number (6 or 12 here). Returning outputs holds all of them.
     # Losses, outputs and gradients match single-process training, with loss_kwargs passed to every
     # loss_fn call.
-    held = {(m, keep): pool(2).run(last_stage_memory, m, keep, timeout=120)[1]
+    runs = {(m, keep): pool(2).run(last_stage_memory, m, keep, timeout=120)[1]
             for m, keep in [(6, False), (12, False), (12, True)]}
+    held = {k: h for k, (h, _) in runs.items()}
+    sent = {k: s / UNIT for k, (_, s) in runs.items()}
     # (give or take one message still in flight, as timing has it)
-    assert held[(12, False)] <= held[(6, False)] + UNIT + SLACK, {k: v / UNIT for k, v in held.items()}
+    assert held[(12, False)] <= held[(6, False)] + UNIT + SLACK, ({k: v / UNIT for k, v in held.items()}, sent)
     assert held[(12, False)] < 12 * UNIT, held[(12, False)] / UNIT
     assert held[(12, True)] >= held[(12, False)] + 11 * UNIT, {k: v / UNIT for k, v in held.items()}
 
