@@ -191,10 +191,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "set_specs",
           [](pipecore::Executor& self, int64_t stage, int64_t mb, const std::vector<at::Tensor>& recv_f,
-             const std::vector<at::Tensor>& recv_b, const std::vector<at::Tensor>& send_f, const at::Tensor& like) {
-            self.set_specs(stage, mb, to_specs(recv_f), to_specs(recv_b), to_specs(send_f), like.options());
+             const std::vector<at::Tensor>& send_f, const at::Tensor& like) {
+            self.set_specs(stage, mb, to_specs(recv_f), to_specs(send_f), like.options());
           },
-          py::arg("stage"), py::arg("mb"), py::arg("recv_f"), py::arg("recv_b"), py::arg("send_f"), py::arg("like"))
+          py::arg("stage"), py::arg("mb"), py::arg("recv_f"), py::arg("send_f"), py::arg("like"))
       .def("run_aborted", &pipecore::Executor::run_aborted, py::arg("status"),
            py::call_guard<py::gil_scoped_release>())
       .def("set_delays", &pipecore::Executor::set_delays, py::arg("max_us"), py::arg("seed"))
@@ -226,11 +226,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("stage"), py::arg("mb"), py::arg("recv_f"), py::arg("like"))
       .def(
           "set_output_specs",
-          [](pipecore::Executor& self, int64_t stage, int64_t mb, const std::vector<at::Tensor>& recv_b,
-             const std::vector<at::Tensor>& send_f, const at::Tensor& like) {
-            self.set_output_specs(stage, mb, to_specs(recv_b), to_specs(send_f), like.options());
-          },
-          py::arg("stage"), py::arg("mb"), py::arg("recv_b"), py::arg("send_f"), py::arg("like"))
+          [](pipecore::Executor& self, int64_t stage, int64_t mb, const std::vector<at::Tensor>& send_f,
+             const at::Tensor& like) { self.set_output_specs(stage, mb, to_specs(send_f), like.options()); },
+          py::arg("stage"), py::arg("mb"), py::arg("send_f"), py::arg("like"))
       .def("forget_specs", &pipecore::Executor::forget_specs)
       .def("set_trace", &pipecore::Executor::set_trace, py::arg("on"), py::arg("device") = "cpu")
       .def("trace",

@@ -117,15 +117,10 @@ void Executor::set_program(std::vector<int64_t> flat, std::vector<std::string> l
   }
 }
 
-void Executor::set_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> recv_f, std::vector<TensorSpec> recv_b,
-                         std::vector<TensorSpec> send_f, at::TensorOptions options) {
-  TORCH_CHECK(stage >= 0 && stage < num_stages_ && mb >= 0 && mb < num_microbatches_, "pipecore: bad spec index");
-  recv_f_specs_[stage * num_microbatches_ + mb] = std::move(recv_f);
-  recv_b_specs_[stage * num_microbatches_ + mb] = std::move(recv_b);
-  send_f_specs_[stage * num_microbatches_ + mb] = std::move(send_f);
-  options_[stage * num_microbatches_ + mb] = options;
-  input_known_[stage * num_microbatches_ + mb] = 1;
-  output_known_[stage * num_microbatches_ + mb] = 1;
+void Executor::set_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> recv_f, std::vector<TensorSpec> send_f,
+                         at::TensorOptions options) {
+  set_input_specs(stage, mb, std::move(recv_f), options);
+  set_output_specs(stage, mb, std::move(send_f), options);
 }
 
 void Executor::set_input_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> recv_f, at::TensorOptions options) {
@@ -136,11 +131,14 @@ void Executor::set_input_specs(int64_t stage, int64_t mb, std::vector<TensorSpec
   input_known_[key] = 1;
 }
 
-void Executor::set_output_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> recv_b,
-                                std::vector<TensorSpec> send_f, at::TensorOptions options) {
+void Executor::set_output_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> send_f,
+                                at::TensorOptions options) {
   TORCH_CHECK(stage >= 0 && stage < num_stages_ && mb >= 0 && mb < num_microbatches_, "pipecore: bad spec index");
   const size_t key = stage * num_microbatches_ + mb;
-  recv_b_specs_[key] = std::move(recv_b);
+  recv_b_specs_[key].clear();  // a gradient comes back for each sent tensor that needs one
+  for (const auto& sp : send_f) {
+    if (sp.requires_grad) recv_b_specs_[key].push_back(sp);
+  }
   send_f_specs_[key] = std::move(send_f);
   options_[key] = options;
   output_known_[key] = 1;

@@ -124,12 +124,12 @@ class Executor {
            double timeout_s);
 
   void set_program(std::vector<int64_t> flat, std::vector<std::string> labels);
-  void set_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> recv_f, std::vector<TensorSpec> recv_b,
-                 std::vector<TensorSpec> send_f, at::TensorOptions options);
-  // What (stage, mb) receives from the previous stage; what it sends to the next one and gets back.
+  // What (stage, mb) receives from the previous stage (recv_f) and sends to the next one (send_f);
+  // the gradients that come back are those of the sent tensors that need one.
+  void set_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> recv_f, std::vector<TensorSpec> send_f,
+                 at::TensorOptions options);
   void set_input_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> recv_f, at::TensorOptions options);
-  void set_output_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> recv_b, std::vector<TensorSpec> send_f,
-                        at::TensorOptions options);
+  void set_output_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> send_f, at::TensorOptions options);
   // Every message's shapes unknown, to be learnt by a discovery run.
   void forget_specs();
   // Tests: sleep a random 0..max_us before every send and receive.

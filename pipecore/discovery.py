@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .plan import Boundary, StagePlan
+from .plan import Boundary, StagePlan, describe, tensor_leaves
 
 ABSENT = b"pipecore: no output (the step failed before this forward)"
 
@@ -55,9 +55,7 @@ class Discovery:
         s = stage.stage_index
         nxt = pipe.schedule.topology.next_stage[s]
         self.plans[s].outputs[mb] = boundary
-        metas = [m.meta_tensor() for m in boundary.metas()]
-        pipe._executor.set_output_specs(local, mb, [t for t in metas if t.requires_grad], metas,
-                                        torch.empty(0, device=stage.device))
+        pipe._executor.set_output_specs(local, mb, boundary.meta_tensors(), torch.empty(0, device=stage.device))
         if nxt in self.plans:
             self.plans[nxt].inputs[mb] = boundary
         else:
@@ -91,8 +89,7 @@ class Discovery:
             return SPECS_ABSENT
         boundary: Boundary = pickle.loads(data)
         self.plans[s].inputs[mb] = boundary
-        pipe._executor.set_input_specs(local, mb, [m.meta_tensor() for m in boundary.metas()],
-                                       torch.empty(0, device=stage.device))
+        pipe._executor.set_input_specs(local, mb, boundary.meta_tensors(), torch.empty(0, device=stage.device))
         return SPECS_SET
 
     def _publish(self, stage: int, mb: int, boundary: Boundary | None) -> None:
@@ -102,8 +99,6 @@ class Discovery:
 def declared_mismatch(stage, args: Any, kwargs: Any, out: Any) -> str | None:
     """Where the stage was built with input_args/output_args and these inputs are shaped like
     input_args: how the output differs from output_args (None: it does not, or nothing was given)."""
-    from .plan import describe, tensor_leaves
-
     given = stage.declared_output(describe(args), describe(kwargs))
     if given is None:
         return None

@@ -75,15 +75,21 @@ class Boundary:
     tree: Any             # the output with TensorMeta for its tensors; other values as of the first step
     value_bytes: int = 0  # capacity of the values' byte tensor; 0: the output holds only tensors
     tensors: tuple = field(init=False, repr=False, compare=False)
+    # the tree flattened once: its leaves and structure, compared and rebuilt every step
+    _leaves: tuple = field(init=False, repr=False, compare=False)
+    _spec: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "tensors", tuple(tensor_leaves(self.tree)))
+        leaves, spec = tree_flatten(self.tree)
+        object.__setattr__(self, "_leaves", tuple(leaves))
+        object.__setattr__(self, "_spec", spec)
+        object.__setattr__(self, "tensors", tuple(x for x in leaves if isinstance(x, TensorMeta)))
 
     @staticmethod
     def of(out: Any, what: str) -> "Boundary":
         """The boundary of output `out` (`what` names it in errors)."""
         tree = describe(out)
-        values = _values(out)
+        values = _values(tree_flatten(out)[0])
         if not values:
             return Boundary(tree)
         size = len(_pickled(values, what))
@@ -94,12 +100,16 @@ class Boundary:
         extra = [TensorMeta((self.value_bytes,), torch.uint8, False)] if self.value_bytes else []
         return [*self.tensors, *extra]
 
-    def mismatch(self, out: Any) -> str | None:
-        """Why `out` does not fit this boundary (None: it does)."""
-        leaves, spec = tree_flatten(out)
-        want_leaves, want_spec = tree_flatten(self.tree)
-        if spec != want_spec or [isinstance(x, torch.Tensor) for x in leaves] != [
-                isinstance(x, TensorMeta) for x in want_leaves]:
+    def meta_tensors(self) -> list[torch.Tensor]:
+        """metas() as meta tensors, as the executor takes shapes."""
+        return [m.meta_tensor() for m in self.metas()]
+
+    def mismatch(self, leaves: list, spec: Any) -> str | None:
+        """Why an output, flattened to `leaves` and `spec` (tree_flatten), does not fit this boundary
+        (None: it does)."""
+        if spec != self._spec or [isinstance(x, torch.Tensor) for x in leaves] != [
+                isinstance(x, TensorMeta) for x in self._leaves]:
+            out = tree_unflatten(leaves, spec)
             return f"an output structured as {_structure(out)} where the first step had {_structure(self.tree)}"
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         if any(TensorMeta.of(t) != m for t, m in zip(tensors, self.tensors)):
@@ -107,12 +117,12 @@ class Boundary:
             return f"tensors {got} where {[_show(m) for m in self.tensors]} were expected"
         return None
 
-    def encode(self, out: Any, device: torch.device, what: str) -> list[torch.Tensor]:
-        """The message of output `out` (which fits this boundary)."""
-        tensors = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+    def encode(self, leaves: list, device: torch.device, what: str) -> list[torch.Tensor]:
+        """The message of an output flattened to `leaves` (which fits this boundary)."""
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         if not self.value_bytes:
             return tensors
-        data = _pickled(_values(out), what)
+        data = _pickled(_values(leaves), what)
         if len(data) + _LENGTH_BYTES > self.value_bytes:
             raise InputError(f"{what} holds non-tensor values of {len(data)} bytes pickled, but its messages carry at "
                              f"most {self.value_bytes - _LENGTH_BYTES} (sized on the first step of this batch shape): "
@@ -124,7 +134,6 @@ class Boundary:
 
     def decode(self, received: list[torch.Tensor]) -> Any:
         """The output a message carried: its tensors, and its values as sent this step."""
-        leaves, spec = tree_flatten(self.tree)
         tensors = iter(received)
         values = None
         if self.value_bytes:
@@ -133,12 +142,12 @@ class Boundary:
             # zero: an aborted message whose status the device checks later (its payload is zeros); the
             # first step's values stand in, the step fails at its end anyway
             values = iter(pickle.loads(raw[_LENGTH_BYTES:_LENGTH_BYTES + size])) if size else None
-        out = [next(tensors) if isinstance(x, TensorMeta) else (next(values) if values else x) for x in leaves]
-        return tree_unflatten(out, spec)
+        out = [next(tensors) if isinstance(x, TensorMeta) else (next(values) if values else x) for x in self._leaves]
+        return tree_unflatten(out, self._spec)
 
 
-def _values(out: Any) -> list:
-    return [x for x in tree_flatten(out)[0] if not isinstance(x, torch.Tensor)]
+def _values(leaves: list) -> list:
+    return [x for x in leaves if not isinstance(x, torch.Tensor)]
 
 
 class _HiddenTensor(Exception):

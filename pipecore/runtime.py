@@ -608,10 +608,9 @@ class Pipeline:
             like = torch.empty(0, device=s.device)
             for mb in topo.microbatches[s.stage_index]:
                 given, sent = p.inputs.get(mb), p.outputs.get(mb)
-                recv_f = [m.meta_tensor() for m in given.metas()] if given is not None else []
-                send_f = [m.meta_tensor() for m in sent.metas()] if sent is not None else []
-                self._executor.set_specs(self.local_index[s.stage_index], mb, recv_f,
-                                         [t for t in send_f if t.requires_grad], send_f, like)
+                self._executor.set_specs(self.local_index[s.stage_index], mb,
+                                         given.meta_tensors() if given is not None else [],
+                                         sent.meta_tensors() if sent is not None else [], like)
 
     def _forward(self, local: int, mb: int, received: list[torch.Tensor]):
         stage = self.stages[local]
@@ -667,21 +666,22 @@ class Pipeline:
             raise InputError(f"{what} is None, but stage {nxt} takes it as its input: a stage returns what the next "
                              "stage takes (a tensor, or a tuple, list or dict of tensors and other values). Does its "
                              "forward miss a `return`?")
+        leaves, spec = tree_flatten(out)
         if self._discovery is not None:
             problem = declared_mismatch(stage, args, kwargs, out)
             if problem is not None:
                 raise InputError(f"{what} has {problem} (given as this stage's output_args)")
             boundary = planning.Boundary.of(out, what)
-            tensors = boundary.encode(out, stage.device, what)
+            tensors = boundary.encode(leaves, stage.device, what)
             self._discovery.learnt_output(local, mb, boundary)
         else:
             boundary = self._plans_in_use[s].outputs[mb]
-            problem = boundary.mismatch(out)
+            problem = boundary.mismatch(leaves, spec)
             if problem is not None:
                 raise InputError(f"{what} has {problem}: stage {nxt} receives what the first step with this batch "
                                  "shape returned (a stage's output may change its shapes, dtypes, gradient flags or "
                                  "structure only with the batch's shapes)")
-            tensors = boundary.encode(out, stage.device, what)
+            tensors = boundary.encode(leaves, stage.device, what)
         # a view would keep its base alive after the send: send a viewless copy instead
         return [t.clone() if t._is_view() else t for t in tensors]
 

@@ -44,6 +44,15 @@ def test_compiled_block_is_compiled_on_real_tensors_only(tmp_path):
     assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
 
 
+def _slip_on_fresh_ranks(slip: str) -> list:
+    """slipped_configuration on new processes: a slip must be met by a Pipeline's first step."""
+    ranks = fresh_pool(2)
+    try:
+        return ranks.run(slipped_configuration, slip, timeout=60)
+    finally:
+        ranks.close()
+
+
 @pytest.mark.parametrize("slip, needle", [
     ("schedule", "schedule: rank 0 '1f1b', rank 1 'gpipe'"),
     ("microbatches", "microbatches: rank 0 4, rank 1 8"),
@@ -51,11 +60,7 @@ def test_compiled_block_is_compiled_on_real_tensors_only(tmp_path):
     ("mode", "the ranks made different calls (rank 0 step(), rank 1 eval())"),
 ])
 def test_ranks_built_differently_fail_at_once_and_say_what_differs(slip, needle):
-    ranks = fresh_pool(2)
-    try:
-        results = ranks.run(slipped_configuration, slip, timeout=60)
-    finally:
-        ranks.close()
+    results = _slip_on_fresh_ranks(slip)
     advice = "every rank makes the same call" if slip == "mode" else "Build the same Pipeline on every rank"
     # later agreements of a mode mix-up only count the ranks that train
     needles = [needle, "1 of the 2 ranks called step() and the others eval()" if slip == "mode" else needle]
@@ -66,11 +71,7 @@ def test_ranks_built_differently_fail_at_once_and_say_what_differs(slip, needle)
 
 
 def test_a_stage_returning_none_says_so_on_every_rank():
-    ranks = fresh_pool(2)
-    try:
-        results = ranks.run(slipped_configuration, "none", timeout=60)
-    finally:
-        ranks.close()
+    results = _slip_on_fresh_ranks("none")
     ((kind0, msg0, t0), _), ((kind1, msg1, t1), _) = results
     assert kind0 == "InputError" and "stage 0's output for microbatch 0 is None" in msg0, msg0
     assert "miss a `return`" in msg0, msg0
@@ -79,11 +80,7 @@ def test_a_stage_returning_none_says_so_on_every_rank():
 
 
 def test_an_input_computed_with_a_graph_says_what_to_do_on_every_rank():
-    ranks = fresh_pool(2)
-    try:
-        results = ranks.run(slipped_configuration, "computed_input", timeout=60)
-    finally:
-        ranks.close()
+    results = _slip_on_fresh_ranks("computed_input")
     ((kind0, msg0, t0), _), ((kind1, msg1, t1), _) = results
     assert kind0 == "InputError" and "input tensor 0 was computed with a gradient outside the pipeline" in msg0, msg0
     assert "x.detach().requires_grad_()" in msg0, msg0
@@ -107,6 +104,8 @@ def test_show_lowered_prints_the_lowered_program(tmp_path):
 
 
 def test_boundary_values_round_trip_and_limits():
+    from torch.utils._pytree import tree_flatten
+
     from pipecore.errors import InputError
     from pipecore.plan import Boundary
 
@@ -114,17 +113,18 @@ def test_boundary_values_round_trip_and_limits():
     b = Boundary.of(out, "stage 0's output")
     assert b.value_bytes >= 256 and [m.shape for m in b.metas()] == [(2, 3), (b.value_bytes,)]
     later = (torch.zeros(2, 3), 8, {"odd": False, "none": None, "scale": 1.75})
-    assert b.mismatch(later) is None
-    msg = b.encode(later, torch.device("cpu"), "stage 0's output")
+    assert b.mismatch(*tree_flatten(later)) is None
+    msg = b.encode(tree_flatten(later)[0], torch.device("cpu"), "stage 0's output")
     got = b.decode(msg)
     assert got[1:] == later[1:] and torch.equal(got[0], later[0])
     # an aborted message (zeros, on a device whose status is read at the end of the step): the first
     # step's values stand in
     assert b.decode([msg[0], torch.zeros_like(msg[1])])[1:] == out[1:]
-    assert "structured as" in b.mismatch((torch.ones(2, 3), 7))
-    assert "no grad" in b.mismatch((torch.ones(2, 3, dtype=torch.float64), 7, later[2]))
+    assert "structured as" in b.mismatch(*tree_flatten((torch.ones(2, 3), 7)))
+    assert "no grad" in b.mismatch(*tree_flatten((torch.ones(2, 3, dtype=torch.float64), 7, later[2])))
     with pytest.raises(InputError, match="at most"):
-        b.encode((torch.ones(2, 3), 7, {"odd": True, "none": None, "scale": "x" * 1000}), torch.device("cpu"), "s")
+        b.encode(tree_flatten((torch.ones(2, 3), 7, {"odd": True, "none": None, "scale": "x" * 1000}))[0],
+                 torch.device("cpu"), "s")
     with pytest.raises(InputError, match="cannot be pickled"):
         Boundary.of((torch.ones(1), lambda: 0), "stage 0's output")
     # a tensor inside an object pytree does not flatten would lose its gradient: refused, with the fix
