@@ -22,8 +22,10 @@ install:
 	$(PIP) install -q $(DEV_DEPS)
 	$(PIP) install -q --no-build-isolation -e .
 
+# pipeline-parallel training of a GPT on 4 CPU processes (torchrun), a few minutes after install
 demo: install
-	$(PYTHON) examples/train_demo.py
+	$(PYTHON) examples/train_gpt.py --ranks 4 --steps 200 --checkpoint-dir build/demo-checkpoint \
+		--timeline build/gpt_timeline.png
 
 test: install
 	$(PYTHON) -m pytest -q tests

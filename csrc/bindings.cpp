@@ -168,6 +168,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("all_gather", &pipecore::all_gather, py::arg("group"), py::arg("values"), py::arg("device"),
         py::arg("timeout"), py::arg("what"), py::call_guard<py::gil_scoped_release>(),
         "every rank's int64 `values`, in group rank order; CommError on failure");
+  m.def("all_reduce_tensor", &pipecore::all_reduce_tensor, py::arg("group"), py::arg("tensor"), py::arg("op"),
+        py::arg("timeout"), py::arg("what"), py::call_guard<py::gil_scoped_release>(),
+        "every rank's `tensor` reduced elementwise (op 'sum' or 'max'), a new tensor equal on every rank; CommError "
+        "on failure");
   m.def("exchange", &pipecore::exchange, py::arg("group"), py::arg("tensor"), py::arg("peer"), py::arg("timeout"),
         py::arg("what"), py::call_guard<py::gil_scoped_release>(),
         "sends `tensor` to group rank `peer`, returns what `peer` sends (same size); CommError on failure");

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstring>
 #include <sstream>
+#include <stdexcept>
 
 #include "executor.h"  // CommError
 
@@ -53,6 +54,21 @@ std::vector<std::vector<int64_t>> all_gather(const c10::intrusive_ptr<c10d::Proc
   std::vector<std::vector<int64_t>> rows;
   for (const auto& t : outputs[0]) rows.push_back(to_values(t));
   return rows;
+}
+
+at::Tensor all_reduce_tensor(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at::Tensor& tensor,
+                             const std::string& op, double timeout_s, const std::string& what) {
+  c10d::AllreduceOptions options;
+  if (op == "sum") {
+    options.reduceOp = c10d::ReduceOp::SUM;
+  } else if (op == "max") {
+    options.reduceOp = c10d::ReduceOp::MAX;
+  } else {
+    throw std::invalid_argument("all_reduce_tensor: op must be 'sum' or 'max', got '" + op + "'");
+  }
+  std::vector<at::Tensor> tensors{tensor.contiguous().clone()};
+  wait(group->allreduce(tensors, options), *group, timeout_s, what);
+  return tensors[0].clone();
 }
 
 at::Tensor exchange(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at::Tensor& tensor, int64_t peer,

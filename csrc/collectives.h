@@ -22,6 +22,11 @@ std::vector<std::vector<int64_t>> all_gather(const c10::intrusive_ptr<c10d::Proc
                                              const std::vector<int64_t>& values, const std::string& device,
                                              double timeout_s, const std::string& what);
 
+// The elementwise sum (op "sum") or maximum ("max") of every rank's `tensor` (same shape on all
+// ranks), returned as a new tensor: identical on every rank.
+at::Tensor all_reduce_tensor(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at::Tensor& tensor,
+                             const std::string& op, double timeout_s, const std::string& what);
+
 // `tensor` to group rank `peer` and the same-sized tensor `peer` gives, returned (copies made here,
 // for the reason above). The lower rank sends first: also safe on backends whose send waits for its
 // receive (NCCL).

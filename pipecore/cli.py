@@ -3,7 +3,7 @@
   show NAME --ranks R --microbatches M [--stages-per-rank V] [--out FILE.png|.svg] [--lowered]
   simulate NAME --ranks R --microbatches M [--F 1 --B 2 --I 1 --W 1 --comm 0]
   validate FILE.csv [--placement loop|v|dualpipe]
-  bench {vs_torch,overhead,overlap,memory,build,zero_bubble} [benchmark options...]
+  bench {vs_torch,overhead,overlap,memory,build,zero_bubble,gpt} [benchmark options...]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 
 from .schedule import SCHEDULES, Schedule, ScheduleError, build_schedule
 
-BENCHES = ("vs_torch", "overhead", "overlap", "memory", "build", "zero_bubble")
+BENCHES = ("vs_torch", "overhead", "overlap", "memory", "build", "zero_bubble", "gpt")
 
 
 def _schedule_args(p: argparse.ArgumentParser) -> None:

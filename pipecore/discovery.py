@@ -20,6 +20,7 @@ ran the step: later steps post receives ahead and check each output against its 
 from __future__ import annotations
 
 import pickle
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -87,7 +88,9 @@ class Discovery:
             pass
         if data == ABSENT:
             return SPECS_ABSENT
-        boundary: Boundary = pickle.loads(data)
+        with warnings.catch_warnings():  # torch 2.13 warns when a pickled leaf TreeSpec is loaded
+            warnings.simplefilter("ignore", FutureWarning)
+            boundary: Boundary = pickle.loads(data)
         self.plans[s].inputs[mb] = boundary
         pipe._executor.set_input_specs(local, mb, boundary.meta_tensors(), torch.empty(0, device=stage.device))
         return SPECS_SET

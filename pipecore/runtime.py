@@ -19,6 +19,7 @@ from .discovery import Discovery, declared_mismatch
 from .microbatch import batch_size, merge, split
 from .schedule import Action, Kind, Schedule, ScheduleError, build_schedule
 from .errors import CommunicationError, InputError, PeerFailedError
+from .grads import TiedWeights
 from .split_backward import fallback_message, name_parameter
 from .stage import PipelineStage
 
@@ -177,12 +178,16 @@ class Pipeline:
         self._agreed: dict[bool, int] = {}  # per mode (train/eval): the signature all ranks agreed on
         self._last_desc: dict[bool, int] = {}  # first-stage ranks: the batch description it came from
         self._loss_wants_target = _takes_two_args(loss_fn)
+        self._loss_divisor: float | None = None  # step()'s, during a step
         self._store = dist.distributed_c10d._get_default_store() if self.world > 1 else None
         # Names this Pipeline's keys in the store, the same on every rank: group rank 0's nonce, learnt
         # by all at the first agreement (a per-process count would differ between ranks that create
         # different numbers of pipelines)
         self._nonce = int.from_bytes(os.urandom(7), "little") if self.rank == 0 else 0
         self._uid: str | None = None
+        # which stages tie which weights: learnt at the first agreement (building a Pipeline is not a
+        # collective: ranks may build different numbers of them); alone, now
+        self._tied: TiedWeights | None = TiedWeights(self) if self.world == 1 else None
 
     # -- program ------------------------------------------------------------------------
     def _encode(self, lowered: Schedule) -> tuple[list[int], list[str]]:
@@ -212,10 +217,21 @@ class Pipeline:
 
     # -- public -------------------------------------------------------------------------
     def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
-             loss_kwargs: dict | None = None, **kwargs):
-        """One training step over `num_microbatches` microbatches (see the class doc)."""
+             loss_kwargs: dict | None = None, loss_divisor: float | torch.Tensor | None = None, **kwargs):
+        """One training step over `num_microbatches` microbatches (see the class doc).
+
+        `loss_divisor` (read on ranks holding a last stage): `loss_fn` returns a sum over a
+        microbatch's tokens (e.g. `cross_entropy(..., reduction="sum", ignore_index=-100)`) and each
+        microbatch's gradient is divided by `loss_divisor`, the batch's token count (e.g.
+        `(target != -100).sum()`), so `.grad` equals single-process `loss_fn(whole batch) / N` even
+        when microbatches hold different numbers of tokens; it replaces the row-share weighting of
+        `scale_grads`. `losses` still holds what `loss_fn` returned."""
         with _range("pipecore.step"):
-            return self._run(args, kwargs, target, losses, True, return_outputs, loss_kwargs)
+            self._loss_divisor = loss_divisor
+            try:
+                return self._run(args, kwargs, target, losses, True, return_outputs, loss_kwargs)
+            finally:
+                self._loss_divisor = None
 
     def eval(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
              loss_kwargs: dict | None = None, **kwargs):
@@ -309,6 +325,7 @@ class Pipeline:
         self._training = training
         self._return_outputs = return_outputs
         self._loss_kwargs = loss_kwargs or {}
+        tied_stash = self._tied.stash() if training and self._tied else None
         stash = self._stash_mirrored_grads() if training and self.is_dualpipe else None
         native = _native()
         try:
@@ -324,6 +341,8 @@ class Pipeline:
             self._end_discovery(failed=True)
             if stash is not None:
                 self._restore_grads(stash)
+            if tied_stash is not None:
+                self._tied.restore(tied_stash)
             raise PeerFailedError(f"rank {self.rank}: step {step} aborted because {self._peer_error(step)} "
                                   f"(noticed here: {exc}). The group is fine: zero the gradients and step again."
                                   ) from None
@@ -333,6 +352,8 @@ class Pipeline:
         except BaseException as exc:
             if stash is not None:
                 self._restore_grads(stash)
+            if tied_stash is not None:
+                self._tied.restore(tied_stash)
             also = self._executor.last_comm_failure
             if also:  # this rank's own error, and releasing its peers failed too: the group broke
                 self._broken = also
@@ -349,6 +370,8 @@ class Pipeline:
         self._end_discovery(failed=False)
         if stash is not None:
             self._sum_mirrored_grads(stash)
+        if tied_stash is not None:
+            self._tied.sum_grads(tied_stash)
         if training:
             self._warn_split_fallbacks()
         if self.trace_enabled:
@@ -438,6 +461,13 @@ class Pipeline:
         return CommunicationError(f"{exc}. A peer hung or died: rebuild the process group and the Pipeline.")
 
     def _check_step_options(self, return_outputs, loss_kwargs) -> None:
+        divisor = self._loss_divisor
+        if divisor is not None and self.has_last:
+            if isinstance(divisor, torch.Tensor) and divisor.numel() == 1 and not divisor.is_complex():
+                divisor = self._loss_divisor = float(divisor)
+            if isinstance(divisor, bool) or not isinstance(divisor, (int, float)) or not 0 < divisor < float("inf"):
+                raise InputError(f"rank {self.rank}: loss_divisor must be a positive number (the batch's token count, "
+                                 f"for a loss_fn that returns a sum), got {divisor!r}")
         if not isinstance(return_outputs, bool):
             raise InputError(f"return_outputs must be True or False, got {return_outputs!r}")
         if loss_kwargs is not None and not isinstance(loss_kwargs, dict):
@@ -531,12 +561,21 @@ class Pipeline:
         and each rank's program digest: ranks built with different schedules, microbatch counts or
         stage layouts fail here, at once, every one of them with the same message."""
         fields = [planning.signature(v) for v in self._program.values()]
-        rows = self._collective(_native().all_gather, [local_sig, int(failed), self._nonce, int(training), *fields])
+        ties = sum(len(s.tied) for s in self.stages)
+        rows = self._collective(_native().all_gather, [local_sig, int(failed), self._nonce, int(training), ties, *fields])
+        any_ties = any(r[4] for r in rows)
+        rows = [r[:4] + r[5:] for r in rows]
         nonce = rows[0][2]
         self._uid = f"{dist.distributed_c10d._get_process_group_name(self.group)}/{nonce:x}"
         if any(r[4:] != rows[0][4:] for r in rows):
             self._misbuilt = self._program_mismatch([r[4:] for r in rows])  # every later step says it again
             raise InputError(self._misbuilt)
+        # tied weights: every rank learns the ties and the copies are made equal, before any forward
+        try:
+            self._tied = TiedWeights(self) if any_ties else None
+        except InputError as exc:
+            self._misbuilt = str(exc)  # every later step says it again
+            raise
         if len({r[3] for r in rows}) > 1:
             calls = ", ".join(f"rank {r} {'step' if row[3] else 'eval'}()" for r, row in enumerate(rows))
             raise InputError(f"rank {self.rank}: the ranks made different calls ({calls}): every rank makes the same "
@@ -579,7 +618,8 @@ class Pipeline:
         native = _native()
         try:
             return fn(self.group, *args, timeout=self.timeout, what=what,
-                      **({} if fn is native.exchange else {"device": str(self._comm_device())}))
+                      **({} if fn in (native.exchange, native.all_reduce_tensor)
+                         else {"device": str(self._comm_device())}))
         except native.CommError as exc:
             self._broken = str(exc)
             raise CommunicationError(f"{exc}; a rank hung or died: rebuild the process group") from None
@@ -621,7 +661,7 @@ class Pipeline:
         else:
             args, kwargs = planning.as_call(self._plans_in_use[s].inputs[mb].decode(received))
         try:
-            out = stage.module(*args, **kwargs)
+            out = stage.forward(args, kwargs)
         except Exception as exc:
             shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_flatten((args, kwargs))[0]
                       if isinstance(t, torch.Tensor)]
@@ -638,10 +678,11 @@ class Pipeline:
         loss = None
         seed = 1.0
         if self.loss_fn is not None and (self._training or self._targets is not None):
-            if self._targets is not None:
-                loss = self.loss_fn(out, self._targets[mb], **self._loss_kwargs)
-            else:
-                loss = self.loss_fn(out, **self._loss_kwargs)
+            with stage.autocast_context():
+                if self._targets is not None:
+                    loss = self.loss_fn(out, self._targets[mb], **self._loss_kwargs)
+                else:
+                    loss = self.loss_fn(out, **self._loss_kwargs)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
                                 f"{' of shape ' + str(tuple(loss.shape)) if isinstance(loss, torch.Tensor) else ''}")
@@ -649,7 +690,7 @@ class Pipeline:
             if self.check_finite and not torch.isfinite(loss.detach()).all():
                 raise FloatingPointError(f"rank {self.rank}: loss of microbatch {mb} is {loss.item()} "
                                          "(check_finite=True)")
-            if self.scale_grads:
+            if self.scale_grads or self._loss_divisor is not None:
                 seed = self._loss_weight(mb)
         if not self._training:
             loss = None
@@ -686,7 +727,10 @@ class Pipeline:
         return [t.clone() if t._is_view() else t for t in tensors]
 
     def _loss_weight(self, mb: int) -> float:
-        """This microbatch's share of the batch: n_mb / N (1/m when rows are unknown)."""
+        """This microbatch's share of the batch: n_mb / N (1/m when rows are unknown); with a
+        loss_divisor (sum losses), 1 / loss_divisor."""
+        if self._loss_divisor is not None:
+            return 1.0 / self._loss_divisor
         if self._rows:
             return self._rows[mb] / sum(self._rows)
         return 1.0 / self.num_microbatches

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import checkpoint
 
 from .plan import describe, tensor_leaves
 
@@ -27,10 +29,23 @@ class PipelineStage:
     are accepted as torch's PipelineStage takes them (examples of one microbatch's inputs and of what
     the module returns for them, real or meta; only shapes and dtypes count): a forward on inputs
     shaped like `input_args` that returns other shapes fails with an error that names both.
+
+    `tied={"embedding": module.tok.weight}` on one stage and `tied={"embedding": module.head.weight}`
+    on another declare one weight shared by stages (DeepSpeed's TiedLayerSpec, Megatron's embedding
+    group): the Pipeline makes the copies equal at its first step, before any forward (the lowest stage's value wins), and
+    sums their gradients after every training step, so an optimizer step keeps them equal
+    (pipecore/grads.py). Stages on one rank that hold the key need no communication for it.
+
+    `activation_checkpointing=True` runs the stage's forward under torch's non-reentrant
+    checkpoint: a microbatch keeps only the stage's inputs until its backward recomputes the rest.
+    (Zero-bubble schedules then give this stage's whole backward at I: the split is reported.)
+    `autocast=torch.bfloat16` runs the forward, and on a last stage the loss, under
+    `torch.autocast` on the stage's device, as single-process mixed-precision training does.
     """
 
     def __init__(self, module: nn.Module, stage_index: int, num_stages: int, device: torch.device | str | None = None,
-                 *, input_args: Any = None, output_args: Any = None):
+                 *, input_args: Any = None, output_args: Any = None, tied: dict[str, nn.Parameter] | None = None,
+                 activation_checkpointing: bool = False, autocast: torch.dtype | None = None):
         if not isinstance(module, nn.Module):
             raise TypeError(f"PipelineStage needs an nn.Module, got {type(module).__name__}")
         for label, value in (("stage_index", stage_index), ("num_stages", num_stages)):
@@ -38,6 +53,14 @@ class PipelineStage:
                 raise TypeError(f"{label} must be an int, got {value!r}")
         if num_stages < 1 or not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index must be in 0..num_stages-1 = 0..{num_stages - 1}, got {stage_index}")
+        self.tied = _tied_parameters(module, tied, stage_index)
+        if not isinstance(activation_checkpointing, bool):
+            raise TypeError(f"activation_checkpointing must be True or False, got {activation_checkpointing!r}")
+        if autocast is not None and not (isinstance(autocast, torch.dtype) and autocast.is_floating_point):
+            raise TypeError(f"autocast must be a floating dtype (torch.bfloat16, torch.float16) or None, got "
+                            f"{autocast!r}")
+        self.activation_checkpointing = activation_checkpointing
+        self.autocast = autocast
         self.module = module
         self.stage_index = stage_index
         self.num_stages = num_stages
@@ -55,6 +78,19 @@ class PipelineStage:
             self._given_in = _shapes(args, "input_args")
             self._given_out = describe(output_args)
             _shapes(output_args, "output_args")
+
+    def forward(self, args: tuple, kwargs: dict) -> Any:
+        """The module on one microbatch's inputs, under this stage's autocast and checkpointing."""
+        with self.autocast_context():
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                return checkpoint(self.module, *args, use_reentrant=False, **kwargs)
+            return self.module(*args, **kwargs)
+
+    def autocast_context(self):
+        """torch.autocast for this stage's device and dtype, or a no-op without autocast."""
+        if self.autocast is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
 
     def declared_output(self, args_desc: Any, kwargs_desc: Any) -> Any | None:
         """The description of this stage's output declared by output_args, when these inputs are
@@ -74,3 +110,24 @@ def _shapes(tree: Any, what: str) -> list[tuple]:
     if not leaves:
         raise TypeError(f"{what} must be a tensor or hold tensors (examples of one microbatch), got {tree!r:.80}")
     return [(tuple(t.shape), t.dtype) for t in leaves]
+
+
+def _tied_parameters(module: nn.Module, tied: Any, stage_index: int) -> dict[str, nn.Parameter]:
+    """`tied` checked: {key: a parameter of `module`}."""
+    if tied is None:
+        return {}
+    if not isinstance(tied, dict):
+        raise TypeError(f"tied must be a dict {{key: parameter of this stage's module}}, got {type(tied).__name__}")
+    own = {id(p) for p in module.parameters()}
+    for key, param in tied.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"tied keys name a shared weight (a non-empty str, the same on every stage holding it), "
+                            f"got {key!r}")
+        if not isinstance(param, nn.Parameter) or id(param) not in own:
+            raise ValueError(f"tied[{key!r}] of stage {stage_index} must be a parameter of that stage's module "
+                             f"(e.g. module.tok.weight), got {type(param).__name__}"
+                             f"{' of shape ' + str(list(param.shape)) if isinstance(param, torch.Tensor) else ''}")
+    if len({id(p) for p in tied.values()}) != len(tied):
+        raise ValueError(f"stage {stage_index} declares one parameter under several tied keys {sorted(tied)}: "
+                         "use one key per shared weight")
+    return dict(tied)

@@ -1,0 +1,165 @@
+"""The example GPT (examples/gpt.py) trained with pipecore on every rank of a pool, next to the same
+training in one process: each rank returns how far its stages' gradients, norms and losses are from
+the single-process run."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+import pipecore as pc  # noqa: E402
+from gpt import GPTConfig, build_gpt, get_batch, lm_loss, pipeline_stages, stdlib_bytes  # noqa: E402
+
+_TEXT: torch.Tensor | None = None
+
+
+def text() -> torch.Tensor:
+    global _TEXT
+    if _TEXT is None:
+        _TEXT = stdlib_bytes(200_000)
+    return _TEXT
+
+
+def small_config(schedule: pc.Schedule, **overrides) -> GPTConfig:
+    model_stages = len(set(schedule.topology.model_stage))
+    options = dict(seq_len=16, width=32, heads=2, layers=max(2, model_stages))
+    options.update(overrides)
+    return GPTConfig(**options)
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
+
+
+def sum_loss(logits, targets):
+    """Token-level loss summed over a microbatch's tokens, padding (-100) ignored."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum")
+
+
+def padded(y: torch.Tensor, step: int) -> torch.Tensor:
+    """Targets with a different number of padded positions per row (as in packed-free batches)."""
+    y = y.clone()
+    g = torch.Generator().manual_seed(step)
+    keep = torch.randint(1, y.shape[1] + 1, (y.shape[0],), generator=g)
+    y[torch.arange(y.shape[1]).unsqueeze(0) >= keep.unsqueeze(1)] = -100
+    return y
+
+
+def train_gpt(rank: int, world: int, name: str, m: int, options: dict | None = None) -> dict:
+    return _train_gpt(rank, world, name, m, **(options or {}))
+
+
+def _train_gpt(rank: int, world: int, name: str, m: int, steps: int = 3, max_norm: float = 0.05,
+               tokens: bool = False, stages_per_rank: int | None = None, stage_options: dict | None = None,
+               norm_type: float = 2.0) -> dict:
+    """`steps` AdamW steps with clipping through the pipeline and in one process. Returns the worst
+    relative differences seen on this rank: gradients (after clipping) of every parameter of its
+    stages, the clipping norm, and its losses."""
+    sched = pc.build_schedule(name, world, m, stages_per_rank)
+    stage_options = stage_options or {}
+    cfg = small_config(sched)
+    model = build_gpt(cfg, seed=1)
+    reference = copy.deepcopy(model)
+    stages = pipeline_stages(model, sched, rank, **stage_options)
+    loss_fn = sum_loss if tokens else lm_loss
+    pipe = pc.Pipeline(stages, sched, m, loss_fn=loss_fn)
+    params = list({id(p): p for s in stages for p in s.module.parameters()}.values())
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1)
+    def autocast():
+        return torch.autocast("cpu", dtype=stage_options.get("autocast"), enabled="autocast" in stage_options)
+
+    worst = {"grad": 0.0, "norm": 0.0, "loss": 0.0, "tied_equal": True}
+    losses_by_step = []
+    for step in range(steps):
+        x, y = get_batch(text(), step, 2 * m, cfg.seq_len, seed=7)
+        if tokens:
+            y = padded(y, step)
+        # single process, whole batch
+        with autocast():
+            logits = reference(x)
+            ref_loss = (sum_loss(logits, y) / (y != -100).sum()) if tokens else lm_loss(logits, y)
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm, norm_type=norm_type)
+        # the pipeline
+        losses: list = []
+        extra = {"loss_divisor": (y != -100).sum()} if tokens else {}
+        pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None, losses=losses, **extra)
+        norm = pc.clip_grad_norm_(pipe, max_norm, norm_type=norm_type)
+        worst["norm"] = max(worst["norm"], relative(norm, ref_norm))
+        for s in stages:
+            for pname, p in s.module.named_parameters():
+                want = reference.get_parameter(pname).grad
+                err = relative(p.grad, want)
+                if err > worst["grad"]:
+                    worst["grad"], worst["where"] = err, f"step {step} {pname}"
+        losses_by_step.append([None if v is None else float(v) for v in losses])
+        for mb, v in enumerate(losses):  # each microbatch's loss, as loss_fn gives it in one process
+            if v is not None:
+                rows = slice(2 * mb, 2 * mb + 2)
+                with torch.no_grad(), autocast():
+                    want = loss_fn(reference(x[rows]), y[rows])
+                worst["loss"] = max(worst["loss"], abs(float(v) - float(want)) / abs(float(want)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        for s in stages:  # tied copies stay equal: the same as the reference's one parameter, bit for bit apart
+            for p in s.tied.values():
+                # under bf16 autocast, AdamW moves entries whose gradients differ in sign by +-lr: weights
+                # are compared through their gradients only
+                bound = float("inf") if "autocast" in stage_options else 1e-4
+                drift = relative(p.detach(), reference.embed.tok.weight.detach())
+                worst["tied_drift"] = max(worst.get("tied_drift", 0.0), drift)
+                worst["tied_equal"] &= drift < bound
+    worst["losses"] = losses_by_step
+    worst["tied_values"] = [s.tied["embedding"].detach().clone() for s in stages if "embedding" in s.tied]
+    worst["warnings"] = sorted({why for per in pipe.split_backward_fallbacks.values() for (_, why) in per})
+    return worst
+
+
+def tie_mismatch(rank: int, world: int, what: str) -> str:
+    """Builds a Pipeline whose tied declarations are wrong; returns the error every rank raises."""
+    sched = pc.build_schedule("1f1b", world, 2)
+    cfg = small_config(sched)
+    model = build_gpt(cfg)
+    stages = pipeline_stages(model, sched, rank)
+    if what == "shape" and rank == world - 1:
+        module = stages[0].module
+        module.extra = torch.nn.Linear(3, 5, bias=False)
+        stages = [pc.PipelineStage(module, stages[0].stage_index, sched.num_stages,
+                                   tied={"embedding": module.extra.weight})]
+    if what == "alone" and rank == world - 1:
+        stages = [pc.PipelineStage(stages[0].module, stages[0].stage_index, sched.num_stages)]
+    pipe = pc.Pipeline(stages, sched, 2, loss_fn=lm_loss)  # not a collective: ties are learnt at the first step
+    x, y = get_batch(text(), 0, 4, cfg.seq_len)
+    errors = []
+    for _ in range(2):  # and every later step says it again
+        try:
+            pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
+            errors.append("no error")
+        except pc.errors.InputError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def tied_start_equal(rank: int, world: int, name: str) -> list:
+    """A Pipeline built from copies whose tied weights differ: the lowest stage's value wins."""
+    sched = pc.build_schedule(name, world, 4)
+    model = build_gpt(small_config(sched))
+    stages = pipeline_stages(model, sched, rank)
+    for s in stages:
+        for p in s.tied.values():
+            with torch.no_grad():
+                p.add_(torch.randn_like(p) if s.stage_index else 0.0)
+    pipe = pc.Pipeline(stages, sched, 4, loss_fn=lm_loss)
+    cfg = small_config(sched)
+    x, y = get_batch(text(), 0, 8, cfg.seq_len)
+    pipe.eval(*((x,) if pipe.has_first else ()))  # the first agreement makes the copies equal, before any forward
+    return [(s.stage_index, torch.equal(p, model.embed.tok.weight)) for s in stages for p in s.tied.values()]
