@@ -52,24 +52,12 @@ import traceback
 
 import _harness  # noqa: F401  (puts the repo on sys.path)
 from _harness import ROOT, bar_plot, spawn, table
+from memory import _reset_peak, _status_mib
 from vs_torch import TORCH_CLASS
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zbv"]
 DEFAULT_SCHEDULES = ["1f1b", "interleaved_1f1b", "zbv"]
 SIDES = ("pipecore", "torch")
-
-
-def _status_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak RSS (VmHWM) to the current RSS
-        f.write("5")
 
 
 def _say(rank: int, msg: str) -> None:
