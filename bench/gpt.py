@@ -213,16 +213,10 @@ def _bench_rank(rank, world, name, cfg_kw, m, rows, steps, warmup, blocks, torch
         runners["torch"] = runner("torch", t_grads, t_update)
     for _ in range(warmup):
         for label, run in list(runners.items()):
-            try:
-                run()
-            except Exception as exc:  # noqa: BLE001
-                if label == "pipecore":
-                    raise
-                torch_error = f"{type(exc).__name__}: {exc}"
-            if label == "torch":
-                torch_error = _first_error(dist, world, torch_error)
-                if torch_error is not None:
-                    runners.pop("torch", None)
+            failed = _run_steps(label, run, 1, dist, world)
+            if failed is not None:
+                torch_error = failed
+                runners.pop("torch", None)
 
     import gc
 
@@ -238,21 +232,12 @@ def _bench_rank(rank, world, name, cfg_kw, m, rows, steps, warmup, blocks, torch
             base = _status_mib("VmRSS")
             _reset_peak()
             t0 = time.perf_counter()
-            failed = None
-            try:
-                for _ in range(steps):
-                    run()
-            except Exception as exc:  # noqa: BLE001
-                if label == "pipecore":
-                    raise
-                failed = f"{type(exc).__name__}: {exc}"
-            if label == "torch":
-                failed = _first_error(dist, world, failed)
-                if failed is not None:
-                    torch_error = f"in timed block {b}: {failed}"
-                    runners.pop("torch")
-                    times.pop("torch")
-                    continue
+            failed = _run_steps(label, run, steps, dist, world)
+            if failed is not None:
+                torch_error = f"in timed block {b}: {failed}"
+                runners.pop("torch")
+                times.pop("torch")
+                continue
             dist.barrier()
             times[label].append((time.perf_counter() - t0) / steps)
             hwm = _status_mib("VmHWM")
@@ -261,6 +246,20 @@ def _bench_rank(rank, world, name, cfg_kw, m, rows, steps, warmup, blocks, torch
         _say(rank, f"  {name}: block {b + 1}/{blocks} done")
     return {"times": times, "peak": peak, "growth": growth, "rss before": rss_before, "check": check,
             "torch error": torch_error, "params": sum(p.numel() for p in model.parameters())}
+
+
+def _run_steps(label: str, run, count: int, dist, world: int) -> str | None:
+    """`count` steps of one side. pipecore's errors propagate; torch's are agreed on by every rank
+    (the first rank's error, or None), so that all ranks drop the torch side together."""
+    failed = None
+    try:
+        for _ in range(count):
+            run()
+    except Exception as exc:  # noqa: BLE001
+        if label == "pipecore":
+            raise
+        failed = f"{type(exc).__name__}: {exc}"
+    return _first_error(dist, world, failed) if label == "torch" else None
 
 
 def _first_error(dist, world, error):

@@ -131,6 +131,13 @@ def pipeline_stages(model: nn.Sequential, schedule: pc.Schedule, rank: int, *, m
     return stages
 
 
+def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest |got - want| relative to want's largest entry: how the example and the tests compare
+    a pipeline's tensors with one process's."""
+    got, want = got.detach().double(), want.detach().double()
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
 def lm_loss(logits, targets):
     """Mean next-token cross entropy (in fp32 also when the logits are bf16)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import pipecore as pc  # noqa: E402
 from pipecore.profiling import draw_trace, gather_trace  # noqa: E402
-from gpt import GPTConfig, build_gpt, get_batch, lm_loss, pipeline_stages, stdlib_bytes  # noqa: E402
+from gpt import (GPTConfig, build_gpt, get_batch, lm_loss, pipeline_stages, relative_difference,  # noqa: E402
+                 stdlib_bytes)
 
 COMPUTE = ("F", "B", "I", "W")
 
@@ -156,7 +157,7 @@ def main() -> None:
             worst = all_max(grad_diff, device)
             say(f"      vs one process: gradients of step {step} within {worst:.1e} (relative to each tensor's largest)")
         if step - start == check - 1:
-            weights = all_max(max(relative(p, reference.get_parameter(n)) for s in stages
+            weights = all_max(max(relative_difference(p, reference.get_parameter(n)) for s in stages
                                   for n, p in s.module.named_parameters()), device)
             say(f"      vs one process: weights after {check} AdamW steps within {weights:.1e}")
         if args.checkpoint_dir and args.save_every and (step + 1) % args.save_every == 0:
@@ -182,11 +183,6 @@ def progress(step: int, args, loss: float, norm: float, seconds: float) -> None:
         f"{args.rows * args.seq_len / seconds:8,.0f} tokens/s  {seconds * 1e3:7.1f} ms")
 
 
-def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.detach().double() - want.detach().double()).abs().max()
-            / want.detach().double().abs().max().clamp_min(1e-30)).item()
-
-
 def compare_step(reference, ref_opt, stages, x, y, args, options) -> float:
     """The same step in one process on the whole batch; the largest relative difference between its
     gradients (clipped alike) and those of this rank's stages. Steps the reference's optimizer."""
@@ -194,7 +190,7 @@ def compare_step(reference, ref_opt, stages, x, y, args, options) -> float:
         loss = lm_loss(reference(x), y)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(reference.parameters(), args.clip)
-    worst = max(relative(p.grad, reference.get_parameter(n).grad) for s in stages
+    worst = max(relative_difference(p.grad, reference.get_parameter(n).grad) for s in stages
                 for n, p in s.module.named_parameters())
     ref_opt.step()
     ref_opt.zero_grad(set_to_none=True)

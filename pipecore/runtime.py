@@ -227,11 +227,7 @@ class Pipeline:
         when microbatches hold different numbers of tokens; it replaces the row-share weighting of
         `scale_grads`. `losses` still holds what `loss_fn` returned."""
         with _range("pipecore.step"):
-            self._loss_divisor = loss_divisor
-            try:
-                return self._run(args, kwargs, target, losses, True, return_outputs, loss_kwargs)
-            finally:
-                self._loss_divisor = None
+            return self._run(args, kwargs, target, losses, True, return_outputs, loss_kwargs, loss_divisor)
 
     def eval(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
              loss_kwargs: dict | None = None, **kwargs):
@@ -275,7 +271,8 @@ class Pipeline:
             warnings.warn(fallback_message(stage_index, why, sorted(nodes)), stacklevel=4)
 
     # -- step ---------------------------------------------------------------------------
-    def _run(self, args, kwargs, target, losses, training: bool, return_outputs: bool, loss_kwargs):
+    def _run(self, args, kwargs, target, losses, training: bool, return_outputs: bool, loss_kwargs,
+             loss_divisor=None):
         if self._misbuilt is not None:
             raise InputError(self._misbuilt)
         if self._broken is not None:
@@ -291,7 +288,7 @@ class Pipeline:
         desc = 0
         try:
             self._check_inputs(args, kwargs, target, training)
-            self._check_step_options(return_outputs, loss_kwargs)
+            loss_divisor = self._check_step_options(return_outputs, loss_kwargs, loss_divisor)
             with _range("pipecore.split"):
                 inputs, targets = self._split(args, kwargs, target)
             if self.has_first:
@@ -325,6 +322,7 @@ class Pipeline:
         self._training = training
         self._return_outputs = return_outputs
         self._loss_kwargs = loss_kwargs or {}
+        self._loss_divisor = loss_divisor
         tied_stash = self._tied.stash() if training and self._tied else None
         stash = self._stash_mirrored_grads() if training and self.is_dualpipe else None
         native = _native()
@@ -339,10 +337,7 @@ class Pipeline:
                     self._outputs, self._losses = {}, {}
         except native.PeerAbort as exc:
             self._end_discovery(failed=True)
-            if stash is not None:
-                self._restore_grads(stash)
-            if tied_stash is not None:
-                self._tied.restore(tied_stash)
+            self._restore_grads(stash, tied_stash)
             raise PeerFailedError(f"rank {self.rank}: step {step} aborted because {self._peer_error(step)} "
                                   f"(noticed here: {exc}). The group is fine: zero the gradients and step again."
                                   ) from None
@@ -350,10 +345,7 @@ class Pipeline:
             self._discovery = None
             raise self._group_broke(exc) from None
         except BaseException as exc:
-            if stash is not None:
-                self._restore_grads(stash)
-            if tied_stash is not None:
-                self._tied.restore(tied_stash)
+            self._restore_grads(stash, tied_stash)
             also = self._executor.last_comm_failure
             if also:  # this rank's own error, and releasing its peers failed too: the group broke
                 self._broken = also
@@ -366,6 +358,7 @@ class Pipeline:
         finally:
             self._inputs = self._targets = None
             self._loss_kwargs = None
+            self._loss_divisor = None
             done, self._outputs = self._outputs, {}  # a failed step's outputs die with the exception
         self._end_discovery(failed=False)
         if stash is not None:
@@ -460,11 +453,11 @@ class Pipeline:
         self._broken = str(exc)
         return CommunicationError(f"{exc}. A peer hung or died: rebuild the process group and the Pipeline.")
 
-    def _check_step_options(self, return_outputs, loss_kwargs) -> None:
-        divisor = self._loss_divisor
+    def _check_step_options(self, return_outputs, loss_kwargs, divisor) -> float | None:
+        """Checks step()'s options; returns loss_divisor as a float (None where no last stage is)."""
         if divisor is not None and self.has_last:
             if isinstance(divisor, torch.Tensor) and divisor.numel() == 1 and not divisor.is_complex():
-                divisor = self._loss_divisor = float(divisor)
+                divisor = float(divisor)
             if isinstance(divisor, bool) or not isinstance(divisor, (int, float)) or not 0 < divisor < float("inf"):
                 raise InputError(f"rank {self.rank}: loss_divisor must be a positive number (the batch's token count, "
                                  f"for a loss_fn that returns a sum), got {divisor!r}")
@@ -473,6 +466,7 @@ class Pipeline:
         if loss_kwargs is not None and not isinstance(loss_kwargs, dict):
             raise InputError(f"loss_kwargs must be a dict of keyword arguments for loss_fn, got "
                              f"{type(loss_kwargs).__name__}")
+        return divisor if self.has_last else None
 
     def _check_inputs(self, args, kwargs, target, training: bool) -> None:
         if training and self.has_last and self.loss_fn is None:
@@ -516,10 +510,14 @@ class Pipeline:
         except Exception:
             return "another rank failed (its error message did not arrive)"
 
-    def _restore_grads(self, stash) -> None:
-        for s in self.stages:
-            for name, p in s.module.named_parameters():
-                p.grad = stash.get((s.stage_index, name))
+    def _restore_grads(self, stash, tied_stash) -> None:
+        """A failed step: the gradients set aside before it (dualpipe's, then the tied copies') go back."""
+        if stash is not None:
+            for s in self.stages:
+                for name, p in s.module.named_parameters():
+                    p.grad = stash.get((s.stage_index, name))
+        if tied_stash is not None:
+            self._tied.restore(tied_stash)
 
     def _split(self, args, kwargs, target):
         """Microbatches of the inputs (ranks with a first stage) and targets (with a last stage)."""

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
 import pipecore as pc  # noqa: E402
-from gpt import GPTConfig, build_gpt, get_batch, lm_loss, pipeline_stages, stdlib_bytes  # noqa: E402
+from gpt import (GPTConfig, build_gpt, get_batch, lm_loss, pipeline_stages, relative_difference,  # noqa: E402
+                 stdlib_bytes)
 
 _TEXT: torch.Tensor | None = None
 
@@ -31,10 +32,6 @@ def small_config(schedule: pc.Schedule, **overrides) -> GPTConfig:
     options = dict(seq_len=16, width=32, heads=2, layers=max(2, model_stages))
     options.update(overrides)
     return GPTConfig(**options)
-
-
-def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
 
 
 def sum_loss(logits, targets):
@@ -92,11 +89,11 @@ def _train_gpt(rank: int, world: int, name: str, m: int, steps: int = 3, max_nor
         extra = {"loss_divisor": (y != -100).sum()} if tokens else {}
         pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None, losses=losses, **extra)
         norm = pc.clip_grad_norm_(pipe, max_norm, norm_type=norm_type)
-        worst["norm"] = max(worst["norm"], relative(norm, ref_norm))
+        worst["norm"] = max(worst["norm"], relative_difference(norm, ref_norm))
         for s in stages:
             for pname, p in s.module.named_parameters():
                 want = reference.get_parameter(pname).grad
-                err = relative(p.grad, want)
+                err = relative_difference(p.grad, want)
                 if err > worst["grad"]:
                     worst["grad"], worst["where"] = err, f"step {step} {pname}"
         losses_by_step.append([None if v is None else float(v) for v in losses])
@@ -115,7 +112,7 @@ def _train_gpt(rank: int, world: int, name: str, m: int, steps: int = 3, max_nor
                 # under bf16 autocast, AdamW moves entries whose gradients differ in sign by +-lr: weights
                 # are compared through their gradients only
                 bound = float("inf") if "autocast" in stage_options else 1e-4
-                drift = relative(p.detach(), reference.embed.tok.weight.detach())
+                drift = relative_difference(p.detach(), reference.embed.tok.weight.detach())
                 worst["tied_drift"] = max(worst.get("tied_drift", 0.0), drift)
                 worst["tied_equal"] &= drift < bound
     worst["losses"] = losses_by_step
