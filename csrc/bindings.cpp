@@ -14,6 +14,7 @@
 
 #include "collectives.h"
 #include "executor.h"
+#include "grad_reduce.h"
 #include "send_recv.h"
 #include "weight_store.h"
 
@@ -188,6 +189,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("bwd_peer", &pipecore::StageLinks::bwd_peer)
       .def_readwrite("bwd_recv", &pipecore::StageLinks::bwd_recv);
 
+  py::class_<pipecore::GradReducer, std::shared_ptr<pipecore::GradReducer>>(
+      m, "GradReducer", "data-parallel gradient buckets of plain stages (csrc/grad_reduce.h)")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, double>(), py::arg("group"), py::arg("timeout"))
+      .def("add_bucket", &pipecore::GradReducer::add_bucket, py::arg("stage"), py::arg("params"), py::arg("like"))
+      .def("begin_step", &pipecore::GradReducer::begin_step)
+      .def("finish", &pipecore::GradReducer::finish, py::arg("failed"), py::arg("scale"),
+           py::call_guard<py::gil_scoped_release>(),
+           "sends what is left, waits for every bucket; True if every replica's step succeeded (then the "
+           "gradients hold the reduced sums times `scale`)")
+      .def("restore", &pipecore::GradReducer::restore, py::arg("keep"))
+      .def_property_readonly("num_buckets", &pipecore::GradReducer::num_buckets)
+      .def_property_readonly("early_buckets", &pipecore::GradReducer::early_buckets,
+                             "buckets of the last step sent from the backward's hooks, before REDUCE_GRAD")
+      .def("trace", [](const pipecore::GradReducer& self) {
+        py::list out;
+        for (const auto& e : self.trace()) out.append(py::make_tuple(e.stage, e.bucket, e.bytes, e.start_us, e.end_us));
+        return out;
+      }, "(local stage, bucket, bytes, sent_us, completed_us) per bucket sent in the last step");
+
   py::class_<pipecore::Executor>(m, "Executor")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, int64_t, int64_t, double>(), py::arg("group"),
            py::arg("num_stages"), py::arg("num_microbatches"), py::arg("timeout"))
@@ -206,6 +226,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("prev_local"))
       .def("set_timeout", &pipecore::Executor::set_timeout, py::arg("seconds"))
       .def("set_free_outputs", &pipecore::Executor::set_free_outputs, py::arg("free"))
+      .def("set_grad_reducer", &pipecore::Executor::set_grad_reducer, py::arg("reducer"))
+      .def(
+          "set_stage_events",
+          [](pipecore::Executor& self, std::vector<int64_t> stages, py::object fn) {
+            if (fn.is_none()) {
+              self.set_stage_events({}, {});
+              return;
+            }
+            auto callback = std::make_shared<py::object>(std::move(fn));  // freed with the GIL: by Python
+            self.set_stage_events(std::move(stages), [callback](int64_t event, int64_t stage) {
+              py::gil_scoped_acquire gil;
+              (*callback)(event, stage);
+            });
+          },
+          py::arg("stages"), py::arg("fn"),
+          "fn(event, local stage) for UNSHARD (8), RESHARD (9), REDUCE_GRAD (10) and before the last backward "
+          "(13) of these stages, whose backward runs whole (no I/W split)")
       .def("set_send_budget", &pipecore::Executor::set_send_budget, py::arg("bytes"))
       .def("set_recv_window", &pipecore::Executor::set_recv_window, py::arg("receives"),
            py::arg("past_sends"), py::arg("max_bytes") = pipecore::kRecvWindowBytes)

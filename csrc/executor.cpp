@@ -15,6 +15,7 @@
 #include "comm.h"
 #include "device_comm.h"
 #include "device_timer.h"
+#include "grad_reduce.h"
 #include "comm_worker.h"
 #include "send_tracker.h"
 #include "trace.h"
@@ -107,6 +108,17 @@ void Executor::set_program(std::vector<int64_t> flat, std::vector<std::string> l
       send_before_recv_.push_back(it == last_send.end() ? -1 : it->second);
     }
     recvs_through_[i] = recv_instrs_.size();
+  }
+  // each stage's last B or W before its REDUCE_GRAD (lowering puts REDUCE_GRAD after it)
+  last_backward_of_.assign(program_.size(), -1);
+  for (size_t j = 0; j < program_.size(); ++j) {
+    if (program_[j].op != kReduceGrad) continue;
+    for (size_t i = j; i-- > 0;) {
+      if ((program_[i].op == kB || program_[i].op == kW) && program_[i].stage == program_[j].stage) {
+        last_backward_of_[i] = program_[j].stage;
+        break;
+      }
+    }
   }
   batch_end_.assign(program_.size(), 0);  // a batch: a run of consecutive SEND/RECV actions
   for (size_t i = program_.size(); i-- > 0;) {
@@ -642,6 +654,15 @@ std::string Executor::finish_aborted(size_t from, bool wait, int64_t status) {
   return comm_failure;
 }
 
+void Executor::set_stage_events(std::vector<int64_t> stages, StageEventFn fn) {
+  evented_.assign(num_stages_, 0);
+  for (int64_t s : stages) {
+    TORCH_CHECK(s >= 0 && s < num_stages_, "pipecore: stage ", s, " outside this executor's ", num_stages_, " stages");
+    evented_[s] = 1;
+  }
+  stage_event_ = stages.empty() ? StageEventFn() : std::move(fn);
+}
+
 void Executor::set_trace(bool on, const std::string& device) {
   trace_on_ = on;
   const c10::Device dev(device);
@@ -732,6 +753,10 @@ void Executor::exec(size_t index, const ForwardFn& forward) {
     return;
   }
   ActionScope scope(labels_[in.label]);
+  if (last_backward_of_[index] >= 0) {
+    if (reducer_) reducer_->arm(in.stage);
+    stage_event(kLastBackwardEvent, in.stage);
+  }
   switch (in.op) {
     case kF:
       do_forward(in, forward);
@@ -764,11 +789,16 @@ void Executor::exec(size_t index, const ForwardFn& forward) {
       break;
     }
     case kReduceGrad:
+      if (reducer_) reducer_->reduce_stage(in.stage);
+      stage_event(kReduceGrad, in.stage);
+      break;
     case kUnshard:
     case kReshard:
+      stage_event(in.op, in.stage);
+      break;
     case kOverlapBegin:
     case kOverlapEnd:
-      break;  // ranges only: gradient reduction and sharding run in Python around the step
+      break;
     default:
       TORCH_CHECK(false, "pipecore: unknown opcode ", in.op);
   }
@@ -838,7 +868,7 @@ void Executor::do_backward(const Instr& in, bool split) {
     roots = s.out_edges;
     grads = s.out_grads;
   }
-  if (split) {
+  if (split && !(in.stage < static_cast<int64_t>(evented_.size()) && evented_[in.stage])) {
     std::vector<SplitFallback> fallbacks;
     s.input_grads = backward_input(roots, grads, s.inputs, s.weight, fallbacks);
     for (auto& f : fallbacks) ++split_fallbacks_[in.stage][f];

@@ -22,6 +22,7 @@ namespace pipecore {
 
 class ActionScope;
 class DeviceTimer;
+class GradReducer;
 class CommWorker;
 class DeviceComm;
 class SendTracker;
@@ -34,6 +35,11 @@ enum Op : int64_t {
   kUnshard = 8, kReshard = 9, kReduceGrad = 10,
   kOverlapBegin = 11, kOverlapEnd = 12,
 };
+// Stage events told to Python for stages whose module reduces its own gradients (torch DDP,
+// FSDP2): the schedule's UNSHARD, RESHARD, REDUCE_GRAD, and this one, before the stage's last
+// backward (B or W) of the step.
+constexpr int64_t kLastBackwardEvent = 13;
+using StageEventFn = std::function<void(int64_t event, int64_t stage)>;
 
 // How many RECV actions ahead of the program point receives are posted by default, and how many
 // bytes of buffers they may hold before the program reaches them.
@@ -175,6 +181,13 @@ class Executor {
     TORCH_CHECK(bytes >= 0, "pipecore: the send budget must be >= 0 bytes, got ", bytes);
     send_budget_ = bytes;
   }
+  // Data-parallel gradient reduction of plain stages (grad_reduce.h): armed before each stage's last
+  // backward, its REDUCE_GRAD sends what is left. Null: none.
+  void set_grad_reducer(std::shared_ptr<GradReducer> reducer) { reducer_ = std::move(reducer); }
+  // Stages whose events go to `fn` (called with the GIL's owner's care: see bindings), and whose
+  // backward runs whole at I (their W does nothing): wrapped modules reduce in their own hooks,
+  // which the I/W split would run before the weight gradients exist.
+  void set_stage_events(std::vector<int64_t> stages, StageEventFn fn);
   // Benchmarks only: keep sent outputs alive until the end of the step (as torch does).
   void set_free_outputs(bool free) { free_outputs_ = free; }
   // Per-action start/end times (steady clock, microseconds) of the last run, when enabled.
@@ -333,6 +346,15 @@ class Executor {
   double trace_time();  // host time now, or an event index on an accelerator
   std::vector<at::Tensor> kept_;  // sent outputs when free_outputs_ is off
   std::vector<std::map<SplitFallback, int64_t>> split_fallbacks_;  // [stage]
+  std::shared_ptr<GradReducer> reducer_;
+  StageEventFn stage_event_;
+  std::vector<uint8_t> evented_;            // [stage]: its events go to stage_event_
+  std::vector<int64_t> last_backward_of_;   // [program index]: the stage whose last backward it is, or -1
+  void stage_event(int64_t event, int64_t stage) {
+    if (stage_event_ && stage >= 0 && stage < static_cast<int64_t>(evented_.size()) && evented_[stage]) {
+      stage_event_(event, stage);
+    }
+  }
 };
 
 }  // namespace pipecore

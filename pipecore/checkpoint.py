@@ -64,8 +64,35 @@ def save_checkpoint(path: str | os.PathLike, pipe, optimizer: torch.optim.Optimi
     """Saves every stage of `pipe`, `optimizer`'s state, rank 0's `extra` and every rank's RNG
     states to the directory `path` (created if missing; a previous checkpoint there is replaced).
     A collective: every rank of the pipeline's group calls it. Raises InputError on every rank,
-    having written nothing, when a rank's arguments are wrong."""
+    having written nothing, when a rank's arguments are wrong. With data-parallel replicas
+    (`dp_group=`) every rank calls it too; replica 0 writes (the replicas' states are equal, RNG
+    states included: each rank's are replica 0's after loading)."""
     path = _normalise(path)
+    dp = getattr(pipe, "_dp", None)
+    if dp is not None:  # data-parallel replicas hold the same state: replica 0 writes it
+        if dp.wrapped:
+            raise InputError(f"rank {pipe.rank}: save_checkpoint saves plain stages; this Pipeline has stages wrapped "
+                             "in DDP or FSDP2: save those with torch.distributed.checkpoint over the device mesh")
+        failed = None
+        if dp.rank == 0:
+            try:
+                _save(path, pipe, optimizer, extra)
+            except BaseException as exc:
+                failed = exc
+        from .runtime import _native
+
+        anyone = pipe._collective(_native().all_reduce_sum, [int(failed is not None)], group=dp.group,
+                                  what="save_checkpoint: data-parallel replicas waiting for replica 0's save")[0]
+        if failed is not None:
+            raise failed
+        if anyone:
+            raise RuntimeError(f"save_checkpoint({path!r}): data-parallel replica 0, which writes the checkpoint, "
+                               "failed (its ranks raised why)")
+        return
+    _save(path, pipe, optimizer, extra)
+
+
+def _save(path: str, pipe, optimizer, extra) -> None:
     staging = path + ".saving"
     rng = _rng_states(pipe)  # first, as the caller left them
     problem, info, failure, state = None, None, None, {}

@@ -17,7 +17,9 @@ stages on rank 0) the sum is local; two ranks exchange their sums once; more ran
     total = pc.clip_grad_norm_(pipe, max_norm=1.0)
 
 is `torch.nn.utils.clip_grad_norm_` over the whole model: the norm over every stage on every rank,
-a tied weight and a dualpipe stage's mirrored copy counted once, equal on every rank.
+a tied weight and a dualpipe stage's mirrored copy counted once, equal on every rank. With data
+parallel replicas (`dp_group=`) the replicas' gradients are equal after the step, except FSDP2's
+sharded ones, whose shards' norms are summed over the dp group first.
 """
 
 from __future__ import annotations
@@ -198,12 +200,15 @@ def clip_grad_norm_(pipe: "Pipeline", max_norm: float, norm_type: float = 2.0,
     counted, every = _grads_to_norm(pipe)
     device = pipe._comm_device()
     inf = norm_type == float("inf")
-    if counted:
-        norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).to(device) for g in counted])
-        local = norms.max() if inf else norms.double().pow(norm_type).sum()
-    else:
-        local = torch.zeros((), dtype=torch.float64, device=device)
-    local = local.double().reshape(1)
+    sharded = [_local(g) for g in counted if _is_sharded(g)]
+    local = _norm_part([g for g in counted if not _is_sharded(g)], norm_type, device)
+    if sharded:  # FSDP2 stages: each replica holds a shard of the gradient; the same on every replica
+        part = _norm_part(sharded, norm_type, pipe._comm_device(pipe._dp.group))
+        part = pipe._collective(_native().all_reduce_tensor, part.reshape(1), "max" if inf else "sum",
+                                what="clip_grad_norm_: summing the sharded gradients' norms over the data-parallel "
+                                "group (call it on every rank)", group=pipe._dp.group)[0].to(device)
+        local = torch.maximum(local, part) if inf else local + part
+    local = local.reshape(1)
     if pipe.world > 1:
         local = pipe._collective(_native().all_reduce_tensor, local, "max" if inf else "sum",
                                  what="clip_grad_norm_: summing the gradient norms of every rank (call it on every rank)")
@@ -214,8 +219,30 @@ def clip_grad_norm_(pipe: "Pipeline", max_norm: float, norm_type: float = 2.0,
                            "so it cannot be clipped (error_if_nonfinite=True)")
     clip = (max_norm / (total.double() + 1e-6)).clamp(max=1.0)
     for g in every:
-        g.detach().mul_(clip.to(device=g.device, dtype=g.dtype))
-    return total.to(every[0].device) if every else total
+        g = _local(g.detach())
+        g.mul_(clip.to(device=g.device, dtype=g.dtype))
+    return total.to(_local(every[0]).device) if every else total
+
+
+def _norm_part(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """max |g| (inf) or the sum of |g|^p over `grads`, as a float64 scalar on `device`."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).to(device) for g in grads]).double()
+    return norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
+
+
+def _is_sharded(g: torch.Tensor) -> bool:
+    """A DTensor gradient sharded over the data-parallel group (FSDP2)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return isinstance(g, DTensor) and any(isinstance(p, Shard) for p in g.placements)
+
+
+def _local(g: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return g.to_local() if isinstance(g, DTensor) else g
 
 
 def _grads_to_norm(pipe: "Pipeline") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -240,21 +267,23 @@ def _grads_to_norm(pipe: "Pipeline") -> tuple[list[torch.Tensor], list[torch.Ten
     return counted, every
 
 
-def _gather_objects(pipe: "Pipeline", obj: Any, what: str) -> list[Any]:
+def _gather_objects(pipe: "Pipeline", obj: Any, what: str, group=None) -> list[Any]:
     """Every rank's picklable `obj`, in group rank order (the native int64 all-gather, twice: sizes,
-    then the bytes; once when no rank has anything to say)."""
-    if pipe.world == 1:
+    then the bytes; once when no rank has anything to say). `group`: the pipeline's by default."""
+    import torch.distributed as dist
+
+    if (pipe.world if group is None else dist.get_world_size(group)) == 1:
         return [obj]
     from .runtime import _native
 
     data = pickle.dumps(obj) if obj else b""
-    sizes = [row[0] for row in pipe._collective(_native().all_gather, [len(data)], what=what)]
+    sizes = [row[0] for row in pipe._collective(_native().all_gather, [len(data)], what=what, group=group)]
     if not any(sizes):
         return [obj for _ in sizes]
     words = (max(sizes) + 7) // 8
     padded = data.ljust(words * 8, b"\0")
     mine = [int.from_bytes(padded[i:i + 8], "little", signed=True) for i in range(0, len(padded), 8)]
-    rows = pipe._collective(_native().all_gather, mine, what=what)
+    rows = pipe._collective(_native().all_gather, mine, what=what, group=group)
     out = []
     for size, row in zip(sizes, rows):
         raw = b"".join(v.to_bytes(8, "little", signed=True) for v in row)[:size]

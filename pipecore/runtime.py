@@ -19,6 +19,7 @@ from .discovery import Discovery, declared_mismatch
 from .microbatch import batch_size, merge, split
 from .schedule import Action, Kind, Schedule, ScheduleError, build_schedule
 from .errors import CommunicationError, InputError, PeerFailedError
+from .data_parallel import DEFAULT_BUCKET_BYTES, DataParallel
 from .grads import TiedWeights
 from .split_backward import fallback_message, name_parameter
 from .stage import PipelineStage
@@ -78,6 +79,12 @@ class Pipeline:
     peer (a larger message goes alone). It bounds what a rank holds for a peer that is behind, e.g.
     a GPipe first stage whose sends would otherwise pile up.
 
+    `dp_group`: data-parallel replicas of this pipeline (`pc.init_mesh(dp, pp).get_group("dp")`; see
+    pipecore/data_parallel.py). Each replica steps its share of the global batch and `.grad` becomes
+    the mean over replicas, reduced in buckets of `bucket_bytes` while the step's other backwards run;
+    stages wrapped in torch DDP or FSDP2 reduce through their wrapper. A failure on any replica fails
+    the step on all of them and leaves `.grad` as it was before the step.
+
     On a gloo `group`, the first step also opens a second gloo connection between the group's
     ranks (on the group's own gloo device): messages to a lower rank travel on it, so that a rank's
     sends never share a connection with the data it receives.
@@ -86,7 +93,8 @@ class Pipeline:
     def __init__(self, stages: PipelineStage | Sequence[PipelineStage], schedule: str | Schedule,
                  num_microbatches: int, loss_fn: Callable | None = None, group=None, scale_grads: bool = True,
                  timeout: float | None = None, trace: bool = False, *, check_finite: bool = False,
-                 recv_window: int = DEFAULT_RECV_WINDOW, send_budget: int = DEFAULT_SEND_BUDGET):
+                 recv_window: int = DEFAULT_RECV_WINDOW, send_budget: int = DEFAULT_SEND_BUDGET,
+                 dp_group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         if not dist.is_initialized():
             raise RuntimeError("Pipeline needs torch.distributed: call dist.init_process_group first")
         self.group = group if group is not None else dist.group.WORLD
@@ -134,8 +142,14 @@ class Pipeline:
         self.has_first = any(topo.prev_stage[s.stage_index] < 0 for s in self.stages)
         self.has_last = any(topo.next_stage[s.stage_index] < 0 for s in self.stages)
         self.is_dualpipe = topo.style == "dualpipe"
+        # data-parallel replicas (pipecore/data_parallel.py): checked here, before any communication
+        self._dp: DataParallel | None = DataParallel(self, dp_group, bucket_bytes) if dp_group is not None else None
         lowered = {True: schedule.lower(), False: _forward_only(schedule).lower()}
-        self._programs: dict[bool, tuple[list[int], list[str]]] = {k: self._encode(v) for k, v in lowered.items()}
+        # FSDP2 stages get UNSHARD/RESHARD in this rank's program (no communication within the pipeline:
+        # the ranks' agreement below is on the program without them)
+        run = dict(lowered, **({True: schedule.lower(sharded=self._dp.sharded)} if self._dp and self._dp.sharded
+                               else {}))
+        self._programs: dict[bool, tuple[list[int], list[str]]] = {k: self._encode(v) for k, v in run.items()}
         # what every rank must agree on before the first step (checked at the first agreement)
         self._program = {
             "schedule": schedule.name or "a custom Schedule",
@@ -188,6 +202,8 @@ class Pipeline:
         # which stages tie which weights: learnt at the first agreement (building a Pipeline is not a
         # collective: ranks may build different numbers of them); alone, now
         self._tied: TiedWeights | None = TiedWeights(self) if self.world == 1 else None
+        if self._dp is not None:
+            self._dp.attach()
 
     # -- program ------------------------------------------------------------------------
     def _encode(self, lowered: Schedule) -> tuple[list[int], list[str]]:
@@ -225,9 +241,20 @@ class Pipeline:
         microbatch's gradient is divided by `loss_divisor`, the batch's token count (e.g.
         `(target != -100).sum()`), so `.grad` equals single-process `loss_fn(whole batch) / N` even
         when microbatches hold different numbers of tokens; it replaces the row-share weighting of
-        `scale_grads`. `losses` still holds what `loss_fn` returned."""
+        `scale_grads`. `losses` still holds what `loss_fn` returned. With `dp_group`, `loss_divisor`
+        is the token count of the whole global batch (every replica's: all-reduce it over the dp
+        group) and the replicas' gradients are summed."""
         with _range("pipecore.step"):
-            return self._run(args, kwargs, target, losses, True, return_outputs, loss_kwargs, loss_divisor)
+            if self._dp is None:
+                return self._run(args, kwargs, target, losses, True, return_outputs, loss_kwargs, loss_divisor)
+            self._dp.begin_step()
+            try:
+                out = self._run(args, kwargs, target, losses, True, return_outputs, loss_kwargs, loss_divisor)
+            except BaseException:
+                self._dp.abandon()  # the replicas learn of it with the data; .grad as before the step
+                raise
+            self._dp.restore()
+            return out
 
     def eval(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
              loss_kwargs: dict | None = None, **kwargs):
@@ -278,6 +305,8 @@ class Pipeline:
         if self._broken is not None:
             raise CommunicationError(f"rank {self.rank}: this Pipeline's process group broke in an earlier step "
                                      f"({self._broken}); rebuild the group and the Pipeline before stepping again")
+        if self._dp is not None and not self._dp.agreed:
+            self._dp.agree()
         m = self.num_microbatches
         step = self._step_count
         self._step_count += 1
@@ -361,6 +390,8 @@ class Pipeline:
             self._loss_divisor = None
             done, self._outputs = self._outputs, {}  # a failed step's outputs die with the exception
         self._end_discovery(failed=False)
+        if training and self._dp is not None:
+            self._dp.finish()  # the replicas' sums, before the mirrored and tied copies add theirs up
         if stash is not None:
             self._sum_mirrored_grads(stash)
         if tied_stash is not None:
@@ -370,6 +401,8 @@ class Pipeline:
         if self.trace_enabled:
             self._trace = [{"rank": self.rank, "step": step, "name": name, "start_us": t0, "end_us": t1}
                            for name, t0, t1 in self._executor.trace()]
+            if training and self._dp is not None:
+                self._trace += [dict(e, step=step) for e in self._dp.trace()]
         if losses is not None and self._losses:
             losses.extend(self._losses.get(mb) for mb in range(m))
         result = None
@@ -611,21 +644,24 @@ class Pipeline:
         return (f"rank {self.rank}: the ranks were built with different pipelines ({'; '.join(lines)}). Build the "
                 "same Pipeline on every rank: the same schedule, num_microbatches and number of stages")
 
-    def _collective(self, fn, *args, what: str = "waiting for every rank to reach step()"):
-        """One of the native small collectives (csrc/collectives.h says why they are native)."""
+    def _collective(self, fn, *args, what: str = "waiting for every rank to reach step()", group=None):
+        """One of the native small collectives (csrc/collectives.h says why they are native), over the
+        pipeline's group or `group`."""
         native = _native()
+        group = self.group if group is None else group
         try:
-            return fn(self.group, *args, timeout=self.timeout, what=what,
+            return fn(group, *args, timeout=self.timeout, what=what,
                       **({} if fn in (native.exchange, native.all_reduce_tensor)
-                         else {"device": str(self._comm_device())}))
+                         else {"device": str(self._comm_device(group))}))
         except native.CommError as exc:
             self._broken = str(exc)
             raise CommunicationError(f"{exc}; a rank hung or died: rebuild the process group") from None
 
-    def _comm_device(self) -> torch.device:
+    def _comm_device(self, group=None) -> torch.device:
         """Where this Pipeline's own small collectives run: CPU when the group has a CPU backend
         (gloo, also in "cpu:gloo,cuda:nccl"), else the stages' device."""
-        return torch.device("cpu") if _backend_of(self.group, torch.device("cpu")) else self.stages[0].device
+        group = self.group if group is None else group
+        return torch.device("cpu") if _backend_of(group, torch.device("cpu")) else self.stages[0].device
 
     def _p2p_backend_is_gloo(self) -> bool:
         """Do the stages' messages go through gloo? Asked of the backend that serves the stages'
@@ -659,7 +695,9 @@ class Pipeline:
         else:
             args, kwargs = planning.as_call(self._plans_in_use[s].inputs[mb].decode(received))
         try:
-            out = stage.forward(args, kwargs)
+            wrapper = self._dp.wrapped.get(local) if self._dp is not None and self._training else None
+            with wrapper.forward_context() if wrapper is not None else nullcontext():
+                out = stage.forward(args, kwargs)
         except Exception as exc:
             shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_flatten((args, kwargs))[0]
                       if isinstance(t, torch.Tensor)]
@@ -690,6 +728,8 @@ class Pipeline:
                                          "(check_finite=True)")
             if self.scale_grads or self._loss_divisor is not None:
                 seed = self._loss_weight(mb)
+            elif self._dp is not None:
+                seed = 1.0 / self._dp.size
         if not self._training:
             loss = None
         return [], loss, seed
@@ -729,9 +769,10 @@ class Pipeline:
         loss_divisor (sum losses), 1 / loss_divisor."""
         if self._loss_divisor is not None:
             return 1.0 / self._loss_divisor
+        dp = self._dp.size if self._dp is not None else 1  # the mean over replicas: their gradients are summed
         if self._rows:
-            return self._rows[mb] / sum(self._rows)
-        return 1.0 / self.num_microbatches
+            return self._rows[mb] / sum(self._rows) / dp
+        return 1.0 / self.num_microbatches / dp
 
     # -- dualpipe: mirrored stages hold copies of one model stage ----------------------------
     def _stash_mirrored_grads(self):

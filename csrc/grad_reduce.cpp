@@ -1,0 +1,270 @@
+#include "grad_reduce.h"
+
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/function_hook.h>
+
+#include <chrono>
+#include <sstream>
+#include <stdexcept>
+
+#include "executor.h"  // CommError
+
+namespace pipecore {
+
+namespace {
+double now_us() {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+// Runs after a parameter's AccumulateGrad (its .grad holds what this backward added).
+struct ReadyHook : torch::autograd::FunctionPostHook {
+  ReadyHook(GradReducer* reducer, size_t bucket, size_t index) : reducer_(reducer), bucket_(bucket), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    reducer_->on_accumulated(bucket_, index_);
+    return outputs;
+  }
+
+ private:
+  GradReducer* reducer_;
+  size_t bucket_;
+  size_t index_;
+};
+
+GradReducer::GradReducer(c10::intrusive_ptr<c10d::ProcessGroup> group, double timeout_s)
+    : group_(std::move(group)), timeout_ms_(static_cast<int64_t>(timeout_s * 1000)) {}
+
+GradReducer::~GradReducer() {
+  for (const auto& [acc, key] : hooks_) accumulators_[acc]->del_post_hook(key);
+}
+
+void GradReducer::add_bucket(int64_t stage, std::vector<at::Tensor> params, const at::Tensor& like) {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(finished_, "pipecore: buckets are added between steps");
+  Bucket b;
+  b.stage = stage;
+  for (const auto& p : params) {
+    TORCH_CHECK(p.requires_grad() && p.is_leaf(), "pipecore: a reduced parameter must be a leaf that requires grad");
+    TORCH_CHECK(p.scalar_type() == like.scalar_type() && p.device() == like.device(),
+                "pipecore: a bucket holds one dtype on one device");
+    b.offsets.push_back(b.payload);
+    b.payload += p.numel();
+  }
+  const size_t index = buckets_.size();
+  for (size_t k = 0; k < params.size(); ++k) {
+    // The accumulator is kept alive here: torch makes a new one (without the hook) for every graph
+    // once nothing holds it.
+    accumulators_.push_back(torch::autograd::impl::grad_accumulator(params[k]));
+    TORCH_CHECK(accumulators_.back(), "pipecore: parameter without a gradient accumulator");
+    hooks_.emplace_back(accumulators_.size() - 1,
+                        accumulators_.back()->add_post_hook(std::make_unique<ReadyHook>(this, index, k)));
+    all_params_.push_back(params[k]);
+  }
+  b.flat = at::zeros({b.payload + static_cast<int64_t>(params.size()) + 1}, like.options());
+  b.params = std::move(params);
+  b.ready.assign(b.params.size(), 0);
+  if (stage >= static_cast<int64_t>(armed_.size())) armed_.resize(stage + 1, 0);
+  buckets_.push_back(std::move(b));
+  set_aside_.resize(all_params_.size());
+}
+
+bool GradReducer::reduces(int64_t stage) const {
+  for (const auto& b : buckets_) {
+    if (b.stage == stage) return true;
+  }
+  return false;
+}
+
+void GradReducer::begin_step() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& b : buckets_) {
+    std::fill(b.ready.begin(), b.ready.end(), 0);
+    b.num_ready = 0;
+    b.forced = b.sent = b.early = false;
+    b.work.reset();
+    b.sent_grads.clear();
+    b.start_us = b.end_us = 0;
+    b.done_us.reset();
+  }
+  std::fill(armed_.begin(), armed_.end(), 0);
+  next_ = 0;
+  failing_ = false;
+  finished_ = false;
+  succeeded_ = true;
+  early_ = 0;
+  late_.clear();
+  for (size_t k = 0; k < all_params_.size(); ++k) {
+    set_aside_[k] = std::exchange(all_params_[k].mutable_grad(), at::Tensor());
+  }
+}
+
+void GradReducer::arm(int64_t stage) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stage >= 0 && stage < static_cast<int64_t>(armed_.size())) armed_[stage] = 1;
+}
+
+void GradReducer::on_accumulated(size_t bucket, size_t index) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Bucket& b = buckets_[bucket];
+  if (finished_ || !armed_[b.stage]) return;  // an earlier microbatch, or a backward outside a step
+  if (b.sent) {
+    if (late_.empty()) {
+      std::ostringstream os;
+      os << "a gradient of stage " << b.stage << "'s parameter of shape " << b.params[index].sizes()
+         << " was accumulated twice in its last backward, after its bucket was sent (a backward inside the "
+            "backward, e.g. torch.utils.checkpoint(..., use_reentrant=True): use use_reentrant=False)";
+      late_ = os.str();
+    }
+    return;
+  }
+  if (!b.ready[index]) {
+    b.ready[index] = 1;
+    if (++b.num_ready == b.params.size()) send_in_order();
+  }
+}
+
+void GradReducer::reduce_stage(int64_t stage) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& b : buckets_) {
+    if (b.stage == stage) b.forced = true;
+  }
+  send_in_order();
+}
+
+void GradReducer::send_in_order() {
+  while (next_ < buckets_.size()) {
+    Bucket& b = buckets_[next_];
+    if (!b.forced && !failing_ && b.num_ready < b.params.size()) return;
+    b.early = !b.forced && !failing_;
+    send(b, failing_);
+    ++next_;
+  }
+}
+
+void GradReducer::send(Bucket& b, bool failed) {
+  at::NoGradGuard no_grad;
+  const auto n = static_cast<int64_t>(b.params.size());
+  at::Tensor flags = b.flat.narrow(0, b.payload, n + 1);
+  flags.zero_();
+  if (failed) {
+    flags.narrow(0, n, 1).fill_(1);  // the payload does not matter: nobody uses it
+  } else {
+    for (int64_t k = 0; k < n; ++k) {
+      const at::Tensor& grad = b.params[k].grad();
+      at::Tensor slot = b.flat.narrow(0, b.offsets[k], b.params[k].numel()).view(b.params[k].sizes());
+      if (grad.defined()) {
+        slot.copy_(grad);
+        flags.narrow(0, k, 1).fill_(1);
+        b.sent_grads.emplace_back(grad.unsafeGetTensorImpl(), grad._version());
+      } else {
+        slot.zero_();
+        b.sent_grads.emplace_back(nullptr, 0);
+      }
+    }
+  }
+  std::vector<at::Tensor> tensors{b.flat};
+  b.start_us = now_us();
+  b.work = group_->allreduce(tensors);
+  if (b.early) ++early_;
+  try {  // the completion time, for traces (not every backend's Work has a future)
+    auto done = std::make_shared<double>(0.0);
+    b.work->getFuture()->addCallback([done](c10::ivalue::Future&) { *done = now_us(); });
+    b.done_us = done;
+  } catch (const std::exception&) {
+  }
+}
+
+bool GradReducer::finish(bool failed, double scale) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (finished_) return succeeded_;
+  finished_ = true;
+  failing_ = failed;
+  for (auto& b : buckets_) b.forced = true;
+  send_in_order();
+  std::string broken;
+  for (auto& b : buckets_) {
+    try {
+      b.work->wait(std::chrono::milliseconds(timeout_ms_));
+    } catch (const std::exception& e) {
+      if (broken.empty()) broken = e.what();
+    }
+    b.end_us = b.done_us && *b.done_us > 0 ? *b.done_us : now_us();
+  }
+  if (!broken.empty()) {
+    std::ostringstream os;
+    os << "rank " << group_->getRank() << " of the data-parallel group: reducing the gradients failed within "
+       << timeout_ms_ / 1000.0 << " s (" << broken << ")";
+    succeeded_ = false;
+    throw CommError(os.str());
+  }
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> flags;
+  for (const auto& b : buckets_) flags.push_back(b.flat.narrow(0, b.payload, b.params.size() + 1).cpu());
+  for (const auto& f : flags) {
+    if (f[f.numel() - 1].item<double>() != 0) succeeded_ = false;
+  }
+  if (failed || !succeeded_) return succeeded_ = false;
+  for (const auto& b : buckets_) {  // nothing may have changed a gradient since it was copied
+    for (size_t k = 0; k < b.sent_grads.size() && late_.empty(); ++k) {
+      const at::Tensor& grad = b.params[k].grad();
+      if (b.sent_grads[k].first != (grad.defined() ? grad.unsafeGetTensorImpl() : nullptr) ||
+          (grad.defined() && b.sent_grads[k].second != grad._version())) {
+        std::ostringstream os;
+        os << "stage " << b.stage << "'s parameter of shape " << b.params[k].sizes()
+           << " got more gradient after its bucket was sent (by code that writes .grad during the backward)";
+        late_ = os.str();
+      }
+    }
+  }
+  if (!late_.empty()) {
+    succeeded_ = false;
+    throw std::logic_error(late_);
+  }
+  for (size_t j = 0; j < buckets_.size(); ++j) {
+    const Bucket& b = buckets_[j];
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      if (flags[j][static_cast<int64_t>(k)].item<double>() == 0) continue;  // no replica has a gradient
+      at::Tensor param = b.params[k];
+      at::Tensor sum = b.flat.narrow(0, b.offsets[k], param.numel()).view(param.sizes());
+      at::Tensor& grad = param.mutable_grad();
+      if (grad.defined()) {
+        grad.copy_(sum);
+        if (scale != 1.0) grad.mul_(scale);
+      } else {
+        grad = sum.mul(scale);  // a new tensor: the bucket is reused next step
+      }
+    }
+  }
+  return true;
+}
+
+void GradReducer::restore(bool keep) {
+  std::lock_guard<std::mutex> lock(mu_);
+  at::NoGradGuard no_grad;
+  for (size_t k = 0; k < all_params_.size(); ++k) {
+    at::Tensor before = std::move(set_aside_[k]);
+    set_aside_[k] = at::Tensor();
+    at::Tensor& grad = all_params_[k].mutable_grad();
+    if (!keep || !grad.defined()) {
+      grad = std::move(before);
+    } else if (before.defined()) {
+      grad = before.add_(grad);  // into the tensor .grad held, as torch's accumulation does
+    }
+  }
+}
+
+std::vector<GradReducer::Event> GradReducer::trace() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Event> out;
+  for (size_t j = 0; j < buckets_.size(); ++j) {
+    const Bucket& b = buckets_[j];
+    if (b.start_us > 0) {
+      out.push_back({b.stage, static_cast<int64_t>(j), static_cast<int64_t>(b.flat.nbytes()), b.start_us,
+                     b.end_us});
+    }
+  }
+  return out;
+}
+
+}  // namespace pipecore

@@ -1,0 +1,232 @@
+"""Data x pipeline parallel: each stage replicated over a data-parallel group.
+
+    mesh = pc.init_mesh(dp=2, pp=2)
+    pipe = pc.Pipeline(stages, "1f1b", m, loss_fn, group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"))
+    pipe.step(x_local, target=y_local)     # each replica steps its share of the global batch
+
+After the step every parameter's `.grad` is the mean over the replicas (as torch DDP gives), so it
+equals single-process training of the whole global batch; with `loss_divisor` (a loss_fn that
+sums over tokens), give the token count of the whole global batch (all replicas: all-reduce it
+over the dp group) and the replicas' gradients are summed.
+
+How: the last stage weights each microbatch's loss by 1/dp as well (the mean over replicas is
+folded into the seeds), so that every reduction over the dp group is a plain sum. Plain stages
+reduce in the executor (csrc/grad_reduce.h): buckets of about `bucket_bytes`, in reverse
+registration order, are all-reduced asynchronously from the stage's last backward on (a bucket
+goes as soon as its parameters' last gradients are accumulated), the rest at the stage's
+REDUCE_GRAD, and the step waits for them at its end: one stage's reduction runs under the
+backwards of the others. Stages the user wrapped in torch DDP or FSDP2 reduce through their own
+wrapper (pipecore/wrapped_stages.py), driven by the schedule's UNSHARD, RESHARD and REDUCE_GRAD.
+
+A failed step anywhere fails the step on every replica (each bucket carries a "failed" flag), and
+every rank's `.grad` is put back as it was before the step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from .errors import InputError, PeerFailedError
+
+if TYPE_CHECKING:
+    from .runtime import Pipeline
+
+DEFAULT_BUCKET_BYTES = 25 << 20  # torch DDP's bucket_cap_mb
+
+# executor stage events (csrc/executor.h)
+_UNSHARD, _RESHARD, _REDUCE_GRAD, _LAST_BACKWARD = 8, 9, 10, 13
+
+
+class DataParallel:
+    """The data-parallel side of one Pipeline: its group, the buckets of its plain stages, the
+    wrappers of the others."""
+
+    def __init__(self, pipe: "Pipeline", dp_group, bucket_bytes: int):
+        check_groups(pipe.group, dp_group)
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes!r}")
+        self.group = dp_group
+        self.size = dist.get_world_size(dp_group)
+        self.rank = dist.get_rank(dp_group)
+        self._pipe = pipe
+        self.wrapped = {}
+        for local, stage in enumerate(pipe.stages):
+            adapter = _wrapper_of(stage.module, dp_group)
+            if adapter is not None:
+                self.wrapped[local] = adapter
+        self.sharded = frozenset(pipe.stages[local].stage_index for local, a in self.wrapped.items() if a.sharded)
+        self._bucket_bytes = bucket_bytes
+        self.agreed = False
+
+    def attach(self) -> None:
+        """Once the Pipeline's programs and executor exist: the buckets of the plain stages, in the
+        order of their REDUCE_GRAD actions, and the wrapped stages' events."""
+        from .runtime import _native
+
+        pipe = self._pipe
+        self.reducer = _native().GradReducer(self.group, pipe.timeout)
+        self.layout: list[tuple] = []  # (local stage, [(shape, dtype)...]) per bucket: equal on every replica
+        order = _reduce_order(pipe)
+        owner: dict[int, int] = {}  # a parameter two stages share goes with the later REDUCE_GRAD
+        for local in order:
+            for p in pipe.stages[local].module.parameters():
+                owner[id(p)] = local
+        for local in order:
+            if local in self.wrapped:
+                continue
+            params = [p for p in pipe.stages[local].module.parameters() if p.requires_grad and owner[id(p)] == local]
+            for bucket in _buckets(params, self._bucket_bytes):
+                self.reducer.add_bucket(local, bucket, bucket[0].detach()[:0])
+                self.layout.append((local, [(tuple(q.shape), str(q.dtype)) for q in bucket]))
+        if self.reducer.num_buckets == 0:  # every stage reduces through its wrapper: the failure flag goes alone
+            self.reducer.add_bucket(-1, [], torch.empty(0, device=pipe._comm_device(self.group)))
+        pipe._executor.set_grad_reducer(self.reducer)
+        if self.wrapped:
+            pipe._executor.set_stage_events(sorted(self.wrapped), self._event)
+
+    # -- a step ------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.reducer.begin_step()
+        for adapter in self.wrapped.values():
+            adapter.begin_step()
+
+    def _event(self, event: int, local: int) -> None:
+        adapter = self.wrapped[local]
+        if event == _UNSHARD:
+            adapter.unshard()
+        elif event == _RESHARD:
+            adapter.reshard()
+        elif event == _LAST_BACKWARD:
+            adapter.before_last_backward()
+        elif event == _REDUCE_GRAD:
+            adapter.reduce_grad(average=False)  # the 1/dp is in the loss seeds
+
+    def finish(self) -> None:
+        """The step ran on this rank: wait for the reductions; PeerFailedError if a replica failed."""
+        from .runtime import _native
+
+        try:
+            ok = self.reducer.finish(False, 1.0)
+        except _native().CommError as exc:
+            raise self._pipe._group_broke(exc) from None
+        except RuntimeError as exc:  # a gradient changed after its bucket was sent
+            raise InputError(f"rank {self._pipe.rank}: {exc}") from None
+        if not ok:
+            raise PeerFailedError(f"rank {self._pipe.rank} (dp rank {self.rank}): another data-parallel replica's "
+                                  "step failed (its ranks raised why), so this step's gradients were not kept: .grad "
+                                  "is as before the step. Step again once it is fixed.")
+        for adapter in self.wrapped.values():
+            adapter.end_step(failed=False)
+
+    def abandon(self) -> None:
+        """The step failed (here or on a replica): the replicas still get every bucket (flagged), and
+        .grad goes back to what it was before the step."""
+        from .runtime import _native
+
+        try:
+            self.reducer.finish(True, 1.0)
+        except (_native().CommError, RuntimeError):
+            pass  # the step's own error says what happened
+        finally:
+            self.reducer.restore(False)
+            for adapter in self.wrapped.values():
+                adapter.end_step(failed=True)
+
+    def restore(self) -> None:
+        """After a kept step: the gradients .grad held before it are added back."""
+        self.reducer.restore(True)
+
+    def trace(self) -> list[dict]:
+        pipe = self._pipe
+        return [{"rank": pipe.rank, "name": f"DP:reduce {pipe.stages[s].stage_index}/{b} ({n} B)" if s >= 0
+                 else "DP:status", "start_us": t0, "end_us": t1}
+                for s, b, n, t0, t1 in self.reducer.trace()]
+
+    def agree(self) -> None:
+        """At the first step (or eval): the replicas hold the same pipeline position, the same program
+        and the same bucket layout; otherwise every rank of the dp group says what differs."""
+        from .grads import _gather_objects
+
+        pipe = self._pipe
+        mine = {"pp rank": pipe.rank, "pp size": pipe.world, "program": pipe._program, "buckets": self.layout,
+                "wrapped": sorted((pipe.stages[k].stage_index, a.kind) for k, a in self.wrapped.items())}
+        rows = _gather_objects(pipe, mine, "data-parallel replicas agreeing on their pipelines",
+                               group=self.group)
+        self.agreed = True
+        for field in ("pp rank", "pp size", "program", "buckets", "wrapped"):
+            values = [r[field] for r in rows]
+            if any(v != values[0] for v in values):
+                raise InputError(f"rank {pipe.rank} (dp rank {self.rank}): the data-parallel replicas differ in their "
+                                 f"{field} ({_describe(field, values)}). dp_group must join ranks that hold the same "
+                                 "stages of the same model in the same pipeline position: build the groups with "
+                                 "pc.init_mesh(dp=..., pp=...)")
+
+
+def check_groups(group, dp_group) -> None:
+    """Local checks, before any communication: this rank is in both groups and they meet only here."""
+    me = dist.get_rank()
+    try:
+        dp_ranks = dist.get_process_group_ranks(dp_group)
+    except Exception as exc:  # noqa: BLE001 - not a process group
+        raise TypeError(f"dp_group must be a torch.distributed process group (mesh.get_group('dp')), got "
+                        f"{type(dp_group).__name__}") from exc
+    if me not in dp_ranks:
+        raise InputError(f"rank {me} is not in dp_group (ranks {dp_ranks}): pass each rank its own data-parallel group "
+                         "(mesh.get_group('dp'))")
+    pp_ranks = dist.get_process_group_ranks(group)
+    both = sorted(set(pp_ranks) & set(dp_ranks))
+    if both != [me]:
+        raise InputError(f"rank {me}: the pipeline group (ranks {pp_ranks}) and dp_group (ranks {dp_ranks}) share "
+                         f"ranks {both}: a data-parallel replica is another pipeline, so the groups meet only in this "
+                         "rank. Use group=mesh.get_group('pp'), dp_group=mesh.get_group('dp') of "
+                         "pc.init_mesh(dp=..., pp=...)")
+
+
+def _buckets(params: list, bucket_bytes: int) -> list[list]:
+    """torch DDP's bucketing: reverse registration order (roughly the backward's), one dtype and
+    device per bucket, a bucket closed once it holds `bucket_bytes`."""
+    done: list[list] = []
+    open_: dict[tuple, list] = {}
+    size: dict[tuple, int] = {}
+    for p in reversed(params):
+        key = (p.dtype, p.device)
+        open_.setdefault(key, []).append(p)
+        size[key] = size.get(key, 0) + p.numel() * p.element_size()
+        if size[key] >= bucket_bytes:
+            done.append(open_.pop(key))
+            size[key] = 0
+    return done + list(open_.values())
+
+
+def _reduce_order(pipe: "Pipeline") -> list[int]:
+    """This rank's local stages in the order of their REDUCE_GRAD actions."""
+    flat, _ = pipe._programs[True]
+    order = [flat[i + 1] for i in range(0, len(flat), 5) if flat[i] == _REDUCE_GRAD]
+    return order + [k for k in range(len(pipe.stages)) if k not in order]
+
+
+def _wrapper_of(module, dp_group):
+    from torch.nn.parallel import DistributedDataParallel
+
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        FSDPModule = ()
+    if not isinstance(module, (DistributedDataParallel, FSDPModule)):
+        return None
+    from .wrapped_stages import WrappedStage
+
+    return WrappedStage.of(module, dp_group)
+
+
+def _describe(field: str, values: list) -> str:
+    if field in ("pp rank", "pp size", "wrapped"):
+        return ", ".join(f"dp rank {r}: {v}" for r, v in enumerate(values))
+    differ = [r for r, v in enumerate(values) if v != values[0]]
+    return f"dp ranks {differ} differ from dp rank 0"
+
+
+__all__ = ["DataParallel", "DEFAULT_BUCKET_BYTES", "check_groups"]

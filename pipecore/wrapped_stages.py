@@ -1,0 +1,272 @@
+"""Stages whose module the user wrapped in torch DDP or FSDP2 (`fully_shard`) over the data-parallel
+group: the executor drives the wrapper through these events, and DDP/FSDP2 do every collective.
+
+The recipe follows torch.distributed.pipelining (stage.py: `forward_maybe_with_nosync`,
+`backward_maybe_with_nosync`, `perform_reduce_grad`; schedules.py: UNSHARD/RESHARD), with one
+difference each: DDP's reducer is armed right before the last backward *whichever microbatch that
+is* (torch takes the highest microbatch index), and FSDP2 keeps parameters unsharded from UNSHARD to
+RESHARD (torch re-gathers nothing either, but reshards inside REDUCE_GRAD).
+
+Each microbatch's backward is a normal autograd-engine call, so DDP's and FSDP2's autograd hooks
+(grad-accumulator hooks, pre-backward tensor hooks, post-backward nodes, queued final callbacks) run
+as in `loss.backward()`; the events below only set the flags that tell them which backward is the
+last one. Gradients held before a step are taken as already reduced (an earlier step's): the step
+adds its own reduced contribution to them, as `loss.backward()` twice would.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
+
+from .errors import InputError, PipelineError
+
+
+def _ranks(group) -> list[int]:
+    return sorted(dist.get_process_group_ranks(group))
+
+
+class WrappedStage:
+    """What the executor calls, per stage, around a training step (see `of`)."""
+
+    kind: str = ""
+    sharded: bool = False
+
+    def __init__(self, module: torch.nn.Module, dp_group):
+        self.module = module
+        self.dp_size = dist.get_world_size(dp_group)
+
+    @staticmethod
+    def of(module: torch.nn.Module, dp_group) -> WrappedStage | None:
+        """The adapter for a stage module wrapped in DDP or FSDP2, None for a plain module. Raises
+        InputError for a wrapper pipecore cannot drive exactly (the message says what to change)."""
+        if isinstance(module, DistributedDataParallel):
+            return _DDPStage(module, dp_group)
+        if isinstance(module, FSDPModule):
+            return _FSDPStage(module, dp_group)
+        inner = [name for name, m in module.named_modules() if isinstance(m, (DistributedDataParallel, FSDPModule))]
+        if inner:
+            raise InputError(
+                f"stage module {type(module).__name__} is not wrapped, but its submodule '{inner[0]}' is "
+                f"({type(module.get_submodule(inner[0])).__name__}): pipecore drives a data-parallel wrapper only "
+                "on the stage's own module (a nested one would reduce its gradients at every microbatch and then "
+                "again with the plain stages'). Wrap the stage module itself: DDP(stage_module, "
+                "process_group=dp_group), or fully_shard(stage_module, mesh=dp_mesh) after fully_shard on its layers")
+        return None
+
+    def _check_group(self, wrapper: str, ranks: list[int] | None, dp_group, fix: str) -> None:
+        if dp_group is None:
+            raise InputError(f"the stage module is wrapped in {wrapper}, but the Pipeline has no dp_group: pass "
+                             "Pipeline(..., dp_group=mesh.get_group('dp')), the group the wrapper reduces over")
+        if ranks != _ranks(dp_group):
+            raise InputError(f"the stage module's {wrapper} reduces over ranks {ranks}, but the Pipeline's dp_group "
+                             f"is ranks {_ranks(dp_group)}: {fix}")
+
+    def forward_context(self):
+        return nullcontext()
+
+    def begin_step(self) -> None: ...
+
+    def unshard(self) -> None: ...
+
+    def reshard(self) -> None: ...
+
+    def before_last_backward(self) -> None: ...
+
+    def reduce_grad(self, average: bool) -> None: ...
+
+    def end_step(self, failed: bool) -> None: ...
+
+
+class _DDPStage(WrappedStage):
+    kind = "ddp"
+    sharded = False
+
+    def __init__(self, module: DistributedDataParallel, dp_group):
+        super().__init__(module, dp_group)
+        self._check_group("DistributedDataParallel", _ranks(module.process_group), dp_group,
+                          "construct it as DDP(module, process_group=mesh.get_group('dp'))")
+        if module.find_unused_parameters:
+            # the reducer searches the last backward's graph from its stage outputs to find unused
+            # parameters; without them (prepare_for_backward([])) it takes every parameter as unused
+            raise InputError("DDP(find_unused_parameters=True) is not supported on a pipeline stage: construct "
+                             "it with find_unused_parameters=False (every parameter of a stage must get a gradient "
+                             "in each microbatch's backward)")
+        if module.static_graph:
+            # static_graph's first iteration queues the all-reduce from the first backward that
+            # runs (_DDPSink), a microbatch before the last
+            raise InputError("DDP(static_graph=True) is not supported on a pipeline stage: construct it with "
+                             "static_graph=False")
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._stash: list | None = None
+        self._armed = False
+        self._reached = 0
+        self._hooks: list = []
+
+    def forward_context(self):
+        # Every forward runs with gradient sync off (torch: forward_maybe_with_nosync): DDP's
+        # _post_forward would otherwise call reducer.prepare_for_backward, arming the reducer for
+        # whichever backward runs next, while other microbatches' graphs are alive.
+        return self.module.no_sync()
+
+    def begin_step(self) -> None:
+        # The reducer averages all of .grad; what .grad held before the step is set aside and added
+        # back after the reduction (reduce_grad), so only this step's gradients are reduced and
+        # summed mode multiplies only them. A bucket view is overwritten by the next reduction: copy it.
+        self._stash = None
+        if any(p.grad is not None for p in self._params):
+            copy = self.module.gradient_as_bucket_view
+            self._stash = [None if p.grad is None else (p.grad.clone() if copy else p.grad) for p in self._params]
+            for p in self._params:
+                p.grad = None
+
+    def before_last_backward(self) -> None:
+        # Arms the reducer for exactly this backward, as torch's backward_maybe_with_nosync does
+        # for its last microbatch: the grad-accumulator hooks then fill the buckets, all-reduce them
+        # while the backward runs (bucket order), and the queued finalize_backward waits for the
+        # all-reduces and writes the averaged gradients into .grad before the engine call returns.
+        # The earlier backwards ran with the reducer disarmed: their hooks only accumulated .grad.
+        self.module.reducer.prepare_for_backward([])
+        self._armed = True
+        # A reducer armed after the last backward ran would reduce nothing now and all-reduce in the
+        # next step's first backward instead: count the gradients the armed backward accumulates.
+        self._reached = 0
+
+        def reached(_):
+            self._reached += 1
+        self._hooks = [p.register_post_accumulate_grad_hook(reached) for p in self._params]
+
+    def _remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def reduce_grad(self, average: bool) -> None:
+        self._remove_hooks()
+        if self._params and not self._reached:
+            raise PipelineError("REDUCE_GRAD of a DDP stage found no gradient accumulated since "
+                                "before_last_backward(): it must run right before the engine call that computes "
+                                "the stage's last backward (its parameters' gradients), not after it")
+        try:
+            # raises when the last backward did not reach every parameter (the buckets of those
+            # parameters were never all-reduced)
+            self.module.reducer._check_reducer_finalized()
+        except RuntimeError as exc:
+            raise PipelineError("DDP did not finish its gradient reduction in the stage's last backward: every "
+                                "parameter of a DDP stage must get a gradient in the last microbatch's backward (the "
+                                f"one DDP's reducer is armed for). DDP says: {exc}") from exc
+        self._armed = False
+        for i, p in enumerate(self._params):
+            if p.grad is None:
+                continue
+            if not average:  # the reducer divided the sum by dp (divide, then all-reduce)
+                p.grad.mul_(self.dp_size)
+            if self._stash is not None and self._stash[i] is not None:
+                p.grad.add_(self._stash[i])
+        if self._stash is not None:
+            for p, g in zip(self._params, self._stash):
+                if p.grad is None:
+                    p.grad = g
+        self._stash = None
+
+    def end_step(self, failed: bool) -> None:
+        self._remove_hooks()
+        if failed:
+            if self._armed:
+                # a reduction that never finished: the reducer would refuse the next step
+                # ("Expected to have finished reduction in the prior iteration")
+                self.module.reducer._reset_state()
+            if self._stash is not None:  # .grad as before the step
+                for p, g in zip(self._params, self._stash):
+                    p.grad = g
+        self._armed = False
+        self._stash = None
+        # The next step's first forward broadcasts rank 0's buffers, as after a synced DDP forward
+        # (our no_sync forwards cleared the flag; torch's pipelining leaves it cleared).
+        self.module.require_forward_param_sync = True
+
+
+class _FSDPStage(WrappedStage):
+    kind = "fsdp"
+    sharded = True
+
+    def __init__(self, module: FSDPModule, dp_group):
+        super().__init__(module, dp_group)
+        self._fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        self._groups = [g for m in self._fsdp for g in m._get_fsdp_state()._fsdp_param_groups]
+        meshes = {id(g.mesh_info.mesh): g.mesh_info.mesh for g in self._groups}
+        for mesh in meshes.values():
+            self._check_group("fully_shard", sorted(mesh.mesh.flatten().tolist()), dp_group,
+                              "call fully_shard(module, mesh=mesh['dp']) with the data-parallel dimension of "
+                              "pc.init_mesh")
+        self._saved: list | None = None
+        self._pending: list = []
+
+    def begin_step(self) -> None:
+        # FSDP2's gradient accumulation without communication (torch: backward_maybe_with_nosync):
+        # every backward of the step accumulates unsharded gradients (no reduce-scatter), keeps the
+        # parameters unsharded for the next microbatch, and does not finalize.
+        self._saved = [(g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward) for g in self._groups]
+        self.module.set_requires_gradient_sync(False)
+        self.module.set_reshard_after_backward(False)
+        self.module.set_is_last_backward(False)
+
+    def unshard(self) -> None:
+        # all-gather each FSDP module's parameters once for the step (torch's UNSHARD: every
+        # FSDPModule of the stage; unshard() is not recursive). Asynchronous: FSDP waits for it in
+        # its pre-forward, so the all-gather runs under whatever the rank computes before.
+        self._pending = [m.unshard(async_op=True) for m in self._fsdp]
+
+    def reshard(self) -> None:
+        for handle in self._pending:  # an all-gather still writing into the memory reshard frees
+            handle.wait()
+        self._pending = []
+        for m in self._fsdp:
+            m.reshard()  # frees the unsharded parameters; no communication
+
+    def reduce_grad(self, average: bool) -> None:
+        # torch's perform_reduce_grad: with sync on, post_backward reduce-scatters each group's
+        # accumulated unsharded gradient into the sharded .grad (adding to what it held), and the
+        # root's final callback (is_last_backward) waits for the reductions and clears the step's
+        # backward state. average=False: the divide factor 1 makes it a sum.
+        self.module.set_requires_gradient_sync(True)
+        self.module.set_is_last_backward(True)
+        saved = [(g.gradient_divide_factor, g.force_sum_reduction_for_comms) for g in self._groups]
+        if not average:
+            for g in self._groups:
+                # divide by 1 after a SUM reduce-scatter (a divide factor alone picks PREMUL_SUM,
+                # which gloo refuses: "Cannot use ReduceOp.PREMUL_SUM with Gloo")
+                g.gradient_divide_factor, g.force_sum_reduction_for_comms = 1.0, True
+        try:
+            state = self.module._get_fsdp_state()
+            for s in state._state_ctx.all_states:
+                for group in s._fsdp_param_groups:
+                    group.post_backward()
+            state._root_post_backward_final_callback()
+        finally:
+            for g, (factor, force_sum) in zip(self._groups, saved):
+                g.gradient_divide_factor, g.force_sum_reduction_for_comms = factor, force_sum
+
+    def end_step(self, failed: bool) -> None:
+        if failed:
+            # waits for in-flight collectives, reshards and clears FSDP's iteration state; the
+            # step's unsharded gradients (kept on the unsharded parameters) are dropped as well
+            self.module.reset_iter_state()
+            self._pending = []
+            for g in self._groups:
+                for p in g.fsdp_params:
+                    p.unsharded_accumulated_grad = None
+                    if hasattr(p, "_unsharded_param"):
+                        p._unsharded_param.grad = None
+        else:
+            # a module left unsharded would compute with stale parameters after the optimizer step
+            self.reshard()
+        if self._saved is not None:
+            for g, (reduce, all_reduce, reshard_after) in zip(self._groups, self._saved):
+                g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward = reduce, all_reduce, reshard_after
+        self.module.set_is_last_backward(True)
+        self._saved = None
