@@ -109,17 +109,7 @@ void Executor::set_program(std::vector<int64_t> flat, std::vector<std::string> l
     }
     recvs_through_[i] = recv_instrs_.size();
   }
-  // each stage's last B or W before its REDUCE_GRAD (lowering puts REDUCE_GRAD after it)
-  last_backward_of_.assign(program_.size(), -1);
-  for (size_t j = 0; j < program_.size(); ++j) {
-    if (program_[j].op != kReduceGrad) continue;
-    for (size_t i = j; i-- > 0;) {
-      if ((program_[i].op == kB || program_[i].op == kW) && program_[i].stage == program_[j].stage) {
-        last_backward_of_[i] = program_[j].stage;
-        break;
-      }
-    }
-  }
+  mark_last_backwards();
   batch_end_.assign(program_.size(), 0);  // a batch: a run of consecutive SEND/RECV actions
   for (size_t i = program_.size(); i-- > 0;) {
     const int64_t op = program_[i].op;
@@ -661,6 +651,26 @@ void Executor::set_stage_events(std::vector<int64_t> stages, StageEventFn fn) {
     evented_[s] = 1;
   }
   stage_event_ = stages.empty() ? StageEventFn() : std::move(fn);
+  mark_last_backwards();
+}
+
+void Executor::mark_last_backwards() {
+  // Each stage's last action that accumulates weight gradients before its REDUCE_GRAD (lowering puts
+  // REDUCE_GRAD after it): its last B or W, or, for a stage whose backward runs whole at I, its last
+  // B or I.
+  last_backward_of_.assign(program_.size(), -1);
+  for (size_t j = 0; j < program_.size(); ++j) {
+    if (program_[j].op != kReduceGrad) continue;
+    const int64_t stage = program_[j].stage;
+    const bool whole = stage < static_cast<int64_t>(evented_.size()) && evented_[stage];
+    for (size_t i = j; i-- > 0;) {
+      const int64_t op = program_[i].op;
+      if ((op == kB || op == (whole ? kI : kW)) && program_[i].stage == stage) {
+        last_backward_of_[i] = stage;
+        break;
+      }
+    }
+  }
 }
 
 void Executor::set_trace(bool on, const std::string& device) {

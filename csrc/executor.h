@@ -350,6 +350,7 @@ class Executor {
   StageEventFn stage_event_;
   std::vector<uint8_t> evented_;            // [stage]: its events go to stage_event_
   std::vector<int64_t> last_backward_of_;   // [program index]: the stage whose last backward it is, or -1
+  void mark_last_backwards();
   void stage_event(int64_t event, int64_t stage) {
     if (stage_event_ && stage >= 0 && stage < static_cast<int64_t>(evented_.size()) && evented_[stage]) {
       stage_event_(event, stage);

@@ -24,12 +24,14 @@ every rank's `.grad` is put back as it was before the step.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from .errors import InputError, PeerFailedError
+from .wrapped_stages import WrappedStage
 
 if TYPE_CHECKING:
     from .runtime import Pipeline
@@ -54,12 +56,14 @@ class DataParallel:
         self._pipe = pipe
         self.wrapped = {}
         for local, stage in enumerate(pipe.stages):
-            adapter = _wrapper_of(stage.module, dp_group)
+            adapter = WrappedStage.of(stage.module, dp_group)
             if adapter is not None:
                 self.wrapped[local] = adapter
         self.sharded = frozenset(pipe.stages[local].stage_index for local, a in self.wrapped.items() if a.sharded)
         self._bucket_bytes = bucket_bytes
         self.agreed = False
+        self._uid: str | None = None
+        self._store = dist.distributed_c10d._get_default_store()
 
     def attach(self) -> None:
         """Once the Pipeline's programs and executor exist: the buckets of the plain stages, in the
@@ -115,17 +119,25 @@ class DataParallel:
         except RuntimeError as exc:  # a gradient changed after its bucket was sent
             raise InputError(f"rank {self._pipe.rank}: {exc}") from None
         if not ok:
-            raise PeerFailedError(f"rank {self._pipe.rank} (dp rank {self.rank}): another data-parallel replica's "
-                                  "step failed (its ranks raised why), so this step's gradients were not kept: .grad "
-                                  "is as before the step. Step again once it is fixed.")
+            raise PeerFailedError(f"rank {dist.get_rank()} (pp rank {self._pipe.rank}, dp rank {self.rank}): step {self._pipe._step_count - 1} "
+                                  f"failed on another data-parallel replica ({self._their_error()}), so this step's "
+                                  "gradients were not kept: .grad is as before the step. Step again once it is fixed.")
         for adapter in self.wrapped.values():
             adapter.end_step(failed=False)
 
-    def abandon(self) -> None:
+    def abandon(self, error: BaseException) -> None:
         """The step failed (here or on a replica): the replicas still get every bucket (flagged), and
-        .grad goes back to what it was before the step."""
+        .grad goes back to what it was before the step. The first failing replica's error goes to the
+        store first, for the others' messages."""
         from .runtime import _native
 
+        said = str(error).strip()
+        if self._uid is not None and "on another data-parallel replica" not in said:
+            try:
+                text = f"rank {dist.get_rank()}: {type(error).__name__}: {said.splitlines()[0] if said else ''}"
+                self._store.compare_set(self._error_key(), "", text)
+            except Exception:  # noqa: BLE001 - the message is best effort; the flags carry the failure
+                pass
         try:
             self.reducer.finish(True, 1.0)
         except (_native().CommError, RuntimeError):
@@ -145,6 +157,18 @@ class DataParallel:
                  else "DP:status", "start_us": t0, "end_us": t1}
                 for s, b, n, t0, t1 in self.reducer.trace()]
 
+    def _error_key(self) -> str:
+        return f"pipecore/dp/{self._uid}/step{self._pipe._step_count - 1}/error"
+
+    def _their_error(self) -> str:
+        from datetime import timedelta
+
+        try:
+            self._store.wait([self._error_key()], timedelta(seconds=5))
+            return self._store.get(self._error_key()).decode()
+        except Exception:  # noqa: BLE001
+            return "its error message did not arrive"
+
     def agree(self) -> None:
         """At the first step (or eval): the replicas hold the same pipeline position, the same program
         and the same bucket layout; otherwise every rank of the dp group says what differs."""
@@ -152,10 +176,13 @@ class DataParallel:
 
         pipe = self._pipe
         mine = {"pp rank": pipe.rank, "pp size": pipe.world, "program": pipe._program, "buckets": self.layout,
-                "wrapped": sorted((pipe.stages[k].stage_index, a.kind) for k, a in self.wrapped.items())}
+                "wrapped": sorted((pipe.stages[k].stage_index, a.kind) for k, a in self.wrapped.items()),
+                "nonce": int.from_bytes(os.urandom(7), "little")}
         rows = _gather_objects(pipe, mine, "data-parallel replicas agreeing on their pipelines",
                                group=self.group)
         self.agreed = True
+        # names this dp group's store keys alike on every replica (a failed step's first error)
+        self._uid = f"{dist.distributed_c10d._get_process_group_name(self.group)}/{rows[0]['nonce']:x}"
         for field in ("pp rank", "pp size", "program", "buckets", "wrapped"):
             values = [r[field] for r in rows]
             if any(v != values[0] for v in values):
@@ -206,20 +233,6 @@ def _reduce_order(pipe: "Pipeline") -> list[int]:
     flat, _ = pipe._programs[True]
     order = [flat[i + 1] for i in range(0, len(flat), 5) if flat[i] == _REDUCE_GRAD]
     return order + [k for k in range(len(pipe.stages)) if k not in order]
-
-
-def _wrapper_of(module, dp_group):
-    from torch.nn.parallel import DistributedDataParallel
-
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        FSDPModule = ()
-    if not isinstance(module, (DistributedDataParallel, FSDPModule)):
-        return None
-    from .wrapped_stages import WrappedStage
-
-    return WrappedStage.of(module, dp_group)
 
 
 def _describe(field: str, values: list) -> str:

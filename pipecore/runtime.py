@@ -18,8 +18,10 @@ from . import plan as planning
 from .discovery import Discovery, declared_mismatch
 from .microbatch import batch_size, merge, split
 from .schedule import Action, Kind, Schedule, ScheduleError, build_schedule
+from .schedule.lowering import add_unshard_reshard
 from .errors import CommunicationError, InputError, PeerFailedError
 from .data_parallel import DEFAULT_BUCKET_BYTES, DataParallel
+from .wrapped_stages import WrappedStage
 from .grads import TiedWeights
 from .split_backward import fallback_message, name_parameter
 from .stage import PipelineStage
@@ -144,11 +146,18 @@ class Pipeline:
         self.is_dualpipe = topo.style == "dualpipe"
         # data-parallel replicas (pipecore/data_parallel.py): checked here, before any communication
         self._dp: DataParallel | None = DataParallel(self, dp_group, bucket_bytes) if dp_group is not None else None
+        if dp_group is None:
+            for s in self.stages:  # a DDP/FSDP2 stage reduces over a group this Pipeline must know
+                WrappedStage.of(s.module, None)
         lowered = {True: schedule.lower(), False: _forward_only(schedule).lower()}
-        # FSDP2 stages get UNSHARD/RESHARD in this rank's program (no communication within the pipeline:
-        # the ranks' agreement below is on the program without them)
-        run = dict(lowered, **({True: schedule.lower(sharded=self._dp.sharded)} if self._dp and self._dp.sharded
-                               else {}))
+        # FSDP2 stages get UNSHARD/RESHARD in this rank's row only, after lowering: they do not communicate
+        # within the pipeline, and the sends and receives must be placed alike on every rank (lowering
+        # with them places those differently). The ranks agree below on the program without them.
+        run = dict(lowered)
+        if self._dp is not None and self._dp.sharded:
+            rows = [list(row) for row in lowered[True].codes]
+            rows[self.rank] = add_unshard_reshard(rows[self.rank], self._dp.sharded, max_active=3)
+            run[True] = Schedule._from_codes(rows, lowered[True].topology, lowered[True].name)
         self._programs: dict[bool, tuple[list[int], list[str]]] = {k: self._encode(v) for k, v in run.items()}
         # what every rank must agree on before the first step (checked at the first agreement)
         self._program = {
@@ -250,8 +259,8 @@ class Pipeline:
             self._dp.begin_step()
             try:
                 out = self._run(args, kwargs, target, losses, True, return_outputs, loss_kwargs, loss_divisor)
-            except BaseException:
-                self._dp.abandon()  # the replicas learn of it with the data; .grad as before the step
+            except BaseException as exc:
+                self._dp.abandon(exc)  # the replicas learn of it with the data; .grad as before the step
                 raise
             self._dp.restore()
             return out

@@ -1,17 +1,19 @@
 """Stages whose module the user wrapped in torch DDP or FSDP2 (`fully_shard`) over the data-parallel
 group: the executor drives the wrapper through these events, and DDP/FSDP2 do every collective.
 
-The recipe follows torch.distributed.pipelining (stage.py: `forward_maybe_with_nosync`,
-`backward_maybe_with_nosync`, `perform_reduce_grad`; schedules.py: UNSHARD/RESHARD), with one
-difference each: DDP's reducer is armed right before the last backward *whichever microbatch that
-is* (torch takes the highest microbatch index), and FSDP2 keeps parameters unsharded from UNSHARD to
-RESHARD (torch re-gathers nothing either, but reshards inside REDUCE_GRAD).
+The recipe is torch.distributed.pipelining's (stage.py: `forward_maybe_with_nosync`,
+`backward_maybe_with_nosync`, `perform_reduce_grad`; schedules.py: UNSHARD/RESHARD), except that
+DDP's buffers are broadcast at each step's first forward (as plain DDP does; torch's pipelining
+broadcasts them once), FSDP2 reshards at RESHARD rather than inside REDUCE_GRAD, and gradients
+can be summed over the replicas (average=False: FSDP2 reduce-scatters with SUM; DDP's mean is
+multiplied back by the dp size, exact for a power of two).
 
 Each microbatch's backward is a normal autograd-engine call, so DDP's and FSDP2's autograd hooks
 (grad-accumulator hooks, pre-backward tensor hooks, post-backward nodes, queued final callbacks) run
-as in `loss.backward()`; the events below only set the flags that tell them which backward is the
-last one. Gradients held before a step are taken as already reduced (an earlier step's): the step
-adds its own reduced contribution to them, as `loss.backward()` twice would.
+as in `loss.backward()`; the events only set the flags that say which backward is the last. The
+gradients .grad held before a step are taken as already reduced (an earlier step's): the step adds
+its own reduced contribution to them, as `loss.backward()` twice would; a failed step leaves .grad
+as it was before the step.
 """
 
 from __future__ import annotations
@@ -39,6 +41,31 @@ class WrappedStage:
     def __init__(self, module: torch.nn.Module, dp_group):
         self.module = module
         self.dp_size = dist.get_world_size(dp_group)
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._stash: list | None = None
+
+    def _set_aside_grads(self, copy: bool = False) -> None:
+        """.grad as before the step goes aside (the wrapper reduces only the step's gradients) until
+        end_step adds it back, or after a failed step puts it back alone."""
+        self._stash = None
+        if any(p.grad is not None for p in self._params):
+            self._stash = [p.grad.clone() if copy and p.grad is not None else p.grad for p in self._params]
+            for p in self._params:
+                p.grad = None
+
+    def _put_back_grads(self, failed: bool) -> None:
+        stash, self._stash = self._stash, None
+        if failed:  # .grad as before the step
+            for i, p in enumerate(self._params):
+                p.grad = None if stash is None else stash[i]
+            return
+        if stash is not None:
+            for p, g in zip(self._params, stash):
+                if g is not None:
+                    if p.grad is None:
+                        p.grad = g
+                    else:
+                        p.grad.add_(g)
 
     @staticmethod
     def of(module: torch.nn.Module, dp_group) -> WrappedStage | None:
@@ -101,8 +128,6 @@ class _DDPStage(WrappedStage):
             # runs (_DDPSink), a microbatch before the last
             raise InputError("DDP(static_graph=True) is not supported on a pipeline stage: construct it with "
                              "static_graph=False")
-        self._params = [p for p in module.parameters() if p.requires_grad]
-        self._stash: list | None = None
         self._armed = False
         self._reached = 0
         self._hooks: list = []
@@ -114,15 +139,10 @@ class _DDPStage(WrappedStage):
         return self.module.no_sync()
 
     def begin_step(self) -> None:
-        # The reducer averages all of .grad; what .grad held before the step is set aside and added
-        # back after the reduction (reduce_grad), so only this step's gradients are reduced and
-        # summed mode multiplies only them. A bucket view is overwritten by the next reduction: copy it.
-        self._stash = None
-        if any(p.grad is not None for p in self._params):
-            copy = self.module.gradient_as_bucket_view
-            self._stash = [None if p.grad is None else (p.grad.clone() if copy else p.grad) for p in self._params]
-            for p in self._params:
-                p.grad = None
+        # The reducer reduces all of .grad: what it held before the step goes aside, so that only
+        # the step's gradients are reduced (and multiplied by dp for a sum). The reduction writes a
+        # bucket view's memory: copy those.
+        self._set_aside_grads(copy=self.module.gradient_as_bucket_view)
 
     def before_last_backward(self) -> None:
         # Arms the reducer for exactly this backward, as torch's backward_maybe_with_nosync does
@@ -160,31 +180,20 @@ class _DDPStage(WrappedStage):
                                 "parameter of a DDP stage must get a gradient in the last microbatch's backward (the "
                                 f"one DDP's reducer is armed for). DDP says: {exc}") from exc
         self._armed = False
-        for i, p in enumerate(self._params):
-            if p.grad is None:
-                continue
-            if not average:  # the reducer divided the sum by dp (divide, then all-reduce)
-                p.grad.mul_(self.dp_size)
-            if self._stash is not None and self._stash[i] is not None:
-                p.grad.add_(self._stash[i])
-        if self._stash is not None:
-            for p, g in zip(self._params, self._stash):
-                if p.grad is None:
-                    p.grad = g
-        self._stash = None
+        if not average:  # the reducer divided each gradient by dp, then all-reduced (summed) them
+            for p in self._params:
+                if p.grad is not None:
+                    p.grad.mul_(self.dp_size)
 
     def end_step(self, failed: bool) -> None:
         self._remove_hooks()
         if failed:
             if self._armed:
-                # a reduction that never finished: the reducer would refuse the next step
-                # ("Expected to have finished reduction in the prior iteration")
+                # a reduction that never finished: the still-armed reducer would all-reduce in the
+                # next step's first backward
                 self.module.reducer._reset_state()
-            if self._stash is not None:  # .grad as before the step
-                for p, g in zip(self._params, self._stash):
-                    p.grad = g
+        self._put_back_grads(failed)
         self._armed = False
-        self._stash = None
         # The next step's first forward broadcasts rank 0's buffers, as after a synced DDP forward
         # (our no_sync forwards cleared the flag; torch's pipelining leaves it cleared).
         self.module.require_forward_param_sync = True
@@ -198,6 +207,8 @@ class _FSDPStage(WrappedStage):
         super().__init__(module, dp_group)
         self._fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
         self._groups = [g for m in self._fsdp for g in m._get_fsdp_state()._fsdp_param_groups]
+        # the sharded parameters (module.parameters() gives the unsharded ones while unsharded)
+        self._params = [p.sharded_param for g in self._groups for p in g.fsdp_params if p.sharded_param.requires_grad]
         meshes = {id(g.mesh_info.mesh): g.mesh_info.mesh for g in self._groups}
         for mesh in meshes.values():
             self._check_group("fully_shard", sorted(mesh.mesh.flatten().tolist()), dp_group,
@@ -211,6 +222,9 @@ class _FSDPStage(WrappedStage):
         # every backward of the step accumulates unsharded gradients (no reduce-scatter), keeps the
         # parameters unsharded for the next microbatch, and does not finalize.
         self._saved = [(g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward) for g in self._groups]
+        # the sharded .grad goes aside too: the reduce-scatter would add to it, and a failed step
+        # must leave it as it was (a later stage of the step can fail after this one's REDUCE_GRAD)
+        self._set_aside_grads()
         self.module.set_requires_gradient_sync(False)
         self.module.set_reshard_after_backward(False)
         self.module.set_is_last_backward(False)
@@ -230,7 +244,7 @@ class _FSDPStage(WrappedStage):
 
     def reduce_grad(self, average: bool) -> None:
         # torch's perform_reduce_grad: with sync on, post_backward reduce-scatters each group's
-        # accumulated unsharded gradient into the sharded .grad (adding to what it held), and the
+        # accumulated unsharded gradient into the sharded .grad (set aside at begin_step), and the
         # root's final callback (is_last_backward) waits for the reductions and clears the step's
         # backward state. average=False: the divide factor 1 makes it a sum.
         self.module.set_requires_gradient_sync(True)
@@ -265,6 +279,7 @@ class _FSDPStage(WrappedStage):
         else:
             # a module left unsharded would compute with stale parameters after the optimizer step
             self.reshard()
+        self._put_back_grads(failed)
         if self._saved is not None:
             for g, (reduce, all_reduce, reshard_after) in zip(self._groups, self._saved):
                 g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward = reduce, all_reduce, reshard_after

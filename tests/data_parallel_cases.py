@@ -1,0 +1,283 @@
+"""Data parallel x pipeline parallel (issue 16) with plain stages, run on every rank of a gloo pool
+next to single-process training of the whole model on the whole global batch.
+
+Layout (pc.init_mesh): rank = dp_index * pp + pp_index; each dp replica is a pipeline of `pp`
+consecutive ranks and takes its own slice of the global batch (replica d: rows [d*B/dp, (d+1)*B/dp)).
+Each case asserts on its rank what only it can see (the mesh's layout, a missing gradient) and
+returns the worst relative differences it saw (largest |got - want| over the largest |want|, per
+tensor), which the tests bound.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import pipecore as pc
+from gpt_cases import relative_difference  # examples/gpt.py's, the tests' measure
+from models import make_batch, make_stages, reference_forward
+from reliability_cases import _outcome
+
+_MESHES: dict[tuple[int, int], object] = {}
+
+
+def data_parallel_mesh(dp: int, pp: int):
+    """pc.init_mesh(dp, pp), once per process (making groups is a collective and takes time)."""
+    if (dp, pp) not in _MESHES:
+        _MESHES[(dp, pp)] = pc.init_mesh(dp=dp, pp=pp)
+    return _MESHES[(dp, pp)]
+
+
+def stages_per_rank(name: str) -> int:
+    return 1 if name in ("gpipe", "1f1b") else 2
+
+
+def microbatch_counts(name: str, pp: int, want: int = 2) -> list[int]:
+    """The first `want` of 2, 4, 6 microbatches per replica that `name` accepts on `pp` ranks."""
+    counts = []
+    for m in (2, 4, 6):
+        try:
+            pc.build_schedule(name, pp, m, stages_per_rank(name))
+        except ValueError:
+            continue
+        counts.append(m)
+    return counts[:want]
+
+
+def check_mesh_layout(mesh, rank: int, dp: int, pp: int) -> None:
+    replica, position = divmod(rank, pp)
+    assert tuple(mesh.mesh_dim_names) == ("dp", "pp"), mesh.mesh_dim_names
+    assert mesh.mesh.tolist() == torch.arange(dp * pp).reshape(dp, pp).tolist(), mesh.mesh
+    pp_ranks = dist.get_process_group_ranks(mesh.get_group("pp"))
+    dp_ranks = dist.get_process_group_ranks(mesh.get_group("dp"))
+    assert pp_ranks == [replica * pp + p for p in range(pp)], (rank, pp_ranks)
+    assert dp_ranks == [d * pp + position for d in range(dp)], (rank, dp_ranks)
+
+
+class Replica:
+    """This rank's part of a dp x pp run: its Pipeline, the whole model in one process, and the
+    replica's slice of each global batch."""
+
+    def __init__(self, rank, world, name, m, dp, tokens=False, mesh=None, width=16, bucket_bytes=None,
+                 odd_params=False):
+        self.rank, self.dp, self.pp, self.m, self.tokens, self.width = rank, dp, world // dp, m, tokens, width
+        self.replica, self.position = divmod(rank, self.pp)
+        self.mesh = mesh if mesh is not None else data_parallel_mesh(dp, self.pp)
+        check_mesh_layout(self.mesh, rank, dp, self.pp)
+        sched = pc.build_schedule(name, self.pp, m, stages_per_rank(name))
+        self.topo = sched.topology
+        model = make_stages("transformer", self.topo.num_stages, width=width)
+        if odd_params:  # every stage: a parameter its forward never uses; stage 0: a frozen one
+            for module in model:  # a parameter, not a module: a Sequential would call a module
+                module.register_parameter("unused", nn.Parameter(torch.randn(3, 3)))
+            next(model[0].parameters()).requires_grad_(False)
+        self.ref = copy.deepcopy(model)
+        self.stages = [pc.PipelineStage(copy.deepcopy(model[self.topo.model_stage[s]]), s, sched.num_stages)
+                       for s in sched.rank_stages(self.position)]
+        # sum: token-style loss, padding (-100) ignored, divided by the global count (loss_divisor)
+        self.loss_fn = nn.CrossEntropyLoss(reduction="sum" if tokens else "mean", ignore_index=-100)
+        self.pipe = pc.Pipeline(self.stages, sched, m, self.loss_fn, group=self.mesh.get_group("pp"),
+                                dp_group=self.mesh.get_group("dp"), timeout=60,
+                                **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
+        assert self.pipe.rank == self.position and self.pipe.world == self.pp, (self.pipe.rank, self.pipe.world)
+        self.params = [p for s in self.stages for p in s.module.parameters()]
+        self.ref_params = [p for s in self.ref for p in s.parameters()]
+        self.worst = {"grad": 0.0, "loss": 0.0, "output": 0.0, "param": 0.0, "norm": 0.0, "where": ""}
+        self.norms: list[float] = []
+
+    # -- batches ------------------------------------------------------------------------
+    def global_batch(self, step: int, rows_per_replica: int):
+        """The global batch of `step`; with tokens, targets ignored (-100) at random, a different
+        number on each replica."""
+        x, y = make_batch(self.dp * rows_per_replica, width=self.width, seed=step + 1)
+        if self.tokens:
+            g = torch.Generator().manual_seed(100 + step)
+            y = torch.where(torch.rand(y.shape, generator=g) < 0.3, torch.full_like(y, -100), y)
+            y[:rows_per_replica // 2] = -100  # replica 0 has fewer tokens than the others
+            counts = [(c != -100).sum().item() for c in y.chunk(self.dp)]
+            assert len(set(counts)) == self.dp and min(counts) > 0, counts
+        return x, y
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(self.dp)[self.replica]
+
+    # -- one step of both ---------------------------------------------------------------
+    def reference_step(self, x, y):
+        """Whole model, whole global batch: mean loss, or sum / token count. Returns this replica's
+        per-microbatch losses and outputs (before any update)."""
+        with torch.no_grad():
+            outs = [reference_forward(self.ref, xc) for xc in torch.tensor_split(self.local(x), self.m)]
+            losses = [self.loss_fn(o, t) for o, t in zip(outs, torch.tensor_split(self.local(y), self.m))]
+        loss = self.loss_fn(reference_forward(self.ref, x), y)
+        (loss / (y != -100).sum() if self.tokens else loss).backward()
+        return losses, outs
+
+    def pipeline_step(self, x, y, losses: list):
+        pipe = self.pipe
+        extra = {}
+        if self.tokens and pipe.has_last:
+            n = (self.local(y) != -100).sum()  # this replica's count; the user sums it over dp
+            dist.all_reduce(n, group=self.mesh.get_group("dp"))
+            assert n.item() == (y != -100).sum().item()
+            extra["loss_divisor"] = n
+        return pipe.step(*((self.local(x),) if pipe.has_first else ()),
+                         target=self.local(y) if pipe.has_last else None, losses=losses, **extra)
+
+    # -- comparisons --------------------------------------------------------------------
+    def _note(self, key: str, err: float, where: str):
+        if err > self.worst[key]:
+            self.worst[key] = err
+            if key == "grad":
+                self.worst["where"] = where
+
+    def compare_grads(self, what: str):
+        for s in self.stages:
+            ref_stage = self.ref[self.topo.model_stage[s.stage_index]]
+            for (n, p), q in zip(s.module.named_parameters(), ref_stage.parameters()):
+                where = f"rank {self.rank} stage {s.stage_index} {n} {what}"
+                if q.grad is None:  # unused or frozen: no gradient (or zeros) here either
+                    assert p.grad is None or not p.grad.any(), f"{where}: a gradient where one process has none"
+                    continue
+                assert p.grad is not None, f"{where}: gradient missing"
+                self._note("grad", relative_difference(p.grad, q.grad), where)
+
+    def compare_params(self):
+        for s in self.stages:
+            ref_stage = self.ref[self.topo.model_stage[s.stage_index]]
+            for p, q in zip(s.module.parameters(), ref_stage.parameters()):
+                self._note("param", relative_difference(p, q), "")
+
+    def compare_losses(self, losses, out, ref_losses, ref_outs):
+        if not self.pipe.has_last:
+            assert losses == [] and out is None, (self.rank, losses, out)
+            return
+        assert len(losses) == self.m and all(v is not None for v in losses), (self.rank, losses)
+        for got, want in zip(losses, ref_losses):
+            err = abs(float(got) - float(want)) / max(abs(float(want)), 1e-30) if float(want) else abs(float(got))
+            self._note("loss", err, "")
+        self._note("output", relative_difference(out, torch.cat(ref_outs)), "")
+
+    def zero_grad(self):
+        for p in self.params + self.ref_params:
+            p.grad = None
+
+
+def train(rank, world, name, m, dp, options=None):
+    return _train(rank, world, name, m, dp, **(options or {}))
+
+
+def _train(rank, world, name, m, dp, steps=2, tokens=False, accumulate=False, max_norm=None, optimizer=True,
+           rows_per_microbatch=3, width=16, bucket_bytes=None, odd_params=False):
+    """`steps` steps of the dp x pp pipeline and of one process, compared after each: every
+    gradient of this rank's stages (after clipping with `max_norm`), its losses and outputs, and
+    (with `optimizer`: SGD with momentum) every parameter after the update. `accumulate`: no
+    zero_grad between steps. `bucket_bytes`: the Pipeline's (small: a bucket per parameter or two).
+    `odd_params`: each stage also holds an unused parameter, stage 0 a frozen one.
+    The replica's last microbatch is one row shorter than the others."""
+    r = Replica(rank, world, name, m, dp, tokens=tokens, width=width, bucket_bytes=bucket_bytes,
+                odd_params=odd_params)
+    opt = torch.optim.SGD(r.params, lr=0.1, momentum=0.9) if optimizer else None
+    ref_opt = torch.optim.SGD(r.ref_params, lr=0.1, momentum=0.9) if optimizer else None
+    for step in range(steps):
+        x, y = r.global_batch(step, rows_per_microbatch * m - 1)
+        ref_losses, ref_outs = r.reference_step(x, y)
+        losses: list = []
+        out = r.pipeline_step(x, y, losses)
+        if max_norm is not None:
+            norm = pc.clip_grad_norm_(r.pipe, max_norm)
+            ref_norm = torch.nn.utils.clip_grad_norm_(r.ref_params, max_norm)
+            assert ref_norm > max_norm, f"the test's gradients ({ref_norm}) should be clipped at {max_norm}"
+            r._note("norm", relative_difference(norm, ref_norm), "")
+            r.norms.append(float(norm))
+        r.compare_grads(f"step {step}")
+        r.compare_losses(losses, out, ref_losses, ref_outs)
+        if optimizer:
+            opt.step()
+            ref_opt.step()
+            r.compare_params()
+        if not accumulate:
+            r.zero_grad()
+    return dict(r.worst, norms=r.norms, has_last=r.pipe.has_last)
+
+
+def failing_replica(rank, world, name, m, bad_rank, fail_step):
+    """The forward of `bad_rank`'s first stage raises at step `fail_step` (earlier steps succeed and
+    match one process): returns (that step's outcome on this rank, worst differences of the steps
+    before and of two clean steps after it, with zeroed gradients, and whether the failed step left
+    .grad as it was before it)."""
+    r = Replica(rank, world, name, m, 2)
+    state = {"step": 0}
+
+    def boom(module, args):
+        if state["step"] == fail_step:
+            raise RuntimeError(f"boom in forward on rank {rank}")
+
+    if rank == bad_rank:
+        r.stages[0].module.register_forward_pre_hook(boom)
+    rows = 3 * m
+    for step in range(fail_step):
+        state["step"] = step
+        x, y = r.global_batch(step, rows)
+        ref_losses, ref_outs = r.reference_step(x, y)
+        losses: list = []
+        out = r.pipeline_step(x, y, losses)
+        r.compare_grads(f"step {step}, before the failure")
+        r.compare_losses(losses, out, ref_losses, ref_outs)
+        r.zero_grad()
+    state["step"] = fail_step
+    x, y = r.global_batch(fail_step, rows)
+    held = [torch.full_like(p, 0.25 * (i + 1)) for i, p in enumerate(r.params)]  # .grad before the step
+    for p, g in zip(r.params, held):
+        p.grad = g.clone()
+    failed = _outcome(lambda: r.pipeline_step(x, y, []))
+    kept = all(p.grad is not None and torch.equal(p.grad, g) for p, g in zip(r.params, held))
+    r.zero_grad()
+    for step in range(fail_step + 1, fail_step + 3):  # two clean steps after it
+        state["step"] = step
+        x, y = r.global_batch(step, rows)
+        ref_losses, ref_outs = r.reference_step(x, y)
+        losses = []
+        out = r.pipeline_step(x, y, losses)
+        r.compare_grads(f"step {step}, after the failure")
+        r.compare_losses(losses, out, ref_losses, ref_outs)
+        r.zero_grad()
+    return failed, dict(r.worst, grads_kept=kept)
+
+
+def bad_meshes(rank, world):
+    """Misbuilt meshes and dp groups: what each attempt raised on this rank (kind, message, seconds)."""
+    seen = {}
+    # dp * pp != world: refused before any communication (rank 0 tries twice: a collective would hang)
+    seen["dp*pp != world"] = _outcome(lambda: pc.init_mesh(dp=3, pp=2))
+    if rank == 0:
+        seen["dp*pp != world, again"] = _outcome(lambda: pc.init_mesh(dp=1, pp=2))
+    check = torch.ones(1)
+    dist.all_reduce(check)
+    assert check.item() == world, check
+    pp = world // 2
+    mesh = data_parallel_mesh(2, pp)
+    position = rank % pp
+    sched = pc.build_schedule("1f1b", pp, 2, 1)
+
+    def pipeline(group, dp_group, n_ranks=pp):
+        s = sched if n_ranks == pp else pc.build_schedule("1f1b", n_ranks, 2, 1)
+        place = dist.get_rank(group) if group is not None else rank
+        model = make_stages("mlp", s.num_stages)
+        stages = [pc.PipelineStage(model[i], i, s.num_stages) for i in s.rank_stages(place)]
+        return pc.Pipeline(stages, s, 2, nn.CrossEntropyLoss(), group=group, dp_group=dp_group, timeout=20)
+
+    pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+    # the dp group's ranks must hold the same pipeline position
+    seen["dp_group = the pp group"] = _outcome(lambda: pipeline(pp_group, pp_group))
+    seen["group = WORLD with the mesh's dp_group"] = _outcome(lambda: pipeline(None, dp_group, world))
+    # a dp group this rank is not in (new_group gives non-members a placeholder)
+    others = [dist.new_group([d * pp + p for d in range(2)], backend="gloo") for p in range(pp)]
+    seen["dp_group without this rank"] = _outcome(lambda: pipeline(pp_group, others[(position + 1) % pp]))
+    seen["the right groups"] = _outcome(lambda: pipeline(pp_group, dp_group))
+    for g in others:
+        if isinstance(g, dist.ProcessGroup):
+            dist.destroy_process_group(g)
+    return seen
