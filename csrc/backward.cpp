@@ -448,6 +448,12 @@ std::vector<at::Tensor> backward_input(const edge_list& roots, const std::vector
 }
 
 void backward_weight(WeightWork& work) {
+  {
+    // Closures first: then every accumulation into a parameter that also has an accumulator runs
+    // through it, last, and its post hooks (data-parallel buckets, grad_reduce.h) see the final value.
+    at::AutoGradMode grad_mode(false);  // closures are backward code: they build no graph
+    work.closures.run_all();
+  }
   if (!work.roots.empty()) {
     // Each node of the parameter branches runs once, in this call: the graph need not be kept.
     Engine::get_default_engine().execute(work.roots, variable_list(work.grads.begin(), work.grads.end()),
@@ -457,8 +463,6 @@ void backward_weight(WeightWork& work) {
   work.roots.clear();
   work.grads.clear();
   work.params.clear();
-  at::AutoGradMode grad_mode(false);  // closures are backward code: they build no graph
-  work.closures.run_all();
 }
 
 }  // namespace pipecore

@@ -72,8 +72,8 @@ std::vector<at::Tensor> backward_input(const torch::autograd::edge_list& roots,
                                        const std::vector<at::Tensor>& inputs, WeightWork& work,
                                        std::vector<SplitFallback>& fallbacks);
 
-// Weight half: computes and accumulates the parameter gradients the matching backward_input left
-// out and runs the closures deferred during it. Empties `work`.
+// Weight half: runs the closures deferred during the matching backward_input, then computes and
+// accumulates the parameter gradients it left out. Empties `work`.
 void backward_weight(WeightWork& work);
 
 }  // namespace pipecore

@@ -62,7 +62,7 @@ class Replica:
     replica's slice of each global batch."""
 
     def __init__(self, rank, world, name, m, dp, tokens=False, mesh=None, width=16, bucket_bytes=None,
-                 odd_params=False):
+                 odd_params=False, trace=False):
         self.rank, self.dp, self.pp, self.m, self.tokens, self.width = rank, dp, world // dp, m, tokens, width
         self.replica, self.position = divmod(rank, self.pp)
         self.mesh = mesh if mesh is not None else data_parallel_mesh(dp, self.pp)
@@ -80,7 +80,7 @@ class Replica:
         # sum: token-style loss, padding (-100) ignored, divided by the global count (loss_divisor)
         self.loss_fn = nn.CrossEntropyLoss(reduction="sum" if tokens else "mean", ignore_index=-100)
         self.pipe = pc.Pipeline(self.stages, sched, m, self.loss_fn, group=self.mesh.get_group("pp"),
-                                dp_group=self.mesh.get_group("dp"), timeout=60,
+                                dp_group=self.mesh.get_group("dp"), timeout=60, trace=trace,
                                 **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
         assert self.pipe.rank == self.position and self.pipe.world == self.pp, (self.pipe.rank, self.pipe.world)
         self.params = [p for s in self.stages for p in s.module.parameters()]
@@ -281,3 +281,100 @@ def bad_meshes(rank, world):
         if isinstance(g, dist.ProcessGroup):
             dist.destroy_process_group(g)
     return seen
+
+
+def reduction_overlap(rank, world, name):
+    """A traced step (the second: plans learnt) with small buckets: which buckets went from the last
+    backward's hooks, and when each stage's buckets were sent relative to this rank's backwards."""
+    r = Replica(rank, world, name, 4, 2, width=32, bucket_bytes=2048, trace=True)
+    for step in range(2):
+        x, y = r.global_batch(step, 8)
+        r.pipeline_step(x, y, [])
+        r.zero_grad()
+    pipe = r.pipe
+    x, y = r.global_batch(2, 8)
+    r.pipeline_step(x, y, [])
+    events = pipe.trace()
+    sent: dict[int, list[float]] = {}
+    for e in events:
+        if e["name"].startswith("DP:reduce "):
+            sent.setdefault(int(e["name"].split()[1].split("/")[0]), []).append(e["start_us"])
+    backwards = {s.stage_index: [e for e in events if e["name"].startswith(f"PP:{s.stage_index}")
+                                 and e["name"][len(f"PP:{s.stage_index}")] in "BIW"] for s in r.stages}
+    last = {s: max(evs, key=lambda e: e["end_us"]) for s, evs in backwards.items()}
+    # each stage: its first bucket went before its last backward ended (from the hooks, inside it)
+    inside = {s: min(sent[s]) < last[s]["end_us"] for s in sent}
+    # two stages: the one reduced first had all its buckets out before the other's last backward began
+    order = sorted(sent, key=lambda s: max(sent[s]))
+    under_other = None
+    if len(order) == 2:
+        under_other = max(sent[order[0]]) < last[order[1]]["start_us"]
+    return {"early": pipe._dp.reducer.early_buckets, "buckets": pipe._dp.reducer.num_buckets, "inside": inside,
+            "under_other": under_other, "stages": sorted(sent)}
+
+
+class _SharedWeightMatmul(torch.autograd.Function):
+    """x @ w.T whose weight gradient is accumulated into w.grad by a closure handed to
+    pc.defer_weight_grad (at W under a split backward): w also gets gradient the usual way."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w = ctx.saved_tensors
+
+        def weight_grad():
+            g = grad_out.flatten(0, -2).t() @ x.flatten(0, -2)
+            if w.grad is None:
+                w.grad = g
+            else:
+                w.grad += g
+
+        pc.defer_weight_grad(weight_grad)
+        return grad_out @ w, None
+
+
+class SharedDeferred(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        return _SharedWeightMatmul.apply(h, self.lin.weight) + h
+
+
+def deferred_shared_weight(rank, world, name):
+    """A stage weight that gets gradient both from its accumulator and from a deferred closure: the
+    bucket holding it must go only after both (W runs closures first)."""
+    dp, pp, m, width = 2, world // 2, 4, 8
+    mesh = data_parallel_mesh(dp, pp)
+    replica, position = divmod(rank, pp)
+    sched = pc.build_schedule(name, pp, m, stages_per_rank(name))
+    topo = sched.topology
+    torch.manual_seed(0)
+    model = [SharedDeferred(width) for _ in range(len(set(topo.model_stage)))]
+    stages = [pc.PipelineStage(copy.deepcopy(model[topo.model_stage[s]]), s, sched.num_stages)
+              for s in sched.rank_stages(position)]
+    pipe = pc.Pipeline(stages, sched, m, nn.functional.mse_loss, group=mesh.get_group("pp"),
+                       dp_group=mesh.get_group("dp"), timeout=60)
+    worst = 0.0
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(dp * m * 2, width, generator=g), torch.randn(dp * m * 2, width, generator=g)
+        pipe.step(*((x.chunk(dp)[replica],) if pipe.has_first else ()),
+                  target=y.chunk(dp)[replica] if pipe.has_last else None)
+        for mod in model:
+            mod.zero_grad()
+        h = x
+        for mod in model:
+            h = mod(h)
+        nn.functional.mse_loss(h, y).backward()
+        for s in stages:
+            for p, q in zip(s.module.parameters(), model[topo.model_stage[s.stage_index]].parameters()):
+                worst = max(worst, relative_difference(p.grad, q.grad))
+            s.module.zero_grad()
+    return worst

@@ -116,3 +116,21 @@ def test_misbuilt_meshes_and_dp_groups_are_refused():
 
 def test_eight_ranks_dp2_pp4():
     check(pool(8).run(cases.train, "interleaved_1f1b", 4, 2, {"width": 8}, timeout=120))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b", "zbv"])
+def test_reduction_starts_inside_the_last_backward(name):
+    """The trace of a step: buckets go from the last backward's accumulator hooks (before the stage's
+    REDUCE_GRAD), the first of each stage before its last backward ends; with two stages per rank,
+    the first-reduced stage's buckets are all out before the other stage's last backward begins."""
+    for rank, r in enumerate(pool(4).run(cases.reduction_overlap, name, timeout=120)):
+        assert r["buckets"] >= 2 and r["early"] >= 1, (rank, r)
+        assert all(r["inside"].values()), (rank, r)
+        if name != "1f1b":
+            assert len(r["stages"]) == 2 and r["under_other"], (rank, r)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_weight_with_a_deferred_closure_and_an_accumulator(name):
+    for rank, worst in enumerate(pool(4).run(cases.deferred_shared_weight, name, timeout=120)):
+        assert worst <= TOL, f"rank {rank}: gradients differ from one process by {worst:.2e}"
