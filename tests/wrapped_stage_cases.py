@@ -432,6 +432,12 @@ def pipeline_train(rank: int, world: int, kind: str, name: str, m: int = 4, opti
         for mod in reference:
             h = mod(h)
         F.mse_loss(h, Y).backward()
+        if options.get("max_norm"):  # global-norm clipping over pp x dp (FSDP2: shards summed over dp)
+            norm = pc.clip_grad_norm_(pipe, options["max_norm"])
+            ref_norm = torch.nn.utils.clip_grad_norm_([p for r in reference for p in r.parameters()],
+                                                      options["max_norm"])
+            assert ref_norm > options["max_norm"], ref_norm
+            result.setdefault("norm", []).append(_rel(norm, ref_norm))
         loss = 0.0
         if pipe.has_last:
             with torch.no_grad():
