@@ -139,7 +139,8 @@ class DataParallel:
             except Exception:  # noqa: BLE001 - the message is best effort; the flags carry the failure
                 pass
         try:
-            self.reducer.finish(True, 1.0)
+            if self.agreed:  # replicas that disagree on their buckets must not exchange them
+                self.reducer.finish(True, 1.0)
         except (_native().CommError, RuntimeError):
             pass  # the step's own error says what happened
         finally:
@@ -180,16 +181,16 @@ class DataParallel:
                 "nonce": int.from_bytes(os.urandom(7), "little")}
         rows = _gather_objects(pipe, mine, "data-parallel replicas agreeing on their pipelines",
                                group=self.group)
-        self.agreed = True
         # names this dp group's store keys alike on every replica (a failed step's first error)
         self._uid = f"{dist.distributed_c10d._get_process_group_name(self.group)}/{rows[0]['nonce']:x}"
         for field in ("pp rank", "pp size", "program", "buckets", "wrapped"):
             values = [r[field] for r in rows]
             if any(v != values[0] for v in values):
-                raise InputError(f"rank {pipe.rank} (dp rank {self.rank}): the data-parallel replicas differ in their "
-                                 f"{field} ({_describe(field, values)}). dp_group must join ranks that hold the same "
-                                 "stages of the same model in the same pipeline position: build the groups with "
-                                 "pc.init_mesh(dp=..., pp=...)")
+                raise InputError(f"rank {dist.get_rank()} (pp rank {pipe.rank}, dp rank {self.rank}): the data-parallel "
+                                 f"replicas differ in their {field} ({_describe(field, values)}). dp_group must join "
+                                 "ranks that hold the same stages of the same model in the same pipeline position: "
+                                 "build the groups with pc.init_mesh(dp=..., pp=...)")
+        self.agreed = True  # until then no bucket goes: replicas that disagree must not exchange them
 
 
 def check_groups(group, dp_group) -> None:

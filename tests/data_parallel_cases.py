@@ -378,3 +378,39 @@ def deferred_shared_weight(rank, world, name):
                 worst = max(worst, relative_difference(p.grad, q.grad))
             s.module.zero_grad()
     return worst
+
+
+def replicas_differ(rank, world):
+    """Replica 1 holds a wider model: every rank's first step fails, naming what differs."""
+    dp, pp = 2, world // 2
+    mesh = data_parallel_mesh(dp, pp)
+    replica, position = divmod(rank, pp)
+    sched = pc.build_schedule("1f1b", pp, 2)
+    width = 8 if replica == 0 else 12
+    torch.manual_seed(0)
+    stage = pc.PipelineStage(nn.Linear(width, width), position, pp)
+    pipe = pc.Pipeline(stage, sched, 2, nn.functional.mse_loss, group=mesh.get_group("pp"),
+                       dp_group=mesh.get_group("dp"), timeout=30)
+    return _outcome(lambda: pipe.step(*((torch.randn(4, width),) if pipe.has_first else ()),
+                                      target=torch.randn(4, width) if pipe.has_last else None))
+
+
+def checkpoint_round_trip(rank, world, path):
+    """save_checkpoint on every rank (replica 0 writes), a step later load_checkpoint: every rank's
+    weights and optimizer state are back to the saved ones."""
+    r = Replica(rank, world, "interleaved_1f1b", 4, 2)
+    opt = torch.optim.SGD(r.params, lr=0.1, momentum=0.9)
+    x, y = r.global_batch(0, 8)
+    r.pipeline_step(x, y, [])
+    opt.step()
+    pc.save_checkpoint(path, r.pipe, opt, extra={"step": 1})
+    saved = [p.detach().clone() for p in r.params]
+    momentum = [opt.state[p]["momentum_buffer"].clone() for p in r.params]
+    r.zero_grad()
+    x, y = r.global_batch(1, 8)
+    r.pipeline_step(x, y, [])
+    opt.step()
+    assert not all(torch.equal(a, p) for a, p in zip(saved, r.params))
+    extra = pc.load_checkpoint(path, r.pipe, opt)
+    return {"extra": extra, "weights": all(torch.equal(a, p) for a, p in zip(saved, r.params)),
+            "momentum": all(torch.equal(a, opt.state[p]["momentum_buffer"]) for a, p in zip(momentum, r.params))}

@@ -134,3 +134,15 @@ def test_reduction_starts_inside_the_last_backward(name):
 def test_weight_with_a_deferred_closure_and_an_accumulator(name):
     for rank, worst in enumerate(pool(4).run(cases.deferred_shared_weight, name, timeout=120)):
         assert worst <= TOL, f"rank {rank}: gradients differ from one process by {worst:.2e}"
+
+
+def test_replicas_with_different_models_are_refused_on_every_rank():
+    for rank, (kind, message, seconds) in enumerate(pool(4).run(cases.replicas_differ, timeout=60)):
+        assert kind == "InputError" and "replicas differ" in message and "buckets" in message, (rank, kind, message)
+        assert seconds < 5, (rank, seconds)
+
+
+def test_checkpoint_round_trip(tmp_path):
+    path = str(tmp_path / "ckpt")
+    for rank, r in enumerate(pool(4).run(cases.checkpoint_round_trip, path, timeout=120)):
+        assert r == {"extra": {"step": 1}, "weights": True, "momentum": True}, (rank, r)
