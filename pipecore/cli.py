@@ -15,7 +15,7 @@ import sys
 
 from .schedule import SCHEDULES, Schedule, ScheduleError, build_schedule
 
-BENCHES = ("vs_torch", "overhead", "overlap", "memory", "build", "zero_bubble", "gpt")
+BENCHES = ("vs_torch", "overhead", "overlap", "memory", "build", "zero_bubble", "gpt", "data_parallel")
 
 
 def _schedule_args(p: argparse.ArgumentParser) -> None:

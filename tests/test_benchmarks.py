@@ -18,6 +18,7 @@ CASES = {
     "memory": ["--schedules", "1f1b", "--microbatches", "2", "--rows", "64", "--width", "64", "--steps", "1"],
     "zero_bubble": ["--schedules", "zbv", "--ranks", "2", "--microbatches", "4", "--ms", "1", "1", "1",
                     "--blocks", "1", "--steps", "1"],
+    "data_parallel": ["--quick"],
     "overlap": ["--schedules", "1f1b", "--microbatches", "2", "--forward-ms", "1", "--backward-ms", "1",
                 "--mib", "0.1", "--steps", "1"],
 }
