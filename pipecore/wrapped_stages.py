@@ -86,6 +86,8 @@ class WrappedStage:
         return None
 
     def _check_group(self, wrapper: str, ranks: list[int] | None, dp_group, fix: str) -> None:
+        if dp_group is None and ranks is not None and len(ranks) == 1:
+            return  # a wrapper over this rank alone has nothing to reduce (e.g. FSDP2 for DTensor parameters)
         if dp_group is None:
             raise InputError(f"the stage module is wrapped in {wrapper}, but the Pipeline has no dp_group: pass "
                              "Pipeline(..., dp_group=mesh.get_group('dp')), the group the wrapper reduces over")
