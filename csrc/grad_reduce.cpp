@@ -1,5 +1,6 @@
 #include "grad_reduce.h"
 
+#include <ATen/ops/cat.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/function_hook.h>
 
@@ -167,11 +168,15 @@ void GradReducer::send(Bucket& b, bool failed) {
   b.start_us = now_us();
   b.work = group_->allreduce(tensors);
   if (b.early) ++early_;
-  try {  // the completion time, for traces (not every backend's Work has a future)
-    auto done = std::make_shared<double>(0.0);
-    b.work->getFuture()->addCallback([done](c10::ivalue::Future&) { *done = now_us(); });
-    b.done_us = done;
-  } catch (const std::exception&) {
+  // The completion time, for traces: gloo completes the Work's future when the all-reduce is done
+  // (NCCL's when it is enqueued: there finish() takes the time after its wait instead).
+  if (!b.flat.is_cuda()) {
+    try {
+      auto done = std::make_shared<double>(0.0);
+      b.work->getFuture()->addCallback([done](c10::ivalue::Future&) { *done = now_us(); });
+      b.done_us = done;
+    } catch (const std::exception&) {  // not every backend's Work has a future
+    }
   }
 }
 
@@ -199,10 +204,20 @@ bool GradReducer::finish(bool failed, double scale) {
     throw CommError(os.str());
   }
   at::NoGradGuard no_grad;
+  // every bucket's flags in one copy to the host (on CUDA the host waits for the reductions here,
+  // once, at the end of the step)
+  std::vector<at::Tensor> parts;
+  for (const auto& b : buckets_) parts.push_back(b.flat.narrow(0, b.payload, b.params.size() + 1).to(at::kFloat));
+  const at::Tensor all_flags = at::cat(parts).cpu();
   std::vector<at::Tensor> flags;
-  for (const auto& b : buckets_) flags.push_back(b.flat.narrow(0, b.payload, b.params.size() + 1).cpu());
+  int64_t at_flag = 0;
+  for (const auto& b : buckets_) {
+    const auto n = static_cast<int64_t>(b.params.size()) + 1;
+    flags.push_back(all_flags.narrow(0, at_flag, n));
+    at_flag += n;
+  }
   for (const auto& f : flags) {
-    if (f[f.numel() - 1].item<double>() != 0) succeeded_ = false;
+    if (f[f.numel() - 1].item<float>() != 0) succeeded_ = false;
   }
   if (failed || !succeeded_) return succeeded_ = false;
   for (const auto& b : buckets_) {  // nothing may have changed a gradient since it was copied
@@ -224,7 +239,7 @@ bool GradReducer::finish(bool failed, double scale) {
   for (size_t j = 0; j < buckets_.size(); ++j) {
     const Bucket& b = buckets_[j];
     for (size_t k = 0; k < b.params.size(); ++k) {
-      if (flags[j][static_cast<int64_t>(k)].item<double>() == 0) continue;  // no replica has a gradient
+      if (flags[j][static_cast<int64_t>(k)].item<float>() == 0) continue;  // no replica has a gradient
       at::Tensor param = b.params[k];
       at::Tensor sum = b.flat.narrow(0, b.offsets[k], param.numel()).view(param.sizes());
       at::Tensor& grad = param.mutable_grad();

@@ -13,8 +13,10 @@
 //     into its flat buffer and all-reduced asynchronously right away, inside the backward.
 //   - At the stage's REDUCE_GRAD every bucket not sent yet goes (parameters that got no gradient in
 //     the last backward, or none at all).
-//   - finish() sends what a failed step never reached, waits for every bucket (with the timeout;
-//     on CUDA c10d makes the current stream wait, not the host), and writes gradient * scale back.
+//   - finish() sends what a failed step never reached, waits for every bucket (with the timeout),
+//     reads every bucket's flags in one copy to the host, and writes gradient * scale back. On CUDA
+//     that copy (and NCCL's wait with a timeout) makes the host wait for the reductions, once per
+//     step, at its end; the all-reduces themselves run on NCCL's stream after the gradients.
 // Buckets go in one order on every replica: by index, a ready bucket waits for the ones before it.
 // Each buffer ends with one flag per parameter ("had a gradient here") and one "this replica's
 // step failed" flag, so that a failure anywhere reaches every replica with the data, and a

@@ -79,10 +79,9 @@ def save_checkpoint(path: str | os.PathLike, pipe, optimizer: torch.optim.Optimi
                 _save(path, pipe, optimizer, extra)
             except BaseException as exc:
                 failed = exc
-        from .runtime import _native
-
-        anyone = pipe._collective(_native().all_reduce_sum, [int(failed is not None)], group=dp.group,
-                                  what="save_checkpoint: data-parallel replicas waiting for replica 0's save")[0]
+        # the others wait with the group's own timeout (a save may take longer than a step)
+        anyone = torch.tensor([int(failed is not None)], device=pipe._comm_device(dp.group))
+        dist.all_reduce(anyone, group=dp.group)
         if failed is not None:
             raise failed
         if anyone:

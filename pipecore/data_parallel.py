@@ -18,19 +18,21 @@ REDUCE_GRAD, and the step waits for them at its end: one stage's reduction runs 
 backwards of the others. Stages the user wrapped in torch DDP or FSDP2 reduce through their own
 wrapper (pipecore/wrapped_stages.py), driven by the schedule's UNSHARD, RESHARD and REDUCE_GRAD.
 
-A failed step anywhere fails the step on every replica (each bucket carries a "failed" flag), and
-every rank's `.grad` is put back as it was before the step.
+A failed step anywhere fails the step on every rank of every replica (each bucket carries a
+"failed" flag; one small all-reduce over the pipeline group at the step's end tells the rest of the
+pipeline), and with plain stages every rank's `.grad` is put back as it was before the step.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from .errors import InputError, PeerFailedError
+from .errors import InputError, PeerFailedError, PipelineError
 from .wrapped_stages import WrappedStage
 
 if TYPE_CHECKING:
@@ -73,6 +75,7 @@ class DataParallel:
         pipe = self._pipe
         self.reducer = _native().GradReducer(self.group, pipe.timeout)
         self.layout: list[tuple] = []  # (local stage, [(shape, dtype)...]) per bucket: equal on every replica
+        self._bucketed: set[int] = set()
         order = _reduce_order(pipe)
         owner: dict[int, int] = {}  # a parameter two stages share goes with the later REDUCE_GRAD
         for local in order:
@@ -83,16 +86,19 @@ class DataParallel:
                 continue
             params = [p for p in pipe.stages[local].module.parameters() if p.requires_grad and owner[id(p)] == local]
             for bucket in _buckets(params, self._bucket_bytes):
-                self.reducer.add_bucket(local, bucket, bucket[0].detach()[:0])
+                self.reducer.add_bucket(local, bucket, torch.empty(0, dtype=bucket[0].dtype, device=bucket[0].device))
                 self.layout.append((local, [(tuple(q.shape), str(q.dtype)) for q in bucket]))
+                self._bucketed.update(id(q) for q in bucket)
         if self.reducer.num_buckets == 0:  # every stage reduces through its wrapper: the failure flag goes alone
             self.reducer.add_bucket(-1, [], torch.empty(0, device=pipe._comm_device(self.group)))
         pipe._executor.set_grad_reducer(self.reducer)
-        if self.wrapped:
-            pipe._executor.set_stage_events(sorted(self.wrapped), self._event)
+        if self.wrapped:  # weakly: the executor's callback must not keep this Pipeline alive (a cycle via C++)
+            event = weakref.WeakMethod(self._event)
+            pipe._executor.set_stage_events(sorted(self.wrapped), lambda kind, local: event()(kind, local))
 
     # -- a step ------------------------------------------------------------------------------
     def begin_step(self) -> None:
+        self._concluded = False
         self.reducer.begin_step()
         for adapter in self.wrapped.values():
             adapter.begin_step()
@@ -108,8 +114,12 @@ class DataParallel:
         elif event == _REDUCE_GRAD:
             adapter.reduce_grad(average=False)  # the 1/dp is in the loss seeds
 
+    # A training step ends the same way on every rank of every replica: the buckets' flags tell the
+    # ranks of one pipeline position whether a replica failed, then one small all-reduce over the
+    # pipeline group tells its other ranks (a failure after a rank's last message, or a flag only its
+    # position saw). Every rank makes both exchanges once per step, whichever way its step ended.
     def finish(self) -> None:
-        """The step ran on this rank: wait for the reductions; PeerFailedError if a replica failed."""
+        """The step ran on this rank: wait for the reductions; PeerFailedError if any rank failed."""
         from .runtime import _native
 
         try:
@@ -117,36 +127,74 @@ class DataParallel:
         except _native().CommError as exc:
             raise self._pipe._group_broke(exc) from None
         except RuntimeError as exc:  # a gradient changed after its bucket was sent
-            raise InputError(f"rank {self._pipe.rank}: {exc}") from None
-        if not ok:
-            raise PeerFailedError(f"rank {dist.get_rank()} (pp rank {self._pipe.rank}, dp rank {self.rank}): step {self._pipe._step_count - 1} "
-                                  f"failed on another data-parallel replica ({self._their_error()}), so this step's "
-                                  "gradients were not kept: .grad is as before the step. Step again once it is fixed.")
+            ok, late = False, exc
+        else:
+            late = self._stray_gradient()
+            ok = ok and late is None
+        if not self._conclude(ok):
+            if late is not None:
+                raise InputError(f"rank {dist.get_rank()}: {late}") from None
+            raise PeerFailedError(f"rank {dist.get_rank()} (pp rank {self._pipe.rank}, dp rank {self.rank}): step "
+                                  f"{self._pipe._step_count - 1} failed on another rank of this pipeline or of another "
+                                  f"data-parallel replica ({self._first_error()}), so "
+                                  "this step's gradients were not kept: .grad is as before the step. Step again "
+                                  "once it is fixed.")
         for adapter in self.wrapped.values():
             adapter.end_step(failed=False)
 
     def abandon(self, error: BaseException) -> None:
-        """The step failed (here or on a replica): the replicas still get every bucket (flagged), and
-        .grad goes back to what it was before the step. The first failing replica's error goes to the
-        store first, for the others' messages."""
+        """The step failed (here or elsewhere): the replicas still get every bucket (flagged), the
+        pipeline's ranks learn it, and .grad goes back to what it was before the step. The error goes
+        to the store first (the first one stays), for the other ranks' messages."""
         from .runtime import _native
 
         said = str(error).strip()
-        if self._uid is not None and "on another data-parallel replica" not in said:
+        text = f"rank {dist.get_rank()}: {type(error).__name__}: {said.splitlines()[0] if said else ''}"
+        for key in self._error_keys():
             try:
-                text = f"rank {dist.get_rank()}: {type(error).__name__}: {said.splitlines()[0] if said else ''}"
-                self._store.compare_set(self._error_key(), "", text)
+                self._store.compare_set(key, "", text)
             except Exception:  # noqa: BLE001 - the message is best effort; the flags carry the failure
                 pass
         try:
             if self.agreed:  # replicas that disagree on their buckets must not exchange them
                 self.reducer.finish(True, 1.0)
-        except (_native().CommError, RuntimeError):
+            if self.agreed and not self._concluded:
+                self._conclude(False)
+        except _native().CommError as exc:
+            self._pipe._group_broke(exc)  # the step's own error is raised; later steps say the group broke
+        except (RuntimeError, PipelineError):
             pass  # the step's own error says what happened
         finally:
             self.reducer.restore(False)
             for adapter in self.wrapped.values():
                 adapter.end_step(failed=True)
+
+    def _stray_gradient(self) -> str | None:
+        """A gradient of a plain stage's parameter that no bucket holds (it required no gradient when
+        the Pipeline was built): it would differ between replicas."""
+        for local, stage in enumerate(self._pipe.stages):
+            if local in self.wrapped:
+                continue
+            for name, p in stage.module.named_parameters():
+                if p.grad is not None and id(p) not in self._bucketed:
+                    return (f"stage {stage.stage_index}'s parameter {name} has a gradient but was not reduced over the "
+                            "data-parallel replicas: it did not require a gradient when the Pipeline was built. Build "
+                            "the Pipeline again after changing which parameters train")
+        return None
+
+    def _conclude(self, ok: bool) -> bool:
+        """Did every rank of the pipeline end the step well (its flags included)? Once per step."""
+        self._concluded = True
+        pipe = self._pipe
+        if pipe.world == 1:
+            return ok
+        if pipe._broken is not None:
+            return False
+        from .runtime import _native
+
+        failed = pipe._collective(_native().all_reduce_sum, [int(not ok)],
+                                  what="agreeing whether every replica's step succeeded")[0]
+        return failed == 0
 
     def restore(self) -> None:
         """After a kept step: the gradients .grad held before it are added back."""
@@ -158,20 +206,30 @@ class DataParallel:
                  else "DP:status", "start_us": t0, "end_us": t1}
                 for s, b, n, t0, t1 in self.reducer.trace()]
 
-    def _error_key(self) -> str:
-        return f"pipecore/dp/{self._uid}/step{self._pipe._step_count - 1}/error"
+    def _error_keys(self) -> list[str]:
+        """Where a failed step's first error is left: this dp group's key and this pipeline's."""
+        step = self._pipe._step_count - 1
+        keys = [f"pipecore/dp/{self._uid}/step{step}/error"] if self._uid is not None else []
+        return keys + ([self._pipe._store_key(step)] if self._pipe._uid is not None else [])
 
-    def _their_error(self) -> str:
-        from datetime import timedelta
+    def _first_error(self) -> str:
+        """The first error left under this rank's keys (another rank's), waiting briefly for it."""
+        import time
 
-        try:
-            self._store.wait([self._error_key()], timedelta(seconds=5))
-            return self._store.get(self._error_key()).decode()
-        except Exception:  # noqa: BLE001
-            return "its error message did not arrive"
+        deadline = time.monotonic() + 5
+        while True:
+            for key in self._error_keys():
+                try:
+                    if self._store.check([key]):
+                        return self._store.get(key).decode()
+                except Exception:  # noqa: BLE001
+                    return "its error message did not arrive"
+            if time.monotonic() > deadline:
+                return "its error message did not arrive"
+            time.sleep(0.01)
 
     def agree(self) -> None:
-        """At the first step (or eval): the replicas hold the same pipeline position, the same program
+        """At the first training step: the replicas hold the same pipeline position, the same program
         and the same bucket layout; otherwise every rank of the dp group says what differs."""
         from .grads import _gather_objects
 
@@ -183,13 +241,23 @@ class DataParallel:
                                group=self.group)
         # names this dp group's store keys alike on every replica (a failed step's first error)
         self._uid = f"{dist.distributed_c10d._get_process_group_name(self.group)}/{rows[0]['nonce']:x}"
+        problem = None
         for field in ("pp rank", "pp size", "program", "buckets", "wrapped"):
             values = [r[field] for r in rows]
-            if any(v != values[0] for v in values):
-                raise InputError(f"rank {dist.get_rank()} (pp rank {pipe.rank}, dp rank {self.rank}): the data-parallel "
-                                 f"replicas differ in their {field} ({_describe(field, values)}). dp_group must join "
-                                 "ranks that hold the same stages of the same model in the same pipeline position: "
-                                 "build the groups with pc.init_mesh(dp=..., pp=...)")
+            if problem is None and any(v != values[0] for v in values):
+                problem = (f"the data-parallel replicas differ in their {field} ({_describe(field, values)}). dp_group "
+                           "must join ranks that hold the same stages of the same model in the same pipeline position: "
+                           "build the groups with pc.init_mesh(dp=..., pp=...)")
+        if pipe.world > 1:  # the pipeline's other positions learn it too (theirs may agree)
+            from .runtime import _native
+
+            anywhere = pipe._collective(_native().all_reduce_sum, [int(problem is not None)],
+                                        what="agreeing whether the data-parallel replicas match")[0]
+            if anywhere and problem is None:
+                problem = ("the data-parallel replicas of another rank of this pipeline differ (its error says how); "
+                           "build the groups with pc.init_mesh(dp=..., pp=...) and the same model on every replica")
+        if problem is not None:
+            raise InputError(f"rank {dist.get_rank()} (pp rank {pipe.rank}, dp rank {self.rank}): {problem}")
         self.agreed = True  # until then no bucket goes: replicas that disagree must not exchange them
 
 

@@ -314,8 +314,8 @@ class Pipeline:
         if self._broken is not None:
             raise CommunicationError(f"rank {self.rank}: this Pipeline's process group broke in an earlier step "
                                      f"({self._broken}); rebuild the group and the Pipeline before stepping again")
-        if self._dp is not None and not self._dp.agreed:
-            self._dp.agree()
+        if training and self._dp is not None and not self._dp.agreed:
+            self._dp.agree()  # eval() exchanges nothing over dp: it may run on some replicas only
         m = self.num_microbatches
         step = self._step_count
         self._step_count += 1

@@ -414,3 +414,136 @@ def checkpoint_round_trip(rank, world, path):
     extra = pc.load_checkpoint(path, r.pipe, opt)
     return {"extra": extra, "weights": all(torch.equal(a, p) for a, p in zip(saved, r.params)),
             "momentum": all(torch.equal(a, opt.state[p]["momentum_buffer"]) for a, p in zip(momentum, r.params))}
+
+
+class _FailInBackward(torch.autograd.Function):
+    """Identity whose backward raises while `state["fail"]` and the step's `last`-th backward runs."""
+
+    @staticmethod
+    def forward(ctx, x, state):
+        ctx.state = state
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        state = ctx.state
+        state["backwards"] += 1
+        if state["fail"] and state["backwards"] == state["last"]:
+            raise RuntimeError("boom in the last backward")
+        return grad, None
+
+
+class FailingLastBackward(nn.Module):
+    def __init__(self, inner, state):
+        super().__init__()
+        self.inner, self.state = inner, state
+
+    def forward(self, x):
+        return _FailInBackward.apply(self.inner(x), self.state)
+
+
+def late_failure(rank, world, name, bad_rank):
+    """`bad_rank` (a first stage) raises in its last backward of step 1, after its pipeline's other
+    ranks sent and received everything: every rank of every replica fails the step, .grad stays as
+    before it, and the next step equals one process."""
+    r = Replica(rank, world, name, 4, 2)
+    state = {"fail": False, "backwards": 0, "last": 4}
+    first = [s for s in r.stages if s.stage_index == 0]
+    if first:
+        first[0].module = FailingLastBackward(first[0].module, state)
+    x, y = r.global_batch(0, 8)
+    r.reference_step(x, y)
+    r.pipeline_step(x, y, [])
+    before = [None if p.grad is None else p.grad.clone() for p in r.params]
+    state.update(fail=rank == bad_rank, backwards=0)
+    x, y = r.global_batch(1, 8)
+    outcome = _outcome(lambda: r.pipeline_step(x, y, []))
+    kept = all((a is None and p.grad is None) or (a is not None and p.grad is not None and torch.equal(a, p.grad))
+               for a, p in zip(before, r.params))
+    state.update(fail=False, backwards=0)
+    r.zero_grad()
+    x, y = r.global_batch(2, 8)
+    r.reference_step(x, y)
+    r.pipeline_step(x, y, [])
+    r.compare_grads("after the failed step")
+    return {"outcome": outcome, "kept": kept, "grad": r.worst["grad"]}
+
+
+class ScaledLinear(nn.Module):
+    """A Linear whose output is scaled by a 0-dim parameter registered last (first in its bucket)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * self.scale
+
+
+def scalar_parameters(rank, world):
+    dp, pp, m, width = 2, world // 2, 4, 8
+    mesh = data_parallel_mesh(dp, pp)
+    replica, position = divmod(rank, pp)
+    sched = pc.build_schedule("1f1b", pp, m)
+    torch.manual_seed(0)
+    # float64: the scale's gradient sums every output element with mixed signs, so float32 summation
+    # order alone moves it by 6e-6; the test is about the buckets
+    model = [ScaledLinear(width).double() for _ in range(pp)]
+    stage = pc.PipelineStage(copy.deepcopy(model[position]), position, pp)
+    pipe = pc.Pipeline(stage, sched, m, nn.functional.mse_loss, group=mesh.get_group("pp"),
+                       dp_group=mesh.get_group("dp"), timeout=60, bucket_bytes=64)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(dp * m * 2, width, generator=g, dtype=torch.float64)
+    y = torch.randn(dp * m * 2, width, generator=g, dtype=torch.float64)
+    pipe.step(*((x.chunk(dp)[replica],) if pipe.has_first else ()),
+              target=y.chunk(dp)[replica] if pipe.has_last else None)
+    h = x
+    for mod in model:
+        h = mod(h)
+    nn.functional.mse_loss(h, y).backward()
+    return {n: relative_difference(p.grad, q.grad)
+            for (n, p), q in zip(stage.module.named_parameters(), model[position].parameters())}
+
+
+def eval_on_one_replica_first(rank, world):
+    """Replica 0 evaluates before any training step (replica 1 does not): no dp exchange, then both
+    train and match one process."""
+    r = Replica(rank, world, "1f1b", 2, 2)
+    x, y = r.global_batch(0, 4)
+    if r.replica == 0:
+        r.pipe.eval(*((r.local(x),) if r.pipe.has_first else ()))
+    r.reference_step(x, y)
+    r.pipeline_step(x, y, [])
+    r.compare_grads("after eval on one replica")
+    return r.worst["grad"]
+
+
+def unfrozen_after_building(rank, world):
+    """A parameter frozen when the Pipeline was built and trained later: the step fails on every
+    rank (it would not be reduced over the replicas) instead of letting the replicas drift apart."""
+    r = Replica(rank, world, "1f1b", 2, 2)
+    frozen = next(r.stages[0].module.parameters())
+    frozen.requires_grad_(False)
+    pipe = pc.Pipeline(r.stages, r.pipe.schedule, 2, r.loss_fn, group=r.mesh.get_group("pp"),
+                       dp_group=r.mesh.get_group("dp"), timeout=60)
+    frozen.requires_grad_(True)
+    x, y = r.global_batch(0, 4)
+    r.pipe = pipe
+    return _outcome(lambda: r.pipeline_step(x, y, []))
+
+
+def wrapped_pipeline_is_freed(rank, world):
+    """A Pipeline with DDP stages is garbage once dropped (the executor's event callback holds it weakly)."""
+    import gc
+    import weakref
+
+    mesh = data_parallel_mesh(2, world // 2)
+    position = rank % (world // 2)
+    module = nn.parallel.DistributedDataParallel(nn.Linear(4, 4), process_group=mesh.get_group("dp"))
+    pipe = pc.Pipeline(pc.PipelineStage(module, position, world // 2), "1f1b", 2, nn.functional.mse_loss,
+                       group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"))
+    ref = weakref.ref(pipe)
+    del pipe
+    gc.collect()
+    return ref() is None

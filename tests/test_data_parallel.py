@@ -146,3 +146,37 @@ def test_checkpoint_round_trip(tmp_path):
     path = str(tmp_path / "ckpt")
     for rank, r in enumerate(pool(4).run(cases.checkpoint_round_trip, path, timeout=120)):
         assert r == {"extra": {"step": 1}, "weights": True, "momentum": True}, (rank, r)
+
+
+@pytest.mark.parametrize("name, bad_rank", [("1f1b", 2), ("zbv", 0)])
+def test_a_failure_in_the_last_backward_fails_every_rank(name, bad_rank):
+    """The failing rank's pipeline peers already finished their part: they learn it from the step's
+    outcome agreement, the other replica from the buckets' flags; nobody keeps half a step."""
+    for rank, r in enumerate(pool(4).run(cases.late_failure, name, bad_rank, timeout=120)):
+        kind, message, seconds = r["outcome"]
+        assert kind != "ok" and seconds < 10, (rank, r)
+        assert "boom in the last backward" in message, (rank, message)
+        assert r["kept"], f"rank {rank}: .grad changed in the failed step"
+        assert r["grad"] <= TOL, (rank, r)
+
+
+def test_scalar_parameters_in_buckets():
+    """A 0-dim parameter first in its bucket (bucket_bytes=64: a bucket per parameter or two)."""
+    for rank, worst in enumerate(pool(4).run(cases.scalar_parameters, timeout=60)):
+        assert max(worst.values()) <= 1e-12, (rank, worst)
+
+
+def test_eval_on_one_replica_before_training():
+    for rank, worst in enumerate(pool(4).run(cases.eval_on_one_replica_first, timeout=60)):
+        assert worst <= TOL, (rank, worst)
+
+
+def test_a_parameter_unfrozen_after_building_fails_the_step():
+    for rank, (kind, message, _) in enumerate(pool(4).run(cases.unfrozen_after_building, timeout=60)):
+        assert kind in ("InputError", "PeerFailedError"), (rank, kind, message)
+        if kind == "InputError":
+            assert "not reduced over the data-parallel replicas" in message, (rank, message)
+
+
+def test_a_pipeline_with_wrapped_stages_is_freed():
+    assert pool(4).run(cases.wrapped_pipeline_is_freed, timeout=60) == [True] * 4
