@@ -547,3 +547,62 @@ def wrapped_pipeline_is_freed(rank, world):
     del pipe
     gc.collect()
     return ref() is None
+
+
+def gpt_tied(rank, world, name, m):
+    """The example GPT (token embedding tied to the LM head across pipeline ranks) on dp=2 x pp=2:
+    the tied copies are reduced over dp with the other parameters, then summed over their stages."""
+    from gpt import build_gpt, get_batch, lm_loss, pipeline_stages
+    from gpt_cases import small_config, text
+
+    dp, pp = 2, world // 2
+    mesh = data_parallel_mesh(dp, pp)
+    replica, position = divmod(rank, pp)
+    sched = pc.build_schedule(name, pp, m, stages_per_rank(name))
+    cfg = small_config(sched)
+    model = build_gpt(cfg, seed=1)
+    reference = copy.deepcopy(model)
+    stages = pipeline_stages(model, sched, position)
+    pipe = pc.Pipeline(stages, sched, m, loss_fn=lm_loss, group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"),
+                       timeout=60)
+    worst = 0.0
+    for step in range(2):
+        x, y = get_batch(text(), step, 2 * m * dp, cfg.seq_len, seed=7)
+        lm_loss(reference(x), y).backward()
+        pipe.step(*((x.chunk(dp)[replica],) if pipe.has_first else ()),
+                  target=y.chunk(dp)[replica] if pipe.has_last else None)
+        for s in stages:
+            for name_, p in s.module.named_parameters():
+                worst = max(worst, relative_difference(p.grad, reference.get_parameter(name_).grad))
+            s.module.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+    return worst
+
+
+def dualpipe_mirrors(rank, world, bucket_bytes=None):
+    """dualpipe (each rank holds two mirrored copies of model stages, summed after the step) with dp."""
+    dp, pp, m = 2, world // 2, 4
+    mesh = data_parallel_mesh(dp, pp)
+    replica, position = divmod(rank, pp)
+    sched = pc.build_schedule("dualpipe", pp, m, 2)
+    topo = sched.topology
+    model = make_stages("transformer", len(set(topo.model_stage)), width=16)
+    ref = copy.deepcopy(model)
+    stages = [pc.PipelineStage(copy.deepcopy(model[topo.model_stage[s]]), s, sched.num_stages)
+              for s in sched.rank_stages(position)]
+    loss_fn = nn.CrossEntropyLoss()
+    pipe = pc.Pipeline(stages, sched, m, loss_fn, group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"),
+                       timeout=60, **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}))
+    worst = 0.0
+    for step in range(2):
+        x, y = make_batch(dp * 3 * m, width=16, seed=step + 1)
+        for p in ref:
+            p.zero_grad()
+        loss_fn(reference_forward(ref, x), y).backward()
+        pipe.step(*((x.chunk(dp)[replica],) if pipe.has_first else ()),
+                  target=y.chunk(dp)[replica] if pipe.has_last else None)
+        for s in stages:
+            for p, q in zip(s.module.parameters(), ref[topo.model_stage[s.stage_index]].parameters()):
+                worst = max(worst, relative_difference(p.grad, q.grad))
+            s.module.zero_grad(set_to_none=True)
+    return worst

@@ -180,3 +180,15 @@ def test_a_parameter_unfrozen_after_building_fails_the_step():
 
 def test_a_pipeline_with_wrapped_stages_is_freed():
     assert pool(4).run(cases.wrapped_pipeline_is_freed, timeout=60) == [True] * 4
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_tied_embedding_and_head(name):
+    for rank, worst in enumerate(pool(4).run(cases.gpt_tied, name, 4, timeout=180)):
+        assert worst <= TOL, f"rank {rank}: gradients differ from one process by {worst:.2e}"
+
+
+@pytest.mark.parametrize("bucket_bytes", [None, 512])
+def test_dualpipe_mirrored_stages(bucket_bytes):
+    for rank, worst in enumerate(pool(4).run(cases.dualpipe_mirrors, bucket_bytes, timeout=120)):
+        assert worst <= TOL, f"rank {rank}: gradients differ from one process by {worst:.2e}"
