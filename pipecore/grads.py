@@ -25,6 +25,7 @@ sharded ones, whose shards' norms are summed over the dp group first.
 from __future__ import annotations
 
 import pickle
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -232,17 +233,21 @@ def _norm_part(grads: list[torch.Tensor], norm_type: float, device: torch.device
     return norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
 
 
+def _dtensor():
+    """torch.distributed.tensor once imported (no gradient can be a DTensor before; importing it
+    costs a second)."""
+    return sys.modules.get("torch.distributed.tensor")
+
+
 def _is_sharded(g: torch.Tensor) -> bool:
     """A DTensor gradient sharded over the data-parallel group (FSDP2)."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    return isinstance(g, DTensor) and any(isinstance(p, Shard) for p in g.placements)
+    dt = _dtensor()
+    return dt is not None and isinstance(g, dt.DTensor) and any(isinstance(p, dt.Shard) for p in g.placements)
 
 
 def _local(g: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return g.to_local() if isinstance(g, DTensor) else g
+    dt = _dtensor()
+    return g.to_local() if dt is not None and isinstance(g, dt.DTensor) else g
 
 
 def _grads_to_norm(pipe: "Pipeline") -> tuple[list[torch.Tensor], list[torch.Tensor]]:

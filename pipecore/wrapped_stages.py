@@ -18,14 +18,21 @@ as it was before the step.
 
 from __future__ import annotations
 
+import sys
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from .errors import InputError, PipelineError
+
+
+def _fsdp_module() -> type | tuple:
+    """FSDP2's module class, once torch.distributed.fsdp is imported (no module can be one before);
+    importing it here would cost every Pipeline seconds."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return getattr(fsdp, "FSDPModule", ()) if fsdp is not None else ()
 
 
 def _ranks(group) -> list[int]:
@@ -73,6 +80,7 @@ class WrappedStage:
         InputError for a wrapper pipecore cannot drive exactly (the message says what to change)."""
         if isinstance(module, DistributedDataParallel):
             return _DDPStage(module, dp_group)
+        FSDPModule = _fsdp_module()
         if isinstance(module, FSDPModule):
             return _FSDPStage(module, dp_group)
         inner = [name for name, m in module.named_modules() if isinstance(m, (DistributedDataParallel, FSDPModule))]
@@ -205,9 +213,9 @@ class _FSDPStage(WrappedStage):
     kind = "fsdp"
     sharded = True
 
-    def __init__(self, module: FSDPModule, dp_group):
+    def __init__(self, module, dp_group):
         super().__init__(module, dp_group)
-        self._fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        self._fsdp = [m for m in module.modules() if isinstance(m, _fsdp_module())]
         self._groups = [g for m in self._fsdp for g in m._get_fsdp_state()._fsdp_param_groups]
         # the sharded parameters (module.parameters() gives the unsharded ones while unsharded)
         self._params = [p.sharded_param for g in self._groups for p in g.fsdp_params if p.sharded_param.requires_grad]
