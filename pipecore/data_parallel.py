@@ -176,7 +176,7 @@ class DataParallel:
             if local in self.wrapped:
                 continue
             for name, p in stage.module.named_parameters():
-                if p.grad is not None and id(p) not in self._bucketed:
+                if p.requires_grad and p.grad is not None and id(p) not in self._bucketed:
                     return (f"stage {stage.stage_index}'s parameter {name} has a gradient but was not reduced over the "
                             "data-parallel replicas: it did not require a gradient when the Pipeline was built. Build "
                             "the Pipeline again after changing which parameters train")
