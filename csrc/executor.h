@@ -37,7 +37,7 @@ enum Op : int64_t {
 };
 // Stage events told to Python for stages whose module reduces its own gradients (torch DDP,
 // FSDP2): the schedule's UNSHARD, RESHARD, REDUCE_GRAD, and this one, before the stage's last
-// backward (B or W) of the step.
+// backward of the step (its last B, or I: such a stage's backward runs whole at I).
 constexpr int64_t kLastBackwardEvent = 13;
 using StageEventFn = std::function<void(int64_t event, int64_t stage)>;
 
@@ -184,9 +184,9 @@ class Executor {
   // Data-parallel gradient reduction of plain stages (grad_reduce.h): armed before each stage's last
   // backward, its REDUCE_GRAD sends what is left. Null: none.
   void set_grad_reducer(std::shared_ptr<GradReducer> reducer) { reducer_ = std::move(reducer); }
-  // Stages whose events go to `fn` (called with the GIL's owner's care: see bindings), and whose
-  // backward runs whole at I (their W does nothing): wrapped modules reduce in their own hooks,
-  // which the I/W split would run before the weight gradients exist.
+  // Stages whose events go to `fn` (the bindings take the GIL for it), and whose backward runs whole
+  // at I (their W does nothing): DDP's and FSDP2's autograd hooks expect a microbatch's weight
+  // gradients within one backward.
   void set_stage_events(std::vector<int64_t> stages, StageEventFn fn);
   // Benchmarks only: keep sent outputs alive until the end of the step (as torch does).
   void set_free_outputs(bool free) { free_outputs_ = free; }
