@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 examples/train_gpt.py --schedule interleaved_1f1b --stages-per-rank 2
     python examples/train_gpt.py --ranks 4          # the same: starts torchrun itself
+    python examples/train_gpt.py --ranks 4 --dp 2   # 2 data-parallel replicas of a 2-rank pipeline
 
 One process per rank: gloo on CPUs, or NCCL with one GPU per rank when CUDA is there (device from
 LOCAL_RANK; `--cpu` forces gloo). Each rank builds the model (examples/gpt.py), keeps its stages
@@ -39,6 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--schedule", default="interleaved_1f1b", choices=[s for s in pc.SCHEDULES if s != "forward_only"])
     ap.add_argument("--ranks", type=int, default=4, help="processes to start when not launched by torchrun")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline (ranks = dp x pp)")
     ap.add_argument("--stages-per-rank", type=int, default=None)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--rows", type=int, default=32, help="sequences per step (the batch)")
@@ -107,21 +109,28 @@ def main() -> None:
     if "RANK" not in os.environ:
         sys.exit(launch(args))
     device = setup(args)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    sched = pc.build_schedule(args.schedule, world, args.microbatches, args.stages_per_rank)
+    world = dist.get_world_size()
+    if world % args.dp or args.rows % (args.dp * args.microbatches):
+        raise SystemExit(f"--dp {args.dp} must divide the {world} ranks, and dp x microbatches the {args.rows} rows")
+    mesh = pc.init_mesh(dp=args.dp, pp=world // args.dp)
+    rank, replica = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")  # position in the pipeline, replica
+    sched = pc.build_schedule(args.schedule, world // args.dp, args.microbatches, args.stages_per_rank)
     cfg = GPTConfig(seq_len=args.seq_len, width=args.width, heads=args.heads, layers=args.layers, dropout=args.dropout)
     model = build_gpt(cfg, seed=args.seed)
     options = dict(activation_checkpointing=args.checkpoint_activations,
                    autocast=torch.bfloat16 if args.bf16 else None)
     stages = pipeline_stages(model, sched, rank, method=args.partition, device=device, verbose=rank == 0, **options)
-    pipe = pc.Pipeline(stages, sched, args.microbatches, loss_fn=lm_loss, trace=True)
+    pipe = pc.Pipeline(stages, sched, args.microbatches, loss_fn=lm_loss, trace=True, group=mesh.get_group("pp"),
+                       dp_group=mesh.get_group("dp") if args.dp > 1 else None)
     params = list({id(p): p for s in stages for p in s.module.parameters()}.values())
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     data = stdlib_bytes()
     n_params = sum(p.numel() for p in model.parameters())
     say(f"pipecore: GPT of {n_params:,} parameters ({cfg.layers} blocks, width {cfg.width}, {cfg.heads} heads, "
-        f"context {cfg.seq_len}) on {world} ranks ({device.type}), schedule {args.schedule}, "
-        f"{sched.num_stages} stages, {args.microbatches} microbatches of {args.rows // args.microbatches} sequences; "
+        f"context {cfg.seq_len}) on {world} ranks ({device.type}"
+        f"{f', {args.dp} data-parallel replicas of {world // args.dp}' if args.dp > 1 else ''}), schedule {args.schedule}, "
+        f"{sched.num_stages} stages, {args.microbatches} microbatches of {args.rows // args.dp // args.microbatches} "
+        "sequences per replica; "
         f"text: {data.numel():,} bytes of Python's standard library")
 
     start = 0
@@ -138,9 +147,10 @@ def main() -> None:
     times: list[float] = []
     for step in range(start, args.steps):
         x, y = (t.to(device) for t in get_batch(data, step, args.rows, cfg.seq_len, seed=args.seed))
+        mine_x, mine_y = x.chunk(args.dp)[replica], y.chunk(args.dp)[replica]  # this replica's share
         losses: list = []
         t0 = time.perf_counter()
-        pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None, losses=losses)
+        pipe.step(*((mine_x,) if pipe.has_first else ()), target=mine_y if pipe.has_last else None, losses=losses)
         norm = pc.clip_grad_norm_(pipe, args.clip)
         if step - start < check:
             grad_diff = compare_step(reference, ref_opt, stages, x, y, args, options)
@@ -203,6 +213,7 @@ def bubble(pipe, sched, args) -> None:
     events = gather_trace(pipe)
     if dist.get_rank() != 0:
         return
+    events = [e for e in events if e["name"].startswith("PP:")]  # the actions (not the dp buckets)
     durations: dict[str, list[float]] = {}
     for e in events:
         kind = pc.Action.parse(e["name"].removeprefix("PP:")).kind.name

@@ -77,3 +77,22 @@ def test_tie_errors_on_every_rank(what, message):
 def test_tied_copies_start_equal(name, world):
     for rank, rows in enumerate(pool(world).run(gpt_cases.tied_start_equal, name)):
         assert all(equal for _, equal in rows), f"rank {rank}: {rows}"
+
+
+def test_example_script_with_data_parallel_replicas():
+    """examples/train_gpt.py --ranks 4 --dp 2 (torchrun, 2 replicas of a 2-rank pipeline): it trains,
+    and its first step's gradients equal one process's on the whole batch."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "train_gpt.py")
+    out = subprocess.run([sys.executable, script, "--ranks", "4", "--dp", "2", "--steps", "2", "--width", "32",
+                          "--layers", "2", "--heads", "2", "--seq-len", "16", "--rows", "16", "--microbatches", "4",
+                          "--check-steps", "1", "--sample-tokens", "4", "--timeline", ""],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "2 data-parallel replicas of 2" in out.stdout, out.stdout
+    found = re.search(r"gradients of step 0 within ([0-9.e+-]+)", out.stdout)
+    assert found and float(found.group(1)) <= 1e-5, out.stdout
