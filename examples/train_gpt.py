@@ -130,7 +130,7 @@ def main() -> None:
         f"context {cfg.seq_len}) on {world} ranks ({device.type}"
         f"{f', {args.dp} data-parallel replicas of {world // args.dp}' if args.dp > 1 else ''}), schedule {args.schedule}, "
         f"{sched.num_stages} stages, {args.microbatches} microbatches of {args.rows // args.dp // args.microbatches} "
-        "sequences per replica; "
+        f"sequences{' per replica' if args.dp > 1 else ''}; "
         f"text: {data.numel():,} bytes of Python's standard library")
 
     start = 0
