@@ -52,7 +52,7 @@ import traceback
 
 import _harness  # noqa: F401  (puts the repo on sys.path)
 from _harness import ROOT, bar_plot, spawn, table
-from memory import _reset_peak, _status_mib
+from memory import _reset_peak, _status_mib, resident_follows_tensors
 from vs_torch import TORCH_CLASS
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zbv"]
@@ -277,10 +277,7 @@ def _per_rank(values) -> str:
 
 
 def main(argv=None):
-    # Large blocks straight from mmap, returned on free: the resident set then follows live tensors
-    # instead of what glibc's heap keeps cached (inherited by the spawned ranks).
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", "0")
+    resident_follows_tensors()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--schedules", nargs="*", default=DEFAULT_SCHEDULES, choices=SCHEDULES)
     ap.add_argument("--ranks", type=int, default=4)

@@ -104,11 +104,15 @@ def _peak_rank(rank, world, variant, name, m, width, rows, steps, device="cpu", 
     return _status_mib("VmHWM") - base
 
 
-def main(argv=None):
-    # Large blocks straight from mmap, returned on free: the resident set then follows live tensors
-    # instead of what glibc's heap keeps cached.
+def resident_follows_tensors() -> None:
+    """Large blocks straight from mmap, returned on free: the resident set then follows live tensors
+    instead of what glibc's heap keeps cached (inherited by the ranks spawned afterwards)."""
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", "0")
+
+
+def main(argv=None):
+    resident_follows_tensors()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--schedules", nargs="*", default=SCHEDULES, choices=SCHEDULES)
     ap.add_argument("--ranks", type=int, default=2)
