@@ -185,16 +185,18 @@ class DataParallel:
     def _conclude(self, ok: bool) -> bool:
         """Did every rank of the pipeline end the step well (its flags included)? Once per step."""
         self._concluded = True
+        if self._pipe._broken is not None:
+            return False
+        return not self._anywhere_in_pipeline(not ok, "agreeing whether every replica's step succeeded")
+
+    def _anywhere_in_pipeline(self, flag: bool, what: str) -> bool:
+        """Is `flag` set on any rank of the pipeline's group? (One small all-reduce.)"""
         pipe = self._pipe
         if pipe.world == 1:
-            return ok
-        if pipe._broken is not None:
-            return False
+            return flag
         from .runtime import _native
 
-        failed = pipe._collective(_native().all_reduce_sum, [int(not ok)],
-                                  what="agreeing whether every replica's step succeeded")[0]
-        return failed == 0
+        return pipe._collective(_native().all_reduce_sum, [int(flag)], what=what)[0] > 0
 
     def restore(self) -> None:
         """After a kept step: the gradients .grad held before it are added back."""
@@ -248,14 +250,11 @@ class DataParallel:
                 problem = (f"the data-parallel replicas differ in their {field} ({_describe(field, values)}). dp_group "
                            "must join ranks that hold the same stages of the same model in the same pipeline position: "
                            "build the groups with pc.init_mesh(dp=..., pp=...)")
-        if pipe.world > 1:  # the pipeline's other positions learn it too (theirs may agree)
-            from .runtime import _native
-
-            anywhere = pipe._collective(_native().all_reduce_sum, [int(problem is not None)],
-                                        what="agreeing whether the data-parallel replicas match")[0]
-            if anywhere and problem is None:
-                problem = ("the data-parallel replicas of another rank of this pipeline differ (its error says how); "
-                           "build the groups with pc.init_mesh(dp=..., pp=...) and the same model on every replica")
+        # the pipeline's other positions learn it too (theirs may agree)
+        anywhere = self._anywhere_in_pipeline(problem is not None, "agreeing whether the data-parallel replicas match")
+        if anywhere and problem is None:
+            problem = ("the data-parallel replicas of another rank of this pipeline differ (its error says how); "
+                       "build the groups with pc.init_mesh(dp=..., pp=...) and the same model on every replica")
         if problem is not None:
             raise InputError(f"rank {dist.get_rank()} (pp rank {pipe.rank}, dp rank {self.rank}): {problem}")
         self.agreed = True  # until then no bucket goes: replicas that disagree must not exchange them
