@@ -70,13 +70,6 @@ void GradReducer::add_bucket(int64_t stage, std::vector<at::Tensor> params, cons
   set_aside_.resize(all_params_.size());
 }
 
-bool GradReducer::reduces(int64_t stage) const {
-  for (const auto& b : buckets_) {
-    if (b.stage == stage) return true;
-  }
-  return false;
-}
-
 void GradReducer::begin_step() {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& b : buckets_) {
@@ -208,16 +201,13 @@ bool GradReducer::finish(bool failed, double scale) {
   // once, at the end of the step)
   std::vector<at::Tensor> parts;
   for (const auto& b : buckets_) parts.push_back(b.flat.narrow(0, b.payload, b.params.size() + 1).to(at::kFloat));
-  const at::Tensor all_flags = at::cat(parts).cpu();
-  std::vector<at::Tensor> flags;
-  int64_t at_flag = 0;
+  const at::Tensor all_flags = at::cat(parts).cpu().contiguous();
+  std::vector<const float*> flags;  // per bucket: one flag per parameter, then the failure flag
+  const float* next_flags = all_flags.data_ptr<float>();
   for (const auto& b : buckets_) {
-    const auto n = static_cast<int64_t>(b.params.size()) + 1;
-    flags.push_back(all_flags.narrow(0, at_flag, n));
-    at_flag += n;
-  }
-  for (const auto& f : flags) {
-    if (f[f.numel() - 1].item<float>() != 0) succeeded_ = false;
+    flags.push_back(next_flags);
+    next_flags += b.params.size() + 1;
+    if (flags.back()[b.params.size()] != 0) succeeded_ = false;
   }
   if (failed || !succeeded_) return succeeded_ = false;
   for (const auto& b : buckets_) {  // nothing may have changed a gradient since it was copied
@@ -239,7 +229,7 @@ bool GradReducer::finish(bool failed, double scale) {
   for (size_t j = 0; j < buckets_.size(); ++j) {
     const Bucket& b = buckets_[j];
     for (size_t k = 0; k < b.params.size(); ++k) {
-      if (flags[j][static_cast<int64_t>(k)].item<float>() == 0) continue;  // no replica has a gradient
+      if (flags[j][k] == 0) continue;  // no replica has a gradient
       at::Tensor param = b.params[k];
       at::Tensor sum = b.flat.narrow(0, b.offsets[k], param.numel()).view(param.sizes());
       at::Tensor& grad = param.mutable_grad();

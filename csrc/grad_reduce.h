@@ -47,7 +47,6 @@ class GradReducer {
   // of local stage `stage`, all of `like`'s dtype and device. No params: a flags-only bucket (a rank
   // whose stages reduce their gradients otherwise still says whether its step failed).
   void add_bucket(int64_t stage, std::vector<at::Tensor> params, const at::Tensor& like);
-  bool reduces(int64_t stage) const;
 
   void begin_step();
   // The stage's last backward starts: accumulations of its parameters now mark them ready.
