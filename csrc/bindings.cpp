@@ -159,6 +159,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   pipecore::bind_weight_store(m);
 
+  m.def("overlap_hand_over", &pipecore::overlap_hand_over, py::call_guard<py::gil_scoped_release>(),
+        "lock-step OVERLAP_F_B pair: the running half lets the other compute; returns which half it is (-1: "
+        "no lock-step pair runs)");
+  m.def("overlap_take_back", &pipecore::overlap_take_back, py::arg("half"), py::call_guard<py::gil_scoped_release>(),
+        "waits until `half` (from overlap_hand_over) may compute again");
   py::register_exception<pipecore::PeerAbort>(m, "PeerAbort", PyExc_RuntimeError);
   py::register_exception<pipecore::CommError>(m, "CommError", PyExc_RuntimeError);
   py::register_exception<pipecore::PeerReplan>(m, "PeerReplan", PyExc_RuntimeError);
@@ -243,6 +248,38 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("stages"), py::arg("fn"),
           "fn(event, local stage) for UNSHARD (8), RESHARD (9), REDUCE_GRAD (10) and before the last backward "
           "(13) of these stages, whose backward runs whole (no I/W split)")
+      .def(
+          "set_overlap",
+          [](pipecore::Executor& self, int64_t mode, py::object hook, const std::string& device) {
+            TORCH_CHECK(mode >= 0 && mode <= 2, "pipecore: overlap mode 0 (sequential), 1 (concurrent) or 2 (lockstep)");
+            pipecore::Executor::OverlapHook fn;
+            if (!hook.is_none()) {
+              auto callback = std::make_shared<py::object>(std::move(hook));  // freed with the GIL: by Python
+              fn = [callback](int64_t bracket) {
+                py::gil_scoped_acquire gil;
+                (*callback)(bracket);
+              };
+            }
+            self.set_overlap(static_cast<pipecore::OverlapMode>(mode), std::move(fn), c10::Device(device));
+          },
+          py::arg("mode"), py::arg("hook"), py::arg("device"),
+          "how OVERLAP_F_B pairs run: 0 sequential, 1 concurrent, 2 lockstep; hook(bracket index) runs each pair "
+          "instead, through run_pair_half / run_pair")
+      .def(
+          "run_pair_half",
+          [](pipecore::Executor& self, int64_t bracket, int half) { self.run_pair_half(bracket, half); },
+          py::arg("bracket"), py::arg("half"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "run_pair",
+          [](pipecore::Executor& self, int64_t bracket, int64_t mode) {
+            TORCH_CHECK(mode >= 0 && mode <= 2, "pipecore: overlap mode 0 (sequential), 1 (concurrent) or 2 (lockstep)");
+            self.run_pair(bracket, static_cast<pipecore::OverlapMode>(mode));
+          },
+          py::arg("bracket"), py::arg("mode"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("overlapped_pairs", &pipecore::Executor::overlapped_pairs,
+                             "since construction: OVERLAP_F_B pairs whose halves ran at once")
+      .def("overlap_fallbacks", &pipecore::Executor::overlap_fallbacks,
+           "since construction: {why: pairs} that ran in sequence although the mode overlaps them")
       .def("set_send_budget", &pipecore::Executor::set_send_budget, py::arg("bytes"))
       .def("set_recv_window", &pipecore::Executor::set_recv_window, py::arg("receives"),
            py::arg("past_sends"), py::arg("max_bytes") = pipecore::kRecvWindowBytes)
@@ -275,7 +312,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("trace",
            [](pipecore::Executor& self) {
              py::list out;
-             for (const auto& e : self.trace()) out.append(py::make_tuple(self.label(e.label), e.start_us, e.end_us));
+             for (const auto& e : self.trace()) {
+               out.append(py::make_tuple(self.label(e.label), e.start_us, e.end_us, e.lane));
+             }
              return out;
            })
       .def("reset", &pipecore::Executor::reset, py::call_guard<py::gil_scoped_release>())

@@ -109,6 +109,14 @@ void Executor::set_program(std::vector<int64_t> flat, std::vector<std::string> l
     }
     recvs_through_[i] = recv_instrs_.size();
   }
+  pair_end_.assign(program_.size(), 0);
+  for (size_t i = 0, open = 0; i < program_.size(); ++i) {
+    if (program_[i].op == kOverlapBegin) open = i;
+    if (program_[i].op == kOverlapEnd) {
+      TORCH_CHECK(program_[open].op == kOverlapBegin && open < i, "pipecore: unbalanced OVERLAP_F_B brackets");
+      pair_end_[open] = i;
+    }
+  }
   mark_last_backwards();
   batch_end_.assign(program_.size(), 0);  // a batch: a run of consecutive SEND/RECV actions
   for (size_t i = program_.size(); i-- > 0;) {
@@ -547,7 +555,8 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const Spec
   comm_failure_.clear();
   freed_outputs_ = 0;
   trace_.clear();
-  open_trace_.clear();
+  forward_ = &forward;
+  hooked_backward_.assign(num_stages_, -1);
   if (trace_on_ && timer_) timer_->start(now_us());
   trace_resolved_ = !timer_;
   if (device_comm_) device_comm_->begin_step();
@@ -559,7 +568,11 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const Spec
     for (; i < program_.size(); ++i) {
       check_sends();
       if (!device_comm_) prefetch_recvs(i);  // the device path posts receives with their batch
-      exec_traced(i, forward);
+      if (program_[i].op == kOverlapBegin) {
+        i = exec_pair(i);  // on failure, i is the failed action's
+      } else {
+        exec_traced(i, forward);
+      }
     }
     drain_sends();
     if (device_comm_) check_device_status();
@@ -583,8 +596,6 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const Spec
   }
   // Abort: drop this step's compute state, tell whoever listens, then run the rest of the program
   // without compute so that every peer gets every message it waits for.
-  open_scopes_.clear();
-  open_trace_.clear();
   const std::string action = i < program_.size() ? labels_[program_[i].label] : std::string("end of step");
   if (why == kOrigin && on_abort) {
     try {
@@ -698,22 +709,9 @@ void Executor::exec_traced(size_t i, const ForwardFn& forward) {
     exec(i, forward);
     return;
   }
-  const Instr& in = program_[i];
-  if (in.op == kOverlapBegin) {
-    open_trace_.push_back(trace_.size());
-    trace_.push_back({in.label, trace_time(), 0.0});
-    exec(i, forward);
-  } else if (in.op == kOverlapEnd) {
-    exec(i, forward);
-    if (!open_trace_.empty()) {
-      trace_[open_trace_.back()].end_us = trace_time();
-      open_trace_.pop_back();
-    }
-  } else {
-    double t0 = trace_time();
-    exec(i, forward);
-    trace_.push_back({in.label, t0, trace_time()});
-  }
+  double t0 = trace_time();
+  exec(i, forward);
+  trace_.push_back({program_[i].label, t0, trace_time(), 0});
 }
 
 void Executor::exec_aborted(size_t index, bool wait, int64_t status) {
@@ -754,14 +752,7 @@ void Executor::exec_aborted(size_t index, bool wait, int64_t status) {
 
 void Executor::exec(size_t index, const ForwardFn& forward) {
   const Instr& in = program_[index];
-  if (in.op == kOverlapBegin) {  // the container's range spans its sub-actions
-    open_scopes_.push_back(std::make_unique<ActionScope>(labels_[in.label]));
-    return;
-  }
-  if (in.op == kOverlapEnd) {
-    if (!open_scopes_.empty()) open_scopes_.pop_back();
-    return;
-  }
+  if (in.op == kOverlapBegin || in.op == kOverlapEnd) return;  // brackets: exec_pair runs the pair
   ActionScope scope(labels_[in.label]);
   if (last_backward_of_[index] >= 0) {
     if (reducer_) reducer_->arm(in.stage);

@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "backward.h"
+#include "overlap.h"
 
 #include <chrono>
 #include <cstdint>
@@ -14,6 +15,7 @@
 #include <string>
 #include <memory>
 #include <map>
+#include <mutex>
 #include <random>
 #include <stdexcept>
 #include <vector>
@@ -22,6 +24,7 @@ namespace pipecore {
 
 class ActionScope;
 class DeviceTimer;
+class HalfThread;
 class GradReducer;
 class CommWorker;
 class DeviceComm;
@@ -188,6 +191,24 @@ class Executor {
   // at I (their W does nothing): DDP's and FSDP2's autograd hooks expect a microbatch's weight
   // gradients within one backward.
   void set_stage_events(std::vector<int64_t> stages, StageEventFn fn);
+  // How OVERLAP_F_B pairs run (overlap.h). With `hook`, each pair calls hook(bracket index) instead
+  // (the bindings take the GIL for it), which runs the halves through run_pair_half / run_pair.
+  using OverlapHook = std::function<void(int64_t bracket)>;
+  // `device`: the stages' device (an accelerator's backward half gets a stream of its own).
+  void set_overlap(OverlapMode mode, OverlapHook hook, c10::Device device);
+  OverlapMode overlap_mode() const { return overlap_mode_; }
+  // For the hook of the pair whose OVERLAP_F_B bracket is program_[bracket]: runs one half (0: its
+  // forwards, 1: its backwards), once, on the calling thread; or both, as `mode` says (the
+  // executor's own rules apply: a pair that must not overlap runs in sequence). Throws the half's
+  // error (also kept for the step).
+  void run_pair_half(int64_t bracket, int half);
+  void run_pair(int64_t bracket, OverlapMode mode);
+  // Since construction: pairs whose halves ran at once, and those that ran in sequence although the
+  // mode overlaps them, by why ("saved_tensor_hooks": the backward half recomputes a checkpoint,
+  // which sets the global RNG state the forward half may draw from; "stage_events": a DDP/FSDP
+  // stage; "one_kind": the pair has no forward or no backward).
+  int64_t overlapped_pairs() const { return overlapped_pairs_; }
+  const std::map<std::string, int64_t>& overlap_fallbacks() const { return overlap_fallbacks_; }
   // Benchmarks only: keep sent outputs alive until the end of the step (as torch does).
   void set_free_outputs(bool free) { free_outputs_ = free; }
   // Per-action start/end times (steady clock, microseconds) of the last run, when enabled.
@@ -197,6 +218,7 @@ class Executor {
     int64_t label;
     double start_us;
     double end_us;
+    int64_t lane = 0;  // 1: the backward half of an OVERLAP_F_B pair that ran beside its forward half
   };
   const std::vector<TraceEvent>& trace();
   const std::string& label(int64_t i) const { return labels_[i]; }
@@ -237,6 +259,17 @@ class Executor {
  private:
   Slot& slot(int64_t stage, int64_t mb) { return slots_[stage * num_microbatches_ + mb]; }
   void exec(size_t index, const ForwardFn& forward);
+  // OVERLAP_F_B (executor_overlap.cpp): runs the pair whose bracket is program_[index]; returns the
+  // index of its closing bracket. On failure `index` becomes the first failed action's.
+  size_t exec_pair(size_t& index);
+  struct PairRun;
+  // Runs `actions` of `half` up to the first failure, which `pair` keeps; traced in `lane`.
+  void run_half(PairRun& pair, int half, const std::vector<size_t>& actions, int64_t lane);
+  PairRun& hooked_pair(int64_t bracket);
+  void run_halves(PairRun& pair, OverlapMode mode);
+  // Why the pair must run in sequence ("" if it may overlap).
+  const char* sequential_reason(const PairRun& pair);
+  bool backward_hooks_saved_tensors(int64_t stage, int64_t mb);
   void exec_traced(size_t index, const ForwardFn& forward);
   // An action of an aborted step: only its communication, with payloads that do not matter. Safe to
   // run on an action that already posted its message (nothing is posted twice).
@@ -333,14 +366,23 @@ class Executor {
   int64_t threaded_posts_ = 0;  // messages posted by the comm worker in the last run
   int64_t reverse_posts_ = 0;   // messages posted on the reverse channel in the last run
   std::vector<int64_t> next_local_, prev_local_;
-  std::vector<std::unique_ptr<ActionScope>> open_scopes_;  // OVERLAP_F_B containers
+  std::vector<size_t> pair_end_;  // [i] for an OVERLAP_F_B opening bracket: its closing bracket's index
+  OverlapMode overlap_mode_ = OverlapMode::kConcurrent;
+  OverlapHook overlap_hook_;
+  c10::Device overlap_device_{c10::kCPU};
+  std::unique_ptr<HalfThread> half_thread_;
+  PairRun* pair_ = nullptr;  // the pair whose hook runs
+  const ForwardFn* forward_ = nullptr;  // during run()
+  std::vector<int8_t> hooked_backward_;  // [stage] this step: -1 not asked yet, else its answer
+  int64_t overlapped_pairs_ = 0;
+  std::map<std::string, int64_t> overlap_fallbacks_;
+  std::mutex trace_mu_;  // the two halves of a pair trace at once
   int64_t freed_outputs_ = 0;
   bool free_outputs_ = true;
   bool trace_on_ = false;
   int64_t delay_us_ = 0;
   std::mt19937_64 rng_;
   std::vector<TraceEvent> trace_;
-  std::vector<size_t> open_trace_;  // trace_ entries of open OVERLAP_F_B containers
   std::unique_ptr<DeviceTimer> timer_;  // accelerators: trace_ times are event indices until read
   bool trace_resolved_ = true;
   double trace_time();  // host time now, or an event index on an accelerator

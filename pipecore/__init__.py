@@ -11,13 +11,14 @@ __version__ = "0.1.0"
 
 __all__ = ["Action", "Kind", "Schedule", "ScheduleError", "SimResult", "Topology", "SCHEDULES",
            "build_schedule", "Pipeline", "PipelineStage", "defer_weight_grad", "partition", "clip_grad_norm_",
-           "save_checkpoint", "load_checkpoint", "init_mesh", "__version__"]
+           "save_checkpoint", "load_checkpoint", "init_mesh", "overlap_handoff", "OverlappedPair", "__version__"]
 
 _LAZY = {"Pipeline": ("runtime", "Pipeline"), "PipelineStage": ("stage", "PipelineStage"),
          "defer_weight_grad": ("split_backward", "defer_weight_grad"),
          "microbatch": ("microbatch", None), "partition": ("partition", "partition"),
          "clip_grad_norm_": ("grads", "clip_grad_norm_"), "save_checkpoint": ("checkpoint", "save_checkpoint"),
-         "load_checkpoint": ("checkpoint", "load_checkpoint"), "init_mesh": ("mesh", "init_mesh")}
+         "load_checkpoint": ("checkpoint", "load_checkpoint"), "init_mesh": ("mesh", "init_mesh"),
+         "overlap_handoff": ("overlap", "overlap_handoff"), "OverlappedPair": ("overlap", "OverlappedPair")}
 
 
 def __getattr__(name):

@@ -1,7 +1,7 @@
 """`python -m pipecore ...`: look at schedules and run the benchmarks.
 
   show NAME --ranks R --microbatches M [--stages-per-rank V] [--out FILE.png|.svg] [--lowered]
-  simulate NAME --ranks R --microbatches M [--F 1 --B 2 --I 1 --W 1 --comm 0]
+  simulate NAME --ranks R --microbatches M [--F 1 --B 2 --I 1 --W 1 --comm 0] [--overlap sequential]
   validate FILE.csv [--placement loop|v|dualpipe]
   bench {vs_torch,overhead,overlap,memory,build,zero_bubble,gpt} [benchmark options...]
 """
@@ -51,6 +51,9 @@ def main(argv=None) -> int:
     sim = sub.add_parser("simulate", help="makespan, bubble and peak activations for given costs")
     _schedule_args(sim)
     _costs(sim)
+    sim.add_argument("--overlap", default="concurrent", choices=("concurrent", "lockstep", "sequential"),
+                     help="how OVERLAP_F_B pairs run (Pipeline's overlap_f_b): concurrent prices a pair as its "
+                          "longer half, the others as both")
     val = sub.add_parser("validate", help="check a schedule CSV (torch's format)")
     val.add_argument("csv")
     val.add_argument("--placement", default=None, help="loop, v or dualpipe (default: inferred)")
@@ -69,7 +72,7 @@ def main(argv=None) -> int:
             print(f"wrote {out}")
         elif a.cmd == "simulate":
             s = build_schedule(a.name, a.ranks, a.microbatches, a.stages_per_rank)
-            r = s.simulate(_cost_dict(a))
+            r = s.simulate(_cost_dict(a), overlap=a.overlap)
             print(f"schedule          {s.name} ({s.num_ranks} ranks, {s.num_stages} stages, "
                   f"{s.num_microbatches} microbatches, {s.placement} placement)")
             print(f"makespan          {r.makespan:.6g}")

@@ -20,6 +20,9 @@ def gather_trace(pipe) -> list[dict]:
     return [e for box in boxes for e in box]
 
 
+_ROWS = ("actions", "OVERLAP_F_B pairs", "overlapped backward halves")
+
+
 def to_chrome_trace(events: Sequence[dict], path: str | None = None) -> dict:
     """Chrome/Perfetto trace JSON ("X" events), one row (pid) per rank; written to `path` if given."""
     t0 = min((e["start_us"] for e in events), default=0.0)
@@ -27,10 +30,13 @@ def to_chrome_trace(events: Sequence[dict], path: str | None = None) -> dict:
     for rank in sorted({e["rank"] for e in events}):
         out.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
         out.append({"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}})
+        for tid, row in enumerate(_ROWS):
+            out.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": row}})
     for e in events:
         name = e["name"]
-        nested = name.endswith("OVERLAP_F_B")
-        out.append({"ph": "X", "name": name, "cat": kind_of(name), "pid": e["rank"], "tid": 1 if nested else 0,
+        # rows: actions, OVERLAP_F_B containers, the backward halves that ran beside their forward
+        tid = 1 if name.endswith("OVERLAP_F_B") else 2 if e.get("lane", 0) == 1 else 0
+        out.append({"ph": "X", "name": name, "cat": kind_of(name), "pid": e["rank"], "tid": tid,
                     "ts": e["start_us"] - t0, "dur": max(e["end_us"] - e["start_us"], 0.001),
                     "args": {"step": e.get("step")}})
     trace = {"traceEvents": out, "displayTimeUnit": "ms"}

@@ -23,6 +23,7 @@ from .errors import CommunicationError, InputError, PeerFailedError
 from .data_parallel import DEFAULT_BUCKET_BYTES, DataParallel
 from .wrapped_stages import WrappedStage
 from .grads import TiedWeights
+from .overlap import PairRunner
 from .split_backward import fallback_message, name_parameter
 from .stage import PipelineStage
 
@@ -87,6 +88,10 @@ class Pipeline:
     stages wrapped in torch DDP or FSDP2 reduce through their wrapper. A failure on any replica fails
     the step on all of them and leaves `.grad` as it was before the step.
 
+    `overlap_f_b`: how the two halves of dualpipe's OVERLAP_F_B pairs run: "concurrent" (at once,
+    the backward on a second thread), "lockstep" (taking turns at `pipecore.overlap_handoff()`
+    points), "sequential" (as torch), or a callable(pair) that decides (see pipecore/overlap.py).
+
     On a gloo `group`, the first step also opens a second gloo connection between the group's
     ranks (on the group's own gloo device): messages to a lower rank travel on it, so that a rank's
     sends never share a connection with the data it receives.
@@ -96,7 +101,7 @@ class Pipeline:
                  num_microbatches: int, loss_fn: Callable | None = None, group=None, scale_grads: bool = True,
                  timeout: float | None = None, trace: bool = False, *, check_finite: bool = False,
                  recv_window: int = DEFAULT_RECV_WINDOW, send_budget: int = DEFAULT_SEND_BUDGET,
-                 dp_group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 dp_group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap_f_b: str | Callable = "concurrent"):
         if not dist.is_initialized():
             raise RuntimeError("Pipeline needs torch.distributed: call dist.init_process_group first")
         self.group = group if group is not None else dist.group.WORLD
@@ -188,6 +193,7 @@ class Pipeline:
         device = self.stages[0].device
         if not gloo and device.type == "cuda":
             self._executor.set_device_comm(str(device))  # False (host-waiting path) in builds without CUDA
+        self._pairs = PairRunner(self, overlap_f_b)  # how OVERLAP_F_B pairs run (pipecore/overlap.py)
         self._reverse_channel = None  # gloo: opened at the first agreement (_open_reverse_channel)
         self._wants_reverse_channel = gloo and self.world > 1
         self._trace: list[dict] = []
@@ -289,6 +295,17 @@ class Pipeline:
         program runs as one B (where no other rank waits for the I)."""
         return {self.stages[local].stage_index: {self._fallback_key(local, key): n for key, n in stats.items()}
                 for local, stats in enumerate(self._executor.split_fallbacks()) if stats}
+
+    @property
+    def overlap_fallbacks(self) -> dict[str, int]:
+        """Since this Pipeline was built: {why: pairs} of OVERLAP_F_B pairs that ran in sequence
+        although `overlap_f_b` overlaps them (see pipecore.overlap)."""
+        return self._pairs.fallbacks
+
+    @property
+    def overlapped_pairs(self) -> int:
+        """Since this Pipeline was built: OVERLAP_F_B pairs whose two halves ran at once."""
+        return self._executor.overlapped_pairs
 
     def _fallback_key(self, local: int, key: tuple[str, str, int]) -> tuple[str, str]:
         node, why, param = key
@@ -407,9 +424,10 @@ class Pipeline:
             self._tied.sum_grads(tied_stash)
         if training:
             self._warn_split_fallbacks()
+            self._pairs.warn_fallbacks()
         if self.trace_enabled:
-            self._trace = [{"rank": self.rank, "step": step, "name": name, "start_us": t0, "end_us": t1}
-                           for name, t0, t1 in self._executor.trace()]
+            self._trace = [{"rank": self.rank, "step": step, "name": name, "start_us": t0, "end_us": t1, "lane": lane}
+                           for name, t0, t1, lane in self._executor.trace()]
             if training and self._dp is not None:
                 self._trace += [dict(e, step=step) for e in self._dp.trace()]
         if losses is not None and self._losses:

@@ -127,6 +127,9 @@ def test_cli_show_simulate_validate(tmp_path):
     out = _cli("simulate", "1f1b", "-r", "4", "-m", "8", "--F", "1", "--B", "1")
     assert out.returncode == 0 and "bubble ratio      0.2727" in out.stdout
     assert "peak activations  4 3 2 1" in out.stdout
+    pairs = {mode: _cli("simulate", "dualpipev", "-r", "4", "-m", "8", "--overlap", mode).stdout
+             for mode in ("concurrent", "sequential")}  # F 1, B 2: a pair costs 2 or 3
+    assert "makespan          44" in pairs["concurrent"] and "makespan          54" in pairs["sequential"], pairs
     pc.build_schedule("interleaved_1f1b", 2, 4).lower().to_csv(tmp_path / "s.csv")
     out = _cli("validate", str(tmp_path / "s.csv"))
     assert out.returncode == 0 and "valid" in out.stdout and "lowered" in out.stdout

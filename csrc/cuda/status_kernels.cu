@@ -11,7 +11,8 @@ namespace {
 __global__ void fold_trailer_kernel(const int64_t* trailer, int64_t* status) {
   const int64_t word = trailer[0];
   const int64_t code = trailer[1] == kTrailerMagic && word >= kMessageOk && word <= kMessageReplan ? word : kStatusNotOurs;
-  if (code > *status) *status = code;
+  // atomic: the backward half of an overlapped pair folds its receives on a stream of its own
+  atomicMax(reinterpret_cast<unsigned long long*>(status), static_cast<unsigned long long>(code));
 }
 
 __global__ void write_trailer_kernel(int64_t* trailer, const int64_t* status) {

@@ -143,10 +143,12 @@ class Schedule:
         validate(self)
         return self
 
-    def simulate(self, costs: Mapping[str, object] | None = None) -> "SimResult":
+    def simulate(self, costs: Mapping[str, object] | None = None, overlap: str = "concurrent") -> "SimResult":
+        """Makespan, bubble and peak activations under `costs` (see pipecore.schedule.simulate);
+        `overlap` prices OVERLAP_F_B pairs as the executor runs them (Pipeline's `overlap_f_b`)."""
         from .simulate import simulate
 
-        return simulate(self, costs)
+        return simulate(self, costs, overlap)
 
     # -- io -------------------------------------------------------------------------------
     def to_csv(self, path) -> None:

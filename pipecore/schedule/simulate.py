@@ -72,14 +72,20 @@ def _cost_table(costs: Mapping[str, object] | None, num_stages: int) -> dict[str
     return table
 
 
-def simulate(schedule, costs: Mapping[str, object] | None = None) -> SimResult:
+def simulate(schedule, costs: Mapping[str, object] | None = None, overlap: str = "concurrent") -> SimResult:
+    """`overlap`: how the executor runs an OVERLAP_F_B pair's halves (Pipeline's `overlap_f_b`):
+    "concurrent", at once, costs the longer half; "lockstep" and "sequential" cost the sum (lockstep
+    hides communication inside a stage, which these costs do not model). A callable cost
+    "OVERLAP_F_B"(forward, backward) prices pairs instead."""
+    if overlap not in ("concurrent", "lockstep", "sequential"):
+        raise ValueError(f"overlap must be 'concurrent', 'lockstep' or 'sequential', got {overlap!r}")
     topo = schedule.topology
     codes = schedule.codes
     num_ranks = len(codes)
     cost = _cost_table(costs, topo.num_stages)
     by_kind = {F: cost["F"], I: cost["I"], W: cost["W"], B: cost["B"]}
     comm = cost["comm"]
-    overlap_fn = cost.get("OVERLAP_F_B")
+    overlap_fn = cost.get("OVERLAP_F_B") or (max if overlap == "concurrent" else None)
     stage_rank, prev_stage, next_stage = topo.stage_rank, topo.prev_stage, topo.next_stage
 
     finish: dict[int, float] = {}  # leaf code (or grad-input marker kind 0xF) -> end time

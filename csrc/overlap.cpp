@@ -1,0 +1,173 @@
+#include "overlap.h"
+
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <pybind11/pybind11.h>
+
+#include <utility>
+
+namespace pipecore {
+
+HalfThread::HalfThread() : thread_([this] { loop(); }) {}
+
+HalfThread::~HalfThread() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void HalfThread::start(std::function<void()> job) {
+  std::lock_guard<std::mutex> lock(mu_);
+  job_ = std::move(job);
+  error_ = nullptr;
+  busy_ = true;
+  cv_.notify_all();
+}
+
+std::exception_ptr HalfThread::join() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return !busy_; });
+  return std::exchange(error_, nullptr);
+}
+
+void HalfThread::loop() {
+  // A Python thread state for the thread's whole life, as torch gives its autograd threads
+  // (PythonEngine::thread_init): a Python error raised in a backward here (a hook, a Function) is
+  // fetched by the engine after the GIL was let go, which a thread state made per acquisition
+  // would have cleared by then. Kept to the end (never cleared: that would need the GIL at exit).
+  // The executor makes this thread inside a step, when the GIL is free.
+  new pybind11::gil_scoped_acquire();  // NOLINT: leaked on purpose, see above
+  new pybind11::gil_scoped_release();  // NOLINT
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [this] { return stop_ || (busy_ && job_); });
+    if (stop_) return;
+    std::function<void()> job = std::move(job_);
+    job_ = nullptr;
+    lock.unlock();
+    std::exception_ptr error;
+    try {
+      job();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    job = nullptr;  // what the job holds goes before the caller hears of its end
+    if (error) forget_python_error();
+    lock.lock();
+    error_ = error;
+    busy_ = false;
+    cv_.notify_all();
+  }
+}
+
+void forget_python_error() {
+  pybind11::gil_scoped_acquire gil;
+  PyErr_Clear();
+}
+
+void Turns::wait_turn(int half) {
+  if (!lockstep_) return;
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return holder_ == half || done_[1 - half]; });
+  holder_ = half;
+}
+
+void Turns::finish(int half) {
+  std::lock_guard<std::mutex> lock(mu_);
+  done_[half] = true;
+  holder_ = 1 - half;
+  cv_.notify_all();
+}
+
+int Turns::hand_over() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int me = holder_;
+  if (!done_[1 - me]) {
+    holder_ = 1 - me;
+    cv_.notify_all();
+  }
+  return me;
+}
+
+void Turns::take_back(int half) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return holder_ == half || done_[1 - half]; });
+  holder_ = half;
+}
+
+namespace {
+std::mutex g_current_mu;
+Turns* g_current = nullptr;
+}  // namespace
+
+CurrentTurns::CurrentTurns(Turns* turns) {
+  std::lock_guard<std::mutex> lock(g_current_mu);
+  g_current = turns;
+}
+
+CurrentTurns::~CurrentTurns() {
+  std::lock_guard<std::mutex> lock(g_current_mu);
+  g_current = nullptr;
+}
+
+int overlap_hand_over() {
+  Turns* turns;
+  {
+    std::lock_guard<std::mutex> lock(g_current_mu);
+    turns = g_current;
+  }
+  return turns ? turns->hand_over() : -1;
+}
+
+void overlap_take_back(int half) {
+  if (half < 0) return;
+  Turns* turns;
+  {
+    std::lock_guard<std::mutex> lock(g_current_mu);
+    turns = g_current;
+  }
+  if (turns) turns->take_back(half);
+}
+
+std::optional<c10::Stream> current_stream(const c10::Device& device) {
+  if (device.is_cpu()) return std::nullopt;
+  c10::impl::VirtualGuardImpl impl(device.type());
+  return impl.getStream(device);
+}
+
+HalfStream::HalfStream(std::optional<c10::Stream> compute) : compute_(compute) {
+  if (!compute_) return;
+  c10::impl::VirtualGuardImpl impl(compute_->device_type());
+  side_ = impl.getStreamFromGlobalPool(compute_->device(), /*isHighPriority=*/false);
+  // recorded before the forward half issues anything: the side stream waits for what came before
+  // the pair, not for the forward half
+  ready_.emplace(compute_->device_type());
+  ready_->record(*compute_);
+}
+
+void HalfStream::enter() {
+  if (!compute_) return;
+  ready_->block(*side_);
+  c10::impl::VirtualGuardImpl impl(compute_->device_type());
+  previous_device_ = impl.exchangeDevice(compute_->device());  // a new thread starts on device 0
+  previous_ = impl.exchangeStream(*side_);
+}
+
+void HalfStream::leave() {
+  if (!compute_ || !previous_) return;
+  c10::Event done(compute_->device_type());
+  done.record(*side_);
+  done.block(*compute_);
+  c10::impl::VirtualGuardImpl impl(compute_->device_type());
+  impl.exchangeStream(*previous_);
+  previous_.reset();
+  if (previous_device_) impl.setDevice(*previous_device_);
+  previous_device_.reset();
+}
+
+HalfStream::~HalfStream() = default;
+
+}  // namespace pipecore

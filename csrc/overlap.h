@@ -1,0 +1,116 @@
+// OVERLAP_F_B: the two halves of an overlapped pair (its forwards, its backwards) at once.
+//
+// The executor runs a pair's backward half on a thread of its own (HalfThread) while the calling
+// thread runs the forward half; both carry the calling thread's thread-local state (grad mode,
+// autocast, profiler, saved-tensor hooks). On an accelerator the backward half's thread has a stream
+// of its own, which waits on the compute stream at the start; the compute stream waits on it at the
+// end (events, no host wait).
+//
+// Modes (Pipeline's `overlap_f_b`):
+//   sequential  the halves one after the other (torch's behaviour);
+//   concurrent  both halves compute at once;
+//   lockstep    one half computes at a time; a half hands over at OverlapHandoff points (around its
+//               communication: an MoE all-to-all) and takes over again after, so that one half's
+//               communication hides behind the other's compute (TorchTitan's overlap_callback).
+#pragma once
+
+#include <c10/core/Device.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+namespace pipecore {
+
+enum class OverlapMode : int64_t { kSequential = 0, kConcurrent = 1, kLockstep = 2 };
+
+// A thread that runs one job at a time (the backward half of a pair). Make it while the GIL is free.
+class HalfThread {
+ public:
+  HalfThread();
+  ~HalfThread();
+  HalfThread(const HalfThread&) = delete;
+  HalfThread& operator=(const HalfThread&) = delete;
+  // Starts `job` on the thread; returns at once.
+  void start(std::function<void()> job);
+  // Waits for the job; its exception, if any.
+  std::exception_ptr join();
+
+ private:
+  void loop();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::function<void()> job_;
+  bool busy_ = false;
+  bool stop_ = false;
+  std::exception_ptr error_;
+  std::thread thread_;
+};
+
+// After a failure in a HalfThread: the autograd engine carries a Python error raised in a backward
+// (a hook) as a C++ exception but leaves it set in the thread's Python state too, where the next
+// Python call on that thread trips over it (measured: the next step's backward there failed with a
+// stale AttributeError). The exception holds the error; the thread state must not. Takes the GIL.
+void forget_python_error();
+
+// Lock-step turns between the two halves of a pair: 0 (forward) holds the turn first. A half waits
+// for its turn before it starts; a finished half passes the turn on for good.
+class Turns {
+ public:
+  explicit Turns(bool lockstep) : lockstep_(lockstep) {}
+  void wait_turn(int half);
+  void finish(int half);
+  // OverlapHandoff: the half that holds the turn gives it to the other (unless that one finished)
+  // and returns which half it is; take_back(half) waits until the turn comes back to it.
+  int hand_over();
+  void take_back(int half);
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool lockstep_;
+  int holder_ = 0;
+  bool done_[2] = {false, false};
+};
+
+// The pair running in lock-step now (at most one per process: a process runs one step at a time).
+// Python's pipecore.overlap_handoff() reaches it through these; no pair: they do nothing.
+int overlap_hand_over();        // -1 when no lock-step pair runs
+void overlap_take_back(int half);
+
+// Installs `turns` as the running pair's for its lifetime.
+class CurrentTurns {
+ public:
+  explicit CurrentTurns(Turns* turns);
+  ~CurrentTurns();
+};
+
+// A stream of its own for the backward half on an accelerator, joined to the compute stream by
+// events: `enter` (on the half's thread) makes it current after it waits on `compute`; `leave` makes
+// `compute` wait on it.
+class HalfStream {
+ public:
+  // `compute`: the calling thread's current stream on the pair's device (none on CPU).
+  explicit HalfStream(std::optional<c10::Stream> compute);
+  bool active() const { return compute_.has_value(); }
+  void enter();  // on the half's thread, before its work
+  void leave();  // on the half's thread, after its work: the compute stream waits for it
+  ~HalfStream();
+
+ private:
+  std::optional<c10::Stream> compute_;
+  std::optional<c10::Stream> side_;
+  std::optional<c10::Stream> previous_;  // the half's thread's current stream before enter
+  std::optional<c10::Event> ready_;      // on the compute stream when the pair began
+  std::optional<c10::Device> previous_device_;
+};
+
+// The calling thread's current stream on `device`; none for CPU.
+std::optional<c10::Stream> current_stream(const c10::Device& device);
+
+}  // namespace pipecore
