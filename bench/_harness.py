@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import statistics
 import sys
@@ -46,8 +47,17 @@ def spawn(fn: Callable, world: int, *args, backend: str = "gloo"):
     for p in procs:
         p.start()
     out = {}
-    for _ in procs:
-        rank, value = results.get()
+    while len(out) < world:
+        try:
+            rank, value = results.get(timeout=0.5)
+        except queue.Empty:
+            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed:  # its peers may wait for it forever (a collective, a pipeline message)
+                for p in procs:
+                    p.terminate()
+                raise RuntimeError(f"benchmark ranks {failed} failed (exit codes "
+                                   f"{[p.exitcode for p in procs]}); their traceback is above") from None
+            continue
         out[rank] = value
     for p in procs:
         p.join()

@@ -19,9 +19,12 @@ CASES = {
     "zero_bubble": ["--schedules", "zbv", "--ranks", "2", "--microbatches", "4", "--ms", "1", "1", "1",
                     "--blocks", "1", "--steps", "1"],
     "data_parallel": ["--quick"],
-    "overlap": ["--schedules", "1f1b", "--microbatches", "2", "--forward-ms", "1", "--backward-ms", "1",
-                "--mib", "0.1", "--steps", "1"],
+    "overlap": ["--schedules", "1f1b", "--microbatches", "4", "--forward-ms", "1", "--backward-ms", "1",
+                "--mib", "0.1", "--steps", "1", "--pair-schedules", "dualpipev", "--comm-ms", "1"],
 }
+# what a bench prints beyond its first table: overlap's OVERLAP_F_B table, with its lockstep rows (the bench
+# itself fails unless every pair of concurrent and lockstep ran overlapped)
+PRINTS = {"overlap": "lockstep"}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -32,4 +35,5 @@ def test_benchmark_prints_its_table(name, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
     assert len(lines) >= 4 and set(lines[2].replace(" ", "")) == {"-"}, out.stdout  # title, header, rule, rows
+    assert PRINTS.get(name, "") in out.stdout, out.stdout
     assert os.path.getsize(plot) > 0

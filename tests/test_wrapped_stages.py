@@ -131,6 +131,10 @@ def test_through_the_pipeline_matches_single_process(kind, name):
             assert g <= 1e-6, f"rank {rank} step {step}: gradients differ from one process by {g:.2e} (relative)"
             assert loss <= 1e-6, f"rank {rank} step {step}: losses differ by {loss:.2e}"
             assert w <= 1e-6, f"rank {rank} step {step}: weights differ by {w:.2e}"
+        # every step but the first (which learns shapes, in program order) met each pair once
+        steps = len(r["grad"])
+        assert r["overlapped"] == 0 and r["overlap_fallbacks"] == (
+            {"stage_events": r["pairs"] * (steps - 1)} if r["pairs"] else {}), r["overlap_fallbacks"]
 
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])

@@ -459,6 +459,9 @@ def pipeline_train(rank: int, world: int, kind: str, name: str, m: int = 4, opti
         result["grad"].append(grad)
         result["loss"].append(loss)
         result["weight"].append(weight)
+    # OVERLAP_F_B pairs of wrapped stages run in sequence (their hooks expect one backward at a time)
+    result["pairs"] = sum(a.kind is pc.Kind.OVERLAP_F_B for a in pipe.schedule.lower().actions[position])
+    result["overlap_fallbacks"], result["overlapped"] = pipe.overlap_fallbacks, pipe.overlapped_pairs
     return result
 
 
