@@ -276,8 +276,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             self.run_pair(bracket, static_cast<pipecore::OverlapMode>(mode));
           },
           py::arg("bracket"), py::arg("mode"), py::call_guard<py::gil_scoped_release>())
+      .def("pair_sequential_reason", &pipecore::Executor::pair_sequential_reason, py::arg("bracket"),
+           py::call_guard<py::gil_scoped_release>(),
+           "for an overlap hook: why its pair must run in sequence ('' if it may overlap)")
       .def_property_readonly("overlapped_pairs", &pipecore::Executor::overlapped_pairs,
-                             "since construction: OVERLAP_F_B pairs whose halves ran at once")
+                             "since construction: OVERLAP_F_B pairs run on two threads (concurrent or lockstep)")
       .def("overlap_fallbacks", &pipecore::Executor::overlap_fallbacks,
            "since construction: {why: pairs} that ran in sequence although the mode overlaps them")
       .def("set_send_budget", &pipecore::Executor::set_send_budget, py::arg("bytes"))

@@ -110,13 +110,23 @@ void Executor::set_program(std::vector<int64_t> flat, std::vector<std::string> l
     recvs_through_[i] = recv_instrs_.size();
   }
   pair_end_.assign(program_.size(), 0);
-  for (size_t i = 0, open = 0; i < program_.size(); ++i) {
-    if (program_[i].op == kOverlapBegin) open = i;
-    if (program_[i].op == kOverlapEnd) {
-      TORCH_CHECK(program_[open].op == kOverlapBegin && open < i, "pipecore: unbalanced OVERLAP_F_B brackets");
+  constexpr size_t kNone = static_cast<size_t>(-1);
+  size_t open = kNone;  // the OVERLAP_F_B bracket open at i
+  for (size_t i = 0; i < program_.size(); ++i) {
+    const int64_t op = program_[i].op;
+    if (op == kOverlapBegin) {
+      TORCH_CHECK(open == kNone, "pipecore: instruction ", i, " opens an OVERLAP_F_B pair inside another");
+      open = i;
+    } else if (op == kOverlapEnd) {
+      TORCH_CHECK(open != kNone, "pipecore: instruction ", i, " closes an OVERLAP_F_B pair that is not open");
       pair_end_[open] = i;
+      open = kNone;
+    } else {
+      TORCH_CHECK(open == kNone || op <= kB, "pipecore: instruction ", i,
+                  " inside an OVERLAP_F_B pair is not F, I, W or B");
     }
   }
+  TORCH_CHECK(open == kNone, "pipecore: the OVERLAP_F_B pair opened at instruction ", open, " is never closed");
   mark_last_backwards();
   batch_end_.assign(program_.size(), 0);  // a batch: a run of consecutive SEND/RECV actions
   for (size_t i = program_.size(); i-- > 0;) {
@@ -556,7 +566,6 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const Spec
   freed_outputs_ = 0;
   trace_.clear();
   forward_ = &forward;
-  hooked_backward_.assign(num_stages_, -1);
   if (trace_on_ && timer_) timer_->start(now_us());
   trace_resolved_ = !timer_;
   if (device_comm_) device_comm_->begin_step();

@@ -9,6 +9,7 @@
 #include "overlap.h"
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -203,10 +204,14 @@ class Executor {
   // error (also kept for the step).
   void run_pair_half(int64_t bracket, int half);
   void run_pair(int64_t bracket, OverlapMode mode);
-  // Since construction: pairs whose halves ran at once, and those that ran in sequence although the
-  // mode overlaps them, by why ("saved_tensor_hooks": the backward half recomputes a checkpoint,
-  // which sets the global RNG state the forward half may draw from; "stage_events": a DDP/FSDP
-  // stage; "one_kind": the pair has no forward or no backward).
+  // Why that pair must not overlap ("" if it may): a hook that overlaps halves itself asks this.
+  std::string pair_sequential_reason(int64_t bracket);
+  // Since construction: pairs whose halves ran on two threads under the concurrent or lockstep rules
+  // (a hook's own run_pair_half calls are not counted), and those that ran in sequence although the
+  // mode overlaps them, by why ("checkpoint": the backward half recomputes a checkpoint, which sets
+  // the global RNG state the forward half may draw from; "stage_events": a DDP/FSDP stage;
+  // "python_modes": a Python dispatch or function mode is active; "one_kind": the pair has no
+  // forward or no backward).
   int64_t overlapped_pairs() const { return overlapped_pairs_; }
   const std::map<std::string, int64_t>& overlap_fallbacks() const { return overlap_fallbacks_; }
   // Benchmarks only: keep sent outputs alive until the end of the step (as torch does).
@@ -265,11 +270,14 @@ class Executor {
   struct PairRun;
   // Runs `actions` of `half` up to the first failure, which `pair` keeps; traced in `lane`.
   void run_half(PairRun& pair, int half, const std::vector<size_t>& actions, int64_t lane);
-  PairRun& hooked_pair(int64_t bracket);
+  // A hook's pair (checked, under pair_mu_): marks the halves it runs, counts it running until released.
+  PairRun& claim_pair(int64_t bracket, bool first, bool second);
+  void release_pair(PairRun& pair);
   void run_halves(PairRun& pair, OverlapMode mode);
   // Why the pair must run in sequence ("" if it may overlap).
   const char* sequential_reason(const PairRun& pair);
-  bool backward_hooks_saved_tensors(int64_t stage, int64_t mb);
+  // Does the backward action `in` recompute a checkpointed region (walks the graph it will run)?
+  bool backward_recomputes(const Instr& in);
   void exec_traced(size_t index, const ForwardFn& forward);
   // An action of an aborted step: only its communication, with payloads that do not matter. Safe to
   // run on an action that already posted its message (nothing is posted twice).
@@ -367,13 +375,14 @@ class Executor {
   int64_t reverse_posts_ = 0;   // messages posted on the reverse channel in the last run
   std::vector<int64_t> next_local_, prev_local_;
   std::vector<size_t> pair_end_;  // [i] for an OVERLAP_F_B opening bracket: its closing bracket's index
-  OverlapMode overlap_mode_ = OverlapMode::kConcurrent;
+  OverlapMode overlap_mode_ = OverlapMode::kLockstep;
   OverlapHook overlap_hook_;
   c10::Device overlap_device_{c10::kCPU};
   std::unique_ptr<HalfThread> half_thread_;
-  PairRun* pair_ = nullptr;  // the pair whose hook runs
+  PairRun* pair_ = nullptr;  // the pair whose hook runs (guarded by pair_mu_)
+  std::mutex pair_mu_;
+  std::condition_variable pair_idle_;  // a hook's half ended
   const ForwardFn* forward_ = nullptr;  // during run()
-  std::vector<int8_t> hooked_backward_;  // [stage] this step: -1 not asked yet, else its answer
   int64_t overlapped_pairs_ = 0;
   std::map<std::string, int64_t> overlap_fallbacks_;
   std::mutex trace_mu_;  // the two halves of a pair trace at once

@@ -1,10 +1,12 @@
 // The executor's OVERLAP_F_B pairs: the forward half on the step's thread, the backward half beside
 // it (overlap.h), or in sequence where they must not overlap, or as the user's hook says.
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/ThreadLocalState.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <condition_variable>
+#include <atomic>
 #include <mutex>
 #include <optional>
 #include <unordered_set>
@@ -22,13 +24,23 @@ struct Executor::PairRun {
   std::vector<size_t> halves[2];  // program indices: 0 the forwards, 1 the backwards (I, B, W)
   std::exception_ptr error[2];
   size_t failed_at[2] = {0, 0};
-  std::vector<TraceEvent> traced;  // [j - begin - 1]: sub-action j's event, when tracing
-  at::ThreadLocalState tls;        // the step's thread's (captured when made), for halves run elsewhere
-  std::mutex mu;
-  std::condition_variable idle;
-  bool ran[2] = {false, false};
-  int running = 0;  // halves running now (a hook may run them on threads of its own)
+  std::vector<TraceEvent> traced;   // [j - begin - 1]: sub-action j's event, when tracing
+  at::ThreadLocalState tls;         // the step thread's (captured when made), for halves run elsewhere
+  std::optional<c10::Stream> compute;  // the step thread's current stream on the stages' device
+  bool ran[2] = {false, false};     // guarded by the executor's pair_mu_
+  int running = 0;                  // halves a hook runs now (on threads of its own, maybe)
 };
+
+namespace {
+// Runs `f` when the scope ends, however it ends.
+template <typename F>
+struct AtExit {
+  F f;
+  ~AtExit() { f(); }
+};
+template <typename F>
+AtExit(F) -> AtExit<F>;
+}  // namespace
 
 void Executor::set_overlap(OverlapMode mode, OverlapHook hook, c10::Device device) {
   overlap_mode_ = mode;
@@ -59,30 +71,34 @@ void Executor::run_half(PairRun& pair, int half, const std::vector<size_t>& acti
   }
 }
 
-bool Executor::backward_hooks_saved_tensors(int64_t stage, int64_t mb) {
-  // Asked once per stage and step: a stage's graph has the same kinds of nodes every microbatch.
-  int8_t& known = hooked_backward_[stage];
-  if (known >= 0) return known != 0;
-  Slot& s = slot(stage, mb);
+bool Executor::backward_recomputes(const Instr& in) {
+  // The graph this backward action will run: from its roots (I, B), or what its I left for W.
+  Slot& s = slot(in.stage, in.mb);
   std::vector<torch::autograd::Node*> todo;
-  if (s.loss_edge.is_valid()) todo.push_back(s.loss_edge.function.get());
-  for (const auto& e : s.out_edges) {
+  auto add = [&](const torch::autograd::Edge& e) {
     if (e.is_valid()) todo.push_back(e.function.get());
+  };
+  if (in.op == kW) {
+    for (const auto& e : s.weight.roots) add(e);
+  } else {
+    add(s.loss_edge);
+    for (const auto& e : s.out_edges) add(e);
   }
   std::unordered_set<torch::autograd::Node*> seen(todo.begin(), todo.end());
-  bool hooked = false;
-  while (!todo.empty() && !hooked) {
+  while (!todo.empty()) {
     torch::autograd::Node* node = todo.back();
     todo.pop_back();
-    // a reentrant checkpoint is a Python Function that runs its own backward (and forks the RNG)
-    hooked = has_saved_tensor_hooks(node) ||
-             (is_python_node(node) && node_name(node).find("CheckpointFunction") != std::string::npos);
+    // non-reentrant checkpoints leave saved-tensor hooks; a reentrant one is a Python Function
+    // that runs its region's backward itself
+    if (has_saved_tensor_hooks(node) ||
+        (is_python_node(node) && node_name(node).find("Checkpoint") != std::string::npos)) {
+      return true;
+    }
     for (const auto& e : node->next_edges()) {
       if (e.is_valid() && seen.insert(e.function.get()).second) todo.push_back(e.function.get());
     }
   }
-  known = hooked ? 1 : 0;
-  return hooked;
+  return false;
 }
 
 const char* Executor::sequential_reason(const PairRun& pair) {
@@ -91,11 +107,15 @@ const char* Executor::sequential_reason(const PairRun& pair) {
     const int64_t stage = program_[j].stage;
     if (stage < static_cast<int64_t>(evented_.size()) && evented_[stage]) return "stage_events";
   }
+  // a Python mode (FlopCounterMode, DebugMode, ...) is one object: two threads would drive it at once
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || at::impl::PythonTorchFunctionTLS::stack_len() > 0) {
+    return "python_modes";
+  }
   // torch.utils.checkpoint sets the global RNG state while it recomputes (preserve_rng_state) and
-  // puts it back after: a forward drawing random numbers meanwhile would draw from that state
+  // puts it back after: a forward drawing random numbers meanwhile would draw from that state.
+  // Asked of every backward action: a graph may checkpoint some microbatches only.
   for (size_t j : pair.halves[1]) {
-    const Instr& in = program_[j];
-    if (in.op != kW && backward_hooks_saved_tensors(in.stage, in.mb)) return "saved_tensor_hooks";
+    if (backward_recomputes(program_[j])) return "checkpoint";
   }
   return nullptr;
 }
@@ -112,18 +132,18 @@ void Executor::run_halves(PairRun& pair, OverlapMode mode) {
     }
     return;
   }
-  Turns turns(mode == OverlapMode::kLockstep);
-  std::optional<CurrentTurns> current;
-  if (mode == OverlapMode::kLockstep) current.emplace(&turns);
-  HalfStream stream(current_stream(overlap_device_));
   if (!half_thread_) half_thread_ = std::make_unique<HalfThread>();  // inside a step: the GIL is free
-  half_thread_->start([&] {
-    at::ThreadLocalStateGuard tls(pair.tls);
+  const bool lockstep = mode == OverlapMode::kLockstep;
+  Turns turns(lockstep);
+  std::atomic<bool> started{false};  // the backward half runs on the half thread
+  auto backward = [&] {
+    AtExit finished{[&] { turns.finish(1); }};  // the forward half may wait for its turn
     try {
+      at::ThreadLocalStateGuard tls(pair.tls);
+      ComputeStream stream(pair.compute);
       stream.enter();
       turns.wait_turn(1);
       run_half(pair, 1, pair.halves[1], 1);
-      stream.leave();
     } catch (...) {
       if (!pair.error[1]) {
         pair.error[1] = std::current_exception();
@@ -131,12 +151,33 @@ void Executor::run_halves(PairRun& pair, OverlapMode mode) {
       }
     }
     if (pair.error[1]) forget_python_error();
-    turns.finish(1);
-  });
-  turns.wait_turn(0);
-  run_half(pair, 0, pair.halves[0], 0);
-  turns.finish(0);
-  half_thread_->join();  // the job keeps its errors in `pair`
+  };
+  std::optional<CurrentTurns> current;
+  if (lockstep) {  // the backward half starts when the forward half first hands over
+    turns.on_first_hand_over([&] {
+      started = true;
+      half_thread_->start(backward);
+    });
+    current.emplace(&turns);
+  } else {
+    started = true;
+    half_thread_->start(backward);
+  }
+  {
+    AtExit finished{[&] { turns.finish(0); }};
+    turns.wait_turn(0);
+    run_half(pair, 0, pair.halves[0], 0);
+  }
+  current.reset();
+  if (!started) {  // lock-step, and the forward never handed over: the backward after it, right here
+    if (!pair.error[0]) run_half(pair, 1, pair.halves[1], 0);
+    return;
+  }
+  std::exception_ptr lost = half_thread_->join();  // the job keeps its errors in `pair`
+  if (lost && !pair.error[1]) {
+    pair.error[1] = lost;
+    pair.failed_at[1] = pair.halves[1].front();
+  }
   ++overlapped_pairs_;
 }
 
@@ -146,6 +187,7 @@ size_t Executor::exec_pair(size_t& index) {
   pair.end = pair_end_[index];
   for (size_t j = pair.begin + 1; j < pair.end; ++j) pair.halves[program_[j].op == kF ? 0 : 1].push_back(j);
   if (trace_on_) pair.traced.assign(pair.end - pair.begin - 1, TraceEvent{-1, 0.0, 0.0, 0});
+  pair.compute = current_stream(overlap_device_);
   const Instr& bracket = program_[pair.begin];
   double t0 = 0.0;
   if (trace_on_) {
@@ -156,14 +198,18 @@ size_t Executor::exec_pair(size_t& index) {
   {
     ActionScope scope(labels_[bracket.label]);  // spans both halves
     if (overlap_hook_ && !spec_source_) {
-      pair_ = &pair;
+      {
+        std::lock_guard<std::mutex> lock(pair_mu_);
+        pair_ = &pair;
+      }
       try {
         overlap_hook_(static_cast<int64_t>(pair.begin));
       } catch (...) {
         hook_error = std::current_exception();
       }
-      std::unique_lock<std::mutex> lock(pair.mu);  // halves the hook left running on its threads
-      pair.idle.wait(lock, [&] { return pair.running == 0; });
+      // halves the hook left running on threads of its own finish first; none starts after this
+      std::unique_lock<std::mutex> lock(pair_mu_);
+      pair_idle_.wait(lock, [&] { return pair.running == 0; });
       pair_ = nullptr;
     } else {
       run_halves(pair, overlap_mode_);
@@ -195,64 +241,65 @@ size_t Executor::exec_pair(size_t& index) {
   return pair.end;
 }
 
-Executor::PairRun& Executor::hooked_pair(int64_t bracket) {
+Executor::PairRun& Executor::claim_pair(int64_t bracket, bool first, bool second) {
+  std::lock_guard<std::mutex> lock(pair_mu_);
   TORCH_CHECK(pair_ != nullptr && static_cast<int64_t>(pair_->begin) == bracket,
-              "pipecore: an OVERLAP_F_B pair runs only from the overlap hook it was given to, while it runs");
-  return *pair_;
+              "pipecore: an OVERLAP_F_B pair runs only from the overlap hook it was given to, before the hook "
+              "returns");
+  PairRun& pair = *pair_;
+  const std::string& label = labels_[program_[pair.begin].label];
+  TORCH_CHECK(!(first && pair.ran[0]) && !(second && pair.ran[1]), "pipecore: the ",
+              first && second ? "halves" : first ? "forward half" : "backward half", " of ", label,
+              " already ran: each half runs once");
+  pair.ran[0] = pair.ran[0] || first;
+  pair.ran[1] = pair.ran[1] || second;
+  ++pair.running;
+  return pair;
+}
+
+void Executor::release_pair(PairRun& pair) {
+  {
+    std::lock_guard<std::mutex> lock(pair_mu_);
+    --pair.running;
+  }
+  pair_idle_.notify_all();
+}
+
+std::string Executor::pair_sequential_reason(int64_t bracket) {
+  PairRun& pair = claim_pair(bracket, false, false);
+  AtExit released{[&] { release_pair(pair); }};
+  at::ThreadLocalStateGuard tls(pair.tls);  // the step's Python modes
+  const char* why = sequential_reason(pair);
+  return why ? why : "";
 }
 
 void Executor::run_pair_half(int64_t bracket, int half) {
   TORCH_CHECK(half == 0 || half == 1, "pipecore: a pair has halves 0 (forward) and 1 (backward), got ", half);
-  PairRun& pair = hooked_pair(bracket);
-  {
-    std::lock_guard<std::mutex> lock(pair.mu);
-    TORCH_CHECK(!pair.ran[half], "pipecore: the ", half == 0 ? "forward" : "backward", " half of ",
-                labels_[program_[pair.begin].label], " already ran: each half runs once");
-    pair.ran[half] = true;
-    ++pair.running;
-  }
-  {
+  PairRun& pair = claim_pair(bracket, half == 0, half == 1);
+  AtExit released{[&] { release_pair(pair); }};
+  try {
     at::ThreadLocalStateGuard tls(pair.tls);
-    std::optional<HalfStream> stream;
-    if (half == 1) stream.emplace(current_stream(overlap_device_));
-    try {
-      if (stream) stream->enter();
-      run_half(pair, half, pair.halves[half], half);
-      if (stream) stream->leave();
-    } catch (...) {
-      if (!pair.error[half]) {
-        pair.error[half] = std::current_exception();
-        pair.failed_at[half] = pair.halves[half].empty() ? pair.begin : pair.halves[half].front();
-      }
+    ComputeStream stream(pair.compute);  // the hook may run a half on a thread of its own
+    stream.enter();
+    run_half(pair, half, pair.halves[half], half);
+  } catch (...) {
+    if (!pair.error[half]) {
+      pair.error[half] = std::current_exception();
+      pair.failed_at[half] = pair.halves[half].empty() ? pair.begin : pair.halves[half].front();
     }
   }
-  std::exception_ptr error = pair.error[half];
-  {
-    std::lock_guard<std::mutex> lock(pair.mu);
-    --pair.running;
-  }
-  pair.idle.notify_all();
-  if (error) std::rethrow_exception(error);
+  if (pair.error[half]) std::rethrow_exception(pair.error[half]);
 }
 
 void Executor::run_pair(int64_t bracket, OverlapMode mode) {
-  PairRun& pair = hooked_pair(bracket);
-  {
-    std::lock_guard<std::mutex> lock(pair.mu);
-    TORCH_CHECK(!pair.ran[0] && !pair.ran[1], "pipecore: a half of ", labels_[program_[pair.begin].label],
-                " already ran: pair.run() runs both halves, once");
-    pair.ran[0] = pair.ran[1] = true;
-    ++pair.running;
-  }
+  PairRun& pair = claim_pair(bracket, true, true);
+  AtExit released{[&] { release_pair(pair); }};
   {
     at::ThreadLocalStateGuard tls(pair.tls);
+    ComputeStream stream(pair.compute);
+    stream.enter();
     run_halves(pair, mode);
   }
-  {
-    std::lock_guard<std::mutex> lock(pair.mu);
-    --pair.running;
-  }
-  pair.idle.notify_all();
   for (int h = 0; h < 2; ++h) {
     if (pair.error[h]) std::rethrow_exception(pair.error[h]);
   }

@@ -1,6 +1,5 @@
 #include "overlap.h"
 
-#include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <pybind11/pybind11.h>
 
@@ -83,12 +82,17 @@ void Turns::finish(int half) {
 }
 
 int Turns::hand_over() {
-  std::lock_guard<std::mutex> lock(mu_);
-  const int me = holder_;
-  if (!done_[1 - me]) {
+  std::function<void()> start;
+  int me;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    me = holder_;
+    if (done_[1 - me]) return me;
     holder_ = 1 - me;
-    cv_.notify_all();
+    start = std::exchange(on_first_hand_over_, nullptr);
   }
+  if (start) start();
+  cv_.notify_all();
   return me;
 }
 
@@ -113,7 +117,12 @@ CurrentTurns::~CurrentTurns() {
   g_current = nullptr;
 }
 
+namespace {
+thread_local int t_handoff_depth = 0;  // handoff blocks open on this thread
+}  // namespace
+
 int overlap_hand_over() {
+  if (t_handoff_depth++ > 0) return -1;  // nested: the outer block already handed over
   Turns* turns;
   {
     std::lock_guard<std::mutex> lock(g_current_mu);
@@ -123,6 +132,7 @@ int overlap_hand_over() {
 }
 
 void overlap_take_back(int half) {
+  if (t_handoff_depth > 0) --t_handoff_depth;
   if (half < 0) return;
   Turns* turns;
   {
@@ -138,36 +148,20 @@ std::optional<c10::Stream> current_stream(const c10::Device& device) {
   return impl.getStream(device);
 }
 
-HalfStream::HalfStream(std::optional<c10::Stream> compute) : compute_(compute) {
+void ComputeStream::enter() {
   if (!compute_) return;
-  c10::impl::VirtualGuardImpl impl(compute_->device_type());
-  side_ = impl.getStreamFromGlobalPool(compute_->device(), /*isHighPriority=*/false);
-  // recorded before the forward half issues anything: the side stream waits for what came before
-  // the pair, not for the forward half
-  ready_.emplace(compute_->device_type());
-  ready_->record(*compute_);
-}
-
-void HalfStream::enter() {
-  if (!compute_) return;
-  ready_->block(*side_);
   c10::impl::VirtualGuardImpl impl(compute_->device_type());
   previous_device_ = impl.exchangeDevice(compute_->device());  // a new thread starts on device 0
-  previous_ = impl.exchangeStream(*side_);
+  previous_ = impl.exchangeStream(*compute_);
 }
 
-void HalfStream::leave() {
-  if (!compute_ || !previous_) return;
-  c10::Event done(compute_->device_type());
-  done.record(*side_);
-  done.block(*compute_);
+void ComputeStream::leave() {
+  if (!previous_) return;
   c10::impl::VirtualGuardImpl impl(compute_->device_type());
   impl.exchangeStream(*previous_);
   previous_.reset();
   if (previous_device_) impl.setDevice(*previous_device_);
   previous_device_.reset();
 }
-
-HalfStream::~HalfStream() = default;
 
 }  // namespace pipecore

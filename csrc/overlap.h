@@ -1,21 +1,24 @@
-// OVERLAP_F_B: the two halves of an overlapped pair (its forwards, its backwards) at once.
+// OVERLAP_F_B: the two halves of an overlapped pair (its forwards, its backwards) on two threads.
 //
 // The executor runs a pair's backward half on a thread of its own (HalfThread) while the calling
 // thread runs the forward half; both carry the calling thread's thread-local state (grad mode,
-// autocast, profiler, saved-tensor hooks). On an accelerator the backward half's thread has a stream
-// of its own, which waits on the compute stream at the start; the compute stream waits on it at the
-// end (events, no host wait).
+// autocast, profiler, saved-tensor hooks) and, on an accelerator, its device and current stream:
+// the autograd engine runs each backward kernel on the stream its forward used, so the halves'
+// kernels share the compute stream and what overlaps on a GPU is the host's work and each half's
+// communication.
 //
 // Modes (Pipeline's `overlap_f_b`):
 //   sequential  the halves one after the other (torch's behaviour);
-//   concurrent  both halves compute at once;
-//   lockstep    one half computes at a time; a half hands over at OverlapHandoff points (around its
-//               communication: an MoE all-to-all) and takes over again after, so that one half's
-//               communication hides behind the other's compute (TorchTitan's overlap_callback).
+//   lockstep    (default) one half computes at a time; a half hands over at OverlapHandoff points
+//               (around its communication: an MoE all-to-all) and takes over again after, so that
+//               one half's communication hides behind the other's compute (TorchTitan's
+//               overlap_callback). Collectives inside the halves keep one order on every rank.
+//   concurrent  both halves compute at once: for halves that share no process group and no
+//               mutable state (each rank then orders the two halves' collectives as its threads
+//               happen to run).
 #pragma once
 
 #include <c10/core/Device.h>
-#include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
 #include <condition_variable>
@@ -69,6 +72,8 @@ class Turns {
   // and returns which half it is; take_back(half) waits until the turn comes back to it.
   int hand_over();
   void take_back(int half);
+  // Called once, by the first hand_over (before the other half is told): starts the other half.
+  void on_first_hand_over(std::function<void()> start) { on_first_hand_over_ = std::move(start); }
 
  private:
   std::mutex mu_;
@@ -76,11 +81,13 @@ class Turns {
   bool lockstep_;
   int holder_ = 0;
   bool done_[2] = {false, false};
+  std::function<void()> on_first_hand_over_;
 };
 
 // The pair running in lock-step now (at most one per process: a process runs one step at a time).
-// Python's pipecore.overlap_handoff() reaches it through these; no pair: they do nothing.
-int overlap_hand_over();        // -1 when no lock-step pair runs
+// Python's pipecore.overlap_handoff() reaches it through these; no pair, or a handoff inside
+// another one on the same thread: they do nothing.
+int overlap_hand_over();        // -1: nothing was handed over
 void overlap_take_back(int half);
 
 // Installs `turns` as the running pair's for its lifetime.
@@ -90,23 +97,18 @@ class CurrentTurns {
   ~CurrentTurns();
 };
 
-// A stream of its own for the backward half on an accelerator, joined to the compute stream by
-// events: `enter` (on the half's thread) makes it current after it waits on `compute`; `leave` makes
-// `compute` wait on it.
-class HalfStream {
+// Where a half's thread issues device work: the step thread's device and current stream (both are
+// per thread), entered on the half's thread for the half's life. Nothing on CPU.
+class ComputeStream {
  public:
-  // `compute`: the calling thread's current stream on the pair's device (none on CPU).
-  explicit HalfStream(std::optional<c10::Stream> compute);
-  bool active() const { return compute_.has_value(); }
+  explicit ComputeStream(std::optional<c10::Stream> compute) : compute_(compute) {}
   void enter();  // on the half's thread, before its work
-  void leave();  // on the half's thread, after its work: the compute stream waits for it
-  ~HalfStream();
+  void leave();  // after it
+  ~ComputeStream() { leave(); }
 
  private:
   std::optional<c10::Stream> compute_;
-  std::optional<c10::Stream> side_;
-  std::optional<c10::Stream> previous_;  // the half's thread's current stream before enter
-  std::optional<c10::Event> ready_;      // on the compute stream when the pair began
+  std::optional<c10::Stream> previous_;
   std::optional<c10::Device> previous_device_;
 };
 

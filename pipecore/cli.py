@@ -1,7 +1,7 @@
 """`python -m pipecore ...`: look at schedules and run the benchmarks.
 
   show NAME --ranks R --microbatches M [--stages-per-rank V] [--out FILE.png|.svg] [--lowered]
-  simulate NAME --ranks R --microbatches M [--F 1 --B 2 --I 1 --W 1 --comm 0] [--overlap sequential]
+  simulate NAME --ranks R --microbatches M [--F 1 --B 2 --I 1 --W 1 --comm 0] [--overlap concurrent]
   validate FILE.csv [--placement loop|v|dualpipe]
   bench {vs_torch,overhead,overlap,memory,build,zero_bubble,gpt} [benchmark options...]
 """
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     sim = sub.add_parser("simulate", help="makespan, bubble and peak activations for given costs")
     _schedule_args(sim)
     _costs(sim)
-    sim.add_argument("--overlap", default="concurrent", choices=("concurrent", "lockstep", "sequential"),
+    sim.add_argument("--overlap", default="lockstep", choices=("lockstep", "concurrent", "sequential"),
                      help="how OVERLAP_F_B pairs run (Pipeline's overlap_f_b): concurrent prices a pair as its "
                           "longer half, the others as both")
     val = sub.add_parser("validate", help="check a schedule CSV (torch's format)")

@@ -2,40 +2,48 @@
 
 DualPipe's schedules pair a forward with a backward ("(0F3;3B1)OVERLAP_F_B") so that the
 communication of one (pipeline P2P, an MoE all-to-all) hides behind the compute of the other.
-pipecore runs a pair's backward half on a second thread (on an accelerator, on a stream of its own,
-joined to the compute stream by events) while the step's thread runs the forward half. How pairs
-run is `Pipeline(overlap_f_b=...)`:
+pipecore runs a pair's backward half on a second thread while the step's thread runs the forward
+half (both with the step's thread-local state and, on an accelerator, its device and compute
+stream). How the halves share the time is `Pipeline(overlap_f_b=...)`:
 
-- "concurrent" (default): both halves compute at once. On CPUs each half gets a core (torch's
-  kernels release the GIL); on one GPU the halves' kernels and communication interleave.
-- "lockstep": one half computes at a time; inside the model, a half hands its turn to the other
-  around its communication (TorchTitan's overlap_callback):
+- "lockstep" (default): one half computes at a time; inside the model, a half hands its turn to
+  the other around its communication (TorchTitan's overlap_callback):
 
       work = dist.all_to_all_single(out, inp, group=ep_group, async_op=True)
       with pipecore.overlap_handoff():   # the other half computes meanwhile
           work.wait()
 
+  Without handoff points a pair runs as in sequence. Collectives inside the halves are issued in
+  one order on every rank (each half runs up to its next handoff), as the peers of an expert- or
+  tensor-parallel group need.
+- "concurrent": both halves compute at once (torch's kernels release the GIL). Only for halves
+  that share no process group: a rank issues the two halves' collectives in the order its threads
+  happen to run, so a group used by both (tensor or expert parallel) would match one rank's forward
+  all-reduce with another's backward one -- wrong sums, or a hang.
 - "sequential": the halves one after the other, as torch.distributed.pipelining runs them.
 - a callable `hook(pair)`, or a stage module's `overlapped_forward_backward(pair)` method
-  (DualPipe's name; here it gets the pair, not the modules and tensors): it decides how the pair
-  runs with `pair.run(mode)` or `pair.run_forward()` / `pair.run_backward()` (each once, on any
-  thread; pipecore waits for both).
+  (DualPipe's name; here it gets the pair, not the modules and tensors; "sequential" ignores such
+  methods): it decides how the pair runs with `pair.run(mode)` or `pair.run_forward()` /
+  `pair.run_backward()`, each once, on any thread, before the hook returns (pipecore waits for
+  halves still running when it returns). `pair.run(mode)` keeps pipecore's rules below; a hook
+  that runs the halves at once itself should ask `pair.sequential_reason` first.
 
 Results equal the sequential run to the last bit: the halves belong to different microbatches and
-share no autograd state. One piece of global state they could share is the RNG: a checkpointed
-region that is recomputed in the backward sets the global RNG state while it runs (torch's
-`preserve_rng_state`), and a forward drawing random numbers meanwhile (dropout) would draw from that
-state. So a pair whose backward half recomputes (a node with saved-tensor hooks: activation
-checkpointing, offloading) runs in sequence, as do pairs of DDP/FSDP2 stages, whose hooks expect
-one backward at a time. `Pipeline.overlap_fallbacks` counts those pairs, and pipecore warns once
-per reason. A user's module must not share other mutable state between two microbatches' forward
-and backward (a counter updated in forward and read in backward) for the pair to overlap.
+share no autograd state. What they could share pipecore checks before each pair and then runs it in
+sequence: the global RNG, which a backward recomputing a checkpointed region sets while it runs
+(torch's `preserve_rng_state`; a forward drawing random numbers meanwhile, dropout, would draw from
+that state), so every backward action's graph is walked for checkpoints; DDP/FSDP2 stages, whose
+hooks expect one backward at a time; and active Python modes (FlopCounterMode, DebugMode), one
+object that two threads would drive. `Pipeline.overlap_fallbacks` counts those pairs, and pipecore
+warns once per reason. A module must not share other mutable state between one microbatch's
+forward and another's backward for a pair to overlap.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Callable
 
 from .schedule import Action, Kind
@@ -43,10 +51,11 @@ from .schedule import Action, Kind
 MODES = {"sequential": 0, "concurrent": 1, "lockstep": 2}
 
 _WHY = {  # the executor's reasons (csrc/executor.h, overlap_fallbacks) and what each means
-    "saved_tensor_hooks": "the backward half recomputes a checkpointed region (a node with saved-tensor hooks), "
-                          "which sets the global RNG state while it runs: a forward beside it could draw its "
-                          "random numbers from that state",
+    "checkpoint": "the backward half recomputes a checkpointed region, which sets the global RNG state while it "
+                  "runs: a forward beside it could draw its random numbers from that state",
     "stage_events": "a DDP or FSDP2 stage, whose hooks expect one backward at a time",
+    "python_modes": "a Python dispatch or function mode is active (FlopCounterMode, DebugMode): one object that two "
+                    "threads would drive at once",
     "one_kind": "the pair holds only forwards or only backwards",
 }
 
@@ -92,9 +101,16 @@ class OverlappedPair:
         """Runs the backward half (once; on an accelerator on a stream of its own); raises its error."""
         self._executor.run_pair_half(self._bracket, 1)
 
-    def run(self, mode: str = "concurrent") -> None:
-        """Runs both halves as `mode` says ("concurrent", "lockstep", "sequential")."""
+    def run(self, mode: str = "lockstep") -> None:
+        """Runs both halves as `mode` says ("lockstep", "concurrent", "sequential"), in sequence
+        where pipecore's rules say so (see `sequential_reason`)."""
         self._executor.run_pair(self._bracket, _mode_code(mode))
+
+    @property
+    def sequential_reason(self) -> str | None:
+        """Why the halves must not overlap ("checkpoint", "stage_events", "python_modes",
+        "one_kind"; see pipecore.overlap), or None."""
+        return self._executor.pair_sequential_reason(self._bracket) or None
 
     def __repr__(self) -> str:
         return f"OverlappedPair({self.action})"
@@ -108,17 +124,26 @@ class PairRunner:
         self._warned: set[str] = set()
         self._pairs: dict[int, Action] = {}  # bracket index -> container, of the training program
         if callable(overlap_f_b):
-            self.mode, self._user_hook = "concurrent", overlap_f_b
+            self.mode, self._user_hook = "lockstep", overlap_f_b
         elif isinstance(overlap_f_b, str):
             _mode_code(overlap_f_b)
             self.mode, self._user_hook = overlap_f_b, None
         else:
-            raise TypeError("overlap_f_b must be 'concurrent', 'lockstep', 'sequential' or a callable(pair), got "
+            raise TypeError("overlap_f_b must be 'lockstep', 'concurrent', 'sequential' or a callable(pair), got "
                             f"{type(overlap_f_b).__name__}")
-        self._module_hooks = {s.stage_index: s.module.overlapped_forward_backward for s in pipe.stages
-                              if callable(getattr(s.module, "overlapped_forward_backward", None))}
-        hooked = self._user_hook is not None or self._module_hooks
-        pipe._executor.set_overlap(MODES[self.mode], self._hook if hooked else None, str(pipe.stages[0].device))
+        self._module_hooks = {} if self.mode == "sequential" and self._user_hook is None else {
+            s.stage_index: s.module.overlapped_forward_backward for s in pipe.stages
+            if callable(getattr(s.module, "overlapped_forward_backward", None))}
+        hook = None
+        if self._user_hook is not None or self._module_hooks:
+            # the executor holds the hook: a weak reference back, or the Pipeline would never be freed
+            me = weakref.ref(self)
+
+            def hook(bracket: int) -> None:
+                runner = me()
+                if runner is not None:
+                    runner._hook(bracket)
+        pipe._executor.set_overlap(MODES[self.mode], hook, str(pipe.stages[0].device))
 
     def _hook(self, bracket: int) -> None:
         action = self._pairs.get(bracket)

@@ -88,9 +88,10 @@ class Pipeline:
     stages wrapped in torch DDP or FSDP2 reduce through their wrapper. A failure on any replica fails
     the step on all of them and leaves `.grad` as it was before the step.
 
-    `overlap_f_b`: how the two halves of dualpipe's OVERLAP_F_B pairs run: "concurrent" (at once,
-    the backward on a second thread), "lockstep" (taking turns at `pipecore.overlap_handoff()`
-    points), "sequential" (as torch), or a callable(pair) that decides (see pipecore/overlap.py).
+    `overlap_f_b`: how the two halves of dualpipe's OVERLAP_F_B pairs run, the backward on a second
+    thread: "lockstep" (taking turns at `pipecore.overlap_handoff()` points inside the model),
+    "concurrent" (at once; only for halves that share no process group), "sequential" (as torch),
+    or a callable(pair) that decides (see pipecore/overlap.py).
 
     On a gloo `group`, the first step also opens a second gloo connection between the group's
     ranks (on the group's own gloo device): messages to a lower rank travel on it, so that a rank's
@@ -101,7 +102,7 @@ class Pipeline:
                  num_microbatches: int, loss_fn: Callable | None = None, group=None, scale_grads: bool = True,
                  timeout: float | None = None, trace: bool = False, *, check_finite: bool = False,
                  recv_window: int = DEFAULT_RECV_WINDOW, send_budget: int = DEFAULT_SEND_BUDGET,
-                 dp_group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap_f_b: str | Callable = "concurrent"):
+                 dp_group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap_f_b: str | Callable = "lockstep"):
         if not dist.is_initialized():
             raise RuntimeError("Pipeline needs torch.distributed: call dist.init_process_group first")
         self.group = group if group is not None else dist.group.WORLD
@@ -304,7 +305,8 @@ class Pipeline:
 
     @property
     def overlapped_pairs(self) -> int:
-        """Since this Pipeline was built: OVERLAP_F_B pairs whose two halves ran at once."""
+        """Since this Pipeline was built: OVERLAP_F_B pairs run on two threads under the concurrent
+        or lockstep rules (pairs a hook runs half by half are not counted)."""
         return self._executor.overlapped_pairs
 
     def _fallback_key(self, local: int, key: tuple[str, str, int]) -> tuple[str, str]:

@@ -72,12 +72,12 @@ def modes_match(rank, world, name, m, kind, steps=3):
             for (n, p), (_, q) in zip(s.module.named_parameters(), ref_stage.named_parameters()):
                 _assert_grads_close(p.grad, q.grad, f"rank {rank} stage {s.stage_index} {n} step {step}")
     pairs = len(_pairs_of(pipes["sequential"][0]))
-    # the first step of a batch shape learns its shapes: its pairs run in program order
-    for mode in ("concurrent", "lockstep"):
-        pipe = pipes[mode][0]
-        assert pipe.overlapped_pairs == pairs * (steps - 1), (mode, pipe.overlapped_pairs, pairs)
+    # the first step of a batch shape learns its shapes: its pairs run in program order; lock-step
+    # pairs that never hand over run on one thread
+    want = {"sequential": 0, "concurrent": pairs * (steps - 1), "lockstep": 0}
+    for mode, (pipe, _) in pipes.items():
+        assert pipe.overlapped_pairs == want[mode], (mode, pipe.overlapped_pairs, pairs)
         assert pipe.overlap_fallbacks == {}, pipe.overlap_fallbacks
-    assert pipes["sequential"][0].overlapped_pairs == 0
     return pairs
 
 
@@ -353,13 +353,21 @@ def bad_hooks(rank, world, name, how):
 
 
 class _Checkpointed(nn.Module):
-    def __init__(self, inner):
+    """Dropout, then the inner module under a checkpoint: every forward call, or (`every=2`) every
+    other one, so that some microbatches' backwards recompute and others do not."""
+
+    def __init__(self, inner, every=1):
         super().__init__()
         self.inner = inner
         self.drop = nn.Dropout(0.3)
+        self.every = every
+        self.calls = 0
 
     def forward(self, x, *rest):
         x = self.drop(x)
+        self.calls += 1
+        if self.calls % self.every:
+            return self.inner(x, *rest)
         return torch.utils.checkpoint.checkpoint(self.inner, x, *rest, use_reentrant=False)
 
 
@@ -384,9 +392,108 @@ def checkpoints_run_in_sequence(rank, world, name):
         assert torch.equal(g, h)
     _, fallbacks, overlapped, warned = out["concurrent"]
     pairs = len(_pairs_of(pipe))
-    assert overlapped == 0 and fallbacks == ({"saved_tensor_hooks": 2 * pairs} if pairs else {}), (fallbacks, pairs)
+    assert overlapped == 0 and fallbacks == ({"checkpoint": 2 * pairs} if pairs else {}), (fallbacks, pairs)
     assert len(warned) == (1 if pairs else 0) and "checkpoint" in (warned[0] if warned else "checkpoint"), warned
     return pairs
+
+
+def some_checkpoints_and_dropout(rank, world, name):
+    """Dropout everywhere and checkpoints on every other forward of a stage: every backward action
+    is looked at, so concurrent pairs whose backward recomputes run in sequence and the others
+    overlap; gradients equal a sequential run bit for bit, with and without checkpoints."""
+    out = {}
+    for every in (2, 10 ** 6):  # some microbatches checkpointed; none (dropout only)
+        for mode in ("sequential", "concurrent"):
+            model = [_Checkpointed(m_, every) for m_ in _model("mlp", name, world)]
+            torch.manual_seed(99 + rank)
+            pipe, _ = _build(rank, world, name, 8, model, mode)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for step in range(3):
+                    x, y = make_batch(25, seed=step)
+                    _step(pipe, x, y)
+            out[every, mode] = ([p.grad.clone() for s in pipe.stages for p in s.module.parameters()],
+                                pipe.overlapped_pairs, pipe.overlap_fallbacks)
+        for g, h in zip(out[every, "sequential"][0], out[every, "concurrent"][0]):
+            assert torch.equal(g, h), f"every={every}"
+    pairs = 2 * len(_pairs_of(pipe))  # two steps after the one that learns shapes
+    overlapped, fallbacks = out[2, "concurrent"][1:]
+    assert overlapped + fallbacks.get("checkpoint", 0) == pairs and fallbacks.get("checkpoint", 0) > 0, \
+        (overlapped, fallbacks, pairs)
+    assert out[10 ** 6, "concurrent"][1:] == (pairs, {}), out[10 ** 6, "concurrent"][1:]
+    return overlapped
+
+
+class _TensorParallel(torch.autograd.Function):
+    """An all-reduce over a "tensor-parallel" group in forward and in backward, as a TP layer does;
+    a sleep before either (the ranks do not run in step: on one rank forwards are slow, on the
+    other backwards, so two halves running at once would all-reduce in opposite orders)."""
+
+    @staticmethod
+    def forward(ctx, x, group, delays):
+        ctx.group, ctx.delays = group, delays
+        time.sleep(delays[0])
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.delays[1])
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None, None
+
+
+class _TPStage(nn.Module):
+    def __init__(self, inner, group, delays):
+        super().__init__()
+        self.inner, self.group, self.delays = inner, group, delays
+
+    def forward(self, x, *rest):
+        return self.inner(_TensorParallel.apply(x, self.group, self.delays), *rest)
+
+
+def collectives_in_both_halves(rank, world, mode):
+    """Every rank runs its own one-rank dualpipev pipeline; its stages all-reduce over all ranks in
+    forward and backward (tensor parallel). Lock-step pairs (the default) keep the collectives in
+    one order on every rank: gradients equal the sequential run bit for bit."""
+    own = [dist.new_group([r]) for r in range(world)][rank]
+    tp = dist.new_group(list(range(world)))
+    grads = {}
+    for how in ("sequential", mode):
+        base = _model("mlp", "dualpipev", 1)
+        model = [_TPStage(m_, tp, (0.02, 0.0) if rank == 0 else (0.0, 0.02)) for m_ in base]
+        sched = pc.build_schedule("dualpipev", 1, 4)
+        stages = [pc.PipelineStage(model[s], s, sched.num_stages) for s in sched.rank_stages(0)]  # fresh, seeded
+        pipe = pc.Pipeline(stages, sched, 4, loss_fn=nn.CrossEntropyLoss(), group=own, timeout=60, overlap_f_b=how)
+        for step in range(3):
+            x, y = make_batch(13, seed=step)
+            _step(pipe, x, y)
+        grads[how] = [p.grad.clone() for s in pipe.stages for p in s.module.parameters()]
+    for g, h in zip(grads["sequential"], grads[mode]):
+        assert torch.equal(g, h)
+    return True
+
+
+def hooked_pipelines_are_freed(rank, world, how):
+    """A Pipeline with an overlap hook (its own or a module's) is freed once dropped."""
+    import gc
+    import weakref
+
+    model = _model("mlp", "dualpipev", world)
+    if how == "module":
+        model = [_HookedModule(m_, lambda pair: pair.run()) for m_ in model]
+        pipe, _ = _build(rank, world, "dualpipev", 4, model, "lockstep")
+    else:
+        pipe, _ = _build(rank, world, "dualpipev", 4, model, lambda pair: pair.run())
+    x, y = make_batch(13)
+    for _ in range(2):
+        _step(pipe, x, y)
+    ref = weakref.ref(pipe)
+    del pipe
+    gc.collect()
+    return ref() is None
 
 
 def traced_lanes(rank, world, name):
@@ -414,4 +521,5 @@ def traced_lanes(rank, world, name):
 
 
 __all__ = ["modes_match", "halves_run_at_once", "failing_half", "hooks_get_their_pairs", "bad_hooks",
-           "checkpoints_run_in_sequence", "traced_lanes", "dist"]
+           "checkpoints_run_in_sequence", "some_checkpoints_and_dropout", "collectives_in_both_halves",
+           "hooked_pipelines_are_freed", "traced_lanes"]

@@ -5,8 +5,9 @@ import pytest
 
 import pipecore as pc
 from dist_pool import pool
-from overlap_cases import (bad_hooks, checkpoints_run_in_sequence, failing_half, halves_run_at_once,
-                           hooks_get_their_pairs, modes_match, traced_lanes)
+from overlap_cases import (bad_hooks, checkpoints_run_in_sequence, collectives_in_both_halves, failing_half,
+                           halves_run_at_once, hooked_pipelines_are_freed, hooks_get_their_pairs, modes_match,
+                           some_checkpoints_and_dropout, traced_lanes)
 
 PAIRED = [("dualpipev", 2, 4), ("dualpipev", 2, 8), ("dualpipev", 4, 8), ("dualpipe", 2, 4), ("dualpipe", 4, 8)]
 
@@ -63,6 +64,20 @@ def test_checkpointed_backwards_run_in_sequence():
     assert sum(pool(2).run(checkpoints_run_in_sequence, "dualpipev")) > 0
 
 
+@pytest.mark.parametrize("name", ["dualpipev", "dualpipe"])
+def test_each_backward_is_checked_for_checkpoints(name):
+    assert sum(pool(2).run(some_checkpoints_and_dropout, name, timeout=180)) > 0  # the others overlapped
+
+
+def test_lockstep_keeps_collectives_in_one_order_on_every_rank():
+    assert all(pool(2).run(collectives_in_both_halves, "lockstep"))
+
+
+@pytest.mark.parametrize("how", ["hook", "module"])
+def test_pipelines_with_hooks_are_freed(how):
+    assert all(pool(2).run(hooked_pipelines_are_freed, how))
+
+
 def test_backward_halves_have_a_trace_row_of_their_own():
     assert sum(pool(2).run(traced_lanes, "dualpipev")) > 0
 
@@ -78,6 +93,9 @@ def test_pipeline_checks_overlap_f_b():
 
     with pytest.raises(ValueError, match="overlap mode must be one of"):
         PairRunner(Fake(), "parallel")
+    import inspect
+
+    assert inspect.signature(pc.Pipeline).parameters["overlap_f_b"].default == "lockstep"
     with pytest.raises(TypeError, match="overlap_f_b must be"):
         PairRunner(Fake(), 3)
 
@@ -85,10 +103,10 @@ def test_pipeline_checks_overlap_f_b():
 def test_simulator_prices_pairs_as_the_executor_runs_them():
     s = pc.build_schedule("dualpipev", 4, 8)
     costs = {"F": 1.0, "B": 2.0}
-    concurrent = s.simulate(costs).makespan
+    concurrent = s.simulate(costs, overlap="concurrent").makespan
     sequential = s.simulate(costs, overlap="sequential").makespan
     assert concurrent < sequential
-    assert s.simulate(costs, overlap="lockstep").makespan == sequential
+    assert s.simulate(costs).makespan == s.simulate(costs, overlap="lockstep").makespan == sequential
     assert s.simulate(dict(costs, OVERLAP_F_B=max), overlap="sequential").makespan == concurrent
     with pytest.raises(ValueError, match="overlap must be"):
         s.simulate(costs, overlap="both")

@@ -69,12 +69,12 @@ def test_result_fields():
 
 def test_overlap_cost_function():
     s = pc.build_schedule("dualpipev", 2, 8)
-    serial = s.simulate({"F": 1, "B": 2}, overlap="sequential").makespan
-    hidden = s.simulate({"F": 1, "B": 2, "OVERLAP_F_B": max}, overlap="sequential").makespan
+    serial = s.simulate({"F": 1, "B": 2}).makespan  # the default, lockstep, prices a pair as both halves
+    hidden = s.simulate({"F": 1, "B": 2, "OVERLAP_F_B": max}).makespan
     assert hidden < serial
     # a cost function prices pairs whatever the mode; without one, the mode does
-    assert s.simulate({"F": 1, "B": 2, "OVERLAP_F_B": lambda f, b: f + b}).makespan == serial
-    assert s.simulate({"F": 1, "B": 2}).makespan == hidden
+    assert s.simulate({"F": 1, "B": 2, "OVERLAP_F_B": lambda f, b: f + b}, overlap="concurrent").makespan == serial
+    assert s.simulate({"F": 1, "B": 2}, overlap="concurrent").makespan == hidden
 
 
 def test_simulating_a_deadlocked_schedule_raises_the_validator_error():

@@ -143,7 +143,7 @@ class Schedule:
         validate(self)
         return self
 
-    def simulate(self, costs: Mapping[str, object] | None = None, overlap: str = "concurrent") -> "SimResult":
+    def simulate(self, costs: Mapping[str, object] | None = None, overlap: str = "lockstep") -> "SimResult":
         """Makespan, bubble and peak activations under `costs` (see pipecore.schedule.simulate);
         `overlap` prices OVERLAP_F_B pairs as the executor runs them (Pipeline's `overlap_f_b`)."""
         from .simulate import simulate

@@ -72,11 +72,11 @@ def _cost_table(costs: Mapping[str, object] | None, num_stages: int) -> dict[str
     return table
 
 
-def simulate(schedule, costs: Mapping[str, object] | None = None, overlap: str = "concurrent") -> SimResult:
-    """`overlap`: how the executor runs an OVERLAP_F_B pair's halves (Pipeline's `overlap_f_b`):
-    "concurrent", at once, costs the longer half; "lockstep" and "sequential" cost the sum (lockstep
-    hides communication inside a stage, which these costs do not model). A callable cost
-    "OVERLAP_F_B"(forward, backward) prices pairs instead."""
+def simulate(schedule, costs: Mapping[str, object] | None = None, overlap: str = "lockstep") -> SimResult:
+    """`overlap`: how the executor runs an OVERLAP_F_B pair's halves (Pipeline's `overlap_f_b`,
+    default "lockstep"): "concurrent", at once, costs the longer half; "lockstep" and "sequential"
+    cost the sum (lockstep hides communication inside a stage, which these costs do not model). A
+    callable cost "OVERLAP_F_B"(forward, backward) prices pairs instead."""
     if overlap not in ("concurrent", "lockstep", "sequential"):
         raise ValueError(f"overlap must be 'concurrent', 'lockstep' or 'sequential', got {overlap!r}")
     topo = schedule.topology
