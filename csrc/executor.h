@@ -274,8 +274,10 @@ class Executor {
   PairRun& claim_pair(int64_t bracket, bool first, bool second);
   void release_pair(PairRun& pair);
   void run_halves(PairRun& pair, OverlapMode mode);
-  // Why the pair must run in sequence ("" if it may overlap).
-  const char* sequential_reason(const PairRun& pair);
+  // Why the pair must run in sequence (null if it may overlap); `walk`: also look for checkpoints
+  // in its backward graphs (pair_recomputes), the one costly question.
+  const char* sequential_reason(const PairRun& pair, bool walk);
+  bool pair_recomputes(const PairRun& pair);
   // Does the backward action `in` recompute a checkpointed region (walks the graph it will run)?
   bool backward_recomputes(const Instr& in);
   void exec_traced(size_t index, const ForwardFn& forward);

@@ -101,7 +101,7 @@ bool Executor::backward_recomputes(const Instr& in) {
   return false;
 }
 
-const char* Executor::sequential_reason(const PairRun& pair) {
+const char* Executor::sequential_reason(const PairRun& pair, bool walk) {
   if (pair.halves[0].empty() || pair.halves[1].empty()) return "one_kind";
   for (size_t j = pair.begin + 1; j < pair.end; ++j) {
     const int64_t stage = program_[j].stage;
@@ -114,15 +114,21 @@ const char* Executor::sequential_reason(const PairRun& pair) {
   // torch.utils.checkpoint sets the global RNG state while it recomputes (preserve_rng_state) and
   // puts it back after: a forward drawing random numbers meanwhile would draw from that state.
   // Asked of every backward action: a graph may checkpoint some microbatches only.
+  return walk && pair_recomputes(pair) ? "checkpoint" : nullptr;
+}
+
+bool Executor::pair_recomputes(const PairRun& pair) {
   for (size_t j : pair.halves[1]) {
-    if (backward_recomputes(program_[j])) return "checkpoint";
+    if (backward_recomputes(program_[j])) return true;
   }
-  return nullptr;
+  return false;
 }
 
 void Executor::run_halves(PairRun& pair, OverlapMode mode) {
-  // a discovery step publishes shapes as forwards run: in program order
-  const char* why = mode == OverlapMode::kSequential || spec_source_ ? nullptr : sequential_reason(pair);
+  // a discovery step publishes shapes as forwards run: in program order. Lock-step pairs look for
+  // checkpoints only when the forward first hands over (a pair that never does costs nothing).
+  const bool lockstep = mode == OverlapMode::kLockstep;
+  const char* why = mode == OverlapMode::kSequential || spec_source_ ? nullptr : sequential_reason(pair, !lockstep);
   if (mode == OverlapMode::kSequential || spec_source_ || why) {
     if (why) ++overlap_fallbacks_[why];
     for (size_t j = pair.begin + 1; j < pair.end; ++j) {  // program order, up to the first failure
@@ -133,7 +139,6 @@ void Executor::run_halves(PairRun& pair, OverlapMode mode) {
     return;
   }
   if (!half_thread_) half_thread_ = std::make_unique<HalfThread>();  // inside a step: the GIL is free
-  const bool lockstep = mode == OverlapMode::kLockstep;
   Turns turns(lockstep);
   std::atomic<bool> started{false};  // the backward half runs on the half thread
   auto backward = [&] {
@@ -155,8 +160,13 @@ void Executor::run_halves(PairRun& pair, OverlapMode mode) {
   std::optional<CurrentTurns> current;
   if (lockstep) {  // the backward half starts when the forward half first hands over
     turns.on_first_hand_over([&] {
+      if (pair_recomputes(pair)) {  // the forward keeps its turn; the backward runs after it
+        ++overlap_fallbacks_["checkpoint"];
+        return false;
+      }
       started = true;
       half_thread_->start(backward);
+      return true;
     });
     current.emplace(&turns);
   } else {
@@ -269,7 +279,7 @@ std::string Executor::pair_sequential_reason(int64_t bracket) {
   PairRun& pair = claim_pair(bracket, false, false);
   AtExit released{[&] { release_pair(pair); }};
   at::ThreadLocalStateGuard tls(pair.tls);  // the step's Python modes
-  const char* why = sequential_reason(pair);
+  const char* why = sequential_reason(pair, /*walk=*/true);
   return why ? why : "";
 }
 

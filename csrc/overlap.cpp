@@ -82,16 +82,24 @@ void Turns::finish(int half) {
 }
 
 int Turns::hand_over() {
-  std::function<void()> start;
+  std::function<bool()> start;
   int me;
   {
     std::lock_guard<std::mutex> lock(mu_);
     me = holder_;
-    if (done_[1 - me]) return me;
-    holder_ = 1 - me;
+    if (done_[1 - me] || refused_) return me;
     start = std::exchange(on_first_hand_over_, nullptr);
+    if (!start) holder_ = 1 - me;
   }
-  if (start) start();
+  if (start) {
+    const bool started = start();  // outside the lock: it may take the GIL
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!started) {
+      refused_ = true;  // the other half runs after this one: every handoff keeps the turn
+      return me;
+    }
+    holder_ = 1 - me;
+  }
   cv_.notify_all();
   return me;
 }

@@ -72,8 +72,9 @@ class Turns {
   // and returns which half it is; take_back(half) waits until the turn comes back to it.
   int hand_over();
   void take_back(int half);
-  // Called once, by the first hand_over (before the other half is told): starts the other half.
-  void on_first_hand_over(std::function<void()> start) { on_first_hand_over_ = std::move(start); }
+  // Called once, by the first hand_over: starts the other half, or returns false, and then no
+  // hand_over gives the turn away (the other half runs after this one).
+  void on_first_hand_over(std::function<bool()> start) { on_first_hand_over_ = std::move(start); }
 
  private:
   std::mutex mu_;
@@ -81,7 +82,8 @@ class Turns {
   bool lockstep_;
   int holder_ = 0;
   bool done_[2] = {false, false};
-  std::function<void()> on_first_hand_over_;
+  std::function<bool()> on_first_hand_over_;
+  bool refused_ = false;
 };
 
 // The pair running in lock-step now (at most one per process: a process runs one step at a time).

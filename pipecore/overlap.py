@@ -32,7 +32,8 @@ Results equal the sequential run to the last bit: the halves belong to different
 share no autograd state. What they could share pipecore checks before each pair and then runs it in
 sequence: the global RNG, which a backward recomputing a checkpointed region sets while it runs
 (torch's `preserve_rng_state`; a forward drawing random numbers meanwhile, dropout, would draw from
-that state), so every backward action's graph is walked for checkpoints; DDP/FSDP2 stages, whose
+that state), so every backward action's graph is walked for checkpoints (a concurrent pair before
+it starts, a lock-step pair when its forward first hands over); DDP/FSDP2 stages, whose
 hooks expect one backward at a time; and active Python modes (FlopCounterMode, DebugMode), one
 object that two threads would drive. `Pipeline.overlap_fallbacks` counts those pairs, and pipecore
 warns once per reason. A module must not share other mutable state between one microbatch's

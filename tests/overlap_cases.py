@@ -365,6 +365,8 @@ class _Checkpointed(nn.Module):
 
     def forward(self, x, *rest):
         x = self.drop(x)
+        with pc.overlap_handoff():  # lock-step: the backward half starts here, unless it recomputes
+            pass
         self.calls += 1
         if self.calls % self.every:
             return self.inner(x, *rest)
@@ -402,8 +404,9 @@ def some_checkpoints_and_dropout(rank, world, name):
     is looked at, so concurrent pairs whose backward recomputes run in sequence and the others
     overlap; gradients equal a sequential run bit for bit, with and without checkpoints."""
     out = {}
+    modes = ("sequential", "concurrent", "lockstep")
     for every in (2, 10 ** 6):  # some microbatches checkpointed; none (dropout only)
-        for mode in ("sequential", "concurrent"):
+        for mode in modes:
             model = [_Checkpointed(m_, every) for m_ in _model("mlp", name, world)]
             torch.manual_seed(99 + rank)
             pipe, _ = _build(rank, world, name, 8, model, mode)
@@ -414,14 +417,16 @@ def some_checkpoints_and_dropout(rank, world, name):
                     _step(pipe, x, y)
             out[every, mode] = ([p.grad.clone() for s in pipe.stages for p in s.module.parameters()],
                                 pipe.overlapped_pairs, pipe.overlap_fallbacks)
-        for g, h in zip(out[every, "sequential"][0], out[every, "concurrent"][0]):
-            assert torch.equal(g, h), f"every={every}"
+        for mode in modes[1:]:
+            for g, h in zip(out[every, "sequential"][0], out[every, mode][0]):
+                assert torch.equal(g, h), f"{mode}, every={every}"
     pairs = 2 * len(_pairs_of(pipe))  # two steps after the one that learns shapes
-    overlapped, fallbacks = out[2, "concurrent"][1:]
-    assert overlapped + fallbacks.get("checkpoint", 0) == pairs and fallbacks.get("checkpoint", 0) > 0, \
-        (overlapped, fallbacks, pairs)
-    assert out[10 ** 6, "concurrent"][1:] == (pairs, {}), out[10 ** 6, "concurrent"][1:]
-    return overlapped
+    for mode in modes[1:]:  # lock-step looks when the forward hands over: here, every pair
+        overlapped, fallbacks = out[2, mode][1:]
+        assert overlapped + fallbacks.get("checkpoint", 0) == pairs and fallbacks.get("checkpoint", 0) > 0, \
+            (mode, overlapped, fallbacks, pairs)
+        assert out[10 ** 6, mode][1:] == (pairs, {}), (mode, out[10 ** 6, mode][1:])
+    return out[2, "concurrent"][1]
 
 
 class _TensorParallel(torch.autograd.Function):
