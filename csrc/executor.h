@@ -195,7 +195,7 @@ class Executor {
   // How OVERLAP_F_B pairs run (overlap.h). With `hook`, each pair calls hook(bracket index) instead
   // (the bindings take the GIL for it), which runs the halves through run_pair_half / run_pair.
   using OverlapHook = std::function<void(int64_t bracket)>;
-  // `device`: the stages' device (an accelerator's backward half gets a stream of its own).
+  // `device`: the stages' device (the backward half's thread issues onto the step's stream there).
   void set_overlap(OverlapMode mode, OverlapHook hook, c10::Device device);
   OverlapMode overlap_mode() const { return overlap_mode_; }
   // For the hook of the pair whose OVERLAP_F_B bracket is program_[bracket]: runs one half (0: its

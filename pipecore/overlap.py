@@ -99,7 +99,7 @@ class OverlappedPair:
         self._executor.run_pair_half(self._bracket, 0)
 
     def run_backward(self) -> None:
-        """Runs the backward half (once; on an accelerator on a stream of its own); raises its error."""
+        """Runs the backward half (once); raises its error."""
         self._executor.run_pair_half(self._bracket, 1)
 
     def run(self, mode: str = "lockstep") -> None:
