@@ -310,8 +310,20 @@ def bad_hooks(rank, world, name, how):
     """A hook that skips a half, or runs one twice: the step fails on every rank, saying so."""
     model = _model("mlp", name, world)
 
+    late: list = []
+
     def hook(pair):
         if how == "skip":
+            pair.run_forward()
+        elif how == "late":  # the backward half starts on a thread after the hook returned
+            def backward():
+                time.sleep(0.2)
+                try:
+                    pair.run_backward()
+                except RuntimeError as exc:
+                    late.append(str(exc))
+            late.append(threading.Thread(target=backward))
+            late[0].start()
             pair.run_forward()
         elif how == "twice":
             pair.run_forward()
@@ -324,9 +336,13 @@ def bad_hooks(rank, world, name, how):
     _step(pipe, x, y)
     try:
         _step(pipe, x, y)
-        return ("ok", "")
+        outcome = ("ok", "")
     except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return (type(exc).__name__, str(exc))
+        outcome = (type(exc).__name__, str(exc))
+    if late:
+        late[0].join()
+        assert len(late) == 2 and "before the hook returns" in late[1], late  # refused, not run
+    return outcome
 
 
 class _Checkpointed(nn.Module):

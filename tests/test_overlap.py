@@ -51,6 +51,7 @@ def test_hooks_are_called_with_their_pairs(name, world, how):
 
 @pytest.mark.parametrize("how, needle", [
     ("skip", "returned without running its backward half"),
+    ("late", "returned without running its backward half"),
     ("twice", "already ran: each half runs once"),
     ("raise", "the hook's own error"),
 ])
