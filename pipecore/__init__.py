@@ -21,6 +21,10 @@ _LAZY = {"Pipeline": ("runtime", "Pipeline"), "PipelineStage": ("stage", "Pipeli
          "overlap_handoff": ("overlap", "overlap_handoff"), "OverlappedPair": ("overlap", "OverlappedPair")}
 
 
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
 def __getattr__(name):
     if name in _LAZY:
         import importlib

@@ -300,13 +300,15 @@ class Pipeline:
     @property
     def overlap_fallbacks(self) -> dict[str, int]:
         """Since this Pipeline was built: {why: pairs} of OVERLAP_F_B pairs that ran in sequence
-        although `overlap_f_b` overlaps them (see pipecore.overlap)."""
+        although `overlap_f_b` overlaps them (see pipecore.overlap). The first step of each batch
+        shape, which runs every pair in sequence, is not counted."""
         return self._pairs.fallbacks
 
     @property
     def overlapped_pairs(self) -> int:
         """Since this Pipeline was built: OVERLAP_F_B pairs run on two threads under the concurrent
-        or lockstep rules (pairs a hook runs half by half are not counted)."""
+        or lockstep rules (pairs a hook runs half by half are not counted, nor those of the first
+        step of each batch shape, which runs them in sequence)."""
         return self._executor.overlapped_pairs
 
     def _fallback_key(self, local: int, key: tuple[str, str, int]) -> tuple[str, str]:
