@@ -116,6 +116,11 @@ std::vector<pipecore::TensorSpec> to_specs(const std::vector<at::Tensor>& metas)
   return specs;
 }
 
+pipecore::OverlapMode overlap_mode(int64_t mode) {
+  TORCH_CHECK(mode >= 0 && mode <= 2, "pipecore: overlap mode 0 (sequential), 1 (concurrent) or 2 (lockstep)");
+  return static_cast<pipecore::OverlapMode>(mode);
+}
+
 void run(pipecore::Executor& self, py::function forward, py::function on_abort, py::object discover) {
   // The loop runs without the GIL; only a stage's forward (user Python) takes it.
   pipecore::ForwardFn fn = [&forward](int64_t stage, int64_t mb, std::vector<at::Tensor>& inputs,
@@ -251,7 +256,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "set_overlap",
           [](pipecore::Executor& self, int64_t mode, py::object hook, const std::string& device) {
-            TORCH_CHECK(mode >= 0 && mode <= 2, "pipecore: overlap mode 0 (sequential), 1 (concurrent) or 2 (lockstep)");
             pipecore::Executor::OverlapHook fn;
             if (!hook.is_none()) {
               auto callback = std::make_shared<py::object>(std::move(hook));  // freed with the GIL: by Python
@@ -260,7 +264,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                 (*callback)(bracket);
               };
             }
-            self.set_overlap(static_cast<pipecore::OverlapMode>(mode), std::move(fn), c10::Device(device));
+            self.set_overlap(overlap_mode(mode), std::move(fn), c10::Device(device));
           },
           py::arg("mode"), py::arg("hook"), py::arg("device"),
           "how OVERLAP_F_B pairs run: 0 sequential, 1 concurrent, 2 lockstep; hook(bracket index) runs each pair "
@@ -272,8 +276,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "run_pair",
           [](pipecore::Executor& self, int64_t bracket, int64_t mode) {
-            TORCH_CHECK(mode >= 0 && mode <= 2, "pipecore: overlap mode 0 (sequential), 1 (concurrent) or 2 (lockstep)");
-            self.run_pair(bracket, static_cast<pipecore::OverlapMode>(mode));
+            self.run_pair(bracket, overlap_mode(mode));
           },
           py::arg("bracket"), py::arg("mode"), py::call_guard<py::gil_scoped_release>())
       .def("pair_sequential_reason", &pipecore::Executor::pair_sequential_reason, py::arg("bracket"),

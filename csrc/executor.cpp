@@ -761,7 +761,6 @@ void Executor::exec_aborted(size_t index, bool wait, int64_t status) {
 
 void Executor::exec(size_t index, const ForwardFn& forward) {
   const Instr& in = program_[index];
-  if (in.op == kOverlapBegin || in.op == kOverlapEnd) return;  // brackets: exec_pair runs the pair
   ActionScope scope(labels_[in.label]);
   if (last_backward_of_[index] >= 0) {
     if (reducer_) reducer_->arm(in.stage);

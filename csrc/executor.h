@@ -25,7 +25,6 @@ namespace pipecore {
 
 class ActionScope;
 class DeviceTimer;
-class HalfThread;
 class GradReducer;
 class CommWorker;
 class DeviceComm;
@@ -197,7 +196,6 @@ class Executor {
   using OverlapHook = std::function<void(int64_t bracket)>;
   // `device`: the stages' device (the backward half's thread issues onto the step's stream there).
   void set_overlap(OverlapMode mode, OverlapHook hook, c10::Device device);
-  OverlapMode overlap_mode() const { return overlap_mode_; }
   // For the hook of the pair whose OVERLAP_F_B bracket is program_[bracket]: runs one half (0: its
   // forwards, 1: its backwards), once, on the calling thread; or both, as `mode` says (the
   // executor's own rules apply: a pair that must not overlap runs in sequence). Throws the half's

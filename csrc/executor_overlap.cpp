@@ -29,6 +29,14 @@ struct Executor::PairRun {
   std::optional<c10::Stream> compute;  // the step thread's current stream on the stages' device
   bool ran[2] = {false, false};     // guarded by the executor's pair_mu_
   int running = 0;                  // halves a hook runs now (on threads of its own, maybe)
+
+  // Keeps the half's first failure (`at`: the action it failed in; the half's first if unknown).
+  void fail(int half, std::exception_ptr error, size_t at) {
+    if (this->error[half]) return;
+    this->error[half] = std::move(error);
+    failed_at[half] = at;
+  }
+  size_t first_action(int half) const { return halves[half].empty() ? begin : halves[half].front(); }
 };
 
 namespace {
@@ -64,8 +72,7 @@ void Executor::run_half(PairRun& pair, int half, const std::vector<size_t>& acti
       std::lock_guard<std::mutex> lock(trace_mu_);
       pair.traced[j - pair.begin - 1] = {program_[j].label, t0, trace_time(), lane};
     } catch (...) {
-      pair.error[half] = std::current_exception();
-      pair.failed_at[half] = j;
+      pair.fail(half, std::current_exception(), j);
       return;
     }
   }
@@ -143,19 +150,13 @@ void Executor::run_halves(PairRun& pair, OverlapMode mode) {
   std::atomic<bool> started{false};  // the backward half runs on the half thread
   auto backward = [&] {
     AtExit finished{[&] { turns.finish(1); }};  // the forward half may wait for its turn
-    try {
-      at::ThreadLocalStateGuard tls(pair.tls);
-      ComputeStream stream(pair.compute);
-      stream.enter();
-      turns.wait_turn(1);
-      run_half(pair, 1, pair.halves[1], 1);
-    } catch (...) {
-      if (!pair.error[1]) {
-        pair.error[1] = std::current_exception();
-        pair.failed_at[1] = pair.halves[1].front();
-      }
-    }
-    if (pair.error[1]) forget_python_error();
+    at::ThreadLocalStateGuard tls(pair.tls);
+    ComputeStream stream(pair.compute);
+    stream.enter();
+    turns.wait_turn(1);
+    run_half(pair, 1, pair.halves[1], 1);
+    // to the HalfThread, which clears the Python error a failed backward leaves on the thread
+    if (pair.error[1]) std::rethrow_exception(pair.error[1]);
   };
   std::optional<CurrentTurns> current;
   if (lockstep) {  // the backward half starts when the forward half first hands over
@@ -183,11 +184,7 @@ void Executor::run_halves(PairRun& pair, OverlapMode mode) {
     if (!pair.error[0]) run_half(pair, 1, pair.halves[1], 0);
     return;
   }
-  std::exception_ptr lost = half_thread_->join();  // the job keeps its errors in `pair`
-  if (lost && !pair.error[1]) {
-    pair.error[1] = lost;
-    pair.failed_at[1] = pair.halves[1].front();
-  }
+  if (std::exception_ptr error = half_thread_->join()) pair.fail(1, error, pair.first_action(1));
   ++overlapped_pairs_;
 }
 
@@ -293,10 +290,7 @@ void Executor::run_pair_half(int64_t bracket, int half) {
     stream.enter();
     run_half(pair, half, pair.halves[half], half);
   } catch (...) {
-    if (!pair.error[half]) {
-      pair.error[half] = std::current_exception();
-      pair.failed_at[half] = pair.halves[half].empty() ? pair.begin : pair.halves[half].front();
-    }
+    pair.fail(half, std::current_exception(), pair.first_action(half));
   }
   if (pair.error[half]) std::rethrow_exception(pair.error[half]);
 }

@@ -7,6 +7,17 @@
 
 namespace pipecore {
 
+namespace {
+// After a failure: the autograd engine carries a Python error raised in a backward (a hook) as a
+// C++ exception but leaves it set in the thread's Python state too, where the next Python call on
+// that thread trips over it (measured: the next step's backward there failed with a stale
+// AttributeError). The exception holds the error; the thread state must not. Takes the GIL.
+void forget_python_error() {
+  pybind11::gil_scoped_acquire gil;
+  PyErr_Clear();
+}
+}  // namespace
+
 HalfThread::HalfThread() : thread_([this] { loop(); }) {}
 
 HalfThread::~HalfThread() {
@@ -60,11 +71,6 @@ void HalfThread::loop() {
     busy_ = false;
     cv_.notify_all();
   }
-}
-
-void forget_python_error() {
-  pybind11::gil_scoped_acquire gil;
-  PyErr_Clear();
 }
 
 void Turns::wait_turn(int half) {

@@ -39,7 +39,8 @@ class HalfThread {
   ~HalfThread();
   HalfThread(const HalfThread&) = delete;
   HalfThread& operator=(const HalfThread&) = delete;
-  // Starts `job` on the thread; returns at once.
+  // Starts `job` on the thread; returns at once. A job that throws has its error kept for join(),
+  // and the Python error it may leave on the thread cleared (see overlap.cpp).
   void start(std::function<void()> job);
   // Waits for the job; its exception, if any.
   std::exception_ptr join();
@@ -54,12 +55,6 @@ class HalfThread {
   std::exception_ptr error_;
   std::thread thread_;
 };
-
-// After a failure in a HalfThread: the autograd engine carries a Python error raised in a backward
-// (a hook) as a C++ exception but leaves it set in the thread's Python state too, where the next
-// Python call on that thread trips over it (measured: the next step's backward there failed with a
-// stale AttributeError). The exception holds the error; the thread state must not. Takes the GIL.
-void forget_python_error();
 
 // Lock-step turns between the two halves of a pair: 0 (forward) holds the turn first. A half waits
 // for its turn before it starts; a finished half passes the turn on for good.

@@ -14,6 +14,7 @@ import runpy
 import sys
 
 from .schedule import SCHEDULES, Schedule, ScheduleError, build_schedule
+from .schedule.simulate import OVERLAP_MODES
 
 BENCHES = ("vs_torch", "overhead", "overlap", "memory", "build", "zero_bubble", "gpt", "data_parallel")
 
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
     sim = sub.add_parser("simulate", help="makespan, bubble and peak activations for given costs")
     _schedule_args(sim)
     _costs(sim)
-    sim.add_argument("--overlap", default="lockstep", choices=("lockstep", "concurrent", "sequential"),
+    sim.add_argument("--overlap", default=OVERLAP_MODES[0], choices=OVERLAP_MODES,
                      help="how OVERLAP_F_B pairs run (Pipeline's overlap_f_b): concurrent prices a pair as its "
                           "longer half, the others as both")
     val = sub.add_parser("validate", help="check a schedule CSV (torch's format)")

@@ -11,7 +11,7 @@ namespace {
 __global__ void fold_trailer_kernel(const int64_t* trailer, int64_t* status) {
   const int64_t word = trailer[0];
   const int64_t code = trailer[1] == kTrailerMagic && word >= kMessageOk && word <= kMessageReplan ? word : kStatusNotOurs;
-  // atomic: the backward half of an overlapped pair folds its receives on a stream of its own
+  // atomic: the two halves of an overlapped pair enqueue folds from two host threads
   atomicMax(reinterpret_cast<unsigned long long*>(status), static_cast<unsigned long long>(code));
 }
 

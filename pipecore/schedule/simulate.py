@@ -18,6 +18,8 @@ from .validate import _stage
 F, I, W, B = int(Kind.F), int(Kind.I), int(Kind.W), int(Kind.B)
 OVERLAP = int(Kind.OVERLAP_F_B)
 _EXTRA_KINDS = {int(Kind.REDUCE_GRAD): "REDUCE_GRAD", int(Kind.UNSHARD): "UNSHARD", int(Kind.RESHARD): "RESHARD"}
+# how the executor runs an OVERLAP_F_B pair's halves (Pipeline's `overlap_f_b`), its default first
+OVERLAP_MODES = ("lockstep", "concurrent", "sequential")
 _COST_KEYS = ("F", "B", "I", "W", "comm", "OVERLAP_F_B", "REDUCE_GRAD", "UNSHARD", "RESHARD")
 
 
@@ -77,8 +79,8 @@ def simulate(schedule, costs: Mapping[str, object] | None = None, overlap: str =
     default "lockstep"): "concurrent", at once, costs the longer half; "lockstep" and "sequential"
     cost the sum (lockstep hides communication inside a stage, which these costs do not model). A
     callable cost "OVERLAP_F_B"(forward, backward) prices pairs instead."""
-    if overlap not in ("concurrent", "lockstep", "sequential"):
-        raise ValueError(f"overlap must be 'concurrent', 'lockstep' or 'sequential', got {overlap!r}")
+    if overlap not in OVERLAP_MODES:
+        raise ValueError(f"overlap must be one of {OVERLAP_MODES}, got {overlap!r}")
     topo = schedule.topology
     codes = schedule.codes
     num_ranks = len(codes)
