@@ -254,6 +254,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "fn(event, local stage) for UNSHARD (8), RESHARD (9), REDUCE_GRAD (10) and before the last backward "
           "(13) of these stages, whose backward runs whole (no I/W split)")
       .def(
+          "set_weight_builders",
+          [](pipecore::Executor& self, std::vector<int64_t> stages, py::object fn) {
+            if (fn.is_none()) {
+              self.set_weight_builders({}, {});
+              return;
+            }
+            auto callback = std::make_shared<py::object>(std::move(fn));  // freed with the GIL: by Python
+            self.set_weight_builders(std::move(stages), [callback](int64_t stage) {
+              py::gil_scoped_acquire gil;
+              py::object runner = (*callback)(stage);
+              if (!PyCallable_Check(runner.ptr())) {
+                throw py::type_error("dw_builder() of local stage " + std::to_string(stage) +
+                                     " must return a callable (the runner of that microbatch's weight gradients), "
+                                     "got " + std::string(py::str(py::type::handle_of(runner).attr("__name__"))));
+              }
+              return pipecore::python_closure(runner);
+            });
+          },
+          py::arg("stages"), py::arg("fn"),
+          "fn(local stage) -> runner: these stages' backward runs whole at I (or B) and their W calls runner() "
+          "(B: at once), as torch's PipelineStage dw_builder")
+      .def(
           "set_overlap",
           [](pipecore::Executor& self, int64_t mode, py::object hook, const std::string& device) {
             pipecore::Executor::OverlapHook fn;

@@ -674,6 +674,15 @@ void Executor::set_stage_events(std::vector<int64_t> stages, StageEventFn fn) {
   mark_last_backwards();
 }
 
+void Executor::set_weight_builders(std::vector<int64_t> stages, WeightBuilderFn builder) {
+  builds_weight_.assign(num_stages_, 0);
+  for (int64_t s : stages) {
+    TORCH_CHECK(s >= 0 && s < num_stages_, "pipecore: stage ", s, " outside this executor's ", num_stages_, " stages");
+    builds_weight_[s] = 1;
+  }
+  weight_builder_ = stages.empty() ? WeightBuilderFn() : std::move(builder);
+}
+
 void Executor::mark_last_backwards() {
   // Each stage's last action that accumulates weight gradients before its REDUCE_GRAD (lowering puts
   // REDUCE_GRAD after it): its last B or W, or, for a stage whose backward runs whole at I, its last
@@ -877,12 +886,20 @@ void Executor::do_backward(const Instr& in, bool split) {
     roots = s.out_edges;
     grads = s.out_grads;
   }
-  if (split && !(in.stage < static_cast<int64_t>(evented_.size()) && evented_[in.stage])) {
+  const bool whole = in.stage < static_cast<int64_t>(evented_.size()) && evented_[in.stage];
+  const bool builds_weight =
+      weight_builder_ && in.stage < static_cast<int64_t>(builds_weight_.size()) && builds_weight_[in.stage];
+  if (split && !whole && !builds_weight) {
     std::vector<SplitFallback> fallbacks;
     s.input_grads = backward_input(roots, grads, s.inputs, s.weight, fallbacks);
     for (auto& f : fallbacks) ++split_fallbacks_[in.stage][f];
   } else {
     s.input_grads = backward_full(roots, grads, s.inputs);
+  }
+  if (builds_weight) {  // as torch: the runner is made after the backward, run at W (B: now)
+    s.weight.closures.fns.push_back(weight_builder_(in.stage));
+    s.weight.closures.nodes.push_back(nullptr);
+    if (!split) backward_weight(s.weight);
   }
   s.out_edges.clear();
   s.out_grads.clear();

@@ -191,6 +191,11 @@ class Executor {
   // at I (their W does nothing): DDP's and FSDP2's autograd hooks expect a microbatch's weight
   // gradients within one backward.
   void set_stage_events(std::vector<int64_t> stages, StageEventFn fn);
+  // Stages with their own weight-gradient function (torch's PipelineStage dw_builder): their backward
+  // runs whole at I (or B), then `builder(stage)` makes a microbatch's weight-gradient runner, which
+  // W runs (B: at once). Empty `stages`: none.
+  using WeightBuilderFn = std::function<std::unique_ptr<DeferredClosure>(int64_t stage)>;
+  void set_weight_builders(std::vector<int64_t> stages, WeightBuilderFn builder);
   // How OVERLAP_F_B pairs run (overlap.h). With `hook`, each pair calls hook(bracket index) instead
   // (the bindings take the GIL for it), which runs the halves through run_pair_half / run_pair.
   using OverlapHook = std::function<void(int64_t bracket)>;
@@ -400,6 +405,8 @@ class Executor {
   std::shared_ptr<GradReducer> reducer_;
   StageEventFn stage_event_;
   std::vector<uint8_t> evented_;            // [stage]: its events go to stage_event_
+  WeightBuilderFn weight_builder_;
+  std::vector<uint8_t> builds_weight_;      // [stage]: weight_builder_ makes its W
   std::vector<int64_t> last_backward_of_;   // [program index]: the stage whose last backward it is, or -1
   void mark_last_backwards();
   void stage_event(int64_t event, int64_t stage) {

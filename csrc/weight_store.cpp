@@ -57,6 +57,8 @@ void defer_weight_grad(py::object fn) {
 
 }  // namespace
 
+std::unique_ptr<DeferredClosure> python_closure(const py::object& fn) { return std::make_unique<PyClosure>(fn); }
+
 bool DeferredClosures::deferred_by(const torch::autograd::Node* node) const {
   return std::find(nodes.begin(), nodes.end(), node) != nodes.end();
 }

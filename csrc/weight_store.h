@@ -16,6 +16,7 @@ struct Node;
 }
 namespace pybind11 {
 class module_;
+class object;
 }
 
 namespace pipecore {
@@ -44,6 +45,9 @@ class DeferralScope {
   DeferralScope(const DeferralScope&) = delete;
   DeferralScope& operator=(const DeferralScope&) = delete;
 };
+
+// A closure that calls the Python callable `fn` (with the GIL) when run.
+std::unique_ptr<DeferredClosure> python_closure(const pybind11::object& fn);
 
 // Adds defer_weight_grad to the extension module.
 void bind_weight_store(pybind11::module_& m);

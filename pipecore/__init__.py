@@ -1,7 +1,8 @@
 """pipecore: a performance-first executor for pipeline-parallel training in PyTorch.
 
 The schedule layer (`pipecore.schedule`) is pure Python; the runtime names (`Pipeline`,
-`PipelineStage`) import torch on first use.
+`PipelineStage`) import torch on first use. `pipecore.compat` holds torch.distributed.pipelining's
+names (its schedule classes are also here, at the top level).
 """
 
 from .schedule import (SCHEDULES, Action, Kind, Schedule, ScheduleError, SimResult, Topology,
@@ -11,14 +12,19 @@ __version__ = "0.1.0"
 
 __all__ = ["Action", "Kind", "Schedule", "ScheduleError", "SimResult", "Topology", "SCHEDULES",
            "build_schedule", "Pipeline", "PipelineStage", "defer_weight_grad", "partition", "clip_grad_norm_",
-           "save_checkpoint", "load_checkpoint", "init_mesh", "overlap_handoff", "OverlappedPair", "__version__"]
+           "save_checkpoint", "load_checkpoint", "init_mesh", "overlap_handoff", "OverlappedPair", "get_schedule_class", "ScheduleGPipe", "Schedule1F1B",
+           "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
+           "ScheduleDualPipeV", "ScheduleDualPipe", "__version__"]
+_COMPAT = ["get_schedule_class", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+           "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "ScheduleDualPipe"]
 
 _LAZY = {"Pipeline": ("runtime", "Pipeline"), "PipelineStage": ("stage", "PipelineStage"),
          "defer_weight_grad": ("split_backward", "defer_weight_grad"),
          "microbatch": ("microbatch", None), "partition": ("partition", "partition"),
          "clip_grad_norm_": ("grads", "clip_grad_norm_"), "save_checkpoint": ("checkpoint", "save_checkpoint"),
          "load_checkpoint": ("checkpoint", "load_checkpoint"), "init_mesh": ("mesh", "init_mesh"),
-         "overlap_handoff": ("overlap", "overlap_handoff"), "OverlappedPair": ("overlap", "OverlappedPair")}
+         "overlap_handoff": ("overlap", "overlap_handoff"), "OverlappedPair": ("overlap", "OverlappedPair"),
+         "compat": ("compat", None), **{name: ("compat.schedules", name) for name in _COMPAT}}
 
 
 def __dir__():

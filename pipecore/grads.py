@@ -192,8 +192,10 @@ def clip_grad_norm_(pipe: "Pipeline", max_norm: float, norm_type: float = 2.0,
     stages are counted once; every copy is scaled alike, so copies stay equal."""
     from .runtime import Pipeline, _native
 
+    if not isinstance(pipe, Pipeline) and isinstance(getattr(pipe, "pipeline", None), Pipeline):
+        pipe = pipe.pipeline  # a pipecore.compat schedule
     if not isinstance(pipe, Pipeline):
-        raise TypeError(f"clip_grad_norm_ takes the pipecore.Pipeline whose gradients to clip, got "
+        raise TypeError(f"clip_grad_norm_ takes the pipecore.Pipeline (or pipecore.compat schedule) whose gradients to clip, got "
                         f"{type(pipe).__name__} (for plain parameters use torch.nn.utils.clip_grad_norm_)")
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not norm_type > 0:

@@ -70,3 +70,25 @@ def merge(chunks: list[Any]) -> Any:
         else:
             out.append(leaf)
     return tree_unflatten(out, spec)
+
+
+def split_by_specs(args: tuple, kwargs: dict, n: int, args_chunk_spec, kwargs_chunk_spec) -> list[tuple[tuple, dict]]:
+    """`n` microbatches of (args, kwargs) as torch.distributed.pipelining's `args_chunk_spec` and
+    `kwargs_chunk_spec` say (`TensorChunkSpec(dim)` splits along `dim`, `_Replicate` passes the value
+    to every microbatch): torch's own splitter, so that the specs mean what they mean there."""
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+    try:
+        args_split, kwargs_split = split_args_kwargs_into_chunks(args, kwargs, n, args_chunk_spec, kwargs_chunk_spec)
+    except (AssertionError, ValueError, IndexError) as exc:
+        raise SplitError(f"cannot split the inputs into {n} microbatches as args_chunk_spec={args_chunk_spec!r}, "
+                         f"kwargs_chunk_spec={kwargs_chunk_spec!r} say: {exc}") from None
+    return list(zip(args_split, kwargs_split))
+
+
+def merge_by_spec(chunks: list[Any], output_merge_spec) -> Any:
+    """Per-microbatch outputs merged as torch.distributed.pipelining's `output_merge_spec` says
+    (torch's own merger)."""
+    from torch.distributed.pipelining.microbatch import merge_chunks
+
+    return merge_chunks(chunks, output_merge_spec)

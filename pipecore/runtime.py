@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from . import plan as planning
 from .discovery import Discovery, declared_mismatch
-from .microbatch import batch_size, merge, split
+from .microbatch import batch_size, merge, merge_by_spec, split, split_by_specs
 from .schedule import Action, Kind, Schedule, ScheduleError, build_schedule
 from .schedule.lowering import add_unshard_reshard
 from .errors import CommunicationError, InputError, PeerFailedError
@@ -25,7 +25,7 @@ from .wrapped_stages import WrappedStage
 from .grads import TiedWeights
 from .overlap import PairRunner
 from .split_backward import fallback_message, name_parameter
-from .stage import PipelineStage
+from .stage import PipelineStage, from_torch_stage, is_torch_stage
 
 DEFAULT_TIMEOUT_S = 300.0
 # Receives posted ahead of the program point: gloo and NCCL move a message only once its receive
@@ -93,6 +93,12 @@ class Pipeline:
     "concurrent" (at once; only for halves that share no process group), "sequential" (as torch),
     or a callable(pair) that decides (see pipecore/overlap.py).
 
+    `group` defaults to the group the stages were given (`PipelineStage(..., group=)`, torch's way), else
+    the default group. `args_chunk_spec`, `kwargs_chunk_spec` and `output_merge_spec` mean what they
+    mean in torch.distributed.pipelining (its `TensorChunkSpec`s; None: tensors split and merged along
+    dim 0). `stages` may also be torch.distributed.pipelining's own `PipelineStage` objects: each is
+    converted to pipecore's (same module, index, device, group and dw_builder; pipecore.compat).
+
     On a gloo `group`, the first step also opens a second gloo connection between the group's
     ranks (on the group's own gloo device): messages to a lower rank travel on it, so that a rank's
     sends never share a connection with the data it receives.
@@ -102,13 +108,14 @@ class Pipeline:
                  num_microbatches: int, loss_fn: Callable | None = None, group=None, scale_grads: bool = True,
                  timeout: float | None = None, trace: bool = False, *, check_finite: bool = False,
                  recv_window: int = DEFAULT_RECV_WINDOW, send_budget: int = DEFAULT_SEND_BUDGET,
-                 dp_group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap_f_b: str | Callable = "lockstep"):
+                 dp_group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap_f_b: str | Callable = "lockstep",
+                 args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None):
         if not dist.is_initialized():
             raise RuntimeError("Pipeline needs torch.distributed: call dist.init_process_group first")
-        self.group = group if group is not None else dist.group.WORLD
+        stages = _stage_list(stages)
+        self.group = _pipeline_group(group, stages)
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
-        stages = _stage_list(stages)
         if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
         self.num_microbatches = num_microbatches
@@ -137,6 +144,9 @@ class Pipeline:
         self.local_index = {s.stage_index: i for i, s in enumerate(self.stages)}
         self.loss_fn = loss_fn
         self.scale_grads = scale_grads
+        # torch.distributed.pipelining's microbatch specs (None: tensors split and merged along dim 0)
+        self.args_chunk_spec, self.kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
+        self.output_merge_spec = output_merge_spec
         self.timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
         self.trace_enabled = trace
         self.check_finite = check_finite
@@ -147,8 +157,10 @@ class Pipeline:
         if isinstance(send_budget, bool) or not isinstance(send_budget, int) or send_budget < 0:
             raise ValueError(f"send_budget must be an integer >= 0 (bytes in flight per peer), got {send_budget!r}")
         topo = schedule.topology
-        self.has_first = any(topo.prev_stage[s.stage_index] < 0 for s in self.stages)
-        self.has_last = any(topo.next_stage[s.stage_index] < 0 for s in self.stages)
+        for s in self.stages:  # is_first/is_last as this schedule says (dualpipe: two first and two last stages)
+            s._role = (topo.prev_stage[s.stage_index] < 0, topo.next_stage[s.stage_index] < 0)
+        self.has_first = any(s.is_first for s in self.stages)
+        self.has_last = any(s.is_last for s in self.stages)
         self.is_dualpipe = topo.style == "dualpipe"
         # data-parallel replicas (pipecore/data_parallel.py): checked here, before any communication
         self._dp: DataParallel | None = DataParallel(self, dp_group, bucket_bytes) if dp_group is not None else None
@@ -195,6 +207,7 @@ class Pipeline:
         if not gloo and device.type == "cuda":
             self._executor.set_device_comm(str(device))  # False (host-waiting path) in builds without CUDA
         self._pairs = PairRunner(self, overlap_f_b)  # how OVERLAP_F_B pairs run (pipecore/overlap.py)
+        self._set_weight_builders()
         self._reverse_channel = None  # gloo: opened at the first agreement (_open_reverse_channel)
         self._wants_reverse_channel = gloo and self.world > 1
         self._trace: list[dict] = []
@@ -220,6 +233,18 @@ class Pipeline:
         self._tied: TiedWeights | None = TiedWeights(self) if self.world == 1 else None
         if self._dp is not None:
             self._dp.attach()
+
+    def _set_weight_builders(self) -> None:
+        """Stages with torch's dw_builder: whole backward at I, the builder's runner at W."""
+        builders = {i: s.dw_builder for i, s in enumerate(self.stages) if s.dw_builder is not None}
+        if not builders:
+            return
+        wrapped = [self.stages[i].stage_index for i in builders if WrappedStage.is_wrapped(self.stages[i].module)]
+        if wrapped:
+            raise ValueError(f"stages {wrapped} have a dw_builder and a DDP/FSDP2-wrapped module: the wrapper "
+                             "reduces the gradients its autograd hooks see, not those a dw_builder's runner "
+                             "computes. Drop the dw_builder (pipecore splits the backward itself) or the wrapper")
+        self._executor.set_weight_builders(sorted(builders), lambda local: builders[local]())
 
     # -- program ------------------------------------------------------------------------
     def _encode(self, lowered: Schedule) -> tuple[list[int], list[str]]:
@@ -439,7 +464,8 @@ class Pipeline:
         result = None
         if done:
             with _range("pipecore.merge"):
-                result = merge([done[mb] for mb in sorted(done)])
+                chunks = [done[mb] for mb in sorted(done)]
+                result = merge(chunks) if self.output_merge_spec is None else merge_by_spec(chunks, self.output_merge_spec)
         self._losses = {}
         return result
 
@@ -533,6 +559,9 @@ class Pipeline:
         return divisor if self.has_last else None
 
     def _check_inputs(self, args, kwargs, target, training: bool) -> None:
+        if training and not torch.is_grad_enabled():
+            raise InputError(f"rank {self.rank}: step() computes gradients but was called under torch.no_grad(): "
+                             "call eval() for forward passes only")
         if training and self.has_last and self.loss_fn is None:
             raise InputError(f"rank {self.rank} holds a last stage ({self._last_stages()}): training needs loss_fn")
         if self.has_first and not args and not kwargs:
@@ -590,7 +619,11 @@ class Pipeline:
         if self.has_first:
             if not args and not kwargs:
                 raise ValueError(f"rank {self.rank} holds a first stage: step() needs its inputs")
-            for mb, (a, k) in enumerate(zip(split(args, m, "input"), split(kwargs, m, "keyword input"))):
+            if self.args_chunk_spec is None and self.kwargs_chunk_spec is None:
+                parts = zip(split(args, m, "input"), split(kwargs, m, "keyword input"))
+            else:
+                parts = split_by_specs(args, kwargs, m, self.args_chunk_spec, self.kwargs_chunk_spec)
+            for mb, (a, k) in enumerate(parts):
                 inputs[mb] = (a, k)
         targets: list | None = None
         self._rows = None
@@ -844,26 +877,37 @@ class Pipeline:
 
 
 def _stage_list(stages) -> list[PipelineStage]:
-    """The Pipeline's stages argument as a list, or a TypeError that says what was given."""
-    if isinstance(stages, PipelineStage):
-        return [stages]
+    """The Pipeline's stages argument as a list of pipecore stages (torch.distributed.pipelining's
+    stage objects converted: pipecore.stage.from_torch_stage), or a TypeError that says what was given."""
+    if isinstance(stages, PipelineStage) or is_torch_stage(stages):
+        stages = [stages]
     kind = type(stages)
-    if isinstance(stages, (list, tuple)) and stages and not isinstance(stages[0], PipelineStage):
-        kind = type(stages[0])  # a list of torch's stages: the same advice
-    if kind.__module__.startswith("torch.distributed.pipelining"):
-        raise TypeError(f"stages is a {kind.__module__}.{kind.__name__}: pipecore.Pipeline takes pipecore's own "
-                        "stages (or a list of them), built from the same arguments: pipecore.PipelineStage("
-                        "stage.submod, stage.stage_index, stage.num_stages, stage.device)")
     try:
         stages = list(stages)
     except TypeError:
-        raise TypeError(f"stages must be a pipecore.PipelineStage or a non-empty list of them, got "
-                        f"{kind.__name__}") from None
+        raise TypeError(f"stages must be a pipecore.PipelineStage (or torch.distributed.pipelining's) or a "
+                        f"non-empty list of them, got {kind.__name__}") from None
+    stages = [from_torch_stage(s) if is_torch_stage(s) else s for s in stages]
     wrong = [type(s).__name__ for s in stages if not isinstance(s, PipelineStage)]
     if not stages or wrong:
         raise TypeError(f"stages must be a pipecore.PipelineStage or a non-empty list of them, got "
                         f"{'an empty list' if not stages else 'a list holding ' + ', '.join(sorted(set(wrong)))}")
     return stages
+
+
+def _pipeline_group(group, stages: list[PipelineStage]):
+    """The pipeline's process group: `group`, or the one its stages were given (torch's way), or the
+    default group."""
+    given = {id(s.group): s.group for s in stages if s.group is not None}
+    if len(given) > 1:
+        raise ValueError(f"this rank's stages were given different process groups (stages "
+                         f"{[s.stage_index for s in stages if s.group is not None]}): a pipeline runs over one group")
+    if group is None:
+        return next(iter(given.values()), dist.group.WORLD)
+    if given and next(iter(given.values())) is not group:
+        raise ValueError("Pipeline(group=...) differs from the group its stages were given: pass one of them, or "
+                         "the same group to both")
+    return group
 
 
 def _backend_of(group, device: torch.device):

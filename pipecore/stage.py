@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
@@ -44,10 +46,20 @@ class PipelineStage:
     """
 
     def __init__(self, module: nn.Module, stage_index: int, num_stages: int, device: torch.device | str | None = None,
-                 *, input_args: Any = None, output_args: Any = None, tied: dict[str, nn.Parameter] | None = None,
+                 input_args: Any = None, output_args: Any = None, *, group=None,
+                 dw_builder: Callable[[], Callable[[], None]] | None = None, tied: dict[str, nn.Parameter] | None = None,
                  activation_checkpointing: bool = False, autocast: torch.dtype | None = None):
         if not isinstance(module, nn.Module):
             raise TypeError(f"PipelineStage needs an nn.Module, got {type(module).__name__}")
+        if dw_builder is not None and not callable(dw_builder):
+            raise TypeError(f"dw_builder must be a callable that returns a microbatch's weight-gradient runner "
+                            f"(a callable), got {type(dw_builder).__name__}")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed ProcessGroup (the pipeline's group) or None for "
+                            f"the default group, got {type(group).__name__}")
+        self.group = group
+        self.dw_builder = dw_builder
+        self._role: tuple[bool, bool] | None = None  # (first, last) under the schedule of a Pipeline
         for label, value in (("stage_index", stage_index), ("num_stages", num_stages)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{label} must be an int, got {value!r}")
@@ -79,6 +91,34 @@ class PipelineStage:
             self._given_out = describe(output_args)
             _shapes(output_args, "output_args")
 
+    # torch.distributed.pipelining's stage attributes
+    @property
+    def submod(self) -> nn.Module:
+        """The stage's module (torch's name for `module`)."""
+        return self.module
+
+    @property
+    def is_first(self) -> bool:
+        """Does this stage take the batch's inputs? Stage 0, as torch says; under dualpipe, once a
+        Pipeline holds the stage, also the first stage of the reverse direction (stage R)."""
+        return self._role[0] if self._role is not None else self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Does this stage compute the loss? The last stage, as torch says; under dualpipe, once a
+        Pipeline holds the stage, also the last stage of the reverse direction (stage R - 1)."""
+        return self._role[1] if self._role is not None else self.stage_index == self.num_stages - 1
+
+    @property
+    def group_rank(self) -> int:
+        """This process's rank in the stage's group (torch's attribute)."""
+        return dist.get_rank(self.group)
+
+    @property
+    def group_size(self) -> int:
+        """The size of the stage's group (torch's attribute)."""
+        return dist.get_world_size(self.group)
+
     def forward(self, args: tuple, kwargs: dict) -> Any:
         """The module on one microbatch's inputs, under this stage's autocast and checkpointing."""
         with self.autocast_context():
@@ -103,6 +143,19 @@ class PipelineStage:
 
     def __repr__(self) -> str:
         return f"PipelineStage({self.stage_index}/{self.num_stages}, {type(self.module).__name__}, {self.device})"
+
+
+def is_torch_stage(obj: Any) -> bool:
+    """Is `obj` one of torch.distributed.pipelining's stage objects?"""
+    return any(c.__module__.startswith("torch.distributed.pipelining") and c.__name__ == "_PipelineStageBase"
+               for c in type(obj).__mro__)
+
+
+def from_torch_stage(stage: Any) -> PipelineStage:
+    """pipecore's stage for torch.distributed.pipelining's `stage`: the same module (not a copy), index,
+    stage count, device, group and dw_builder. Shapes are learnt on the first step, as for any stage."""
+    return PipelineStage(stage.submod, stage.stage_index, stage.num_stages, stage.device, group=stage.group,
+                         dw_builder=stage.dw_builder)
 
 
 def _shapes(tree: Any, what: str) -> list[tuple]:

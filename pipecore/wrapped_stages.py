@@ -75,6 +75,11 @@ class WrappedStage:
                         p.grad.add_(g)
 
     @staticmethod
+    def is_wrapped(module: torch.nn.Module) -> bool:
+        """Is `module` itself a DDP or FSDP2 module?"""
+        return isinstance(module, DistributedDataParallel) or isinstance(module, _fsdp_module())
+
+    @staticmethod
     def of(module: torch.nn.Module, dp_group) -> WrappedStage | None:
         """The adapter for a stage module wrapped in DDP or FSDP2, None for a plain module. Raises
         InputError for a wrapper pipecore cannot drive exactly (the message says what to change)."""

@@ -276,8 +276,3 @@ def slipped_configuration(rank, world, slip):
     return outcome, again
 
 
-def torch_stage_given(rank, world):
-    from torch.distributed.pipelining import PipelineStage as TorchStage
-
-    stage = TorchStage(nn.Linear(WIDTH, WIDTH), rank, world, torch.device("cpu"))
-    return _outcome(lambda: pc.Pipeline(stage, "1f1b", 2, loss_fn=nn.MSELoss()))

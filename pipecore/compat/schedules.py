@@ -1,0 +1,268 @@
+"""torch.distributed.pipelining.schedules' classes, run by pipecore's executor.
+
+Each class takes the constructor arguments of torch's class of the same name and builds a
+`pipecore.Pipeline` over the same stages and group; `step()` and `eval()` have torch's signature
+and meaning. Keyword arguments torch does not have (`timeout=`, `trace=`, `overlap_f_b=`,
+`dp_group=`, ...) go to the Pipeline. The differences from torch are listed in the README's
+migration section; the one that can change numbers: `scale_grads=True` weights each microbatch by
+its share of the batch rows (torch divides by the number of microbatches, the same when the batch
+splits evenly) and never rescales gradients accumulated before the step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..schedule import Schedule, ScheduleError, build_schedule
+from ..stage import PipelineStage, from_torch_stage, is_torch_stage
+
+__all__ = ["_PipelineSchedule", "PipelineScheduleSingle", "PipelineScheduleMulti", "_PipelineScheduleRuntime",
+           "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+           "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "ScheduleDualPipe",
+           "get_schedule_class"]
+
+
+class _PipelineSchedule:
+    """What every schedule class shares: torch's constructor fields, step() and eval()."""
+
+    _schedule_name: str | None = None  # the pipecore schedule this class runs; None: loaded from a CSV
+
+    def __init__(self, stages: list, n_microbatches: int, loss_fn: Callable | None = None,
+                 args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None, scale_grads: bool = True,
+                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False, **pipeline_options):
+        if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
+            raise ValueError(f"n_microbatches must be a positive integer, got {n_microbatches!r}")
+        self._stages = stages
+        self._n_microbatches = n_microbatches
+        self._loss_fn = loss_fn
+        self._has_backward = loss_fn is not None  # torch: without a loss_fn, step() runs forwards only
+        self.scale_grads = scale_grads
+        self._args_chunk_spec = args_chunk_spec
+        self._kwargs_chunk_spec = kwargs_chunk_spec
+        self._output_merge_spec = output_merge_spec
+        self._backward_requires_autograd = backward_requires_autograd
+        self._num_stages = stages[0].num_stages
+        self.pp_group_size = stages[0].group_size
+        self.rank = stages[0].group_rank
+        # torch's defer_pp_recv posts each receive when its action runs: pipecore's recv_window=0
+        self._pipeline_options = dict(pipeline_options)
+        if defer_pp_recv:
+            self._pipeline_options.setdefault("recv_window", 0)
+        self.pipeline: Any = None  # the pipecore.Pipeline that runs the steps
+        self.schedule: Schedule | None = None  # its compute-only schedule
+        if self._schedule_name is not None:
+            self._build(build_schedule(self._schedule_name, self.pp_group_size, n_microbatches, len(stages)))
+
+    def _build(self, schedule: Schedule) -> None:
+        from ..runtime import Pipeline
+
+        self.schedule = schedule
+        self.pipeline = Pipeline(self._stages, schedule, self._n_microbatches, loss_fn=self._loss_fn,
+                                 scale_grads=self.scale_grads, args_chunk_spec=self._args_chunk_spec,
+                                 kwargs_chunk_spec=self._kwargs_chunk_spec,
+                                 output_merge_spec=self._output_merge_spec, **self._pipeline_options)
+
+    @property
+    def pipeline_order(self) -> dict[int, list]:
+        """{rank: its compute actions in order} (pipecore Actions; str() is torch's action string)."""
+        if self.schedule is None:
+            return {}
+        return dict(enumerate(self.schedule.actions))
+
+    def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
+             loss_kwargs: dict | None = None, **kwargs):
+        """One iteration over the whole batch, as torch's `step`: inputs on the rank(s) holding a first
+        stage, `target` on those holding a last stage; per-microbatch losses are appended to
+        `losses`; returns the merged last-stage outputs there (`return_outputs`), None elsewhere.
+        Without a `loss_fn` it runs the forwards only, as torch does."""
+        pipe = self._pipeline()
+        if not self._has_backward:
+            return pipe.eval(*args, target=target, losses=losses, return_outputs=return_outputs,
+                             loss_kwargs=loss_kwargs, **kwargs)
+        if self._backward_requires_autograd and not torch.is_grad_enabled():
+            raise RuntimeError("step() requires gradients to be enabled for backward computation; it should not be "
+                               "used under torch.no_grad() context. Please call eval() instead.")
+        return pipe.step(*args, target=target, losses=losses, return_outputs=return_outputs,
+                         loss_kwargs=loss_kwargs, **kwargs)
+
+    def eval(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
+             loss_kwargs: dict | None = None, **kwargs):
+        """Forward passes only, as torch's `eval`: losses are computed where a target and loss_fn are."""
+        return self._pipeline().eval(*args, target=target, losses=losses, return_outputs=return_outputs,
+                                     loss_kwargs=loss_kwargs, **kwargs)
+
+    def _pipeline(self):
+        if self.pipeline is None:
+            raise RuntimeError(f"{type(self).__name__} has no schedule to run: load one with _load_csv(path), or use "
+                               f"a schedule class from get_schedule_class(name)")
+        return self.pipeline
+
+    def _write_csv(self, filename, lowered: bool) -> None:
+        if self.schedule is None:
+            raise RuntimeError(f"{type(self).__name__} has no schedule yet: load one with _load_csv(path)")
+        (self.schedule.lower() if lowered else self.schedule).to_csv(filename)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.pipeline!r})"
+
+
+class PipelineScheduleSingle(_PipelineSchedule):
+    """torch's base of schedules with one stage per rank: takes `stage`, one stage."""
+
+    def __init__(self, stage, n_microbatches: int, loss_fn: Callable | None = None, args_chunk_spec=None,
+                 kwargs_chunk_spec=None, output_merge_spec=None, scale_grads: bool = True, **pipeline_options):
+        if isinstance(stage, (list, tuple)):
+            raise TypeError(f"{type(self).__name__} takes one stage (stage=...), got a {type(stage).__name__} of "
+                            f"{len(stage)}: for several stages per rank use a multi-stage schedule such as "
+                            "ScheduleInterleaved1F1B")
+        stages = _pipecore_stages([stage], type(self).__name__)
+        self._stage = stages[0]
+        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         scale_grads, **pipeline_options)
+
+
+class PipelineScheduleMulti(_PipelineSchedule):
+    """torch's base of schedules with a list of stages per rank. Built directly, it runs the schedule
+    that `_load_csv` loads (a compute-only CSV, as torch's)."""
+
+    def __init__(self, stages: Sequence, n_microbatches: int, loss_fn: Callable | None = None, args_chunk_spec=None,
+                 kwargs_chunk_spec=None, output_merge_spec=None, use_full_backward: bool | None = None,
+                 scale_grads: bool = True, backward_requires_autograd: bool = True, **pipeline_options):
+        # use_full_backward: deprecated in torch and ignored there too
+        super().__init__(_pipecore_stages(stages, type(self).__name__), n_microbatches, loss_fn, args_chunk_spec,
+                         kwargs_chunk_spec, output_merge_spec, scale_grads, backward_requires_autograd,
+                         **pipeline_options)
+
+    def _load_csv(self, filename: str | os.PathLike, format: str = "compute_only") -> None:
+        """Runs the schedule in `filename` (torch's CSV: one row per rank, one action per cell), checked
+        by pipecore's validator, from the next step on."""
+        if format != "compute_only":
+            raise ValueError(f'{type(self).__name__}._load_csv takes format="compute_only" (as torch), got {format!r}; '
+                             '_PipelineScheduleRuntime also loads "compute_comms"')
+        self._load(filename, lowered=False)
+
+    def _load(self, filename, lowered: bool) -> None:
+        try:
+            schedule = Schedule.from_csv(filename, num_stages=self._num_stages,
+                                         num_microbatches=self._n_microbatches)
+        except ScheduleError as exc:
+            raise ScheduleError(f"{filename}: {exc}" if str(filename) not in str(exc) else str(exc)) from None
+        if schedule.is_lowered and not lowered:
+            raise ScheduleError(f"{filename} holds communication actions: load it with format=\"compute_comms\" "
+                                "(_PipelineScheduleRuntime), or drop them for format=\"compute_only\"")
+        # pipecore places the sends and receives itself (batched per peer, never deadlocking): a
+        # compute_comms CSV gives the compute order
+        self._build(schedule.compute_only())
+
+    def _dump_csv(self, filename: str | os.PathLike) -> None:
+        """Writes the compute-only schedule in torch's CSV format."""
+        self._write_csv(filename, lowered=False)
+
+
+class _PipelineScheduleRuntime(PipelineScheduleMulti):
+    """torch's runtime for schedules given as action lists; `_load_csv` also takes "compute_comms"."""
+
+    def __init__(self, stages: Sequence, n_microbatches: int, loss_fn: Callable | None = None, args_chunk_spec=None,
+                 kwargs_chunk_spec=None, output_merge_spec=None, scale_grads: bool = True,
+                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False, **pipeline_options):
+        _PipelineSchedule.__init__(self, _pipecore_stages(stages, type(self).__name__), n_microbatches, loss_fn,
+                                   args_chunk_spec, kwargs_chunk_spec, output_merge_spec, scale_grads,
+                                   backward_requires_autograd, defer_pp_recv, **pipeline_options)
+
+    def _load_csv(self, filename: str | os.PathLike, format: str = "compute_only") -> None:
+        """Runs the schedule in `filename`: "compute_only" (compute actions) or "compute_comms" (with
+        SEND/RECV actions: pipecore keeps the compute order and places the communication itself)."""
+        if format not in ("compute_only", "compute_comms"):
+            raise NotImplementedError(f"format={format!r} is not implemented (compute_only or compute_comms)")
+        self._load(filename, lowered=format == "compute_comms")
+
+    def _dump_csv(self, filename: str | os.PathLike, format: str = "compute_comms") -> None:
+        """Writes the schedule in torch's CSV format: "compute_comms" with pipecore's lowering (the
+        sends and receives it runs), or "compute_only"."""
+        if format not in ("compute_only", "compute_comms"):
+            raise NotImplementedError(f"format={format!r} is not implemented (compute_only or compute_comms)")
+        self._write_csv(filename, lowered=format == "compute_comms")
+
+    @property
+    def pipeline_order_with_comms(self) -> dict[int, list]:
+        """{rank: every action it runs, communication included} (pipecore's lowering)."""
+        return dict(enumerate(self.schedule.lower().actions)) if self.schedule is not None else {}
+
+
+def _named(class_name: str, base: type, schedule_name: str, doc: str) -> type:
+    return type(class_name, (base,), {"_schedule_name": schedule_name, "__doc__": doc,
+                                      "__module__": __name__, "__qualname__": class_name})
+
+
+ScheduleGPipe = _named("ScheduleGPipe", PipelineScheduleSingle, "gpipe", "GPipe: all forwards, then all backwards.")
+Schedule1F1B = _named("Schedule1F1B", PipelineScheduleSingle, "1f1b", "1F1B: one forward, one backward.")
+ScheduleInterleaved1F1B = _named("ScheduleInterleaved1F1B", _PipelineScheduleRuntime, "interleaved_1f1b",
+                                 "Interleaved 1F1B (Megatron's virtual pipeline): several stages per rank, loop "
+                                 "placement.")
+ScheduleInterleavedZeroBubble = _named("ScheduleInterleavedZeroBubble", _PipelineScheduleRuntime, "interleaved_zb",
+                                       "Interleaved zero bubble (ZB1P): backward split into I and W.")
+ScheduleZBVZeroBubble = _named("ScheduleZBVZeroBubble", _PipelineScheduleRuntime, "zbv",
+                               "Zero bubble V: two stages per rank, V placement.")
+ScheduleDualPipeV = _named("ScheduleDualPipeV", _PipelineScheduleRuntime, "dualpipev",
+                           "DualPipeV (DeepSeek): two stages per rank, V placement, overlapped forward/backward pairs.")
+ScheduleDualPipe = _named("ScheduleDualPipe", _PipelineScheduleRuntime, "dualpipe",
+                          "DualPipe (DeepSeek, not in torch): both directions at once; stage R+j holds a copy of "
+                          "model stage j (pipecore's dualpipe).")
+
+
+class ScheduleLoopedBFS(_PipelineScheduleRuntime):
+    """Looped BFS: several stages per rank, each stage runs all its microbatches before the next."""
+
+    _schedule_name = "looped_bfs"
+
+    def __init__(self, stages: Sequence, n_microbatches: int, loss_fn: Callable | None = None,
+                 output_merge_spec=None, scale_grads: bool = True, backward_requires_autograd: bool = True,
+                 defer_pp_recv: bool = False, **pipeline_options):  # torch's takes no chunk specs
+        super().__init__(stages, n_microbatches, loss_fn, None, None, output_merge_spec, scale_grads,
+                         backward_requires_autograd, defer_pp_recv, **pipeline_options)
+
+
+_BY_NAME = {
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "GPipe": ScheduleGPipe,
+    "LoopedBFS": ScheduleLoopedBFS,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "PipelineScheduleSingle": PipelineScheduleSingle,
+    "PipelineScheduleMulti": PipelineScheduleMulti,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    "DualPipeV": ScheduleDualPipeV,
+    "DualPipe": ScheduleDualPipe,
+}
+
+
+def get_schedule_class(schedule_name: str) -> type:
+    """The schedule class for `schedule_name` (case insensitive), as torch's get_schedule_class:
+    "1F1B", "Interleaved1F1B", "GPipe", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+    "DualPipeV", "PipelineScheduleSingle", "PipelineScheduleMulti", and pipecore's "DualPipe"."""
+    if not isinstance(schedule_name, str):
+        raise TypeError(f"schedule_name must be a str, got {type(schedule_name).__name__}")
+    lower = {k.lower(): k for k in _BY_NAME}
+    if schedule_name.lower() not in lower:
+        raise ValueError(f"Unknown schedule name '{schedule_name}'. The valid options are {list(_BY_NAME)}")
+    return _BY_NAME[lower[schedule_name.lower()]]
+
+
+def _pipecore_stages(stages, schedule: str) -> list[PipelineStage]:
+    """torch's stages converted (pipecore.stage.from_torch_stage); pipecore's taken as they are."""
+    if isinstance(stages, PipelineStage) or is_torch_stage(stages):
+        raise TypeError(f"{schedule} takes a list of this rank's stages, got one {type(stages).__name__}: pass "
+                        f"[stage]")
+    stages = list(stages)
+    if not stages:
+        raise ValueError(f"{schedule} needs this rank's stages, got an empty list")
+    out = [from_torch_stage(s) if is_torch_stage(s) else s for s in stages]
+    wrong = sorted({type(s).__name__ for s in out if not isinstance(s, PipelineStage)})
+    if wrong:
+        raise TypeError(f"{schedule} takes PipelineStage objects (pipecore's or torch.distributed.pipelining's), got "
+                        f"{', '.join(wrong)}")
+    return out

@@ -1,0 +1,6 @@
+"""torch.distributed.pipelining.stage's `PipelineStage`: pipecore's stage, which takes torch's
+constructor arguments."""
+
+from ..stage import PipelineStage
+
+__all__ = ["PipelineStage"]

@@ -1,0 +1,332 @@
+"""Rank functions for tests/test_compat.py: torch.distributed.pipelining's names run by pipecore."""
+
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+LOOP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_style_loop.py")
+TORCH_IMPORTS = ("from torch.distributed.pipelining import PipelineStage\n",
+                 "from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineScheduleRuntime, "
+                 "get_schedule_class\n")
+
+
+def load_loop(api: str) -> types.ModuleType:
+    """tests/torch_style_loop.py as written ("torch") or with its imports switched to pipecore.compat."""
+    with open(LOOP) as f:
+        source = f.read()
+    if api == "pipecore":
+        for line in TORCH_IMPORTS:
+            assert source.count(line) == 1, f"the loop's import changed: {line!r}"
+            source = source.replace(line, line.replace("torch.distributed.pipelining", "pipecore.compat"))
+        imports = [ln for ln in source.splitlines() if ln.startswith(("from ", "import "))]
+        assert not any("torch.distributed.pipelining" in ln for ln in imports), imports
+    module = types.ModuleType(f"torch_style_loop_{api}")
+    module.__file__ = LOOP
+    exec(compile(source, LOOP, "exec"), module.__dict__)
+    return module
+
+
+def reference(loop, schedule_name: str, world: int, n_microbatches: int, steps: int, rows: int, seed: int,
+              scale_grads: bool) -> dict:
+    """The same training in one process on the whole model: per step, the microbatches' losses
+    (each microbatch's mean / n_microbatches, as both pipelines weigh them) and every gradient."""
+    looped = issubclass(loop.get_schedule_class(schedule_name), loop.PipelineScheduleMulti)
+    num_stages = world * (2 if looped else 1)
+    model = loop.make_model(2 * num_stages, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = loop.batches(steps, rows, seed + 1)
+    out = {"losses": [], "grads": []}
+    for tokens, labels in data[:steps]:
+        opt.zero_grad()
+        losses = [loop.cross_entropy(model(x), y, ignore_index=-1)
+                  for x, y in zip(tokens.tensor_split(n_microbatches), labels.tensor_split(n_microbatches))]
+        (sum(losses) / n_microbatches).backward()
+        out["losses"].append([float(x) for x in losses])
+        out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tokens, labels = data[steps]
+    with torch.no_grad():
+        logits = model(tokens)
+        out["eval_losses"] = [float(loop.cross_entropy(model(x), y, ignore_index=-1))
+                              for x, y in zip(tokens.tensor_split(n_microbatches), labels.tensor_split(n_microbatches))]
+    out["eval_output"] = logits
+    return out
+
+
+def torch_and_pipecore(rank, world, schedule_name, n_microbatches, steps=3, rows=16, seed=0, scale_grads=True,
+                       torch_evaluates=True, csv=None):
+    """The loop on this group with torch (as written) and with pipecore (imports switched), and the
+    single-process reference on rank 0."""
+    results = {}
+    for api in ("torch", "pipecore"):
+        loop = load_loop(api)
+        results[api] = loop.train(schedule_name, n_microbatches, steps, rows, seed, scale_grads,
+                                  evaluate=api == "pipecore" or torch_evaluates, csv=csv)
+        dist.barrier()
+    if rank == 0:
+        results["reference"] = reference(load_loop("torch"), schedule_name, world, n_microbatches, steps, rows,
+                                         seed, scale_grads)
+    return results
+
+
+# -- torch's own stage objects, dw_builder, chunk specs -------------------------------------------
+
+WIDTH = 8
+
+
+class LinearNoWeightGrad(torch.autograd.Function):
+    """A fused linear whose backward computes only the input gradient: its weight gradient is the
+    stage's dw_builder's work (torch's recipe for custom weight-gradient code)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, store):
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.store = weight, store
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        ctx.store.append((x.detach(), grad_out.detach()))
+        return grad_out @ ctx.weight, None, None
+
+
+class DwLinear(nn.Module):
+    """y = tanh(x @ W^T); W's gradient comes from the dw_builder below, never from autograd."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.weight = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH ** 0.5)
+        self.bias = nn.Parameter(torch.zeros(WIDTH))  # an autograd-computed parameter beside it
+        self.store: list = []
+        self.log: list = []
+
+    def forward(self, x):
+        return torch.tanh(LinearNoWeightGrad.apply(x, self.weight, self.store) + self.bias)
+
+    def dw_builder(self):
+        """Called after a microbatch's backward: its runner accumulates that microbatch's W gradient."""
+        pending = list(self.store)
+        self.store.clear()
+        self.log.append(("build", len(pending)))
+
+        def runner():
+            self.log.append(("run", len(pending)))
+            for x, g in pending:
+                grad = g.flatten(0, -2).t() @ x.flatten(0, -2)
+                self.weight.grad = grad if self.weight.grad is None else self.weight.grad + grad
+        return runner
+
+
+def dw_builder_run(rank, world, api, schedule_name, m):
+    """Two stages per rank (one for gpipe/1f1b) of DwLinear, each with its dw_builder, 2 steps;
+    returns grads, losses and each stage's build/run log."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    import pipecore.compat as compat
+
+    looped = schedule_name not in ("GPipe", "1F1B")
+    n_stages = world * (2 if looped else 1)
+    ids = ([rank, 2 * world - 1 - rank] if schedule_name in ("ZBVZeroBubble", "DualPipeV")
+           else [rank + k * world for k in range(2 if looped else 1)])
+    mods = {s: DwLinear(100 + s) for s in ids}
+    if api == "torch":
+        from torch.distributed.pipelining import PipelineStage
+        get_cls = torch_schedules.get_schedule_class
+    else:
+        PipelineStage, get_cls = compat.PipelineStage, compat.get_schedule_class
+    stages = [PipelineStage(mods[s], s, n_stages, torch.device("cpu"), dw_builder=mods[s].dw_builder) for s in ids]
+    sched = get_cls(schedule_name)(stages if looped else stages[0], m, loss_fn=nn.MSELoss())
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(4 * m, WIDTH, generator=g), torch.randn(4 * m, WIDTH, generator=g)
+    out = {"losses": [], "grads": []}
+    for _ in range(2):
+        for mod in mods.values():
+            mod.zero_grad()
+            mod.log.clear()
+        losses = []
+        first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+        sched.step(*((x,) if first else ()), target=y if last else None, losses=losses)
+        out["losses"].append([float(v) for v in losses])
+        out["grads"].append({f"{s}.{n}": p.grad.clone() for s in ids for n, p in mods[s].named_parameters()})
+        out["log"] = {s: list(mods[s].log) for s in ids}
+    return out
+
+
+def dw_reference(world, schedule_name, m):
+    looped = schedule_name not in ("GPipe", "1F1B")
+    n_stages = world * (2 if looped else 1)
+    mods = [DwLinear(100 + s) for s in range(n_stages)]
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(4 * m, WIDTH, generator=g), torch.randn(4 * m, WIDTH, generator=g)
+    h = x
+    for mod in mods:
+        h = mod(h)
+    (nn.functional.mse_loss(h, y)).backward()
+    for mod in mods:
+        mod.dw_builder()()
+    return {f"{s}.{n}": p.grad.clone() for s, mod in enumerate(mods) for n, p in mod.named_parameters()}
+
+
+def torch_stage_objects(rank, world):
+    """torch's own PipelineStage objects handed to pc.Pipeline and to a compat schedule: converted,
+    and the result equals single-process training."""
+    from torch.distributed.pipelining import PipelineStage as TorchStage
+
+    import pipecore as pc
+    import pipecore.compat as compat
+
+    torch.manual_seed(0)
+    model = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(world)]
+    x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+    ref = [copy_module(m) for m in model]
+    h = x
+    for m in ref:
+        h = m(h)
+    nn.functional.mse_loss(h, y).backward()
+    results = {}
+    for how in ("Pipeline", "schedule"):
+        mod = copy_module(model[rank])
+        stage = TorchStage(mod, rank, world, torch.device("cpu"))
+        if how == "Pipeline":
+            runner = pc.Pipeline(stage, "1f1b", 4, loss_fn=nn.MSELoss())
+        else:
+            runner = compat.Schedule1F1B(stage, 4, loss_fn=nn.MSELoss())
+        runner.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
+        results[how] = max(float((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30))
+                           for p, q in zip(mod.parameters(), ref[rank].parameters()))
+    return results
+
+
+def copy_module(m):
+    import copy
+
+    return copy.deepcopy(m)
+
+
+class TwoInputs(nn.Module):
+    """First stage of the chunk-spec case: x split along dim 1 (time), a replicated bias vector."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x, shift):
+        return self.fc(x + shift)
+
+
+def time_major_mse(out, target):
+    return nn.functional.mse_loss(out.transpose(0, 1), target)
+
+
+def chunk_specs(rank, world, api):
+    """args_chunk_spec splitting along dim 1 and a replicated argument; output_merge_spec merging
+    along dim 1: torch and pipecore give the same outputs and gradients."""
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+
+    import pipecore.compat as compat
+
+    if api == "torch":
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    else:
+        PipelineStage, Schedule1F1B = compat.PipelineStage, compat.Schedule1F1B
+    torch.manual_seed(4)
+    mod = TwoInputs() if rank == 0 else nn.Linear(WIDTH, WIDTH)
+    x = torch.randn(3, 8, WIDTH)  # (batch, time, width): microbatches are time slices
+    shift = torch.randn(WIDTH)
+    y = torch.randn(3, 8, WIDTH)
+    stage = PipelineStage(mod, rank, world, torch.device("cpu"))
+    sched = Schedule1F1B(stage, 4, loss_fn=time_major_mse, args_chunk_spec=(TensorChunkSpec(1), _Replicate),
+                         output_merge_spec=TensorChunkSpec(1))
+    # both split the target along dim 0 (torch's _TARGET_CHUNK_SPEC): it is given time-major
+    out = sched.step(*((x, shift) if rank == 0 else ()), target=y.transpose(0, 1).contiguous() if rank == 1 else None)
+    return {"out": out.detach() if out is not None else None,
+            "grads": {n: p.grad.clone() for n, p in mod.named_parameters()}}
+
+
+def misuse(rank, world, case, tmp):
+    """One misuse (or option) of the compat surface on every rank: (exception type name, message),
+    or ("ok", detail)."""
+    import pipecore as pc
+    from pipecore.compat import PipelineStage, Schedule1F1B, ScheduleDualPipe, ScheduleInterleaved1F1B
+    from pipecore.compat.schedules import PipelineScheduleMulti, _PipelineScheduleRuntime
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+    try:
+        if case == "no_grad":
+            sched = Schedule1F1B(PipelineStage(nn.Linear(WIDTH, WIDTH), rank, world), 4, loss_fn=nn.MSELoss())
+            with torch.no_grad():
+                sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
+        elif case == "no_schedule":
+            PipelineScheduleMulti([PipelineStage(nn.Linear(WIDTH, WIDTH), rank, world)], 4,
+                                  loss_fn=nn.MSELoss()).step(x)
+        elif case == "list_to_single":
+            Schedule1F1B([PipelineStage(nn.Linear(WIDTH, WIDTH), rank, world)], 4)
+        elif case == "bad_dw_builder":
+            PipelineStage(nn.Linear(WIDTH, WIDTH), rank, world, dw_builder=3)
+        elif case == "runner_not_callable":
+            builder = (lambda: None) if rank == 1 else (lambda: (lambda: None))
+            stages = [PipelineStage(nn.Linear(WIDTH, WIDTH), s, 2 * world, dw_builder=builder)
+                      for s in (rank, 2 * world - 1 - rank)]
+            sched = pc.compat.ScheduleZBVZeroBubble(stages, 4, loss_fn=nn.MSELoss())
+            sched.step(*((x,) if rank == 0 else ()), target=y if rank == 0 else None)
+        elif case == "csv_microbatches":
+            path = os.path.join(tmp, "custom.csv")
+            if rank == 0:
+                pc.build_schedule("interleaved_1f1b", world, 6, 2).to_csv(path)
+            dist.barrier()
+            stages = [PipelineStage(nn.Linear(WIDTH, WIDTH), s, 2 * world) for s in (rank, rank + world)]
+            _PipelineScheduleRuntime(stages, 4, loss_fn=nn.MSELoss())._load_csv(path)
+        elif case == "comms_as_compute_only":
+            path = os.path.join(tmp, "lowered.csv")
+            if rank == 0:
+                pc.build_schedule("interleaved_1f1b", world, 4, 2).lower().to_csv(path)
+            dist.barrier()
+            stages = [PipelineStage(nn.Linear(WIDTH, WIDTH), s, 2 * world) for s in (rank, rank + world)]
+            sched = _PipelineScheduleRuntime(stages, 4, loss_fn=nn.MSELoss())
+            try:
+                sched._load_csv(path)
+            except Exception as exc:
+                # the same file as compute_comms: pipecore keeps its compute order
+                sched._load_csv(path, format="compute_comms")
+                assert [str(a) for a in sched.pipeline_order[rank]] == [
+                    str(a) for a in pc.build_schedule("interleaved_1f1b", world, 4, 2).actions[rank]]
+                raise exc
+        elif case == "dualpipe_roles":
+            # rank r holds stages r and 2R-1-r; stage R starts the reverse direction, R-1 ends the forward one
+            torch.manual_seed(1)
+            model = [nn.Linear(WIDTH, WIDTH) for _ in range(world)]
+            ids = (rank, 2 * world - 1 - rank)
+            import copy
+            stages = [PipelineStage(copy.deepcopy(model[s % world]), s, 2 * world) for s in ids]
+            before = [(s.is_first, s.is_last) for s in stages]
+            sched = ScheduleDualPipe(stages, 4, loss_fn=nn.MSELoss())
+            after = [(s.is_first, s.is_last) for s in stages]
+            want = [(s in (0, world), s in (world - 1, 2 * world - 1)) for s in ids]
+            assert before == [(s == 0, s == 2 * world - 1) for s in ids] and after == want, (before, after, want)
+            first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+            losses = []
+            sched.step(*((x,) if first else ()), target=y if last else None, losses=losses)
+            mine = [v for v in losses if v is not None]  # each direction carries half the microbatches
+            assert len(losses) == 4 and len(mine) == 2 and all(torch.isfinite(v) for v in mine), losses
+        elif case == "options":
+            # pipecore's own options pass through; torch's defer_pp_recv posts each receive at its action
+            stages = [PipelineStage(nn.Linear(WIDTH, WIDTH), s, 2 * world) for s in (rank, rank + world)]
+            sched = ScheduleInterleaved1F1B(stages, 4, loss_fn=nn.MSELoss(), trace=True, defer_pp_recv=True)
+            assert sched._pipeline_options == {"trace": True, "recv_window": 0}, sched._pipeline_options
+            sched.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
+            names = [e["name"] for e in sched.pipeline.trace()]
+            assert f"PP:{rank}F0" in names, names
+            assert pc.clip_grad_norm_(sched, 1.0) > 0
+        return "ok", ""
+    except Exception as exc:
+        return type(exc).__name__, str(exc)

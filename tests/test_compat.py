@@ -1,0 +1,175 @@
+"""pipecore.compat: a loop written against torch.distributed.pipelining runs on pipecore by changing
+its imports, with torch's numbers (and single-process training's)."""
+
+import pytest
+import torch
+
+import pipecore as pc
+from compat_cases import (chunk_specs, dw_builder_run, dw_reference, misuse, torch_and_pipecore,
+                          torch_stage_objects)
+from dist_pool import pool
+from pipeline_cases import _assert_grads_close
+
+SHARED = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+# torch's eval() of a V-placed schedule (two adjacent stages on one rank) waits forever (torch 2.13)
+TORCH_EVAL_HANGS = ("ZBVZeroBubble", "DualPipeV")
+
+
+def _compare_runs(got: dict, want: dict, what: str, steps: int | None = None, loss_rtol: float = 1e-6) -> None:
+    """Losses per step, every gradient of the first `steps` steps (all: None) and, when all steps are
+    compared, the parameters after them."""
+    for step, (g, w) in enumerate(zip(got["losses"], want["losses"])):
+        assert (g is None) == (w is None), f"{what}: step {step}: losses on one side only"
+        if g is not None:
+            assert g == pytest.approx(w, rel=loss_rtol), f"{what}: step {step}: losses {g} != {w}"
+    for step, (g, w) in enumerate(zip(got["grads"][:steps], want["grads"][:steps])):
+        for name in w:
+            _assert_grads_close(g.get(name), w[name], f"{what}: step {step}: {name}")
+    if steps is None:
+        for name, p in got["params"].items():
+            _assert_grads_close(p, want["params"][name], f"{what}: parameter {name} after the steps")
+
+
+def _by_model_name(result: dict) -> dict:
+    """Global names "stage.param" -> the model's parameter names (a chunk keeps the model's names)."""
+    strip = lambda d: {k.split(".", 1)[1]: v for k, v in d.items()}  # noqa: E731
+    return {"losses": result["losses"], "grads": [strip(g) for g in result["grads"]],
+            "params": strip(result["params"])}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("schedule", SHARED)
+def test_a_torch_loop_runs_on_pipecore_by_changing_its_imports(schedule, world):
+    m = 8  # >= the stage count at 4 ranks (DualPipeV's and ZBV's condition)
+    results = pool(world).run(torch_and_pipecore, schedule, m, 3, 16, 0, True, schedule not in TORCH_EVAL_HANGS,
+                              timeout=300)
+    reference = results[0]["reference"]
+    for rank, out in enumerate(results):
+        torch_run, ours = out["torch"], out["pipecore"]
+        assert ours["schedule_type"] == f"pipecore.compat.schedules.Schedule{schedule}", ours["schedule_type"]
+        assert torch_run["schedule_type"].startswith("torch.distributed.pipelining"), torch_run["schedule_type"]
+        assert sorted(ours["grads"][0]) == sorted(torch_run["grads"][0])
+        _compare_runs(ours, torch_run, f"rank {rank}: pipecore against torch")
+        # and against one process training the whole model (names are the model's): its gradients sum
+        # in another order, which AdamW's first steps amplify (an update is about lr * sign(grad) where
+        # a gradient is near zero), so the later steps are compared by their losses
+        _compare_runs(_by_model_name(ours), _by_model_name_reference(reference, ours), f"rank {rank}: pipecore "
+                      "against one process", steps=1, loss_rtol=1e-4)
+        if ours["eval_losses"] is not None:
+            assert ours["eval_losses"] == pytest.approx(reference["eval_losses"], rel=1e-6)
+            torch.testing.assert_close(ours["eval_output"], reference["eval_output"], rtol=1e-5, atol=1e-6)
+            if schedule not in TORCH_EVAL_HANGS:
+                assert ours["eval_losses"] == pytest.approx(torch_run["eval_losses"], rel=1e-6)
+                torch.testing.assert_close(ours["eval_output"], torch_run["eval_output"], rtol=1e-6, atol=1e-7)
+    assert sum(out["pipecore"]["eval_losses"] is not None for out in results) >= 1
+
+
+def _by_model_name_reference(reference: dict, ours: dict) -> dict:
+    """The reference restricted to this rank's parameters, losses only where this rank has them."""
+    names = {k.split(".", 1)[1] for k in ours["params"]}
+    return {"losses": reference["losses"] if ours["losses"][0] is not None else ours["losses"],
+            "grads": [{n: g[n] for n in names} for g in reference["grads"]],
+            "params": {n: reference["params"][n] for n in names}}
+
+
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "ZBVZeroBubble"])
+def test_torchtitan_loss_rescaling_with_scale_grads_off(schedule):
+    # TorchTitan passes loss_fn / n_microbatches and scale_grads=False
+    results = pool(2).run(torch_and_pipecore, schedule, 4, 2, 8, 1, False, schedule not in TORCH_EVAL_HANGS,
+                          timeout=300)
+    for rank, out in enumerate(results):
+        _compare_runs(out["pipecore"], out["torch"], f"rank {rank}")
+
+
+def test_a_custom_csv_schedule_runs_as_torchtitan_loads_it(tmp_path):
+    # TorchTitan's pipeline_parallel_schedule_csv: _PipelineScheduleRuntime(...)._load_csv(path)
+    path = tmp_path / "custom.csv"
+    pc.build_schedule("interleaved_1f1b", 2, 4, 2).to_csv(path)
+    results = pool(2).run(torch_and_pipecore, "Interleaved1F1B", 4, 2, 8, 0, True, True, str(path), timeout=300)
+    for rank, out in enumerate(results):
+        assert out["pipecore"]["schedule_type"] == "pipecore.compat.schedules._PipelineScheduleRuntime"
+        _compare_runs(out["pipecore"], out["torch"], f"rank {rank}")
+
+
+@pytest.mark.parametrize("schedule, m", [("ZBVZeroBubble", 4), ("InterleavedZeroBubble", 4), ("1F1B", 4),
+                                         ("DualPipeV", 4)])
+def test_dw_builder_computes_the_weight_gradients_at_w(schedule, m):
+    torch_out = pool(2).run(dw_builder_run, "torch", schedule, m, timeout=300)
+    ours = pool(2).run(dw_builder_run, "pipecore", schedule, m, timeout=300)
+    want = dw_reference(2, schedule, m)
+    for rank in range(2):
+        for step in range(2):
+            # against one process only: torch's own weight gradients are wrong at the first step of a
+            # dw_builder schedule built after another one in the same process (torch 2.13)
+            for name, g in ours[rank]["grads"][step].items():
+                _assert_grads_close(g, want[name], f"rank {rank} step {step} {name} vs one process")
+            assert ours[rank]["losses"][step] == pytest.approx(torch_out[rank]["losses"][step], rel=1e-6)
+        for stage, log in ours[rank]["log"].items():
+            builds = [n for kind, n in log if kind == "build"]
+            runs = [n for kind, n in log if kind == "run"]
+            assert len(builds) == len(runs) == m and all(n == 1 for n in builds + runs), (stage, log)
+            # made after the microbatch's backward (I or B), run at its W (B: at once): the same order as torch's
+            assert log == torch_out[rank]["log"][stage], (stage, log, torch_out[rank]["log"][stage])
+
+
+def test_torch_stage_objects_are_converted_not_refused():
+    for result in pool(2).run(torch_stage_objects):
+        assert result["Pipeline"] <= 1e-6 and result["schedule"] <= 1e-6, result
+
+
+def test_chunk_specs_mean_what_they_mean_in_torch():
+    theirs = pool(2).run(chunk_specs, "torch")
+    ours = pool(2).run(chunk_specs, "pipecore")
+    torch.testing.assert_close(ours[1]["out"], theirs[1]["out"], rtol=1e-6, atol=1e-7)
+    assert ours[1]["out"].shape == (3, 8, 8)
+    for rank in range(2):
+        for name, g in ours[rank]["grads"].items():
+            _assert_grads_close(g, theirs[rank]["grads"][name], f"rank {rank} {name}")
+
+
+def test_get_schedule_class_matches_torch():
+    from torch.distributed.pipelining import schedules as ts
+
+    from pipecore.compat import schedules as ours
+
+    for name in SHARED + ["PipelineScheduleSingle", "PipelineScheduleMulti"]:
+        for spelling in (name, name.lower(), name.upper()):
+            cls = ours.get_schedule_class(spelling)
+            torch_cls = ts.get_schedule_class(spelling)
+            assert cls.__name__ == torch_cls.__name__
+            assert issubclass(cls, ours.PipelineScheduleMulti) == issubclass(torch_cls, ts.PipelineScheduleMulti)
+            assert issubclass(cls, ours.PipelineScheduleSingle) == issubclass(torch_cls, ts.PipelineScheduleSingle)
+    assert ours.get_schedule_class("dualpipe") is ours.ScheduleDualPipe
+    assert issubclass(ours.ScheduleDualPipe, ours.PipelineScheduleMulti)
+    with pytest.raises(ValueError, match="Unknown schedule name 'zb2p'. The valid options are"):
+        ours.get_schedule_class("zb2p")
+    # the same names at the top level
+    assert pc.get_schedule_class is ours.get_schedule_class and pc.ScheduleZBVZeroBubble is ours.ScheduleZBVZeroBubble
+    import pipecore.compat as compat
+
+    assert compat.PipelineStage is pc.PipelineStage
+
+
+@pytest.mark.parametrize("case", ["no_grad", "no_schedule", "list_to_single", "bad_dw_builder", "runner_not_callable",
+                                  "csv_microbatches", "comms_as_compute_only", "dualpipe_roles", "options"])
+def test_misuse_and_options_say_what_to_do(case, tmp_path):
+    results = pool(2).run(misuse, case, str(tmp_path), timeout=120)
+    for rank, (kind, msg) in enumerate(results):
+        if case == "no_grad":
+            assert kind == "RuntimeError" and "Please call eval() instead" in msg, msg
+        elif case == "no_schedule":
+            assert kind == "RuntimeError" and "_load_csv(path)" in msg, msg
+        elif case == "list_to_single":
+            assert kind == "TypeError" and "takes one stage" in msg and "ScheduleInterleaved1F1B" in msg, msg
+        elif case == "bad_dw_builder":
+            assert kind == "TypeError" and "dw_builder must be a callable" in msg, msg
+        elif case == "runner_not_callable":
+            # the rank whose builder misbehaves says why; the other learns it from that rank
+            assert kind in ("TypeError", "PeerFailedError"), (kind, msg)
+            assert "must return a callable" in msg, msg
+        elif case == "csv_microbatches":
+            assert kind == "ScheduleError" and "custom.csv" in msg and "microbatch" in msg, msg
+        elif case == "comms_as_compute_only":
+            assert kind == "ScheduleError" and 'format="compute_comms"' in msg, msg
+        elif case in ("dualpipe_roles", "options"):
+            assert kind == "ok", msg

@@ -1,0 +1,154 @@
+"""A training loop written against torch.distributed.pipelining's names only, as TorchTitan writes
+one: a GPT cut into stage chunks (unused parts deleted), stages placed loop- or V-style, the
+schedule class from get_schedule_class, step() with return_outputs=False and loss_kwargs, eval().
+
+The tests run this file as it is (torch) and with its two imports changed to pipecore.compat
+(tests/compat_cases.py), and compare the numbers. Nothing below may mention pipecore.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineScheduleRuntime, get_schedule_class
+
+VOCAB, DIM, HEADS, SEQ = 32, 16, 2, 8
+V_STYLE = ("ZBVZeroBubble", "DualPipeV")
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(DIM)
+        self.attn = nn.MultiheadAttention(DIM, HEADS, batch_first=True)
+        self.norm2 = nn.LayerNorm(DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+
+    def forward(self, h):
+        mask = torch.triu(torch.ones(h.shape[1], h.shape[1], dtype=torch.bool, device=h.device), 1)
+        x = self.norm1(h)
+        h = h + self.attn(x, x, x, attn_mask=mask, need_weights=False)[0]
+        return h + self.mlp(self.norm2(h))
+
+
+class GPT(nn.Module):
+    def __init__(self, n_layers: int):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleDict({str(i): Block() for i in range(n_layers)})
+        self.norm = nn.LayerNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+
+def make_model(n_layers: int, seed: int) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(n_layers)
+
+
+def model_chunk(whole: GPT, stage: int, num_stages: int) -> GPT:
+    """TorchTitan's split: a copy of the model with what other stages hold deleted."""
+    chunk = copy.deepcopy(whole)
+    per = len(whole.layers) // num_stages
+    keep = {str(i) for i in range(stage * per, (stage + 1) * per)}
+    for name in list(chunk.layers):
+        if name not in keep:
+            del chunk.layers[name]
+    if stage != 0:
+        chunk.tok_embeddings = None
+    if stage != num_stages - 1:
+        chunk.norm = None
+        chunk.output = None
+    return chunk
+
+
+def stage_ids(rank: int, world: int, stages_per_rank: int, v_style: bool) -> list[int]:
+    if v_style:
+        return [rank, 2 * world - 1 - rank]
+    return [rank + s * world for s in range(stages_per_rank)]
+
+
+def cross_entropy(pred, labels, ignore_index=-100):
+    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=ignore_index)
+
+
+def batches(steps: int, rows: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps + 1):  # the last one is for eval
+        tokens = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=g)
+        labels = tokens[:, 1:].clone()
+        labels[:, :2] = -1  # ignored through loss_kwargs
+        out.append((tokens[:, :-1].contiguous(), labels))
+    return out
+
+
+def train(schedule_name: str, n_microbatches: int, steps: int = 3, rows: int = 16, seed: int = 0,
+          scale_grads: bool = True, timed_steps: int = 0, evaluate: bool = True, csv: str | None = None) -> dict:
+    """Trains `steps` optimizer steps; returns this rank's losses, gradients per step (by global
+    parameter name), final parameters, eval losses and outputs, and `timed_steps` more steps' times.
+    `csv`: run the schedule in that file (TorchTitan's pipeline_parallel_schedule_csv), placing the
+    stages as `schedule_name` does."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    looped = issubclass(get_schedule_class(schedule_name), PipelineScheduleMulti)
+    schedule_class = _PipelineScheduleRuntime if csv else get_schedule_class(schedule_name)
+    stages_per_rank = 2 if looped else 1
+    num_stages = world * stages_per_rank
+    whole = make_model(2 * num_stages, seed)
+    ids = stage_ids(rank, world, stages_per_rank, schedule_name in V_STYLE)
+    chunks = {s: model_chunk(whole, s, num_stages) for s in ids}
+    stages = [PipelineStage(chunks[s], s, num_stages, torch.device("cpu"), group=dist.group.WORLD) for s in ids]
+    loss_fn = cross_entropy if scale_grads else (lambda pred, labels, **kw: cross_entropy(pred, labels, **kw)
+                                                 / n_microbatches)
+    schedule = schedule_class(stages if looped else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn,
+                              scale_grads=scale_grads)
+    if csv:
+        schedule._load_csv(csv)
+    has_first = any(s.is_first for s in stages)
+    has_last = any(s.is_last for s in stages)
+    params = [p for s in ids for p in chunks[s].parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    result = {"losses": [], "grads": [], "schedule_type": f"{type(schedule).__module__}.{type(schedule).__name__}"}
+    data = batches(steps + timed_steps, rows, seed + 1)
+    for step in range(steps + timed_steps):
+        tokens, labels = data[min(step, steps - 1)]  # timed steps repeat the last batch
+        if step == steps:
+            dist.barrier()
+            start = time.perf_counter()
+        opt.zero_grad()
+        losses = [] if has_last else None
+        target = labels if has_last else None
+        if has_first:
+            schedule.step(tokens, target=target, losses=losses, return_outputs=False,
+                          loss_kwargs={"ignore_index": -1})
+        else:
+            schedule.step(target=target, losses=losses, return_outputs=False, loss_kwargs={"ignore_index": -1})
+        if step < steps:
+            result["losses"].append([float(x) for x in losses] if has_last else None)
+            result["grads"].append({f"{s}.{n}": p.grad.clone() for s in ids for n, p in chunks[s].named_parameters()
+                                    if p.grad is not None})
+        opt.step()
+    if timed_steps:
+        result["seconds_per_step"] = (time.perf_counter() - start) / timed_steps
+    result["params"] = {f"{s}.{n}": p.detach().clone() for s in ids for n, p in chunks[s].named_parameters()}
+    if not evaluate:
+        return result
+    tokens, labels = data[steps]
+    eval_losses = [] if has_last else None
+    out = schedule.eval(*((tokens,) if has_first else ()), target=labels if has_last else None, losses=eval_losses,
+                        loss_kwargs={"ignore_index": -1})
+    result["eval_losses"] = [float(x) for x in eval_losses] if has_last else None
+    result["eval_output"] = out.detach().clone() if out is not None else None
+    return result
