@@ -3,7 +3,7 @@
   show NAME --ranks R --microbatches M [--stages-per-rank V] [--out FILE.png|.svg] [--lowered]
   simulate NAME --ranks R --microbatches M [--F 1 --B 2 --I 1 --W 1 --comm 0] [--overlap concurrent]
   validate FILE.csv [--placement loop|v|dualpipe]
-  bench {vs_torch,overhead,overlap,memory,build,zero_bubble,gpt} [benchmark options...]
+  bench {vs_torch,overhead,overlap,memory,build,zero_bubble,gpt,data_parallel,compat} [benchmark options...]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 from .schedule import SCHEDULES, Schedule, ScheduleError, build_schedule
 from .schedule.simulate import OVERLAP_MODES
 
-BENCHES = ("vs_torch", "overhead", "overlap", "memory", "build", "zero_bubble", "gpt", "data_parallel")
+BENCHES = ("vs_torch", "overhead", "overlap", "memory", "build", "zero_bubble", "gpt", "data_parallel", "compat")
 
 
 def _schedule_args(p: argparse.ArgumentParser) -> None:

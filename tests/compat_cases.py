@@ -46,7 +46,7 @@ def reference(loop, schedule_name: str, world: int, n_microbatches: int, steps: 
         losses = [loop.cross_entropy(model(x), y, ignore_index=-1)
                   for x, y in zip(tokens.tensor_split(n_microbatches), labels.tensor_split(n_microbatches))]
         (sum(losses) / n_microbatches).backward()
-        out["losses"].append([float(x) for x in losses])
+        out["losses"].append([float(x.detach()) for x in losses])
         out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -154,7 +154,7 @@ def dw_builder_run(rank, world, api, schedule_name, m):
         losses = []
         first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
         sched.step(*((x,) if first else ()), target=y if last else None, losses=losses)
-        out["losses"].append([float(v) for v in losses])
+        out["losses"].append([float(v.detach()) for v in losses])
         out["grads"].append({f"{s}.{n}": p.grad.clone() for s in ids for n, p in mods[s].named_parameters()})
         out["log"] = {s: list(mods[s].log) for s in ids}
     return out
@@ -330,3 +330,35 @@ def misuse(rank, world, case, tmp):
         return "ok", ""
     except Exception as exc:
         return type(exc).__name__, str(exc)
+
+
+class SplitByMarker(nn.Module):
+    """A model cut by torch's pipe_split() marker, for torch's tracing front end."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        from torch.distributed.pipelining import pipe_split
+
+        x = torch.relu(self.a(x))
+        pipe_split()
+        return self.b(x)
+
+
+def traced_pipeline(rank, world, api):
+    """torch's pipeline() tracer and Pipe.build_stage (re-exported by pipecore.compat) feeding a schedule
+    class: torch's traced stage objects are converted."""
+    if api == "torch":
+        from torch.distributed.pipelining import ScheduleGPipe, pipeline
+    else:
+        from pipecore.compat import ScheduleGPipe, pipeline
+    torch.manual_seed(5)
+    x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+    stage = pipeline(SplitByMarker(), mb_args=(x[:2],)).build_stage(rank, torch.device("cpu"))
+    losses = []
+    ScheduleGPipe(stage, 4, loss_fn=nn.MSELoss()).step(*((x,) if rank == 0 else ()),
+                                                       target=y if rank == world - 1 else None, losses=losses)
+    return [float(v.detach()) for v in losses], {n: p.grad.clone() for n, p in stage.submod.named_parameters()}

@@ -19,6 +19,8 @@ CASES = {
     "zero_bubble": ["--schedules", "zbv", "--ranks", "2", "--microbatches", "4", "--ms", "1", "1", "1",
                     "--blocks", "1", "--steps", "1"],
     "data_parallel": ["--quick"],
+    "compat": ["--schedules", "1F1B", "ZBVZeroBubble", "--microbatches", "4", "--dim", "16", "--seq", "8",
+               "--rows", "8", "--blocks", "1", "--steps", "1"],
     "overlap": ["--schedules", "1f1b", "--microbatches", "4", "--forward-ms", "1", "--backward-ms", "1",
                 "--mib", "0.1", "--steps", "1", "--pair-schedules", "dualpipev", "--comm-ms", "1"],
 }

@@ -6,7 +6,7 @@ import torch
 
 import pipecore as pc
 from compat_cases import (chunk_specs, dw_builder_run, dw_reference, misuse, torch_and_pipecore,
-                          torch_stage_objects)
+                          torch_stage_objects, traced_pipeline)
 from dist_pool import pool
 from pipeline_cases import _assert_grads_close
 
@@ -50,6 +50,10 @@ def test_a_torch_loop_runs_on_pipecore_by_changing_its_imports(schedule, world):
         assert torch_run["schedule_type"].startswith("torch.distributed.pipelining"), torch_run["schedule_type"]
         assert sorted(ours["grads"][0]) == sorted(torch_run["grads"][0])
         _compare_runs(ours, torch_run, f"rank {rank}: pipecore against torch")
+        # closer than 1e-6: the same bits (the same per-microbatch computations, summed in the same order)
+        assert ours["losses"] == torch_run["losses"]
+        assert all(torch.equal(g[n], w[n]) for g, w in zip(ours["grads"], torch_run["grads"]) for n in w)
+        assert all(torch.equal(p, torch_run["params"][n]) for n, p in ours["params"].items())
         # and against one process training the whole model (names are the model's): its gradients sum
         # in another order, which AdamW's first steps amplify (an update is about lr * sign(grad) where
         # a gradient is near zero), so the later steps are compared by their losses
@@ -115,6 +119,15 @@ def test_dw_builder_computes_the_weight_gradients_at_w(schedule, m):
 def test_torch_stage_objects_are_converted_not_refused():
     for result in pool(2).run(torch_stage_objects):
         assert result["Pipeline"] <= 1e-6 and result["schedule"] <= 1e-6, result
+
+
+def test_torchs_tracing_front_end_feeds_pipecores_schedules():
+    theirs = pool(2).run(traced_pipeline, "torch")
+    ours = pool(2).run(traced_pipeline, "pipecore")
+    assert ours[1][0] == theirs[1][0] and len(ours[1][0]) == 4
+    for rank in range(2):
+        assert ours[rank][1].keys() == theirs[rank][1].keys()
+        assert all(torch.equal(g, theirs[rank][1][n]) for n, g in ours[rank][1].items())
 
 
 def test_chunk_specs_mean_what_they_mean_in_torch():

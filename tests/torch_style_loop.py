@@ -9,7 +9,6 @@ The tests run this file as it is (torch) and with its two imports changed to pip
 from __future__ import annotations
 
 import copy
-import time
 
 import torch
 import torch.distributed as dist
@@ -95,60 +94,78 @@ def batches(steps: int, rows: int, seed: int):
     return out
 
 
-def train(schedule_name: str, n_microbatches: int, steps: int = 3, rows: int = 16, seed: int = 0,
-          scale_grads: bool = True, timed_steps: int = 0, evaluate: bool = True, csv: str | None = None) -> dict:
-    """Trains `steps` optimizer steps; returns this rank's losses, gradients per step (by global
-    parameter name), final parameters, eval losses and outputs, and `timed_steps` more steps' times.
-    `csv`: run the schedule in that file (TorchTitan's pipeline_parallel_schedule_csv), placing the
-    stages as `schedule_name` does."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    looped = issubclass(get_schedule_class(schedule_name), PipelineScheduleMulti)
-    schedule_class = _PipelineScheduleRuntime if csv else get_schedule_class(schedule_name)
-    stages_per_rank = 2 if looped else 1
-    num_stages = world * stages_per_rank
-    whole = make_model(2 * num_stages, seed)
-    ids = stage_ids(rank, world, stages_per_rank, schedule_name in V_STYLE)
-    chunks = {s: model_chunk(whole, s, num_stages) for s in ids}
-    stages = [PipelineStage(chunks[s], s, num_stages, torch.device("cpu"), group=dist.group.WORLD) for s in ids]
-    loss_fn = cross_entropy if scale_grads else (lambda pred, labels, **kw: cross_entropy(pred, labels, **kw)
-                                                 / n_microbatches)
-    schedule = schedule_class(stages if looped else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn,
-                              scale_grads=scale_grads)
-    if csv:
-        schedule._load_csv(csv)
-    has_first = any(s.is_first for s in stages)
-    has_last = any(s.is_last for s in stages)
-    params = [p for s in ids for p in chunks[s].parameters()]
-    opt = torch.optim.AdamW(params, lr=1e-2)
-    result = {"losses": [], "grads": [], "schedule_type": f"{type(schedule).__module__}.{type(schedule).__name__}"}
-    data = batches(steps + timed_steps, rows, seed + 1)
-    for step in range(steps + timed_steps):
-        tokens, labels = data[min(step, steps - 1)]  # timed steps repeat the last batch
-        if step == steps:
-            dist.barrier()
-            start = time.perf_counter()
-        opt.zero_grad()
-        losses = [] if has_last else None
-        target = labels if has_last else None
-        if has_first:
-            schedule.step(tokens, target=target, losses=losses, return_outputs=False,
-                          loss_kwargs={"ignore_index": -1})
+class Run:
+    """One rank's part of the training: its stages, the schedule and the optimizer."""
+
+    def __init__(self, schedule_name: str, n_microbatches: int, seed: int = 0, scale_grads: bool = True,
+                 csv: str | None = None):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        looped = issubclass(get_schedule_class(schedule_name), PipelineScheduleMulti)
+        # csv: TorchTitan's pipeline_parallel_schedule_csv (stages placed as schedule_name places them)
+        schedule_class = _PipelineScheduleRuntime if csv else get_schedule_class(schedule_name)
+        stages_per_rank = 2 if looped else 1
+        num_stages = world * stages_per_rank
+        whole = make_model(2 * num_stages, seed)
+        self.ids = stage_ids(rank, world, stages_per_rank, schedule_name in V_STYLE)
+        self.chunks = {s: model_chunk(whole, s, num_stages) for s in self.ids}
+        stages = [PipelineStage(self.chunks[s], s, num_stages, torch.device("cpu"), group=dist.group.WORLD)
+                  for s in self.ids]
+        loss_fn = cross_entropy if scale_grads else (lambda pred, labels, **kw: cross_entropy(pred, labels, **kw)
+                                                     / n_microbatches)
+        self.schedule = schedule_class(stages if looped else stages[0], n_microbatches=n_microbatches,
+                                       loss_fn=loss_fn, scale_grads=scale_grads)
+        if csv:
+            self.schedule._load_csv(csv)
+        self.has_first = any(s.is_first for s in stages)
+        self.has_last = any(s.is_last for s in stages)
+        self.opt = torch.optim.AdamW([p for s in self.ids for p in self.chunks[s].parameters()], lr=1e-2)
+
+    def named_parameters(self):
+        return [(f"{s}.{n}", p) for s in self.ids for n, p in self.chunks[s].named_parameters()]
+
+    def train_step(self, tokens, labels) -> list | None:
+        """One optimizer step; the microbatches' losses on a rank with a last stage."""
+        self.opt.zero_grad()
+        losses = [] if self.has_last else None
+        target = labels if self.has_last else None
+        if self.has_first:
+            self.schedule.step(tokens, target=target, losses=losses, return_outputs=False,
+                               loss_kwargs={"ignore_index": -1})
         else:
-            schedule.step(target=target, losses=losses, return_outputs=False, loss_kwargs={"ignore_index": -1})
-        if step < steps:
-            result["losses"].append([float(x) for x in losses] if has_last else None)
-            result["grads"].append({f"{s}.{n}": p.grad.clone() for s in ids for n, p in chunks[s].named_parameters()
-                                    if p.grad is not None})
-        opt.step()
-    if timed_steps:
-        result["seconds_per_step"] = (time.perf_counter() - start) / timed_steps
-    result["params"] = {f"{s}.{n}": p.detach().clone() for s in ids for n, p in chunks[s].named_parameters()}
-    if not evaluate:
-        return result
-    tokens, labels = data[steps]
-    eval_losses = [] if has_last else None
-    out = schedule.eval(*((tokens,) if has_first else ()), target=labels if has_last else None, losses=eval_losses,
-                        loss_kwargs={"ignore_index": -1})
-    result["eval_losses"] = [float(x) for x in eval_losses] if has_last else None
-    result["eval_output"] = out.detach().clone() if out is not None else None
+            self.schedule.step(target=target, losses=losses, return_outputs=False, loss_kwargs={"ignore_index": -1})
+        self.opt.step()
+        return losses
+
+    def evaluate(self, tokens, labels):
+        """eval(): (the microbatches' losses, the merged outputs) where this rank has a last stage."""
+        losses = [] if self.has_last else None
+        out = self.schedule.eval(*((tokens,) if self.has_first else ()), target=labels if self.has_last else None,
+                                 losses=losses, loss_kwargs={"ignore_index": -1})
+        return losses, out
+
+
+def train(schedule_name: str, n_microbatches: int, steps: int = 3, rows: int = 16, seed: int = 0,
+          scale_grads: bool = True, evaluate: bool = True, csv: str | None = None) -> dict:
+    """Trains `steps` optimizer steps; returns this rank's losses, gradients per step (by global
+    parameter name "stage.name"), final parameters, and eval()'s losses and outputs."""
+    run = Run(schedule_name, n_microbatches, seed, scale_grads, csv)
+    result = {"losses": [], "grads": [],
+              "schedule_type": f"{type(run.schedule).__module__}.{type(run.schedule).__name__}"}
+    data = batches(steps, rows, seed + 1)
+    for tokens, labels in data[:steps]:
+        grads = {}
+
+        def keep_grads():  # the gradients of this step, before the optimizer uses them
+            grads.update({n: p.grad.clone() for n, p in run.named_parameters() if p.grad is not None})
+
+        hook = run.opt.register_step_pre_hook(lambda *_: keep_grads())
+        losses = run.train_step(tokens, labels)
+        hook.remove()
+        result["losses"].append([float(x.detach()) for x in losses] if losses is not None else None)
+        result["grads"].append(grads)
+    result["params"] = {n: p.detach().clone() for n, p in run.named_parameters()}
+    if evaluate:
+        losses, out = run.evaluate(*data[steps])
+        result["eval_losses"] = [float(x.detach()) for x in losses] if losses is not None else None
+        result["eval_output"] = out.detach().clone() if out is not None else None
     return result

@@ -187,6 +187,16 @@ class _PipelineScheduleRuntime(PipelineScheduleMulti):
             raise NotImplementedError(f"format={format!r} is not implemented (compute_only or compute_comms)")
         self._write_csv(filename, lowered=format == "compute_comms")
 
+    def register_custom_function(self, computation_type, custom_function) -> None:
+        """torch's hook for running an action kind with the user's function (TorchTitan registers one
+        for OVERLAP_F_B). Its functions drive torch's stage internals, which pipecore does not have:
+        refused, with pipecore's way to do the same."""
+        raise NotImplementedError(
+            f"register_custom_function({computation_type!r}, ...) drives torch's stage internals, which pipecore "
+            "does not have. For OVERLAP_F_B pairs pass overlap_f_b= to the schedule (\"lockstep\", \"concurrent\", "
+            "or a callable(pair) that calls pair.run_forward() and pair.run_backward()) and call pipecore.overlap_handoff() "
+            "around the model's communication (pipecore/overlap.py)")
+
     @property
     def pipeline_order_with_comms(self) -> dict[int, list]:
         """{rank: every action it runs, communication included} (pipecore's lowering)."""
