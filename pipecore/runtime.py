@@ -113,6 +113,11 @@ class Pipeline:
         if not dist.is_initialized():
             raise RuntimeError("Pipeline needs torch.distributed: call dist.init_process_group first")
         stages = _stage_list(stages)
+        wrapped = [s.stage_index for s in stages if s.dw_builder is not None and WrappedStage.is_wrapped(s.module)]
+        if wrapped:
+            raise ValueError(f"stages {wrapped} have a dw_builder and a DDP/FSDP2-wrapped module: the wrapper reduces "
+                             "the gradients its autograd hooks see, not those a dw_builder's runner computes. Drop the "
+                             "dw_builder (pipecore splits the backward itself) or the wrapper")
         self.group = _pipeline_group(group, stages)
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
@@ -237,14 +242,8 @@ class Pipeline:
     def _set_weight_builders(self) -> None:
         """Stages with torch's dw_builder: whole backward at I, the builder's runner at W."""
         builders = {i: s.dw_builder for i, s in enumerate(self.stages) if s.dw_builder is not None}
-        if not builders:
-            return
-        wrapped = [self.stages[i].stage_index for i in builders if WrappedStage.is_wrapped(self.stages[i].module)]
-        if wrapped:
-            raise ValueError(f"stages {wrapped} have a dw_builder and a DDP/FSDP2-wrapped module: the wrapper "
-                             "reduces the gradients its autograd hooks see, not those a dw_builder's runner "
-                             "computes. Drop the dw_builder (pipecore splits the backward itself) or the wrapper")
-        self._executor.set_weight_builders(sorted(builders), lambda local: builders[local]())
+        if builders:
+            self._executor.set_weight_builders(sorted(builders), lambda local: builders[local]())
 
     # -- program ------------------------------------------------------------------------
     def _encode(self, lowered: Schedule) -> tuple[list[int], list[str]]:

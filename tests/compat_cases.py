@@ -318,6 +318,26 @@ def misuse(rank, world, case, tmp):
             sched.step(*((x,) if first else ()), target=y if last else None, losses=losses)
             mine = [v for v in losses if v is not None]  # each direction carries half the microbatches
             assert len(losses) == 4 and len(mine) == 2 and all(torch.isfinite(v) for v in mine), losses
+        elif case == "dw_builder_with_ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            mod = DDP(nn.Linear(WIDTH, WIDTH))
+            Schedule1F1B(PipelineStage(mod, rank, world, dw_builder=lambda: (lambda: None)), 4, loss_fn=nn.MSELoss())
+        elif case == "custom_function":
+            stages = [PipelineStage(nn.Linear(WIDTH, WIDTH), s, 2 * world) for s in (rank, 2 * world - 1 - rank)]
+            pc.compat.ScheduleDualPipeV(stages, 4, loss_fn=nn.MSELoss()).register_custom_function("OVERLAP_F_B", print)
+        elif case == "no_loss_fn":
+            # torch: a schedule without loss_fn runs forwards only; step() returns what eval() returns
+            torch.manual_seed(2)
+            mod = nn.Linear(WIDTH, WIDTH)
+            sched = Schedule1F1B(PipelineStage(mod, rank, world), 4)
+            out = sched.step(*((x,) if rank == 0 else ()))
+            again = sched.eval(*((x,) if rank == 0 else ()))
+            assert all(p.grad is None for p in mod.parameters())
+            if rank == world - 1:
+                assert out.shape == (8, WIDTH) and torch.equal(out, again), (out, again)
+            else:
+                assert out is None and again is None
         elif case == "options":
             # pipecore's own options pass through; torch's defer_pp_recv posts each receive at its action
             stages = [PipelineStage(nn.Linear(WIDTH, WIDTH), s, 2 * world) for s in (rank, rank + world)]

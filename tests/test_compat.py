@@ -164,7 +164,8 @@ def test_get_schedule_class_matches_torch():
 
 
 @pytest.mark.parametrize("case", ["no_grad", "no_schedule", "list_to_single", "bad_dw_builder", "runner_not_callable",
-                                  "csv_microbatches", "comms_as_compute_only", "dualpipe_roles", "options"])
+                                  "csv_microbatches", "comms_as_compute_only", "dw_builder_with_ddp", "custom_function",
+                                  "no_loss_fn", "dualpipe_roles", "options"])
 def test_misuse_and_options_say_what_to_do(case, tmp_path):
     results = pool(2).run(misuse, case, str(tmp_path), timeout=120)
     for rank, (kind, msg) in enumerate(results):
@@ -184,5 +185,9 @@ def test_misuse_and_options_say_what_to_do(case, tmp_path):
             assert kind == "ScheduleError" and "custom.csv" in msg and "microbatch" in msg, msg
         elif case == "comms_as_compute_only":
             assert kind == "ScheduleError" and 'format="compute_comms"' in msg, msg
-        elif case in ("dualpipe_roles", "options"):
+        elif case == "dw_builder_with_ddp":
+            assert kind == "ValueError" and "dw_builder and a DDP/FSDP2-wrapped module" in msg, msg
+        elif case == "custom_function":
+            assert kind == "NotImplementedError" and "overlap_f_b=" in msg and "overlap_handoff()" in msg, msg
+        elif case in ("no_loss_fn", "dualpipe_roles", "options"):
             assert kind == "ok", msg
