@@ -772,7 +772,9 @@ void Executor::exec(size_t index, const ForwardFn& forward) {
   const Instr& in = program_[index];
   ActionScope scope(labels_[in.label]);
   if (last_backward_of_[index] >= 0) {
-    if (reducer_) reducer_->arm(in.stage);
+    // A dw_builder's runner writes .grad outside the engine, after the hooks that send buckets: such a
+    // stage's buckets all go at its REDUCE_GRAD.
+    if (reducer_ && !builds_weight(in.stage)) reducer_->arm(in.stage);
     stage_event(kLastBackwardEvent, in.stage);
   }
   switch (in.op) {
@@ -887,16 +889,15 @@ void Executor::do_backward(const Instr& in, bool split) {
     grads = s.out_grads;
   }
   const bool whole = in.stage < static_cast<int64_t>(evented_.size()) && evented_[in.stage];
-  const bool builds_weight =
-      weight_builder_ && in.stage < static_cast<int64_t>(builds_weight_.size()) && builds_weight_[in.stage];
-  if (split && !whole && !builds_weight) {
+  const bool own_weight_grads = builds_weight(in.stage);
+  if (split && !whole && !own_weight_grads) {
     std::vector<SplitFallback> fallbacks;
     s.input_grads = backward_input(roots, grads, s.inputs, s.weight, fallbacks);
     for (auto& f : fallbacks) ++split_fallbacks_[in.stage][f];
   } else {
     s.input_grads = backward_full(roots, grads, s.inputs);
   }
-  if (builds_weight) {  // as torch: the runner is made after the backward, run at W (B: now)
+  if (own_weight_grads) {  // as torch: the runner is made after the backward, run at W (B: now)
     s.weight.closures.fns.push_back(weight_builder_(in.stage));
     s.weight.closures.nodes.push_back(nullptr);
     if (!split) backward_weight(s.weight);

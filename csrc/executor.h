@@ -407,6 +407,9 @@ class Executor {
   std::vector<uint8_t> evented_;            // [stage]: its events go to stage_event_
   WeightBuilderFn weight_builder_;
   std::vector<uint8_t> builds_weight_;      // [stage]: weight_builder_ makes its W
+  bool builds_weight(int64_t stage) const {
+    return weight_builder_ && stage >= 0 && stage < static_cast<int64_t>(builds_weight_.size()) && builds_weight_[stage];
+  }
   std::vector<int64_t> last_backward_of_;   // [program index]: the stage whose last backward it is, or -1
   void mark_last_backwards();
   void stage_event(int64_t event, int64_t stage) {

@@ -10,13 +10,14 @@ from .schedule import (SCHEDULES, Action, Kind, Schedule, ScheduleError, SimResu
 
 __version__ = "0.1.0"
 
-__all__ = ["Action", "Kind", "Schedule", "ScheduleError", "SimResult", "Topology", "SCHEDULES",
-           "build_schedule", "Pipeline", "PipelineStage", "defer_weight_grad", "partition", "clip_grad_norm_",
-           "save_checkpoint", "load_checkpoint", "init_mesh", "overlap_handoff", "OverlappedPair", "get_schedule_class", "ScheduleGPipe", "Schedule1F1B",
-           "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
-           "ScheduleDualPipeV", "ScheduleDualPipe", "__version__"]
+# torch.distributed.pipelining's schedule names (pipecore.compat), also here at the top level
 _COMPAT = ["get_schedule_class", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
            "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "ScheduleDualPipe"]
+
+__all__ = ["Action", "Kind", "Schedule", "ScheduleError", "SimResult", "Topology", "SCHEDULES",
+           "build_schedule", "Pipeline", "PipelineStage", "defer_weight_grad", "partition", "clip_grad_norm_",
+           "save_checkpoint", "load_checkpoint", "init_mesh", "overlap_handoff", "OverlappedPair", *_COMPAT,
+           "__version__"]
 
 _LAZY = {"Pipeline": ("runtime", "Pipeline"), "PipelineStage": ("stage", "PipelineStage"),
          "defer_weight_grad": ("split_backward", "defer_weight_grad"),

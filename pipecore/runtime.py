@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
+import weakref
 from contextlib import nullcontext
 from datetime import timedelta
 from collections.abc import Callable, Sequence
@@ -62,7 +63,8 @@ class Pipeline:
 
     `step(*args, target=..., losses=...)` has torch.distributed.pipelining's meaning: inputs go on
     the rank(s) holding a first stage, targets on the rank(s) holding a last stage; it returns the
-    merged last-stage outputs there (None elsewhere), appends per-microbatch losses to `losses`,
+    merged last-stage outputs there (None elsewhere), fills `losses` with the per-microbatch losses
+    there (detached; the list's earlier contents replaced, as torch does),
     and accumulates into every parameter's `.grad` what single-process training on the whole batch
     would (`scale_grads`: each microbatch's loss is weighted by its share of the batch rows, which
     equals the mean over the batch for mean-reduced losses; only this step's contribution is scaled).
@@ -241,9 +243,12 @@ class Pipeline:
 
     def _set_weight_builders(self) -> None:
         """Stages with torch's dw_builder: whole backward at I, the builder's runner at W."""
-        builders = {i: s.dw_builder for i, s in enumerate(self.stages) if s.dw_builder is not None}
-        if builders:
-            self._executor.set_weight_builders(sorted(builders), lambda local: builders[local]())
+        local = [i for i, s in enumerate(self.stages) if s.dw_builder is not None]
+        if local:
+            # weakly: the executor's callbacks are invisible to Python's cycle collector, and a builder
+            # may hold what holds this Pipeline
+            me = weakref.ref(self)
+            self._executor.set_weight_builders(local, lambda i: me().stages[i].dw_builder())
 
     # -- program ------------------------------------------------------------------------
     def _encode(self, lowered: Schedule) -> tuple[list[int], list[str]]:
@@ -458,8 +463,8 @@ class Pipeline:
                            for name, t0, t1, lane in self._executor.trace()]
             if training and self._dp is not None:
                 self._trace += [dict(e, step=step) for e in self._dp.trace()]
-        if losses is not None and self._losses:
-            losses.extend(self._losses.get(mb) for mb in range(m))
+        if losses is not None and self._losses:  # replaced, as torch does
+            losses[:] = [self._losses.get(mb) for mb in range(m)]
         result = None
         if done:
             with _range("pipecore.merge"):

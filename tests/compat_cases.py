@@ -125,7 +125,7 @@ class DwLinear(nn.Module):
         return runner
 
 
-def dw_builder_run(rank, world, api, schedule_name, m):
+def dw_builder_run(rank, world, api, schedule_name, m, options=None):
     """Two stages per rank (one for gpipe/1f1b) of DwLinear, each with its dw_builder, 2 steps;
     returns grads, losses and each stage's build/run log."""
     from torch.distributed.pipelining import schedules as torch_schedules
@@ -143,7 +143,7 @@ def dw_builder_run(rank, world, api, schedule_name, m):
     else:
         PipelineStage, get_cls = compat.PipelineStage, compat.get_schedule_class
     stages = [PipelineStage(mods[s], s, n_stages, torch.device("cpu"), dw_builder=mods[s].dw_builder) for s in ids]
-    sched = get_cls(schedule_name)(stages if looped else stages[0], m, loss_fn=nn.MSELoss())
+    sched = get_cls(schedule_name)(stages if looped else stages[0], m, loss_fn=nn.MSELoss(), **(options or {}))
     g = torch.Generator().manual_seed(7)
     x, y = torch.randn(4 * m, WIDTH, generator=g), torch.randn(4 * m, WIDTH, generator=g)
     out = {"losses": [], "grads": []}
@@ -157,6 +157,7 @@ def dw_builder_run(rank, world, api, schedule_name, m):
         out["losses"].append([float(v.detach()) for v in losses])
         out["grads"].append({f"{s}.{n}": p.grad.clone() for s in ids for n, p in mods[s].named_parameters()})
         out["log"] = {s: list(mods[s].log) for s in ids}
+    out["overlapped_pairs"] = sched.pipeline.overlapped_pairs if api == "pipecore" else None
     return out
 
 
@@ -338,8 +339,71 @@ def misuse(rank, world, case, tmp):
                 assert out.shape == (8, WIDTH) and torch.equal(out, again), (out, again)
             else:
                 assert out is None and again is None
+        elif case == "losses_replaced":
+            sched = Schedule1F1B(PipelineStage(nn.Linear(WIDTH, WIDTH), rank, world), 4, loss_fn=nn.MSELoss())
+            losses = ["stale"]
+            sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None, losses=losses)
+            assert losses == ["stale"] if rank == 0 else (len(losses) == 4 and "stale" not in losses), losses
+        elif case == "torch_csv":
+            # torch's own _dump_csv files, both formats, load with torch's compute order
+            from torch.distributed.pipelining import PipelineStage as TorchStage
+            from torch.distributed.pipelining import schedules as ts
+
+            for cls in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
+                        "ScheduleDualPipeV", "ScheduleLoopedBFS"):
+                ids = (rank, 2 * world - 1 - rank) if "V" in cls[8:] else (rank, rank + world)
+                theirs = getattr(ts, cls)([TorchStage(nn.Linear(WIDTH, WIDTH), s, 2 * world, torch.device("cpu"))
+                                           for s in ids], 8, loss_fn=nn.MSELoss())
+                for fmt in ("compute_only", "compute_comms"):
+                    path = os.path.join(tmp, f"{cls}_{fmt}_{rank}.csv")
+                    theirs._dump_csv(path, format=fmt)
+                    ours = _PipelineScheduleRuntime([PipelineStage(nn.Linear(WIDTH, WIDTH), s, 2 * world) for s in ids],
+                                                    8, loss_fn=nn.MSELoss())
+                    ours._load_csv(path, format=fmt)
+                    want = {r: [str(a) for a in row if a is not None] for r, row in theirs.pipeline_order.items()}
+                    got = {r: [str(a) for a in row] for r, row in ours.pipeline_order.items()}
+                    assert got == want, (cls, fmt, got, want)
+                    assert type(ours.pipeline_order[0][0]).__module__ == "torch.distributed.pipelining.schedules"
+        elif case == "runner_raises":
+            # a runner that raises fails the step on every rank; the next step trains as if it never ran
+            fail = {"now": True}
+
+            def builder():
+                def runner():
+                    if fail["now"] and rank == 1:
+                        raise RuntimeError("runner failed on purpose")
+                return runner
+            torch.manual_seed(3)
+            mods = {s: nn.Linear(WIDTH, WIDTH) for s in (rank, 2 * world - 1 - rank)}
+            import copy
+            fresh = {s: copy.deepcopy(m) for s, m in mods.items()}
+            sched = pc.compat.ScheduleZBVZeroBubble([PipelineStage(m, s, 2 * world, dw_builder=builder)
+                                                     for s, m in mods.items()], 4, loss_fn=nn.MSELoss())
+            again = pc.compat.ScheduleZBVZeroBubble([PipelineStage(m, s, 2 * world, dw_builder=builder)
+                                                     for s, m in fresh.items()], 4, loss_fn=nn.MSELoss())
+            args = dict(target=y if rank == 0 else None)
+            try:
+                sched.step(*((x,) if rank == 0 else ()), **args)
+                raise AssertionError("the step did not fail")
+            except (RuntimeError, pc.errors.PeerFailedError) as exc:
+                first = f"{type(exc).__name__}: {exc}"
+            fail["now"] = False
+            for m in mods.values():
+                m.zero_grad()
+            sched.step(*((x,) if rank == 0 else ()), **args)
+            again.step(*((x,) if rank == 0 else ()), **args)
+            assert all(torch.equal(mods[s].weight.grad, fresh[s].weight.grad) for s in mods)
+            return "ok", first
         elif case == "options":
             # pipecore's own options pass through; torch's defer_pp_recv posts each receive at its action
+            for bad, words in (({"group": dist.group.WORLD}, "pass group= to PipelineStage"),
+                               ({"timeuot": 3}, "unexpected keyword arguments ['timeuot']")):
+                try:
+                    ScheduleInterleaved1F1B([PipelineStage(nn.Linear(WIDTH, WIDTH), s, 2 * world)
+                                             for s in (rank, rank + world)], 4, **bad)
+                    raise AssertionError(f"{bad} accepted")
+                except TypeError as exc:
+                    assert words in str(exc), exc
             stages = [PipelineStage(nn.Linear(WIDTH, WIDTH), s, 2 * world) for s in (rank, rank + world)]
             sched = ScheduleInterleaved1F1B(stages, 4, loss_fn=nn.MSELoss(), trace=True, defer_pp_recv=True)
             assert sched._pipeline_options == {"trace": True, "recv_window": 0}, sched._pipeline_options
@@ -347,6 +411,8 @@ def misuse(rank, world, case, tmp):
             names = [e["name"] for e in sched.pipeline.trace()]
             assert f"PP:{rank}F0" in names, names
             assert pc.clip_grad_norm_(sched, 1.0) > 0
+            sched.scale_grads = False  # torch reads it at every step
+            assert sched.pipeline.scale_grads is False
         return "ok", ""
     except Exception as exc:
         return type(exc).__name__, str(exc)
@@ -382,3 +448,34 @@ def traced_pipeline(rank, world, api):
     ScheduleGPipe(stage, 4, loss_fn=nn.MSELoss()).step(*((x,) if rank == 0 else ()),
                                                        target=y if rank == world - 1 else None, losses=losses)
     return [float(v.detach()) for v in losses], {n: p.grad.clone() for n, p in stage.submod.named_parameters()}
+
+
+def dw_builder_data_parallel(rank, world):
+    """dp=2 x pp=2 with dw_builder stages (1F1B and ZBV): each replica steps its half of the batch;
+    every gradient equals one process's on the whole batch. Returns the largest relative error."""
+    import pipecore as pc
+
+    mesh = pc.init_mesh(dp=2, pp=2)
+    pp, dp = mesh.get_group("pp"), mesh.get_group("dp")
+    pp_rank, dp_rank = dist.get_rank(pp), dist.get_rank(dp)
+    worst = 0.0
+    for name, ids in (("1f1b", (pp_rank,)), ("zbv", (pp_rank, 3 - pp_rank))):
+        n_stages = 2 * len(ids)
+        mods = {s: DwLinear(100 + s) for s in ids}
+        stages = [pc.PipelineStage(mods[s], s, n_stages, group=pp, dw_builder=mods[s].dw_builder) for s in ids]
+        pipe = pc.Pipeline(stages, name, 4, loss_fn=nn.MSELoss(), dp_group=dp)
+        g = torch.Generator().manual_seed(7)
+        x, y = torch.randn(16, WIDTH, generator=g), torch.randn(16, WIDTH, generator=g)
+        half = slice(8 * dp_rank, 8 * dp_rank + 8)
+        pipe.step(*((x[half],) if pipe.has_first else ()), target=y[half] if pipe.has_last else None)
+        ref = [DwLinear(100 + s) for s in range(n_stages)]
+        h = x
+        for mod in ref:
+            h = mod(h)
+        nn.functional.mse_loss(h, y).backward()
+        for mod in ref:
+            mod.dw_builder()()
+        for s in ids:
+            for (n, p), q in zip(mods[s].named_parameters(), ref[s].parameters()):
+                worst = max(worst, float((p.grad - q.grad).abs().max() / q.grad.abs().max()))
+    return worst

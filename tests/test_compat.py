@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import pipecore as pc
-from compat_cases import (chunk_specs, dw_builder_run, dw_reference, misuse, torch_and_pipecore,
-                          torch_stage_objects, traced_pipeline)
+from compat_cases import (chunk_specs, dw_builder_data_parallel, dw_builder_run, dw_reference, misuse,
+                          torch_and_pipecore, torch_stage_objects, traced_pipeline)
 from dist_pool import pool
 from pipeline_cases import _assert_grads_close
 
@@ -116,6 +116,22 @@ def test_dw_builder_computes_the_weight_gradients_at_w(schedule, m):
             assert log == torch_out[rank]["log"][stage], (stage, log, torch_out[rank]["log"][stage])
 
 
+def test_dw_builder_under_concurrent_pairs():
+    ours = pool(2).run(dw_builder_run, "pipecore", "DualPipeV", 4, {"overlap_f_b": "concurrent"}, timeout=300)
+    want = dw_reference(2, "DualPipeV", 4)
+    for rank in range(2):
+        assert ours[rank]["overlapped_pairs"] > 0
+        for step in range(2):
+            for name, g in ours[rank]["grads"][step].items():
+                _assert_grads_close(g, want[name], f"rank {rank} step {step} {name}")
+
+
+def test_dw_builder_with_data_parallel_replicas():
+    # the runner's gradients are reduced over the replicas at REDUCE_GRAD (the hooks' buckets would go early)
+    for result in pool(4).run(dw_builder_data_parallel, timeout=300):
+        assert result <= 1e-6, result
+
+
 def test_torch_stage_objects_are_converted_not_refused():
     for result in pool(2).run(torch_stage_objects):
         assert result["Pipeline"] <= 1e-6 and result["schedule"] <= 1e-6, result
@@ -165,12 +181,13 @@ def test_get_schedule_class_matches_torch():
 
 @pytest.mark.parametrize("case", ["no_grad", "no_schedule", "list_to_single", "bad_dw_builder", "runner_not_callable",
                                   "csv_microbatches", "comms_as_compute_only", "dw_builder_with_ddp", "custom_function",
-                                  "no_loss_fn", "dualpipe_roles", "options"])
+                                  "no_loss_fn", "losses_replaced", "torch_csv", "runner_raises", "dualpipe_roles",
+                                  "options"])
 def test_misuse_and_options_say_what_to_do(case, tmp_path):
     results = pool(2).run(misuse, case, str(tmp_path), timeout=120)
     for rank, (kind, msg) in enumerate(results):
         if case == "no_grad":
-            assert kind == "RuntimeError" and "Please call eval() instead" in msg, msg
+            assert kind == "InputError" and "torch.no_grad()" in msg and "call eval()" in msg, msg
         elif case == "no_schedule":
             assert kind == "RuntimeError" and "_load_csv(path)" in msg, msg
         elif case == "list_to_single":
@@ -189,5 +206,7 @@ def test_misuse_and_options_say_what_to_do(case, tmp_path):
             assert kind == "ValueError" and "dw_builder and a DDP/FSDP2-wrapped module" in msg, msg
         elif case == "custom_function":
             assert kind == "NotImplementedError" and "overlap_f_b=" in msg and "overlap_handoff()" in msg, msg
-        elif case in ("no_loss_fn", "dualpipe_roles", "options"):
+        elif case == "runner_raises":
+            assert kind == "ok" and "runner failed on purpose" in msg, msg
+        elif case in ("no_loss_fn", "losses_replaced", "torch_csv", "dualpipe_roles", "options"):
             assert kind == "ok", msg

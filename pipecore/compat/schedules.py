@@ -11,11 +11,10 @@ splits evenly) and never rescales gradients accumulated before the step.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
-
-import torch
 
 from ..schedule import Schedule, ScheduleError, build_schedule
 from ..stage import PipelineStage, from_torch_stage, is_torch_stage
@@ -36,15 +35,18 @@ class _PipelineSchedule:
                  backward_requires_autograd: bool = True, defer_pp_recv: bool = False, **pipeline_options):
         if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
             raise ValueError(f"n_microbatches must be a positive integer, got {n_microbatches!r}")
+        if not backward_requires_autograd:
+            raise ValueError("backward_requires_autograd=False is for torch's register_custom_function backwards; "
+                             "pipecore's backward always runs through autograd")
+        _check_pipeline_options(type(self).__name__, pipeline_options)
         self._stages = stages
         self._n_microbatches = n_microbatches
         self._loss_fn = loss_fn
         self._has_backward = loss_fn is not None  # torch: without a loss_fn, step() runs forwards only
-        self.scale_grads = scale_grads
+        self._scale_grads = scale_grads
         self._args_chunk_spec = args_chunk_spec
         self._kwargs_chunk_spec = kwargs_chunk_spec
         self._output_merge_spec = output_merge_spec
-        self._backward_requires_autograd = backward_requires_autograd
         self._num_stages = stages[0].num_stages
         self.pp_group_size = stages[0].group_size
         self.rank = stages[0].group_rank
@@ -57,6 +59,17 @@ class _PipelineSchedule:
         if self._schedule_name is not None:
             self._build(build_schedule(self._schedule_name, self.pp_group_size, n_microbatches, len(stages)))
 
+    @property
+    def scale_grads(self) -> bool:
+        """torch's attribute, read at every step (set it to change the next steps)."""
+        return self._scale_grads
+
+    @scale_grads.setter
+    def scale_grads(self, value: bool) -> None:
+        self._scale_grads = value
+        if self.pipeline is not None:
+            self.pipeline.scale_grads = value
+
     def _build(self, schedule: Schedule) -> None:
         from ..runtime import Pipeline
 
@@ -68,10 +81,8 @@ class _PipelineSchedule:
 
     @property
     def pipeline_order(self) -> dict[int, list]:
-        """{rank: its compute actions in order} (pipecore Actions; str() is torch's action string)."""
-        if self.schedule is None:
-            return {}
-        return dict(enumerate(self.schedule.actions))
+        """{rank: its compute actions in order}, as torch's `_Action`s."""
+        return _torch_actions(self.schedule) if self.schedule is not None else {}
 
     def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
              loss_kwargs: dict | None = None, **kwargs):
@@ -80,12 +91,9 @@ class _PipelineSchedule:
         `losses`; returns the merged last-stage outputs there (`return_outputs`), None elsewhere.
         Without a `loss_fn` it runs the forwards only, as torch does."""
         pipe = self._pipeline()
-        if not self._has_backward:
+        if not self._has_backward:  # (torch's forwards keep a graph nothing will use; these build none)
             return pipe.eval(*args, target=target, losses=losses, return_outputs=return_outputs,
                              loss_kwargs=loss_kwargs, **kwargs)
-        if self._backward_requires_autograd and not torch.is_grad_enabled():
-            raise RuntimeError("step() requires gradients to be enabled for backward computation; it should not be "
-                               "used under torch.no_grad() context. Please call eval() instead.")
         return pipe.step(*args, target=target, losses=losses, return_outputs=return_outputs,
                          loss_kwargs=loss_kwargs, **kwargs)
 
@@ -97,8 +105,10 @@ class _PipelineSchedule:
 
     def _pipeline(self):
         if self.pipeline is None:
-            raise RuntimeError(f"{type(self).__name__} has no schedule to run: load one with _load_csv(path), or use "
-                               f"a schedule class from get_schedule_class(name)")
+            how = ("load one with _load_csv(path), or use" if isinstance(self, PipelineScheduleMulti)
+                   else "it is a base class: use")
+            raise RuntimeError(f"{type(self).__name__} has no schedule to run: {how} a schedule class from "
+                               "get_schedule_class(name)")
         return self.pipeline
 
     def _write_csv(self, filename, lowered: bool) -> None:
@@ -120,7 +130,7 @@ class PipelineScheduleSingle(_PipelineSchedule):
                             f"{len(stage)}: for several stages per rank use a multi-stage schedule such as "
                             "ScheduleInterleaved1F1B")
         stages = _pipecore_stages([stage], type(self).__name__)
-        self._stage = stages[0]
+        self._stage = stages[0]  # torch's attribute
         super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
                          scale_grads, **pipeline_options)
 
@@ -167,8 +177,10 @@ class _PipelineScheduleRuntime(PipelineScheduleMulti):
     """torch's runtime for schedules given as action lists; `_load_csv` also takes "compute_comms"."""
 
     def __init__(self, stages: Sequence, n_microbatches: int, loss_fn: Callable | None = None, args_chunk_spec=None,
-                 kwargs_chunk_spec=None, output_merge_spec=None, scale_grads: bool = True,
-                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False, **pipeline_options):
+                 kwargs_chunk_spec=None, output_merge_spec=None, use_full_backward: bool | None = None,
+                 scale_grads: bool = True, backward_requires_autograd: bool = True, *, defer_pp_recv: bool = False,
+                 **pipeline_options):
+        # torch's takes PipelineScheduleMulti's arguments (use_full_backward: ignored there too)
         _PipelineSchedule.__init__(self, _pipecore_stages(stages, type(self).__name__), n_microbatches, loss_fn,
                                    args_chunk_spec, kwargs_chunk_spec, output_merge_spec, scale_grads,
                                    backward_requires_autograd, defer_pp_recv, **pipeline_options)
@@ -200,28 +212,60 @@ class _PipelineScheduleRuntime(PipelineScheduleMulti):
     @property
     def pipeline_order_with_comms(self) -> dict[int, list]:
         """{rank: every action it runs, communication included} (pipecore's lowering)."""
-        return dict(enumerate(self.schedule.lower().actions)) if self.schedule is not None else {}
+        return _torch_actions(self.schedule.lower()) if self.schedule is not None else {}
 
 
-def _named(class_name: str, base: type, schedule_name: str, doc: str) -> type:
-    return type(class_name, (base,), {"_schedule_name": schedule_name, "__doc__": doc,
-                                      "__module__": __name__, "__qualname__": class_name})
+class ScheduleGPipe(PipelineScheduleSingle):
+    """GPipe: all forwards, then all backwards."""
+
+    _schedule_name = "gpipe"
 
 
-ScheduleGPipe = _named("ScheduleGPipe", PipelineScheduleSingle, "gpipe", "GPipe: all forwards, then all backwards.")
-Schedule1F1B = _named("Schedule1F1B", PipelineScheduleSingle, "1f1b", "1F1B: one forward, one backward.")
-ScheduleInterleaved1F1B = _named("ScheduleInterleaved1F1B", _PipelineScheduleRuntime, "interleaved_1f1b",
-                                 "Interleaved 1F1B (Megatron's virtual pipeline): several stages per rank, loop "
-                                 "placement.")
-ScheduleInterleavedZeroBubble = _named("ScheduleInterleavedZeroBubble", _PipelineScheduleRuntime, "interleaved_zb",
-                                       "Interleaved zero bubble (ZB1P): backward split into I and W.")
-ScheduleZBVZeroBubble = _named("ScheduleZBVZeroBubble", _PipelineScheduleRuntime, "zbv",
-                               "Zero bubble V: two stages per rank, V placement.")
-ScheduleDualPipeV = _named("ScheduleDualPipeV", _PipelineScheduleRuntime, "dualpipev",
-                           "DualPipeV (DeepSeek): two stages per rank, V placement, overlapped forward/backward pairs.")
-ScheduleDualPipe = _named("ScheduleDualPipe", _PipelineScheduleRuntime, "dualpipe",
-                          "DualPipe (DeepSeek, not in torch): both directions at once; stage R+j holds a copy of "
-                          "model stage j (pipecore's dualpipe).")
+class Schedule1F1B(PipelineScheduleSingle):
+    """1F1B: one forward, one backward."""
+
+    _schedule_name = "1f1b"
+
+
+class _BuiltSchedule(_PipelineScheduleRuntime):
+    """A multi-stage schedule class of torch's: its constructor arguments (no use_full_backward)."""
+
+    def __init__(self, stages: Sequence, n_microbatches: int, loss_fn: Callable | None = None, args_chunk_spec=None,
+                 kwargs_chunk_spec=None, output_merge_spec=None, scale_grads: bool = True,
+                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False, **pipeline_options):
+        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec, None,
+                         scale_grads, backward_requires_autograd, defer_pp_recv=defer_pp_recv, **pipeline_options)
+
+
+class ScheduleInterleaved1F1B(_BuiltSchedule):
+    """Interleaved 1F1B (Megatron's virtual pipeline): several stages per rank, loop placement."""
+
+    _schedule_name = "interleaved_1f1b"
+
+
+class ScheduleInterleavedZeroBubble(_BuiltSchedule):
+    """Interleaved zero bubble (ZB1P): the backward split into I and W."""
+
+    _schedule_name = "interleaved_zb"
+
+
+class ScheduleZBVZeroBubble(_BuiltSchedule):
+    """Zero bubble V: two stages per rank, V placement."""
+
+    _schedule_name = "zbv"
+
+
+class ScheduleDualPipeV(_BuiltSchedule):
+    """DualPipeV (DeepSeek): two stages per rank, V placement, overlapped forward/backward pairs."""
+
+    _schedule_name = "dualpipev"
+
+
+class ScheduleDualPipe(_BuiltSchedule):
+    """DualPipe (DeepSeek; not in torch): both directions at once, stage R+j holding a copy of model
+    stage j (pipecore's "dualpipe")."""
+
+    _schedule_name = "dualpipe"
 
 
 class ScheduleLoopedBFS(_PipelineScheduleRuntime):
@@ -232,8 +276,8 @@ class ScheduleLoopedBFS(_PipelineScheduleRuntime):
     def __init__(self, stages: Sequence, n_microbatches: int, loss_fn: Callable | None = None,
                  output_merge_spec=None, scale_grads: bool = True, backward_requires_autograd: bool = True,
                  defer_pp_recv: bool = False, **pipeline_options):  # torch's takes no chunk specs
-        super().__init__(stages, n_microbatches, loss_fn, None, None, output_merge_spec, scale_grads,
-                         backward_requires_autograd, defer_pp_recv, **pipeline_options)
+        super().__init__(stages, n_microbatches, loss_fn, None, None, output_merge_spec, None, scale_grads,
+                         backward_requires_autograd, defer_pp_recv=defer_pp_recv, **pipeline_options)
 
 
 _BY_NAME = {
@@ -276,3 +320,28 @@ def _pipecore_stages(stages, schedule: str) -> list[PipelineStage]:
         raise TypeError(f"{schedule} takes PipelineStage objects (pipecore's or torch.distributed.pipelining's), got "
                         f"{', '.join(wrong)}")
     return out
+
+
+# Pipeline arguments the schedule classes set themselves (the stages' group is the pipeline's, as in torch)
+_SET_BY_SCHEDULE = {"stages", "schedule", "num_microbatches", "loss_fn", "scale_grads", "args_chunk_spec",
+                    "kwargs_chunk_spec", "output_merge_spec", "group"}
+
+
+def _check_pipeline_options(schedule: str, options: dict) -> None:
+    """Keywords torch's class does not take go to pipecore.Pipeline: refused here, not at the first build."""
+    from ..runtime import Pipeline
+
+    known = set(inspect.signature(Pipeline.__init__).parameters) - {"self"} - _SET_BY_SCHEDULE
+    unknown = sorted(set(options) - known)
+    if "group" in options:
+        raise TypeError(f"{schedule} runs over the group its stages were given: pass group= to PipelineStage")
+    if unknown:
+        raise TypeError(f"{schedule} got unexpected keyword arguments {unknown}: it takes torch's arguments and "
+                        f"pipecore.Pipeline's options {sorted(known)}")
+
+
+def _torch_actions(schedule: Schedule) -> dict[int, list]:
+    """{rank: actions} as torch.distributed.pipelining's `_Action`s (pipecore's strings are torch's)."""
+    from torch.distributed.pipelining.schedules import _Action
+
+    return {rank: [_Action.from_str(str(a)) for a in row] for rank, row in enumerate(schedule.actions)}
