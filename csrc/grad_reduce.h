@@ -10,7 +10,8 @@
 //   - Before a stage's last backward (B or W) the executor arms the stage: from then on, each
 //     AccumulateGrad of one of its parameters marks the parameter ready (a post hook on its
 //     accumulator, as torch DDP's reducer does). A bucket whose parameters are all ready is copied
-//     into its flat buffer and all-reduced asynchronously right away, inside the backward.
+//     into its flat buffer and all-reduced asynchronously right away, inside the backward. A stage
+//     with a dw_builder is never armed: its runner writes .grad after those hooks.
 //   - At the stage's REDUCE_GRAD every bucket not sent yet goes (parameters that got no gradient in
 //     the last backward, or none at all).
 //   - finish() sends what a failed step never reached, waits for every bucket (with the timeout),

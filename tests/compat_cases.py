@@ -394,6 +394,18 @@ def misuse(rank, world, case, tmp):
             again.step(*((x,) if rank == 0 else ()), **args)
             assert all(torch.equal(mods[s].weight.grad, fresh[s].weight.grad) for s in mods)
             return "ok", first
+        elif case == "builder_cycle_freed":
+            # a builder that reaches the schedule that holds it: a cycle Python can collect
+            import gc
+            import weakref
+
+            holder = {}
+            stage = PipelineStage(nn.Linear(WIDTH, WIDTH), rank, world, dw_builder=lambda: holder["sched"] and None)
+            holder["sched"] = Schedule1F1B(stage, 4, loss_fn=nn.MSELoss())
+            alive = weakref.ref(holder["sched"].pipeline)
+            del holder, stage
+            gc.collect()
+            assert alive() is None, gc.get_referrers(alive())
         elif case == "options":
             # pipecore's own options pass through; torch's defer_pp_recv posts each receive at its action
             for bad, words in (({"group": dist.group.WORLD}, "pass group= to PipelineStage"),

@@ -181,8 +181,8 @@ def test_get_schedule_class_matches_torch():
 
 @pytest.mark.parametrize("case", ["no_grad", "no_schedule", "list_to_single", "bad_dw_builder", "runner_not_callable",
                                   "csv_microbatches", "comms_as_compute_only", "dw_builder_with_ddp", "custom_function",
-                                  "no_loss_fn", "losses_replaced", "torch_csv", "runner_raises", "dualpipe_roles",
-                                  "options"])
+                                  "no_loss_fn", "losses_replaced", "torch_csv", "runner_raises", "builder_cycle_freed",
+                                  "dualpipe_roles", "options"])
 def test_misuse_and_options_say_what_to_do(case, tmp_path):
     results = pool(2).run(misuse, case, str(tmp_path), timeout=120)
     for rank, (kind, msg) in enumerate(results):
@@ -208,5 +208,6 @@ def test_misuse_and_options_say_what_to_do(case, tmp_path):
             assert kind == "NotImplementedError" and "overlap_f_b=" in msg and "overlap_handoff()" in msg, msg
         elif case == "runner_raises":
             assert kind == "ok" and "runner failed on purpose" in msg, msg
-        elif case in ("no_loss_fn", "losses_replaced", "torch_csv", "dualpipe_roles", "options"):
+        elif case in ("no_loss_fn", "losses_replaced", "torch_csv", "builder_cycle_freed", "dualpipe_roles",
+                      "options"):
             assert kind == "ok", msg
