@@ -36,7 +36,7 @@ def _bench_rank(rank, world, name, m, dim, seq, rows, blocks, steps):
         loop = load_loop(api)
         loop.DIM, loop.SEQ = dim, seq  # the model's size (module constants the loop reads)
         runs[api] = (loop, loop.Run(name, m, seed=0))
-        batch = loop.batches(1, rows, seed=1)[0]
+        batch = loop.batches(1, rows, seed=1)[0]  # (tokens, labels, pos_bias)
     assert type(runs["pipecore"][1].schedule).__module__ == "pipecore.compat.schedules"
     step = {api: (lambda run=run: run.train_step(*batch)) for api, (_, run) in runs.items()}
     for fn in step.values():  # first steps (shapes found) and a warm-up step each

@@ -95,6 +95,14 @@ class Pipeline:
     "concurrent" (at once; only for halves that share no process group), "sequential" (as torch),
     or a callable(pair) that decides (see pipecore/overlap.py).
 
+    `keyword_inputs`: which stages get step()'s keyword arguments (split into microbatches like the
+    inputs): "first_stage" (a first stage's, with the positional inputs; on a rank without one they
+    are refused), or "every_stage" (every stage of the rank they were given on, after what it
+    received: torch.distributed.pipelining's rule, e.g. TorchTitan's attention masks; pipecore.compat
+    uses it). A later stage's output shapes are learnt from the first step of each shape of the
+    first stages' inputs: keyword arguments that change another stage's output shapes on their own fail
+    the step's output check.
+
     `group` defaults to the group the stages were given (`PipelineStage(..., group=)`, torch's way), else
     the default group. `args_chunk_spec`, `kwargs_chunk_spec` and `output_merge_spec` mean what they
     mean in torch.distributed.pipelining (its `TensorChunkSpec`s; None: tensors split and merged along
@@ -111,7 +119,8 @@ class Pipeline:
                  timeout: float | None = None, trace: bool = False, *, check_finite: bool = False,
                  recv_window: int = DEFAULT_RECV_WINDOW, send_budget: int = DEFAULT_SEND_BUDGET,
                  dp_group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap_f_b: str | Callable = "lockstep",
-                 args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None):
+                 args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None,
+                 keyword_inputs: str = "first_stage"):
         if not dist.is_initialized():
             raise RuntimeError("Pipeline needs torch.distributed: call dist.init_process_group first")
         stages = _stage_list(stages)
@@ -154,6 +163,9 @@ class Pipeline:
         # torch.distributed.pipelining's microbatch specs (None: tensors split and merged along dim 0)
         self.args_chunk_spec, self.kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
         self.output_merge_spec = output_merge_spec
+        if keyword_inputs not in ("first_stage", "every_stage"):
+            raise ValueError(f"keyword_inputs must be 'first_stage' or 'every_stage', got {keyword_inputs!r}")
+        self.keyword_inputs = keyword_inputs
         self.timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
         self.trace_enabled = trace
         self.check_finite = check_finite
@@ -444,7 +456,7 @@ class Pipeline:
             self._end_discovery(failed=True)
             raise
         finally:
-            self._inputs = self._targets = None
+            self._inputs = self._targets = self._stage_kwargs = None
             self._loss_kwargs = None
             self._loss_divisor = None
             done, self._outputs = self._outputs, {}  # a failed step's outputs die with the exception
@@ -570,6 +582,11 @@ class Pipeline:
             raise InputError(f"rank {self.rank} holds a last stage ({self._last_stages()}): training needs loss_fn")
         if self.has_first and not args and not kwargs:
             raise InputError(f"rank {self.rank} holds a first stage: step() needs the batch's inputs here")
+        if not self.has_first and kwargs and self.keyword_inputs == "first_stage":
+            raise InputError(f"rank {self.rank} holds no first stage (stages {[s.stage_index for s in self.stages]}): "
+                             f"step()'s keyword arguments {sorted(kwargs)} would reach no stage. Pass them on the "
+                             "ranks holding a first stage, or build the Pipeline with keyword_inputs='every_stage' "
+                             "to give them to every stage of the rank they are given on (torch's rule)")
         if training and self.has_last and target is None and self.loss_fn is not None and self._loss_wants_target:
             raise InputError(f"rank {self.rank} holds a last stage ({self._last_stages()}): step() needs target= "
                              "for loss_fn(output, target) (or give a loss_fn that takes the output alone)")
@@ -620,6 +637,12 @@ class Pipeline:
         """Microbatches of the inputs (ranks with a first stage) and targets (with a last stage)."""
         m = self.num_microbatches
         inputs: dict[int, tuple[Any, Any]] = {}
+        self._stage_kwargs = None
+        if self.keyword_inputs == "every_stage" and kwargs:  # torch's rule: every stage of this rank gets them
+            if self.args_chunk_spec is None and self.kwargs_chunk_spec is None:
+                self._stage_kwargs = split(kwargs, m, "keyword input")
+            else:
+                self._stage_kwargs = [k for _, k in split_by_specs((), kwargs, m, None, self.kwargs_chunk_spec)]
         if self.has_first:
             if not args and not kwargs:
                 raise ValueError(f"rank {self.rank} holds a first stage: step() needs its inputs")
@@ -762,6 +785,12 @@ class Pipeline:
             args, kwargs = self._inputs[mb]
         else:
             args, kwargs = planning.as_call(self._plans_in_use[s].inputs[mb].decode(received))
+            if self._stage_kwargs is not None:
+                clash = sorted(set(kwargs) & set(self._stage_kwargs[mb]))
+                if clash:
+                    raise InputError(f"rank {self.rank}: stage {s} receives keyword inputs {clash} from stage "
+                                     f"{topo.prev_stage[s]} and from step()'s keyword arguments: rename one")
+                kwargs = {**kwargs, **self._stage_kwargs[mb]}
         try:
             wrapper = self._dp.wrapped.get(local) if self._dp is not None and self._training else None
             with wrapper.forward_context() if wrapper is not None else nullcontext():

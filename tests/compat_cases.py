@@ -37,24 +37,35 @@ def reference(loop, schedule_name: str, world: int, n_microbatches: int, steps: 
     (each microbatch's mean / n_microbatches, as both pipelines weigh them) and every gradient."""
     looped = issubclass(loop.get_schedule_class(schedule_name), loop.PipelineScheduleMulti)
     num_stages = world * (2 if looped else 1)
-    model = loop.make_model(2 * num_stages, seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    whole = loop.make_model(2 * num_stages, seed)
+    chunks = [loop.model_chunk(whole, s, num_stages) for s in range(num_stages)]  # each adds pos_bias
+
+    def model(x, pos_bias):
+        for chunk in chunks:
+            x = chunk(x, pos_bias=pos_bias)
+        return x
+
+    def named_parameters():
+        return [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
+
+    opt = torch.optim.AdamW([p for _, p in named_parameters()], lr=1e-2)
     data = loop.batches(steps, rows, seed + 1)
     out = {"losses": [], "grads": []}
-    for tokens, labels in data[:steps]:
+    split = lambda t: t.tensor_split(n_microbatches)  # noqa: E731
+    for tokens, labels, pos_bias in data[:steps]:
         opt.zero_grad()
-        losses = [loop.cross_entropy(model(x), y, ignore_index=-1)
-                  for x, y in zip(tokens.tensor_split(n_microbatches), labels.tensor_split(n_microbatches))]
+        losses = [loop.cross_entropy(model(x, b), y, ignore_index=-1)
+                  for x, y, b in zip(split(tokens), split(labels), split(pos_bias))]
         (sum(losses) / n_microbatches).backward()
         out["losses"].append([float(x.detach()) for x in losses])
-        out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+        out["grads"].append({n: p.grad.clone() for n, p in named_parameters()})
         opt.step()
-    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    tokens, labels = data[steps]
+    out["params"] = {n: p.detach().clone() for n, p in named_parameters()}
+    tokens, labels, pos_bias = data[steps]
     with torch.no_grad():
-        logits = model(tokens)
-        out["eval_losses"] = [float(loop.cross_entropy(model(x), y, ignore_index=-1))
-                              for x, y in zip(tokens.tensor_split(n_microbatches), labels.tensor_split(n_microbatches))]
+        logits = model(tokens, pos_bias)
+        out["eval_losses"] = [float(loop.cross_entropy(model(x, b), y, ignore_index=-1))
+                              for x, y, b in zip(split(tokens), split(labels), split(pos_bias))]
     out["eval_output"] = logits
     return out
 
@@ -406,6 +417,11 @@ def misuse(rank, world, case, tmp):
             del holder, stage
             gc.collect()
             assert alive() is None, gc.get_referrers(alive())
+        elif case == "kwargs_on_later_rank":
+            # pc.Pipeline's default gives keyword arguments to first stages only: elsewhere they are refused
+            pipe = pc.Pipeline(pc.PipelineStage(nn.Linear(WIDTH, WIDTH), rank, world), "1f1b", 4, loss_fn=nn.MSELoss())
+            pipe.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None,
+                      **({"scale": torch.ones(8, 1)} if rank == 1 else {}))
         elif case == "options":
             # pipecore's own options pass through; torch's defer_pp_recv posts each receive at its action
             for bad, words in (({"group": dist.group.WORLD}, "pass group= to PipelineStage"),

@@ -59,9 +59,9 @@ def test_a_torch_loop_runs_on_pipecore_by_changing_its_imports(schedule, world):
         # a gradient is near zero), so the later steps are compared by their losses
         _compare_runs(_by_model_name(ours), _by_model_name_reference(reference, ours), f"rank {rank}: pipecore "
                       "against one process", steps=1, loss_rtol=1e-4)
-        if ours["eval_losses"] is not None:
-            assert ours["eval_losses"] == pytest.approx(reference["eval_losses"], rel=1e-6)
-            torch.testing.assert_close(ours["eval_output"], reference["eval_output"], rtol=1e-5, atol=1e-6)
+        if ours["eval_losses"] is not None:  # after the AdamW steps: one process's weights differ by rounding
+            assert ours["eval_losses"] == pytest.approx(reference["eval_losses"], rel=1e-4)
+            torch.testing.assert_close(ours["eval_output"], reference["eval_output"], rtol=1e-3, atol=1e-4)
             if schedule not in TORCH_EVAL_HANGS:
                 assert ours["eval_losses"] == pytest.approx(torch_run["eval_losses"], rel=1e-6)
                 torch.testing.assert_close(ours["eval_output"], torch_run["eval_output"], rtol=1e-6, atol=1e-7)
@@ -74,6 +74,15 @@ def _by_model_name_reference(reference: dict, ours: dict) -> dict:
     return {"losses": reference["losses"] if ours["losses"][0] is not None else ours["losses"],
             "grads": [{n: g[n] for n in names} for g in reference["grads"]],
             "params": {n: reference["params"][n] for n in names}}
+
+
+def test_a_microbatch_count_not_a_power_of_two_matches_within_rounding():
+    # pipecore weighs each microbatch's loss gradient by 1/3 where torch divides the summed .grad by 3:
+    # not the same bits, the same gradients within rounding (and the same losses, computed before either)
+    results = pool(2).run(torch_and_pipecore, "GPipe", 3, 2, 15, 0, True, True, timeout=300)
+    for rank, out in enumerate(results):
+        assert out["pipecore"]["losses"][0] == out["torch"]["losses"][0]
+        _compare_runs(out["pipecore"], out["torch"], f"rank {rank}", steps=1)
 
 
 @pytest.mark.parametrize("schedule", ["Interleaved1F1B", "ZBVZeroBubble"])
@@ -181,7 +190,7 @@ def test_get_schedule_class_matches_torch():
 
 @pytest.mark.parametrize("case", ["no_grad", "no_schedule", "list_to_single", "bad_dw_builder", "runner_not_callable",
                                   "csv_microbatches", "comms_as_compute_only", "dw_builder_with_ddp", "custom_function",
-                                  "no_loss_fn", "losses_replaced", "torch_csv", "runner_raises", "builder_cycle_freed",
+                                  "no_loss_fn", "losses_replaced", "torch_csv", "runner_raises", "builder_cycle_freed", "kwargs_on_later_rank",
                                   "dualpipe_roles", "options"])
 def test_misuse_and_options_say_what_to_do(case, tmp_path):
     results = pool(2).run(misuse, case, str(tmp_path), timeout=120)
@@ -206,6 +215,10 @@ def test_misuse_and_options_say_what_to_do(case, tmp_path):
             assert kind == "ValueError" and "dw_builder and a DDP/FSDP2-wrapped module" in msg, msg
         elif case == "custom_function":
             assert kind == "NotImplementedError" and "overlap_f_b=" in msg and "overlap_handoff()" in msg, msg
+        elif case == "kwargs_on_later_rank":
+            assert kind == "InputError", (kind, msg)
+            assert ("keyword arguments ['scale'] would reach no stage" in msg and "keyword_inputs='every_stage'" in msg
+                    if rank == 1 else "rank 1 failed in input checks" in msg), msg
         elif case == "runner_raises":
             assert kind == "ok" and "runner failed on purpose" in msg, msg
         elif case in ("no_loss_fn", "losses_replaced", "torch_csv", "builder_cycle_freed", "dualpipe_roles",

@@ -44,8 +44,10 @@ class GPT(nn.Module):
         self.norm = nn.LayerNorm(DIM)
         self.output = nn.Linear(DIM, VOCAB)
 
-    def forward(self, tokens):
+    def forward(self, tokens, pos_bias=None):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if pos_bias is not None:  # a per-step input every stage takes (as TorchTitan's attention masks)
+            h = h + pos_bias
         for layer in self.layers.values():
             h = layer(h)
         h = self.norm(h) if self.norm is not None else h
@@ -84,13 +86,15 @@ def cross_entropy(pred, labels, ignore_index=-100):
 
 
 def batches(steps: int, rows: int, seed: int):
+    """(tokens, labels, pos_bias) per step, and one more for eval."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(steps + 1):  # the last one is for eval
+    for _ in range(steps + 1):
         tokens = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=g)
         labels = tokens[:, 1:].clone()
         labels[:, :2] = -1  # ignored through loss_kwargs
-        out.append((tokens[:, :-1].contiguous(), labels))
+        pos_bias = 0.1 * torch.randn(rows, SEQ, DIM, generator=g)
+        out.append((tokens[:, :-1].contiguous(), labels, pos_bias))
     return out
 
 
@@ -123,24 +127,27 @@ class Run:
     def named_parameters(self):
         return [(f"{s}.{n}", p) for s in self.ids for n, p in self.chunks[s].named_parameters()]
 
-    def train_step(self, tokens, labels) -> list | None:
-        """One optimizer step; the microbatches' losses on a rank with a last stage."""
+    def train_step(self, tokens, labels, pos_bias) -> list | None:
+        """One optimizer step; the microbatches' losses on a rank with a last stage. `pos_bias` goes to
+        every stage as a keyword argument (TorchTitan's extra_kwargs)."""
         self.opt.zero_grad()
         losses = [] if self.has_last else None
         target = labels if self.has_last else None
         if self.has_first:
-            self.schedule.step(tokens, target=target, losses=losses, return_outputs=False,
+            self.schedule.step(tokens, pos_bias=pos_bias, target=target, losses=losses, return_outputs=False,
                                loss_kwargs={"ignore_index": -1})
         else:
-            self.schedule.step(target=target, losses=losses, return_outputs=False, loss_kwargs={"ignore_index": -1})
+            self.schedule.step(pos_bias=pos_bias, target=target, losses=losses, return_outputs=False,
+                               loss_kwargs={"ignore_index": -1})
         self.opt.step()
         return losses
 
-    def evaluate(self, tokens, labels):
+    def evaluate(self, tokens, labels, pos_bias):
         """eval(): (the microbatches' losses, the merged outputs) where this rank has a last stage."""
         losses = [] if self.has_last else None
-        out = self.schedule.eval(*((tokens,) if self.has_first else ()), target=labels if self.has_last else None,
-                                 losses=losses, loss_kwargs={"ignore_index": -1})
+        out = self.schedule.eval(*((tokens,) if self.has_first else ()), pos_bias=pos_bias,
+                                 target=labels if self.has_last else None, losses=losses,
+                                 loss_kwargs={"ignore_index": -1})
         return losses, out
 
 
@@ -152,14 +159,14 @@ def train(schedule_name: str, n_microbatches: int, steps: int = 3, rows: int = 1
     result = {"losses": [], "grads": [],
               "schedule_type": f"{type(run.schedule).__module__}.{type(run.schedule).__name__}"}
     data = batches(steps, rows, seed + 1)
-    for tokens, labels in data[:steps]:
+    for batch in data[:steps]:
         grads = {}
 
         def keep_grads():  # the gradients of this step, before the optimizer uses them
             grads.update({n: p.grad.clone() for n, p in run.named_parameters() if p.grad is not None})
 
         hook = run.opt.register_step_pre_hook(lambda *_: keep_grads())
-        losses = run.train_step(tokens, labels)
+        losses = run.train_step(*batch)
         hook.remove()
         result["losses"].append([float(x.detach()) for x in losses] if losses is not None else None)
         result["grads"].append(grads)

@@ -77,7 +77,8 @@ class _PipelineSchedule:
         self.pipeline = Pipeline(self._stages, schedule, self._n_microbatches, loss_fn=self._loss_fn,
                                  scale_grads=self.scale_grads, args_chunk_spec=self._args_chunk_spec,
                                  kwargs_chunk_spec=self._kwargs_chunk_spec,
-                                 output_merge_spec=self._output_merge_spec, **self._pipeline_options)
+                                 output_merge_spec=self._output_merge_spec, keyword_inputs="every_stage",
+                                 **self._pipeline_options)
 
     @property
     def pipeline_order(self) -> dict[int, list]:
@@ -324,7 +325,7 @@ def _pipecore_stages(stages, schedule: str) -> list[PipelineStage]:
 
 # Pipeline arguments the schedule classes set themselves (the stages' group is the pipeline's, as in torch)
 _SET_BY_SCHEDULE = {"stages", "schedule", "num_microbatches", "loss_fn", "scale_grads", "args_chunk_spec",
-                    "kwargs_chunk_spec", "output_merge_spec", "group"}
+                    "kwargs_chunk_spec", "output_merge_spec", "group", "keyword_inputs"}
 
 
 def _check_pipeline_options(schedule: str, options: dict) -> None:
