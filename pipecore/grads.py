@@ -195,8 +195,8 @@ def clip_grad_norm_(pipe: "Pipeline", max_norm: float, norm_type: float = 2.0,
     if not isinstance(pipe, Pipeline) and isinstance(getattr(pipe, "pipeline", None), Pipeline):
         pipe = pipe.pipeline  # a pipecore.compat schedule
     if not isinstance(pipe, Pipeline):
-        raise TypeError(f"clip_grad_norm_ takes the pipecore.Pipeline (or pipecore.compat schedule) whose gradients to clip, got "
-                        f"{type(pipe).__name__} (for plain parameters use torch.nn.utils.clip_grad_norm_)")
+        raise TypeError(f"clip_grad_norm_ takes the pipecore.Pipeline (or pipecore.compat schedule) whose gradients "
+                        f"to clip, got {type(pipe).__name__} (for plain parameters use torch.nn.utils.clip_grad_norm_)")
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"norm_type must be positive (2.0, 1.0 or inf), got {norm_type}")

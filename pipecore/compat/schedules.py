@@ -88,8 +88,8 @@ class _PipelineSchedule:
     def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
              loss_kwargs: dict | None = None, **kwargs):
         """One iteration over the whole batch, as torch's `step`: inputs on the rank(s) holding a first
-        stage, `target` on those holding a last stage; per-microbatch losses are appended to
-        `losses`; returns the merged last-stage outputs there (`return_outputs`), None elsewhere.
+        stage, `target` on those holding a last stage; `losses` is filled with the per-microbatch losses
+        there; keyword arguments go to every stage of this rank; returns the merged last-stage outputs there (`return_outputs`), None elsewhere.
         Without a `loss_fn` it runs the forwards only, as torch does."""
         pipe = self._pipeline()
         if not self._has_backward:  # (torch's forwards keep a graph nothing will use; these build none)
@@ -157,11 +157,7 @@ class PipelineScheduleMulti(_PipelineSchedule):
         self._load(filename, lowered=False)
 
     def _load(self, filename, lowered: bool) -> None:
-        try:
-            schedule = Schedule.from_csv(filename, num_stages=self._num_stages,
-                                         num_microbatches=self._n_microbatches)
-        except ScheduleError as exc:
-            raise ScheduleError(f"{filename}: {exc}" if str(filename) not in str(exc) else str(exc)) from None
+        schedule = Schedule.from_csv(filename, num_stages=self._num_stages, num_microbatches=self._n_microbatches)
         if schedule.is_lowered and not lowered:
             raise ScheduleError(f"{filename} holds communication actions: load it with format=\"compute_comms\" "
                                 "(_PipelineScheduleRuntime), or drop them for format=\"compute_only\"")
@@ -207,8 +203,8 @@ class _PipelineScheduleRuntime(PipelineScheduleMulti):
         raise NotImplementedError(
             f"register_custom_function({computation_type!r}, ...) drives torch's stage internals, which pipecore "
             "does not have. For OVERLAP_F_B pairs pass overlap_f_b= to the schedule (\"lockstep\", \"concurrent\", "
-            "or a callable(pair) that calls pair.run_forward() and pair.run_backward()) and call pipecore.overlap_handoff() "
-            "around the model's communication (pipecore/overlap.py)")
+            "or a callable(pair) that calls pair.run_forward() and pair.run_backward()) and call "
+            "pipecore.overlap_handoff() around the model's communication (pipecore/overlap.py)")
 
     @property
     def pipeline_order_with_comms(self) -> dict[int, list]:
