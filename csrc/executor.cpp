@@ -664,22 +664,23 @@ std::string Executor::finish_aborted(size_t from, bool wait, int64_t status) {
   return comm_failure;
 }
 
-void Executor::set_stage_events(std::vector<int64_t> stages, StageEventFn fn) {
-  evented_.assign(num_stages_, 0);
+std::vector<uint8_t> Executor::stage_mask(const std::vector<int64_t>& stages) const {
+  std::vector<uint8_t> mask(num_stages_, 0);
   for (int64_t s : stages) {
     TORCH_CHECK(s >= 0 && s < num_stages_, "pipecore: stage ", s, " outside this executor's ", num_stages_, " stages");
-    evented_[s] = 1;
+    mask[s] = 1;
   }
+  return mask;
+}
+
+void Executor::set_stage_events(std::vector<int64_t> stages, StageEventFn fn) {
+  evented_ = stage_mask(stages);
   stage_event_ = stages.empty() ? StageEventFn() : std::move(fn);
   mark_last_backwards();
 }
 
 void Executor::set_weight_builders(std::vector<int64_t> stages, WeightBuilderFn builder) {
-  builds_weight_.assign(num_stages_, 0);
-  for (int64_t s : stages) {
-    TORCH_CHECK(s >= 0 && s < num_stages_, "pipecore: stage ", s, " outside this executor's ", num_stages_, " stages");
-    builds_weight_[s] = 1;
-  }
+  builds_weight_ = stage_mask(stages);
   weight_builder_ = stages.empty() ? WeightBuilderFn() : std::move(builder);
 }
 

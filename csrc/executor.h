@@ -412,6 +412,7 @@ class Executor {
   }
   std::vector<int64_t> last_backward_of_;   // [program index]: the stage whose last backward it is, or -1
   void mark_last_backwards();
+  std::vector<uint8_t> stage_mask(const std::vector<int64_t>& stages) const;  // [stage]: 1 for these
   void stage_event(int64_t event, int64_t stage) {
     if (stage_event_ && stage >= 0 && stage < static_cast<int64_t>(evented_.size()) && evented_[stage]) {
       stage_event_(event, stage);
