@@ -692,7 +692,7 @@ void Executor::mark_last_backwards() {
   for (size_t j = 0; j < program_.size(); ++j) {
     if (program_[j].op != kReduceGrad) continue;
     const int64_t stage = program_[j].stage;
-    const bool whole = stage < static_cast<int64_t>(evented_.size()) && evented_[stage];
+    const bool whole = evented(stage);
     for (size_t i = j; i-- > 0;) {
       const int64_t op = program_[i].op;
       if ((op == kB || op == (whole ? kI : kW)) && program_[i].stage == stage) {
@@ -889,9 +889,8 @@ void Executor::do_backward(const Instr& in, bool split) {
     roots = s.out_edges;
     grads = s.out_grads;
   }
-  const bool whole = in.stage < static_cast<int64_t>(evented_.size()) && evented_[in.stage];
   const bool own_weight_grads = builds_weight(in.stage);
-  if (split && !whole && !own_weight_grads) {
+  if (split && !evented(in.stage) && !own_weight_grads) {
     std::vector<SplitFallback> fallbacks;
     s.input_grads = backward_input(roots, grads, s.inputs, s.weight, fallbacks);
     for (auto& f : fallbacks) ++split_fallbacks_[in.stage][f];

@@ -407,14 +407,16 @@ class Executor {
   std::vector<uint8_t> evented_;            // [stage]: its events go to stage_event_
   WeightBuilderFn weight_builder_;
   std::vector<uint8_t> builds_weight_;      // [stage]: weight_builder_ makes its W
-  bool builds_weight(int64_t stage) const {
-    return weight_builder_ && stage >= 0 && stage < static_cast<int64_t>(builds_weight_.size()) && builds_weight_[stage];
+  static bool in_mask(const std::vector<uint8_t>& mask, int64_t stage) {
+    return stage >= 0 && stage < static_cast<int64_t>(mask.size()) && mask[stage];
   }
+  bool evented(int64_t stage) const { return in_mask(evented_, stage); }
+  bool builds_weight(int64_t stage) const { return weight_builder_ && in_mask(builds_weight_, stage); }
   std::vector<int64_t> last_backward_of_;   // [program index]: the stage whose last backward it is, or -1
   void mark_last_backwards();
   std::vector<uint8_t> stage_mask(const std::vector<int64_t>& stages) const;  // [stage]: 1 for these
   void stage_event(int64_t event, int64_t stage) {
-    if (stage_event_ && stage >= 0 && stage < static_cast<int64_t>(evented_.size()) && evented_[stage]) {
+    if (stage_event_ && evented(stage)) {
       stage_event_(event, stage);
     }
   }

@@ -112,7 +112,7 @@ const char* Executor::sequential_reason(const PairRun& pair, bool walk) {
   if (pair.halves[0].empty() || pair.halves[1].empty()) return "one_kind";
   for (size_t j = pair.begin + 1; j < pair.end; ++j) {
     const int64_t stage = program_[j].stage;
-    if (stage < static_cast<int64_t>(evented_.size()) && evented_[stage]) return "stage_events";
+    if (evented(stage)) return "stage_events";
   }
   // a Python mode (FlopCounterMode, DebugMode, ...) is one object: two threads would drive it at once
   if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || at::impl::PythonTorchFunctionTLS::stack_len() > 0) {

@@ -123,7 +123,7 @@ class Pipeline:
                  keyword_inputs: str = "first_stage"):
         if not dist.is_initialized():
             raise RuntimeError("Pipeline needs torch.distributed: call dist.init_process_group first")
-        stages = _stage_list(stages)
+        stages = stage_list(stages)
         wrapped = [s.stage_index for s in stages if s.dw_builder is not None and WrappedStage.is_wrapped(s.module)]
         if wrapped:
             raise ValueError(f"stages {wrapped} have a dw_builder and a DDP/FSDP2-wrapped module: the wrapper reduces "
@@ -637,21 +637,14 @@ class Pipeline:
         """Microbatches of the inputs (ranks with a first stage) and targets (with a last stage)."""
         m = self.num_microbatches
         inputs: dict[int, tuple[Any, Any]] = {}
-        self._stage_kwargs = None
-        if self.keyword_inputs == "every_stage" and kwargs:  # torch's rule: every stage of this rank gets them
-            if self.args_chunk_spec is None and self.kwargs_chunk_spec is None:
-                self._stage_kwargs = split(kwargs, m, "keyword input")
-            else:
-                self._stage_kwargs = [k for _, k in split_by_specs((), kwargs, m, None, self.kwargs_chunk_spec)]
         if self.has_first:
             if not args and not kwargs:
                 raise ValueError(f"rank {self.rank} holds a first stage: step() needs its inputs")
-            if self.args_chunk_spec is None and self.kwargs_chunk_spec is None:
-                parts = zip(split(args, m, "input"), split(kwargs, m, "keyword input"))
-            else:
-                parts = split_by_specs(args, kwargs, m, self.args_chunk_spec, self.kwargs_chunk_spec)
-            for mb, (a, k) in enumerate(parts):
-                inputs[mb] = (a, k)
+            inputs = dict(enumerate(self._split_call(args, kwargs, self.args_chunk_spec)))
+        self._stage_kwargs = None
+        if self.keyword_inputs == "every_stage" and kwargs:  # torch's rule: every stage of this rank gets them
+            parts = inputs.values() if inputs else self._split_call((), kwargs, None)
+            self._stage_kwargs = [k for _, k in parts]
         targets: list | None = None
         self._rows = None
         if self.has_last and target is not None:
@@ -659,6 +652,13 @@ class Pipeline:
             if batch_size(target) is not None:
                 self._rows = [batch_size(t) for t in targets]
         return inputs, targets
+
+    def _split_call(self, args: tuple, kwargs: dict, args_chunk_spec) -> list[tuple[tuple, dict]]:
+        """Per microbatch, (args, kwargs) of step()'s inputs: along dim 0, or as torch's chunk specs say."""
+        m = self.num_microbatches
+        if args_chunk_spec is None and self.kwargs_chunk_spec is None:
+            return list(zip(split(args, m, "input"), split(kwargs, m, "keyword input")))
+        return split_by_specs(args, kwargs, m, args_chunk_spec, self.kwargs_chunk_spec)
 
     def _agree(self, local_sig: int, failed: bool, training: bool,
                what: str = "waiting for every rank to reach step()") -> tuple[int, bool]:
@@ -909,7 +909,7 @@ class Pipeline:
                 f"schedule={self.schedule.name!r}, microbatches={self.num_microbatches})")
 
 
-def _stage_list(stages) -> list[PipelineStage]:
+def stage_list(stages) -> list[PipelineStage]:
     """The Pipeline's stages argument as a list of pipecore stages (torch.distributed.pipelining's
     stage objects converted: pipecore.stage.from_torch_stage), or a TypeError that says what was given."""
     if isinstance(stages, PipelineStage) or is_torch_stage(stages):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import types
 
@@ -198,14 +199,14 @@ def torch_stage_objects(rank, world):
     torch.manual_seed(0)
     model = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(world)]
     x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
-    ref = [copy_module(m) for m in model]
+    ref = [copy.deepcopy(m) for m in model]
     h = x
     for m in ref:
         h = m(h)
     nn.functional.mse_loss(h, y).backward()
     results = {}
     for how in ("Pipeline", "schedule"):
-        mod = copy_module(model[rank])
+        mod = copy.deepcopy(model[rank])
         stage = TorchStage(mod, rank, world, torch.device("cpu"))
         if how == "Pipeline":
             runner = pc.Pipeline(stage, "1f1b", 4, loss_fn=nn.MSELoss())
@@ -215,12 +216,6 @@ def torch_stage_objects(rank, world):
         results[how] = max(float((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30))
                            for p, q in zip(mod.parameters(), ref[rank].parameters()))
     return results
-
-
-def copy_module(m):
-    import copy
-
-    return copy.deepcopy(m)
 
 
 class TwoInputs(nn.Module):
@@ -318,7 +313,6 @@ def misuse(rank, world, case, tmp):
             torch.manual_seed(1)
             model = [nn.Linear(WIDTH, WIDTH) for _ in range(world)]
             ids = (rank, 2 * world - 1 - rank)
-            import copy
             stages = [PipelineStage(copy.deepcopy(model[s % world]), s, 2 * world) for s in ids]
             before = [(s.is_first, s.is_last) for s in stages]
             sched = ScheduleDualPipe(stages, 4, loss_fn=nn.MSELoss())
@@ -386,7 +380,6 @@ def misuse(rank, world, case, tmp):
                 return runner
             torch.manual_seed(3)
             mods = {s: nn.Linear(WIDTH, WIDTH) for s in (rank, 2 * world - 1 - rank)}
-            import copy
             fresh = {s: copy.deepcopy(m) for s, m in mods.items()}
             sched = pc.compat.ScheduleZBVZeroBubble([PipelineStage(m, s, 2 * world, dw_builder=builder)
                                                      for s, m in mods.items()], 4, loss_fn=nn.MSELoss())

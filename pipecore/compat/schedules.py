@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..schedule import Schedule, ScheduleError, build_schedule
-from ..stage import PipelineStage, from_torch_stage, is_torch_stage
+from ..stage import PipelineStage, is_torch_stage
 
 __all__ = ["_PipelineSchedule", "PipelineScheduleSingle", "PipelineScheduleMulti", "_PipelineScheduleRuntime",
            "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
@@ -304,19 +304,16 @@ def get_schedule_class(schedule_name: str) -> type:
 
 
 def _pipecore_stages(stages, schedule: str) -> list[PipelineStage]:
-    """torch's stages converted (pipecore.stage.from_torch_stage); pipecore's taken as they are."""
+    """A multi-stage schedule's list of this rank's stages, as the Pipeline takes them (torch's converted)."""
+    from ..runtime import stage_list
+
     if isinstance(stages, PipelineStage) or is_torch_stage(stages):
         raise TypeError(f"{schedule} takes a list of this rank's stages, got one {type(stages).__name__}: pass "
                         f"[stage]")
     stages = list(stages)
     if not stages:
         raise ValueError(f"{schedule} needs this rank's stages, got an empty list")
-    out = [from_torch_stage(s) if is_torch_stage(s) else s for s in stages]
-    wrong = sorted({type(s).__name__ for s in out if not isinstance(s, PipelineStage)})
-    if wrong:
-        raise TypeError(f"{schedule} takes PipelineStage objects (pipecore's or torch.distributed.pipelining's), got "
-                        f"{', '.join(wrong)}")
-    return out
+    return stage_list(stages)
 
 
 # Pipeline arguments the schedule classes set themselves (the stages' group is the pipeline's, as in torch)
