@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import megatron_reference
 import pipecore as pc
 from pipecore.torch_compat import TORCH_CLASSES, torch_order
 
@@ -108,8 +109,6 @@ def test_same_actions_as_torch_where_torch_is_correct():
     ("dualpipe", (2, 3), "even number of microbatches"),
     ("dualpipe", (4, 6), "at least 2 * ranks = 8"),
     ("dualpipev", (4, 7), "at least 2 * ranks = 8"),
-    ("interleaved_1f1b", (4, 9), "multiple of the number of rounds"),
-    ("interleaved_zb", (3, 7), "multiple of the number of rounds"),
     ("gpipe", (0, 4), "num_ranks must be a positive integer"),
     ("gpipe", (2, 0), "num_microbatches must be a positive integer"),
     ("looped_bfs", (2, 4, 0), "stages_per_rank must be a positive integer"),
@@ -172,3 +171,31 @@ def test_property_random_configs(name, R, m, V):
     if name != "forward_only":
         assert counts.get(pc.Kind.B, 0) + counts.get(pc.Kind.I, 0) == stages * per_stage
         assert counts.get(pc.Kind.I, 0) == counts.get(pc.Kind.W, 0)
+
+
+MEGATRON_GRID = [(R, m, V, N) for R in (2, 3, 4, 8) for m in range(R, 3 * R + 2) for V in (2, 3)
+                 for N in range(R, m + 1) if megatron_reference.accepts(R, m, N)]
+
+
+@pytest.mark.parametrize("R, m, V, N", MEGATRON_GRID)
+def test_interleaved_1f1b_is_megatrons_order(R, m, V, N):
+    s = pc.build_schedule("interleaved_1f1b", R, m, V, group_size=N)
+    assert [[str(a) for a in row] for row in s.actions] == [
+        megatron_reference.rank_order(r, R, m, V, N) for r in range(R)]
+    s.lower().validate()
+
+
+def test_interleaved_takes_every_microbatch_count():
+    # torch refuses m=9 on 4 ranks (not a multiple of its 2 rounds); Megatron groups 5 + 4
+    refused_by_torch = [(R, m) for R in range(2, 9) for m in range(R, 4 * R) if m % max(1, m // R)]
+    assert (4, 9) in refused_by_torch and len(refused_by_torch) == 37
+    for R, m in refused_by_torch:
+        for name in ("interleaved_1f1b", "interleaved_zb"):
+            s = pc.build_schedule(name, R, m, 2)
+            s.lower().validate()
+    s = pc.build_schedule("interleaved_1f1b", 4, 9, 2)
+    assert [str(a) for a in s.actions[0][:12]] == megatron_reference.rank_order(0, 4, 9, 2, 5)[:12]
+    with pytest.raises(ValueError, match=r"group_size=4 does not fit 9 microbatches on 4 ranks.*\[5, 9\]"):
+        pc.build_schedule("interleaved_1f1b", 4, 9, 2, group_size=4)
+    with pytest.raises(ValueError, match="group_size applies to interleaved_1f1b, interleaved_zb, not to zbv"):
+        pc.build_schedule("zbv", 4, 8, group_size=4)

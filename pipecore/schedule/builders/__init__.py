@@ -16,18 +16,21 @@ from .zero_bubble_v import build_zbv
 
 @dataclass(frozen=True)
 class _Spec:
-    build: Callable[[int, int, int], Schedule]
+    build: Callable[..., Schedule]  # (ranks, microbatches, stages per rank, **options)
     default_stages_per_rank: int
     allowed_stages_per_rank: tuple[int, ...] | None  # None: any >= 1
     summary: str
+    options: tuple[str, ...] = ()  # keyword options of build_schedule this schedule takes
 
 
 _SPECS: dict[str, _Spec] = {
     "gpipe": _Spec(build_gpipe, 1, (1,), "all forwards, then all backwards"),
     "1f1b": _Spec(build_1f1b, 1, (1,), "one forward, one backward in steady state"),
-    "interleaved_1f1b": _Spec(build_interleaved_1f1b, 2, None, "Megatron's depth-first interleaving, loop placement"),
+    "interleaved_1f1b": _Spec(build_interleaved_1f1b, 2, None, "Megatron's depth-first interleaving, loop placement",
+                              ("group_size",)),
     "looped_bfs": _Spec(build_looped_bfs, 2, None, "breadth-first over a rank's stages, loop placement"),
-    "interleaved_zb": _Spec(build_interleaved_zb, 2, None, "zero bubble (ZB-H1 at 1 stage per rank): I/W split, W fills bubbles"),
+    "interleaved_zb": _Spec(build_interleaved_zb, 2, None,
+                            "zero bubble (ZB-H1 at 1 stage per rank): I/W split, W fills bubbles", ("group_size",)),
     "zbv": _Spec(build_zbv, 2, (2,), "zero bubble V: rank r holds stages r and 2R-1-r"),
     "dualpipe": _Spec(build_dualpipe, 2, (2,), "DeepSeek's bidirectional DualPipe: mirrored stages r and R-1-r"),
     "dualpipev": _Spec(build_dualpipev, 2, (2,), "DualPipe folded into a V: overlapped F&B pairs"),
@@ -55,15 +58,22 @@ def canonical_name(name: str) -> str:
     return _ALIASES[key]
 
 
-def build_schedule(name: str, num_ranks: int, num_microbatches: int,
-                   stages_per_rank: int | None = None) -> Schedule:
+def build_schedule(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int | None = None, *,
+                   group_size: int | None = None) -> Schedule:
     """The compute-only schedule `name` for `num_ranks` ranks and `num_microbatches` microbatches.
 
     `stages_per_rank` defaults to 1 for gpipe, 1f1b and forward_only and to 2 for the rest.
+    `group_size` (interleaved_1f1b, interleaved_zb): Megatron's microbatch group size per virtual
+    stage, see `builders.interleaved`.
     Raises ValueError for combinations the schedule does not support, saying what is allowed.
     """
     canon = canonical_name(name)
     spec = _SPECS[canon]
+    options = {k: v for k, v in (("group_size", group_size),) if v is not None}
+    for key in options:
+        if key not in spec.options:
+            takers = [n for n, sp in _SPECS.items() if key in sp.options]
+            raise ValueError(f"{key} applies to {', '.join(takers)}, not to {canon}")
     for label, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{label} must be a positive integer, got {value!r}")
@@ -82,7 +92,7 @@ def build_schedule(name: str, num_ranks: int, num_microbatches: int,
     if num_microbatches >= 1 << 31:
         raise ValueError("at most 2**31 - 1 microbatches are supported")
     with gc_paused():
-        return spec.build(num_ranks, num_microbatches, stages_per_rank)
+        return spec.build(num_ranks, num_microbatches, stages_per_rank, **options)
 
 
 def describe() -> dict[str, str]:
