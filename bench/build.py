@@ -43,11 +43,15 @@ def run(schedules, ranks_list, micro_list, stages_per_rank, repeats, torch_budge
         native = False
     rows = []
     for name in schedules:
-        V = 1 if name in ("gpipe", "1f1b") else stages_per_rank
         for R in ranks_list:
             for m in micro_list:
-                try:
-                    pc.build_schedule(name, R, m, V)
+                try:  # --stages-per-rank where the schedule takes it, else its default
+                    try:
+                        V = pc.build_schedule(name, R, m, stages_per_rank).num_stages // R
+                    except ValueError as exc:
+                        if "stage(s) per rank" not in str(exc):
+                            raise
+                        V = pc.build_schedule(name, R, m).num_stages // R
                 except ValueError as exc:
                     print(f"skip {name} R={R} m={m}: {exc}", file=sys.stderr)
                     continue

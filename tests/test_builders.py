@@ -120,8 +120,10 @@ def test_unsupported_combinations_say_why(name, args, needle):
 
 
 def test_names_and_aliases():
-    assert pc.SCHEDULES == ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv",
-                            "dualpipe", "dualpipev", "forward_only")
+    assert pc.SCHEDULES == ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbh2", "zbv",
+                            "v_half", "v_min", "zb_auto", "dualpipe", "dualpipev", "forward_only")
+    assert pc.build_schedule("ZB-H2", 2, 4).name == "zbh2" and pc.build_schedule("V-Half", 2, 4).name == "v_half"
+    assert pc.build_schedule("ZBAuto", 2, 4).name == "zb_auto"
     assert pc.build_schedule("Interleaved1F1B", 2, 4).name == "interleaved_1f1b"
     assert pc.build_schedule("ScheduleZBVZeroBubble", 2, 4).name == "zbv"
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..lowering import gc_paused
 from ..schedule import Schedule
+from .auto import build_zb_auto, build_zbh2
+from .controllable_memory import build_v_half, build_v_min
 from .dualpipe import build_dualpipe, build_dualpipev
 from .gpipe import build_forward_only, build_gpipe
 from .interleaved import build_interleaved_1f1b, build_interleaved_zb, build_looped_bfs
@@ -31,7 +33,12 @@ _SPECS: dict[str, _Spec] = {
     "looped_bfs": _Spec(build_looped_bfs, 2, None, "breadth-first over a rank's stages, loop placement"),
     "interleaved_zb": _Spec(build_interleaved_zb, 2, None,
                             "zero bubble (ZB-H1 at 1 stage per rank): I/W split, W fills bubbles", ("group_size",)),
+    "zbh2": _Spec(build_zbh2, 1, (1,), "zero bubble ZB-H2: up to 2R-1 activations per rank fill warmup and cooldown"),
     "zbv": _Spec(build_zbv, 2, (2,), "zero bubble V: rank r holds stages r and 2R-1-r"),
+    "v_half": _Spec(build_v_half, 2, (2,), "V-Half (controllable memory): half of 1F1B's activations"),
+    "v_min": _Spec(build_v_min, 2, (2,), "V-Min (controllable memory): a third of 1F1B's activations"),
+    "zb_auto": _Spec(build_zb_auto, 1, (1, 2), "zero bubble built for given costs and memory limit (1 stage or a V)",
+                     ("costs", "memory_limit")),
     "dualpipe": _Spec(build_dualpipe, 2, (2,), "DeepSeek's bidirectional DualPipe: mirrored stages r and R-1-r"),
     "dualpipev": _Spec(build_dualpipev, 2, (2,), "DualPipe folded into a V: overlapped F&B pairs"),
     "forward_only": _Spec(build_forward_only, 1, None, "inference: forwards only"),
@@ -44,6 +51,7 @@ _ALIASES = {
     "bfs": "looped_bfs", "interleavedzb": "interleaved_zb", "interleavedzerobubble": "interleaved_zb",
     "zb1p": "interleaved_zb", "zbh1": "interleaved_zb", "zbv": "zbv", "zbvzerobubble": "zbv",
     "dualpipe": "dualpipe", "dualpipev": "dualpipev", "forwardonly": "forward_only", "inference": "forward_only",
+    "zbh2": "zbh2", "vhalf": "v_half", "vmin": "v_min", "zbauto": "zb_auto", "auto": "zb_auto",
 }
 
 
@@ -59,17 +67,22 @@ def canonical_name(name: str) -> str:
 
 
 def build_schedule(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int | None = None, *,
-                   group_size: int | None = None) -> Schedule:
+                   group_size: int | None = None, costs: Mapping[str, object] | None = None,
+                   memory_limit: int | None = None) -> Schedule:
     """The compute-only schedule `name` for `num_ranks` ranks and `num_microbatches` microbatches.
 
-    `stages_per_rank` defaults to 1 for gpipe, 1f1b and forward_only and to 2 for the rest.
+    `stages_per_rank` defaults to 1 for gpipe, 1f1b, zbh2, zb_auto and forward_only, to 2 for the rest.
     `group_size` (interleaved_1f1b, interleaved_zb): Megatron's microbatch group size per virtual
     stage, see `builders.interleaved`.
+    `costs`, `memory_limit` (zb_auto): per-stage costs as `Schedule.simulate` takes them (default
+    F = I = W = 1, comm = 0) and the activations a rank may hold (default 1F1B's: ranks x stages
+    per rank), see `builders.auto`.
     Raises ValueError for combinations the schedule does not support, saying what is allowed.
     """
     canon = canonical_name(name)
     spec = _SPECS[canon]
-    options = {k: v for k, v in (("group_size", group_size),) if v is not None}
+    options = {k: v for k, v in (("group_size", group_size), ("costs", costs), ("memory_limit", memory_limit))
+               if v is not None}
     for key in options:
         if key not in spec.options:
             takers = [n for n, sp in _SPECS.items() if key in sp.options]

@@ -1,0 +1,326 @@
+"""zb_auto: a zero-bubble schedule built for given costs and a memory limit.
+
+The generator is a list scheduler run on the simulator's own cost model: every rank, when it is
+free, takes the action that keeps the pipeline moving, and the schedule is the order in which
+ranks took their actions (so the simulator reproduces the generator's times exactly).
+
+- A backward (I) or forward (F) whose input is there runs at once; which of the two goes first,
+  and which of a rank's two stages, are policies.
+- A forward needs room: a rank holds at most `memory_limit` activations (one per microbatch and
+  stage, freed by the stage's W, the simulator's `peak_activations`). On a V a rank keeps one
+  place for the second leg's forward, so the first leg cannot take it and deadlock the V.
+- Weight gradients (W) wait: they run when the rank would otherwise idle, when memory is full, or
+  at the end. A W that would delay an input about to arrive is run only if a policy allows it.
+
+Several policies are tried and the shortest simulated makespan kept. The fixed schedules that fit
+the memory limit are candidates too (`fixed_candidates`), so under the costs it was given zb_auto
+is never worse than they are, as long as the search fits its budget: it runs the first policy,
+then the fixed schedules, then the other policies until `SEARCH_BUDGET` actions were placed
+(every policy for a few hundred actions, e.g. 4 ranks x 8 microbatches x 2 stages; the ranked
+first ones at 8 x 32 x 2; at 32 ranks x 256 microbatches the first policy and two fixed
+schedules, in about half a second). The budget counts actions, not
+seconds, so every rank builds the same schedule.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..schedule import Schedule
+from ..topology import Topology
+from ._codes import F, I, W, code
+
+
+@dataclass(frozen=True)
+class Policy:
+    first: str  # an I and an F both ready: "backward" (1F1B), "forward" (fills faster), "alternate"
+    pick: str  # a rank's two stages both ready: "deeper" (later in the chain) first, "shallower",
+    # or "balanced": forwards deeper first, backwards on the stage with fewer done (deeper on ties)
+    w_overrun: float  # an idle W may delay an arriving input by up to this share of W's cost
+    reserve: bool  # on a V, the first leg's forward leaves room for the second's (never deadlocks)
+
+
+# every policy, the ones that most often gave the shortest makespan over a grid of ranks,
+# microbatches, costs and memory limits first (a search with a budget tries them in this order)
+_RANKED = (Policy("alternate", "balanced", 1.0, False), Policy("forward", "deeper", 0.5, True),
+           Policy("backward", "deeper", 0.5, True), Policy("alternate", "balanced", 0.0, True),
+           Policy("forward", "balanced", 0.0, True), Policy("alternate", "deeper", 0.5, True),
+           Policy("backward", "shallower", 0.5, True))
+POLICIES = _RANKED + tuple(
+    p for p in (Policy(f, d, o, v) for v in (True, False) for f in ("alternate", "backward", "forward")
+                for d in ("balanced", "deeper", "shallower") for o in (0.0, 0.5, 1.0)) if p not in _RANKED)
+# list-scheduling work (actions placed, over all policies tried) one zb_auto build may spend
+SEARCH_BUDGET = 150_000
+SLACK_ROUNDS = 3
+
+
+class _Stuck(Exception):
+    pass
+
+
+def generate(topo: Topology, costs: dict[str, list[float]], memory_limit: int, policy: Policy,
+             slack: list[float] | None = None):
+    """Codes per rank, the makespan and each rank's idle time inside its span, for `policy`.
+    `slack[r]`: how much rank r may delay arriving inputs in all to run W (it idles less than
+    the most idle rank by that much)."""
+    R, S, m = topo.num_ranks, topo.num_stages, topo.num_microbatches
+    cf, ci, cw, comm = costs["F"], costs["I"], costs["W"], costs["comm"]
+    prev, nxt, srank = topo.prev_stage, topo.next_stage, topo.stage_rank
+    local = [topo.rank_stages(r) for r in range(R)]
+    local = [sorted(st, reverse=policy.pick != "shallower") for st in local]
+    balanced = policy.pick == "balanced"
+    # a V's first-leg forward keeps room for the second leg's
+    first_leg = [policy.reserve and len(topo.rank_stages(srank[s])) > 1 and s == min(topo.rank_stages(srank[s]))
+                 for s in range(S)]
+    fin_f = [-1.0] * (S * m)  # end of each (stage, microbatch)'s F / I; -1: not placed yet
+    fin_i = [-1.0] * (S * m)
+    nf = [0] * S
+    ni = [0] * S
+    clock = [0.0] * R
+    live = [0] * R
+    pend = [deque() for _ in range(R)]
+    rows: list[list[int]] = [[] for _ in range(R)]
+    left = [len(local[r]) * m * 3 for r in range(R)]
+    waiting: dict[int, list[int]] = {}
+    backward_kinds, forward_kinds = (I, F), (F, I)
+    last_kind = [I] * R
+    overrun = policy.w_overrun
+    inf = float("inf")
+
+    def ready_f(s):
+        """(ready time or None if not yet known, lower bound) of stage s's next forward."""
+        k = nf[s]
+        p = prev[s]
+        if p < 0:
+            return 0.0, 0.0
+        t = fin_f[p * m + k]
+        extra = comm[s] if srank[p] != srank[s] else 0.0
+        if t >= 0:
+            return t + extra, t + extra
+        return None, clock[srank[p]] + cf[p] + extra
+
+    def ready_i(s):
+        k = ni[s]
+        n = nxt[s]
+        own = fin_f[s * m + k]
+        if n < 0:
+            return own, own
+        t = fin_i[n * m + k]
+        extra = comm[s] if srank[n] != srank[s] else 0.0
+        if t >= 0:
+            return max(own, t + extra), max(own, t + extra)
+        return None, max(own, clock[srank[n]] + ci[n] + extra)
+
+    def run(r, c, start, dur):
+        end = start + dur
+        busy[r] += dur
+        if first[r] is None:
+            first[r] = start
+        rows[r].append(c)
+        clock[r] = end
+        left[r] -= 1
+        return end
+
+    def run_w(r, t):  # the oldest pending weight gradient
+        s, k = pend[r].popleft()
+        run(r, code(s, W, k), t, cw[s])
+        live[r] -= 1
+        push(r, clock[r])
+
+    stamp = [0] * R  # a rank's newest heap entry; older ones are stale
+    used = [0.0] * R  # delay spent of its slack
+    first = [None] * R
+    busy = [0.0] * R
+
+    def push(r, at):
+        stamp[r] += 1
+        heapq.heappush(heap, (at, stamp[r], r))
+
+    def wake(key):
+        for q in waiting.pop(key, ()):
+            push(q, clock[q])
+
+    heap = [(0.0, 0, r) for r in range(R)]
+    while heap:
+        at, st, r = heapq.heappop(heap)
+        if st != stamp[r] or left[r] == 0:
+            continue
+        t = max(at, clock[r])
+        now = soonest = None  # (kind, stage) ready at t by priority; (ready, kind, stage) first to come
+        unknown_keys = []
+        lower = inf
+        if policy.first == "alternate":
+            kinds = backward_kinds if last_kind[r] == F else forward_kinds
+        else:
+            kinds = backward_kinds if policy.first == "backward" else forward_kinds
+        for kind in kinds:
+            stages = local[r]
+            if kind == I and balanced and len(stages) == 2 and ni[stages[1]] < ni[stages[0]]:
+                stages = stages[::-1]
+            for s in stages:
+                if kind == F:
+                    if nf[s] >= m:
+                        continue
+                    rt, lb = ready_f(s)
+                    if live[r] + (2 if first_leg[s] else 1) > memory_limit:
+                        if pend[r] and rt is not None and rt <= t:
+                            now = (W, s)  # the forward is there but memory is full: free some
+                            break
+                        continue
+                    key = (prev[s] * m + nf[s]) * 2
+                else:
+                    if ni[s] >= nf[s]:
+                        continue
+                    rt, lb = ready_i(s)
+                    key = (nxt[s] * m + ni[s]) * 2 + 1
+                if rt is None:
+                    unknown_keys.append(key)
+                    lower = min(lower, lb)
+                elif rt <= t:
+                    now = (kind, s)
+                    break
+                elif soonest is None or rt < soonest[0]:
+                    soonest = (rt, kind, s)
+            if now:
+                break
+        if now and now[0] == W:
+            run_w(r, t)
+            continue
+        if now:
+            kind, s = now
+        else:
+            arrival = min(soonest[0] if soonest else inf, lower)
+            if pend[r]:
+                wc = cw[pend[r][0][0]]
+                late = t + wc - arrival
+                if late <= overrun * wc or slack is not None and used[r] + late <= slack[r]:
+                    if late > 0:
+                        used[r] += late
+                    run_w(r, t)
+                    continue
+            if soonest is None and not unknown_keys:
+                raise _Stuck(f"rank {r} has nothing to run at {t}")
+            for key in unknown_keys:  # whichever comes first wakes the rank
+                waiting.setdefault(key, []).append(r)
+            if soonest is not None:
+                push(r, soonest[0])
+            continue
+        last_kind[r] = kind
+        if kind == F:
+            k = nf[s]
+            nf[s] += 1
+            live[r] += 1
+            end = run(r, code(s, F, k), t, cf[s])
+            fin_f[s * m + k] = end
+            wake((s * m + k) * 2)
+        else:
+            k = ni[s]
+            ni[s] += 1
+            end = run(r, code(s, I, k), t, ci[s])
+            fin_i[s * m + k] = end
+            pend[r].append((s, k))
+            wake((s * m + k) * 2 + 1)
+        push(r, clock[r])
+    if any(left):
+        raise _Stuck(f"ranks {[r for r in range(R) if left[r]]} could not finish")
+    idle = [clock[r] - (first[r] or 0.0) - busy[r] for r in range(R)]
+    return rows, max(clock), idle
+
+
+def fixed_candidates(V: int) -> tuple[str, ...]:
+    """pipecore's fixed schedules zb_auto compares with for V stages per rank (at 2, the loop
+    placement's interleaved ones win now and then: with slow forwards and fast weight gradients)."""
+    return ("1f1b", "interleaved_zb", "zbh2", "gpipe") if V == 1 else (
+        "zbv", "v_half", "v_min", "interleaved_zb", "interleaved_1f1b")
+
+
+def check_memory_limit(R: int, V: int, memory_limit) -> int:
+    if memory_limit is None:
+        return R * V
+    if isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit < V:
+        raise ValueError(
+            f"memory_limit counts the activations a rank may hold (one per microbatch and stage, as "
+            f"SimResult.peak_activations does): an integer of at least {V} for {V} stage(s) per rank; 1F1B's "
+            f"is {R * V}; got {memory_limit!r}")
+    return memory_limit
+
+
+def _policy_runs(topo, table, limit):
+    """(placements, result) per list-scheduling run, policy after policy; `result` is None
+    for a run that deadlocked or stopped improving."""
+    size = len(topo.stage_rank) * topo.num_microbatches * 3
+    for policy in POLICIES:
+        slack = None
+        last = None
+        for _ in range(SLACK_ROUNDS):  # the least idle ranks may spend what they have less to run W early
+            try:
+                rows, makespan, idle = generate(topo, table, limit, policy, slack)
+            except _Stuck:
+                yield size, None
+                break
+            yield size, (rows, makespan, topo)
+            if last is not None and makespan >= last:
+                break
+            last = makespan
+            most = max(idle)
+            slack = [most - x for x in idle]
+
+
+def _fixed_runs(topo, table, limit, V):
+    from . import build_schedule
+    from ..simulate import _peak_activations, simulate
+
+    R, m = topo.num_ranks, topo.num_microbatches
+    for name in fixed_candidates(V):
+        try:
+            fixed = build_schedule(name, R, m, V)
+        except ValueError:
+            continue
+        if max(_peak_activations(fixed.codes)) <= limit:
+            yield len(topo.stage_rank) * m * 3, (fixed.codes, simulate(fixed, table).makespan, fixed.topology)
+
+
+def search(topo: Topology, table: dict[str, list[float]], limit: int, V: int, budget: int = SEARCH_BUDGET,
+           fixed: bool = True):
+    """The shortest schedule found within `budget` placements: the first policy, then the fixed
+    schedules that fit `limit`, then the other policies."""
+    policies = _policy_runs(topo, table, limit)
+    runs = [next(policies)]
+    spent = runs[0][0]
+    sources = ([_fixed_runs(topo, table, limit, V)] if fixed else []) + [policies]
+    best = runs[0][1]
+    for source in sources:
+        for cost, result in source:
+            spent += cost
+            if result is not None and (best is None or result[1] < best[1]):
+                best = result
+            if spent >= budget:
+                return best
+    return best
+
+
+def build_zb_auto(num_ranks: int, num_microbatches: int, stages_per_rank: int,
+                  costs: Mapping[str, object] | None = None, memory_limit: int | None = None) -> Schedule:
+    from ..simulate import _cost_table
+
+    R, m, V = num_ranks, num_microbatches, stages_per_rank
+    limit = check_memory_limit(R, V, memory_limit)
+    topo = Topology.loop(R, R, m) if V == 1 else Topology.v(R, 2 * R, m)
+    best = search(topo, _cost_table(costs, topo.num_stages), limit, V)
+    if best is None:  # pragma: no cover - the reserving policies never deadlock
+        raise ValueError(f"zb_auto found no schedule within memory_limit={limit}")
+    return Schedule._from_codes(best[0], best[2], "zb_auto")
+
+
+def build_zbh2(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> Schedule:
+    """ZB-H2 of "Zero Bubble Pipeline Parallelism" (Qi et al., 2024): a rank holds up to 2R-1
+    activations, twice 1F1B's, to fill the warmup and cooldown; listed for F = I = W."""
+    from ..simulate import _cost_table
+
+    R, m = num_ranks, num_microbatches
+    topo = Topology.loop(R, R, m)
+    found = search(topo, _cost_table(None, R), 2 * R - 1, 1, budget=0, fixed=False)
+    return Schedule._from_codes(found[0], found[2], "zbh2")
