@@ -2,6 +2,7 @@
 
   show NAME --ranks R --microbatches M [--stages-per-rank V] [--out FILE.png|.svg] [--lowered]
   simulate NAME --ranks R --microbatches M [--F 1 --B 2 --I 1 --W 1 --comm 0] [--overlap concurrent]
+  simulate --compare --ranks R --microbatches M [costs] [--profile TRACE.json] [--memory 1.0]
   validate FILE.csv [--placement loop|v|dualpipe]
   bench {vs_torch,overhead,overlap,memory,build,zero_bubble,gpt,data_parallel,compat} [benchmark options...]
 """
@@ -13,31 +14,69 @@ import os
 import runpy
 import sys
 
-from .schedule import SCHEDULES, Schedule, ScheduleError, build_schedule
+from .schedule import SCHEDULES, Schedule, ScheduleError, build_schedule, canonical_name
 from .schedule.simulate import OVERLAP_MODES
 
 BENCHES = ("vs_torch", "overhead", "overlap", "memory", "build", "zero_bubble", "gpt", "data_parallel", "compat")
 
 
-def _schedule_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", help=f"one of {', '.join(SCHEDULES)}")
+def _schedule_args(p: argparse.ArgumentParser, optional_name: bool = False) -> None:
+    p.add_argument("name", help=f"one of {', '.join(SCHEDULES)}", **({"nargs": "?"} if optional_name else {}))
     p.add_argument("--ranks", "-r", type=int, required=True)
     p.add_argument("--microbatches", "-m", type=int, required=True)
     p.add_argument("--stages-per-rank", "-v", type=int, default=None)
 
 
 def _costs(p: argparse.ArgumentParser) -> None:
-    for key, default in (("F", 1.0), ("B", 2.0), ("I", None), ("W", None), ("comm", 0.0)):
-        p.add_argument(f"--{key}", type=float, default=default, help=f"cost of {key}")
+    for key, default, extra in (("F", 1.0, ""), ("B", None, " (default I + W, else 2 x F)"), ("I", None, ""),
+                                ("W", None, ""), ("comm", 0.0, "")):
+        p.add_argument(f"--{key}", type=float, default=default, help=f"cost of {key}{extra}")
 
 
 def _cost_dict(a) -> dict:
-    costs = {"F": a.F, "B": a.B, "comm": a.comm}
+    costs = {"F": a.F, "comm": a.comm}
+    if a.B is not None:
+        costs["B"] = a.B
     if a.I is not None:
         costs["I"] = a.I
     if a.W is not None:
         costs["W"] = a.W
     return costs
+
+
+def _compare(a) -> None:
+    from .schedule.recommend import compare, costs_from_trace, load_trace, memory_limit, per_rank_costs, stage_costs
+
+    costs = _cost_dict(a)
+    if a.profile:
+        measured = costs_from_trace(load_trace(a.profile))
+        costs = {"comm": a.comm, **measured}
+        print(f"costs per stage measured in {a.profile} (ms, median over microbatches, "
+              f"{len(next(iter(measured.values())))} stages):")
+        for kind, values in measured.items():
+            print(f"  {kind:<4} {' '.join(f'{v:.4g}' for v in values)}")
+    names = [canonical_name(n) for n in a.schedules] if a.schedules else None
+    rows = compare(a.ranks, a.microbatches, costs, a.memory, names)
+    if not rows:
+        raise ValueError(f"no schedule builds for {a.ranks} ranks and {a.microbatches} microbatches")
+    head = f"{'schedule':<18}{'stages/rank':>12}{'makespan':>11}{'bubble':>9}{'memory x 1F1B':>15}  fits"
+    print(head)
+    print("-" * len(head))
+    for c in rows:
+        print(f"{c.name:<18}{c.stages_per_rank:>12}{c.makespan:>11.5g}{c.bubble_ratio:>9.4f}{c.memory:>15.3f}"
+              f"  {'yes' if c.fits else 'no'}")
+    best = rows[0]
+    if not best.fits:
+        print(f"recommended: none fits memory {a.memory:g} x 1F1B's; the least memory above is "
+              f"{min(c.memory for c in rows):.3f}")
+        return
+    how = f'pc.build_schedule("{best.name}", {a.ranks}, {a.microbatches}, {best.stages_per_rank}'
+    if best.name == "zb_auto":
+        per_stage = stage_costs(range(a.ranks * best.stages_per_rank), per_rank_costs(costs, a.ranks))
+        shown = {k: ([float(f"{x:.4g}") for x in v] if isinstance(v, list) else v) for k, v in per_stage.items()}
+        how += f", costs={shown}, memory_limit={memory_limit(a.memory, a.ranks, best.stages_per_rank)}"
+    print(f"recommended: {best.name} with {best.stages_per_rank} stage(s) per rank, makespan {best.makespan:.5g} "
+          f"({how}))")
 
 
 def main(argv=None) -> int:
@@ -49,9 +88,18 @@ def main(argv=None) -> int:
     _costs(show)
     show.add_argument("--out", default=None, help="picture file (.png or .svg); default NAME_rR_mM.png")
     show.add_argument("--lowered", action="store_true", help="print the lowered schedule (with communication)")
-    sim = sub.add_parser("simulate", help="makespan, bubble and peak activations for given costs")
-    _schedule_args(sim)
+    sim = sub.add_parser("simulate", help="makespan, bubble and peak activations for given costs; --compare: of "
+                                          "every schedule, and the one to use")
+    _schedule_args(sim, optional_name=True)
     _costs(sim)
+    sim.add_argument("--compare", action="store_true",
+                     help="compare every schedule (or --schedules) and recommend the fastest within --memory")
+    sim.add_argument("--profile", default=None,
+                     help="trace of a real step (to_chrome_trace JSON or Pipeline.trace() events): its measured F, I, W "
+                          "(B) per stage, in ms, replace --F/--B/--I/--W; implies --compare")
+    sim.add_argument("--memory", type=float, default=1.0,
+                     help="activation memory allowed, as a fraction of 1F1B's (default 1.0)")
+    sim.add_argument("--schedules", nargs="*", default=None, help="the schedules to compare (default: all)")
     sim.add_argument("--overlap", default=OVERLAP_MODES[0], choices=OVERLAP_MODES,
                      help="how OVERLAP_F_B pairs run (Pipeline's overlap_f_b): concurrent prices a pair as its "
                           "longer half, the others as both")
@@ -71,7 +119,11 @@ def main(argv=None) -> int:
 
             draw_schedule(s, out, _cost_dict(a))
             print(f"wrote {out}")
+        elif a.cmd == "simulate" and (a.compare or a.profile):
+            _compare(a)
         elif a.cmd == "simulate":
+            if a.name is None:
+                raise ValueError("simulate needs a schedule name, or --compare to compare them all")
             s = build_schedule(a.name, a.ranks, a.microbatches, a.stages_per_rank)
             r = s.simulate(_cost_dict(a), overlap=a.overlap)
             print(f"schedule          {s.name} ({s.num_ranks} ranks, {s.num_stages} stages, "

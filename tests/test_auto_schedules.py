@@ -1,5 +1,7 @@
 """Cost-aware and memory-controlled schedules: zb_auto, zbh2, v_half, v_min."""
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -7,6 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pipecore as pc
+from auto_cases import traced_zbv_step
+from dist_pool import pool
+from pipecore.schedule.recommend import compare, costs_from_trace, load_trace, resample
 from pipecore.schedule.simulate import _peak_activations
 
 # pipecore's fixed schedules a zb_auto schedule of 1 or 2 stages per rank is compared with
@@ -119,3 +124,69 @@ def test_builds_fast_at_32_ranks_256_microbatches(name, V):
     elapsed = time.perf_counter() - start
     assert s.num_stages == 32 * V
     assert elapsed < 5  # a loose ceiling for a loaded CI machine; bench/schedules.py prints the times
+
+
+def test_costs_from_a_trace():
+    events = [{"name": f"PP:{s}{k}{mb}", "start_us": 0.0, "end_us": float(d)}
+              for s, (f, i, w) in enumerate([(100, 150, 50), (200, 300, 100)])
+              for mb in range(3) for k, d in (("F", f + mb), ("I", i), ("W", w))]
+    events += [{"name": "PP:0SEND_F0", "start_us": 0.0, "end_us": 9e9},
+               {"name": "PP:(0F1;1I0)OVERLAP_F_B", "start_us": 0.0, "end_us": 9e9}]
+    assert costs_from_trace(events) == {"F": [0.101, 0.201], "I": [0.15, 0.3], "W": [0.05, 0.1]}
+    chrome = [{"ph": "X", "name": e["name"], "ts": 5.0, "dur": e["end_us"]} for e in events]
+    assert costs_from_trace(chrome) == costs_from_trace(events)
+    # a merged backward (B) alone is kept; beside split ones it is split in their I : W ratio
+    assert costs_from_trace([{"name": "0B0", "ts": 0, "dur": 2000}]) == {"B": [2.0]}
+    merged = [e for e in events if not e["name"].startswith(("PP:0I", "PP:0W"))]
+    merged += [{"name": f"PP:0B{mb}", "start_us": 0.0, "end_us": 400.0} for mb in range(3)]
+    split = costs_from_trace(merged)
+    assert split["I"][0] == pytest.approx(0.3) and split["W"][0] == pytest.approx(0.1) and "B" not in split
+    with pytest.raises(ValueError, match="no F/I/W/B actions: record it with Pipeline"):
+        costs_from_trace([{"name": "PP:0SEND_F0", "ts": 0, "dur": 1}])
+    with pytest.raises(ValueError, match=r"F actions for some stages but not for stages \[1\]"):
+        costs_from_trace([{"name": "0F0", "ts": 0, "dur": 1}, {"name": "2F0", "ts": 0, "dur": 1}])
+
+
+def test_resample_keeps_the_model_cost():
+    assert resample([1, 2], 4) == [0.5, 0.5, 1.0, 1.0]
+    assert resample([1, 1, 2, 2], 2) == [2.0, 4.0]
+    assert sum(resample([1.0, 2.0, 4.0], 5)) == pytest.approx(7.0)
+
+
+@pytest.mark.parametrize("memory", [0.5, 0.75, 1.0, 2.0])
+def test_compare_recommends_the_fastest_that_fits(memory):
+    costs = {"F": 1, "I": 1.5, "W": 0.5, "comm": 0.1}
+    rows = compare(8, 32, costs, memory)
+    fits = [c for c in rows if c.fits]
+    assert fits and rows[: len(fits)] == fits  # within memory first
+    assert all(c.memory <= memory + 1e-9 for c in fits) and all(c.memory > memory for c in rows[len(fits):])
+    assert fits[0].makespan == min(c.makespan for c in fits)
+    names = {(c.name, c.stages_per_rank) for c in rows}
+    assert ("zb_auto", 1) in names and ("zb_auto", 2) in names and ("v_min", 2) in names
+    by_name = {(c.name, c.stages_per_rank): c for c in rows}
+    assert by_name[("1f1b", 1)].memory == 1.0 and by_name[("zbv", 2)].memory == 1.0
+    assert by_name[("v_half", 2)].memory == (8 + 2) // 2 / 8 and by_name[("v_min", 2)].memory == (8 + 4) // 3 / 8
+    # zb_auto of each stage count is no slower than a fixed schedule of that count that fits
+    for V in (1, 2):
+        auto = by_name[("zb_auto", V)]
+        assert auto.fits
+        assert all(auto.makespan <= c.makespan + 1e-9 for c in fits if c.stages_per_rank == V)
+
+
+def test_cli_recommends_from_a_real_trace(tmp_path):
+    path = str(tmp_path / "trace.json")
+    pool(2).run(traced_zbv_step, path)
+    out = subprocess.run([sys.executable, "-m", "pipecore", "simulate", "-r", "4", "-m", "16", "--profile", path,
+                          "--memory", "1.0"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "measured in" in text and "4 stages" in text
+    for kind in ("F", "I", "W"):
+        assert any(line.split()[:1] == [kind] and len(line.split()) == 5 for line in text.splitlines()), text
+    assert "recommended: " in text and "zb_auto" in text and "v_min" in text
+    measured = costs_from_trace(load_trace(path))
+    best = compare(4, 16, {"comm": 0.0, **measured}, 1.0)[0]
+    assert f"recommended: {best.name} with {best.stages_per_rank} stage(s)" in text
+    out = subprocess.run([sys.executable, "-m", "pipecore", "simulate", "-r", "4", "-m", "16"],
+                         capture_output=True, text=True)
+    assert out.returncode == 1 and "needs a schedule name, or --compare" in out.stderr
