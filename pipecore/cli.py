@@ -4,7 +4,7 @@
   simulate NAME --ranks R --microbatches M [--F 1 --B 2 --I 1 --W 1 --comm 0] [--overlap concurrent]
   simulate --compare --ranks R --microbatches M [costs] [--profile TRACE.json] [--memory 1.0]
   validate FILE.csv [--placement loop|v|dualpipe]
-  bench {vs_torch,overhead,overlap,memory,build,zero_bubble,gpt,data_parallel,compat} [benchmark options...]
+  bench {vs_torch,overhead,overlap,memory,build,schedules,zero_bubble,gpt,data_parallel,compat} [options...]
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import sys
 from .schedule import SCHEDULES, Schedule, ScheduleError, build_schedule, canonical_name
 from .schedule.simulate import OVERLAP_MODES
 
-BENCHES = ("vs_torch", "overhead", "overlap", "memory", "build", "zero_bubble", "gpt", "data_parallel", "compat")
+BENCHES = ("vs_torch", "overhead", "overlap", "memory", "build", "schedules", "zero_bubble", "gpt", "data_parallel",
+           "compat")
 
 
 def _schedule_args(p: argparse.ArgumentParser, optional_name: bool = False) -> None:

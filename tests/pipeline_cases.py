@@ -26,8 +26,10 @@ def _assert_grads_close(got: torch.Tensor | None, want: torch.Tensor | None, wha
 def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=True, optimizer=False,
                       accumulate=False, recv_window=None, messages="default", send_budget=None):
     """`recv_window` = (receives ahead, past_sends, max_bytes ahead): run with that window, and check
-    when every receive was posted. `messages`: see set_messages. `send_budget`: Pipeline's."""
-    sched = pc.build_schedule(name, world, m, V)
+    when every receive was posted. `messages`: see set_messages. `send_budget`: Pipeline's.
+    `name` may be (name, build_schedule's keyword options)."""
+    name, options = (name, {}) if isinstance(name, str) else name
+    sched = pc.build_schedule(name, world, m, V, **options)
     topo = sched.topology
     n_model = world if topo.style == "dualpipe" else topo.num_stages
     model = make_stages(kind, n_model)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import pipecore as pc
 from auto_cases import traced_zbv_step
+from pipeline_cases import train_and_compare
 from dist_pool import pool
 from pipecore.schedule.recommend import compare, costs_from_trace, load_trace, resample
 from pipecore.schedule.simulate import _peak_activations
@@ -190,3 +191,14 @@ def test_cli_recommends_from_a_real_trace(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pipecore", "simulate", "-r", "4", "-m", "16"],
                          capture_output=True, text=True)
     assert out.returncode == 1 and "needs a schedule name, or --compare" in out.stderr
+
+
+@pytest.mark.parametrize("name, options, world, m, V", [
+    ("interleaved_1f1b", {}, 2, 5, 2),  # torch refuses 5 on 2 ranks; Megatron's groups 3 + 2
+    ("interleaved_zb", {}, 2, 7, 2),
+    ("interleaved_1f1b", {"group_size": 3}, 2, 6, 3),
+    ("zb_auto", {"costs": {"F": 1, "I": 2, "W": 0.5, "comm": 0.5}, "memory_limit": 3}, 2, 6, 2),
+    ("zb_auto", {"costs": {"F": [1, 3], "I": [1, 3], "W": [2, 1]}, "memory_limit": 3}, 2, 6, 1),
+])
+def test_new_orders_train_like_one_process(name, options, world, m, V):
+    pool(world).run(train_and_compare, (name, options), m, V, "multi", 3 * m + 1)

@@ -13,6 +13,7 @@ CASES = {
     "gpt": ["--schedules", "1f1b", "--width", "32", "--layers", "2", "--heads", "2", "--seq-len", "16",
             "--microbatches", "4", "--rows", "8", "--steps", "1", "--warmup", "0", "--blocks", "1"],
     "build": ["--schedules", "1f1b", "zbv", "--ranks", "4", "--microbatches", "8", "--repeats", "1"],
+    "schedules": ["--ranks", "4", "--microbatches", "8"],
     "overhead": ["--stages", "2", "--microbatches", "4", "--repeats", "2"],
     "vs_torch": ["--schedules", "1f1b", "zbv", "--microbatches", "4", "--blocks", "1", "--steps", "1"],
     "memory": ["--schedules", "1f1b", "--microbatches", "2", "--rows", "64", "--width", "64", "--steps", "1"],
