@@ -202,3 +202,24 @@ def test_cli_recommends_from_a_real_trace(tmp_path):
 ])
 def test_new_orders_train_like_one_process(name, options, world, m, V):
     pool(world).run(train_and_compare, (name, options), m, V, "multi", 3 * m + 1)
+
+
+def test_policies_that_reserve_room_never_deadlock():
+    # zb_auto's last resort: on a V the first leg's forward leaves room for the second's; one
+    # stage per rank needs no room kept. Every memory limit from the least (one per stage)
+    from pipecore.schedule.builders.auto import POLICIES, generate
+    from pipecore.schedule.simulate import _cost_table
+    from pipecore.schedule.topology import Topology
+
+    reserving = [p for p in POLICIES if p.reserve]
+    for R in range(1, 6):
+        for m in range(1, 9):
+            for V in (1, 2):
+                topo = Topology.loop(R, R, m) if V == 1 else Topology.v(R, 2 * R, m)
+                table = _cost_table({"F": 1, "I": 2, "W": 0.5, "comm": 0.5}, topo.num_stages)
+                for limit in range(V, 2 * R * V + 1):
+                    for policy in reserving[(R + m + limit) % 9::9]:
+                        rows, makespan, _ = generate(topo, table, limit, policy)
+                        s = pc.Schedule._from_codes(rows, topo)
+                        assert s.simulate(table).makespan == makespan
+                        assert max(s.simulate().peak_activations) <= limit

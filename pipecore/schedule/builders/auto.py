@@ -18,8 +18,8 @@ is never worse than they are, as long as the search fits its budget: it runs the
 then the fixed schedules, then the other policies until `SEARCH_BUDGET` actions were placed
 (every policy for a few hundred actions, e.g. 4 ranks x 8 microbatches x 2 stages; the ranked
 first ones at 8 x 32 x 2; at 32 ranks x 256 microbatches the first policy and two fixed
-schedules, in about half a second). The budget counts actions, not
-seconds, so every rank builds the same schedule.
+schedules, in about half a second). The budget counts actions, not seconds, so every rank builds
+the same schedule; past it the search still runs until it has a schedule.
 """
 
 from __future__ import annotations
@@ -124,9 +124,9 @@ def generate(topo: Topology, costs: dict[str, list[float]], memory_limit: int, p
         left[r] -= 1
         return end
 
-    def run_w(r, t):  # the oldest pending weight gradient
+    def run_w(r):  # the oldest pending weight gradient: it needs nothing but the rank
         s, k = pend[r].popleft()
-        run(r, code(s, W, k), t, cw[s])
+        run(r, code(s, W, k), clock[r], cw[s])
         live[r] -= 1
         push(r, clock[r])
 
@@ -165,29 +165,31 @@ def generate(topo: Topology, costs: dict[str, list[float]], memory_limit: int, p
                     if nf[s] >= m:
                         continue
                     rt, lb = ready_f(s)
-                    if live[r] + (2 if first_leg[s] else 1) > memory_limit:
-                        if pend[r] and rt is not None and rt <= t:
-                            now = (W, s)  # the forward is there but memory is full: free some
-                            break
-                        continue
                     key = (prev[s] * m + nf[s]) * 2
+                    if live[r] + (2 if first_leg[s] else 1) > memory_limit:
+                        if not pend[r]:
+                            continue  # room comes with a backward
+                        kind_here = W  # when the forward is there, free some memory for it
+                    else:
+                        kind_here = F
                 else:
                     if ni[s] >= nf[s]:
                         continue
                     rt, lb = ready_i(s)
                     key = (nxt[s] * m + ni[s]) * 2 + 1
+                    kind_here = I
                 if rt is None:
                     unknown_keys.append(key)
                     lower = min(lower, lb)
                 elif rt <= t:
-                    now = (kind, s)
+                    now = (kind_here, s)
                     break
                 elif soonest is None or rt < soonest[0]:
-                    soonest = (rt, kind, s)
+                    soonest = (rt, kind_here, s)
             if now:
                 break
         if now and now[0] == W:
-            run_w(r, t)
+            run_w(r)
             continue
         if now:
             kind, s = now
@@ -199,7 +201,7 @@ def generate(topo: Topology, costs: dict[str, list[float]], memory_limit: int, p
                 if late <= overrun * wc or slack is not None and used[r] + late <= slack[r]:
                     if late > 0:
                         used[r] += late
-                    run_w(r, t)
+                    run_w(r)
                     continue
             if soonest is None and not unknown_keys:
                 raise _Stuck(f"rank {r} has nothing to run at {t}")
@@ -249,8 +251,8 @@ def check_memory_limit(R: int, V: int, memory_limit) -> int:
 
 
 def _policy_runs(topo, table, limit):
-    """(placements, result) per list-scheduling run, policy after policy; `result` is None
-    for a run that deadlocked or stopped improving."""
+    """(actions placed, result) per list-scheduling run, policy after policy, each policy again
+    with slack while that shortens it; `result` is None for a run that deadlocked."""
     size = len(topo.stage_rank) * topo.num_microbatches * 3
     for policy in POLICIES:
         slack = None
@@ -288,16 +290,14 @@ def search(topo: Topology, table: dict[str, list[float]], limit: int, V: int, bu
     """The shortest schedule found within `budget` placements: the first policy, then the fixed
     schedules that fit `limit`, then the other policies."""
     policies = _policy_runs(topo, table, limit)
-    runs = [next(policies)]
-    spent = runs[0][0]
+    spent, best = next(policies)
     sources = ([_fixed_runs(topo, table, limit, V)] if fixed else []) + [policies]
-    best = runs[0][1]
     for source in sources:
         for cost, result in source:
             spent += cost
             if result is not None and (best is None or result[1] < best[1]):
                 best = result
-            if spent >= budget:
+            if spent >= budget and best is not None:
                 return best
     return best
 
@@ -310,7 +310,7 @@ def build_zb_auto(num_ranks: int, num_microbatches: int, stages_per_rank: int,
     limit = check_memory_limit(R, V, memory_limit)
     topo = Topology.loop(R, R, m) if V == 1 else Topology.v(R, 2 * R, m)
     best = search(topo, _cost_table(costs, topo.num_stages), limit, V)
-    if best is None:  # pragma: no cover - the reserving policies never deadlock
+    if best is None:  # pragma: no cover - the policies that reserve room never deadlock
         raise ValueError(f"zb_auto found no schedule within memory_limit={limit}")
     return Schedule._from_codes(best[0], best[2], "zb_auto")
 
