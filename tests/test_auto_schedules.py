@@ -104,10 +104,24 @@ def test_memory_the_papers_state(name, paper, R):
             assert units == paper(R)
 
 
+# makespans of the authors' generator (sail-sg zbv_greedy.py, with its reordering), costs per stage
+AUTHORS = {(8, 32, "F=I=W"): (209, 219), (16, 64, "F=I=W"): (425, 443), (4, 8, "F=I=W"): (53, 59),
+           (8, 32, "I=1.5F"): (474, 636), (8, 32, "I=1.5F+comm"): (511.6, 708.8)}
+COST_SETS = {"F=I=W": {"F": 1, "I": 1, "W": 1}, "I=1.5F": {"F": 2, "I": 3, "W": 1},
+             "I=1.5F+comm": {"F": 2, "I": 3, "W": 1, "comm": 0.4}}
+
+
+@pytest.mark.parametrize("R, m, costs", sorted(AUTHORS))
+def test_v_half_and_v_min_are_the_authors(R, m, costs):
+    half, vmin = AUTHORS[(R, m, costs)]
+    assert pc.build_schedule("v_half", R, m).simulate(COST_SETS[costs]).makespan == pytest.approx(half)
+    assert pc.build_schedule("v_min", R, m).simulate(COST_SETS[costs]).makespan == pytest.approx(vmin)
+
+
 @pytest.mark.parametrize("R, m", [(8, 32), (16, 64)])
 def test_controllable_memory_bubbles(R, m):
-    # at F = I = W: V-Half's bubble about R / 2m of the work, V-Min's at most 2R / 3m (the paper's
-    # ~p/2m and ~2p/3m), zbh2 at most ZB-H1's; each with its memory
+    # at F = I = W: V-Half's and V-Min's bubbles below the paper's ~R/2m and ~2R/3m, each with
+    # its memory; zbh2 no slower than ZB-H1
     half = pc.build_schedule("v_half", R, m).simulate()
     vmin = pc.build_schedule("v_min", R, m).simulate()
     zbv = pc.build_schedule("zbv", R, m).simulate()
