@@ -181,6 +181,8 @@ def test_compare_recommends_the_fastest_that_fits(memory):
     by_name = {(c.name, c.stages_per_rank): c for c in rows}
     assert by_name[("1f1b", 1)].memory == 1.0 and by_name[("zbv", 2)].memory == 1.0
     assert by_name[("v_half", 2)].memory == (8 + 2) // 2 / 8 and by_name[("v_min", 2)].memory == (8 + 4) // 3 / 8
+    # Megatron's interleaved 1F1B holds 1 + (p-1)/(pv) of 1F1B's; DualPipe p+1 microbatches
+    assert by_name[("interleaved_1f1b", 2)].memory == 1 + 7 / 16 and by_name[("dualpipe", 2)].memory == 9 / 8
     # zb_auto of each stage count is no slower than a fixed schedule of that count that fits
     for V in (1, 2):
         auto = by_name[("zb_auto", V)]
@@ -237,3 +239,23 @@ def test_policies_that_reserve_room_never_deadlock():
                         s = pc.Schedule._from_codes(rows, topo)
                         assert s.simulate(table).makespan == makespan
                         assert max(s.simulate().peak_activations) <= limit
+
+
+@pytest.mark.parametrize("p", [8, 16])
+def test_the_zero_bubble_papers_closed_forms(p):
+    # Zero Bubble Pipeline Parallelism, Table 2: bubble per rank of 1F1B (p-1)(F+B+W), ZB-H1
+    # (p-1)(F+B-W), ZB-H2 (p-1)(F+B-2W), B being our I; one step's makespan = work + bubble
+    # wherever that is above the stagger every step has, (p-1)F
+    m = 4 * p
+    for f, i, w in ((1, 1, 1), (1, 1.5, 0.5), (1, 2, 1)):
+        costs = {"F": f, "I": i, "W": w}
+        work = m * (f + i + w)
+        for name, bubble in (("1f1b", (p - 1) * (f + i + w)), ("interleaved_zb", (p - 1) * (f + i - w)),
+                             ("zbh2", (p - 1) * (f + i - 2 * w))):
+            makespan = pc.build_schedule(name, p, m, 1).simulate(costs).makespan
+            assert makespan == pytest.approx(work + max(bubble, (p - 1) * f)), (name, costs)
+    # the papers' zero for ZB-H2 and ZB-V at F = I = W: no rank idles within its own span
+    for name in ("zbh2", "zbv"):
+        r = pc.build_schedule(name, p, m).simulate({"F": 1, "I": 1, "W": 1})
+        for busy, row in zip(r.busy, r.timeline):
+            assert row[-1][2] - row[0][1] == pytest.approx(busy), name
