@@ -259,3 +259,44 @@ def test_the_zero_bubble_papers_closed_forms(p):
         r = pc.build_schedule(name, p, m).simulate({"F": 1, "I": 1, "W": 1})
         for busy, row in zip(r.busy, r.timeline):
             assert row[-1][2] - row[0][1] == pytest.approx(busy), name
+
+
+def test_v_rounds_times_are_the_simulators():
+    # the V built in rounds places every action at the time the simulator gives it, within memory
+    from pipecore.schedule.builders.v_rounds import _Stuck, build_rounds
+    from pipecore.schedule.simulate import _cost_table
+    from pipecore.schedule.topology import Topology
+
+    built = 0
+    for R in (1, 2, 3, 5, 8):
+        for m in (1, R, 2 * R + 1, 4 * R):
+            topo = Topology.v(R, 2 * R, m)
+            for costs in ({"F": 1, "I": 1, "W": 1}, {"F": 2, "I": 3, "W": 1, "comm": 0.5}, {"F": 3, "I": 1, "W": 2}):
+                table = _cost_table(costs, 2 * R)
+                for limit in (2, R + 1, 2 * R):
+                    for flags in ((True, True, True), (False, True, False), (True, False, True)):
+                        try:
+                            rows, makespan, _ = build_rounds(topo, table, limit, *flags)
+                        except _Stuck:
+                            continue
+                        built += 1
+                        s = pc.Schedule._from_codes(rows, topo)
+                        s.validate()
+                        result = s.simulate(table)
+                        assert result.makespan == pytest.approx(makespan)
+                        assert max(result.peak_activations) <= limit
+    assert built > 300
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbh2", "zbv",
+                                  "v_half", "v_min"])
+def test_fast_makespan_is_the_simulators(name):
+    from pipecore.schedule.builders.auto import makespan
+    from pipecore.schedule.simulate import _cost_table
+
+    for R, m in ((1, 3), (2, 5), (4, 8), (8, 19)):
+        s = pc.build_schedule(name, R, m)
+        for costs in ({"F": 1, "I": 1, "W": 1}, {"F": [1 + s_ % 3 for s_ in range(s.num_stages)], "I": 2, "W": 0.5,
+                                                  "comm": 0.3}):
+            table = _cost_table(costs, s.num_stages)
+            assert makespan(s.codes, s.topology, table) == pytest.approx(s.simulate(costs).makespan)

@@ -98,10 +98,8 @@ def _reorder(ranks: list[dict[int, int]], topo: Topology, m: int) -> None:
 
     warmup_end = at[code(0, I, 0)]  # rank 0's first backward of stage 0
     cooldown_start = _cooldown_start(at, R, m)
-    order = sorted(at.items(), key=lambda item: (item[1], srank[(item[0] >> STAGE_SHIFT) & 0xFFFF]))
-    for c, old in order:
-        if warmup_end <= old <= cooldown_start:
-            continue
+    moving = [(c, t) for c, t in at.items() if not warmup_end <= t <= cooldown_start]
+    for c, old in sorted(moving, key=lambda item: (item[1], srank[(item[0] >> STAGE_SHIFT) & 0xFFFF])):
         r = srank[(c >> STAGE_SHIFT) & 0xFFFF]
         slots, row = ranks[r], memory[r]
         earliest = max((at[d] for d in inputs(c)), default=-1) + 1
@@ -137,9 +135,8 @@ def _squeeze_cooldown_backwards(ranks: list[dict[int, int]], topo: Topology, m: 
         at_start.append((sum(1 if c & 0xF == F else -1 if c & 0xF == W else 0 for c in early),
                          sum(c & 0xF == I and c - I + W not in placed for c in early)))
     one = 1 << MB_SHIFT
-    for c, old in sorted(at.items(), key=lambda item: (item[1], srank[(item[0] >> STAGE_SHIFT) & 0xFFFF])):
-        if old <= cooldown_start or c & 0xF != I:
-            continue
+    moving = [(c, t) for c, t in at.items() if t > cooldown_start and c & 0xF == I]
+    for c, old in sorted(moving, key=lambda item: (item[1], srank[(item[0] >> STAGE_SHIFT) & 0xFFFF])):
         s, k = (c >> STAGE_SHIFT) & 0xFFFF, (c >> MB_SHIFT) - 1
         deps = [code(s, F, k)] + ([c - one] if k > 0 else []) + ([code(nxt[s], I, k)] if nxt[s] >= 0 else [])
         r = srank[s]
