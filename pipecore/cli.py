@@ -96,8 +96,8 @@ def main(argv=None) -> int:
     sim.add_argument("--compare", action="store_true",
                      help="compare every schedule (or --schedules) and recommend the fastest within --memory")
     sim.add_argument("--profile", default=None,
-                     help="trace of a real step (to_chrome_trace JSON or Pipeline.trace() events): its measured F, I, W "
-                          "(B) per stage, in ms, replace --F/--B/--I/--W; implies --compare")
+                     help="trace of a real step (to_chrome_trace JSON or Pipeline.trace() events): its measured "
+                          "F, I, W (B) per stage, in ms, replace --F/--B/--I/--W; implies --compare")
     sim.add_argument("--memory", type=float, default=1.0,
                      help="activation memory allowed, as a fraction of 1F1B's (default 1.0)")
     sim.add_argument("--schedules", nargs="*", default=None, help="the schedules to compare (default: all)")

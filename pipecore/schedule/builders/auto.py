@@ -17,9 +17,9 @@ in rounds of `v_rounds`, which sees when each input arrives. The fixed schedules
 memory limit are candidates too (`fixed_candidates`), so under the costs it was given zb_auto is
 never worse than they are, as long as the search fits its budget: it runs the first policy, the
 fixed schedules, on a V the rounds, then the other policies until `SEARCH_BUDGET` actions were
-placed (all of them for a few hundred actions, e.g. 4 ranks x 8 microbatches x 2 stages; the
-first ones at 8 x 32 x 2; at 32 ranks x 2 stages x 256 microbatches the first policy and
-the fixed schedules, in about half a second). The budget counts actions, not seconds, so every rank builds
+placed (all of them for a few hundred actions, e.g. 4 ranks x 8 microbatches x 2 stages; the first
+ones at 8 x 32 x 2; at 32 ranks x 2 stages x 256 microbatches the first policy and the fixed
+schedules, in about half a second). The budget counts actions, not seconds, so every rank builds
 the same schedule; the search goes on past it only until it has a schedule.
 """
 
