@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pipecore as pc  # noqa: E402
+from pipecore.schedule.builders import default_stages_per_rank, takes_stages_per_rank  # noqa: E402
 from pipecore.torch_compat import TORCH_CLASSES, torch_build, torch_lower  # noqa: E402
 
 
@@ -45,13 +46,10 @@ def run(schedules, ranks_list, micro_list, stages_per_rank, repeats, torch_budge
     for name in schedules:
         for R in ranks_list:
             for m in micro_list:
-                try:  # --stages-per-rank where the schedule takes it, else its default
-                    try:
-                        V = pc.build_schedule(name, R, m, stages_per_rank).num_stages // R
-                    except ValueError as exc:
-                        if "stage(s) per rank" not in str(exc):
-                            raise
-                        V = pc.build_schedule(name, R, m).num_stages // R
+                # --stages-per-rank where the schedule takes it, else its default
+                V = stages_per_rank if takes_stages_per_rank(name, stages_per_rank) else default_stages_per_rank(name)
+                try:
+                    pc.build_schedule(name, R, m, V)
                 except ValueError as exc:
                     print(f"skip {name} R={R} m={m}: {exc}", file=sys.stderr)
                     continue

@@ -13,13 +13,16 @@ from auto_cases import traced_zbv_step
 from pipeline_cases import train_and_compare
 from dist_pool import pool
 from pipecore.schedule.recommend import compare, costs_from_trace, load_trace, resample
+from pipecore.schedule.builders import takes_stages_per_rank as _takes
 from pipecore.schedule.simulate import _peak_activations
 
-# pipecore's fixed schedules a zb_auto schedule of 1 or 2 stages per rank is compared with
-FIXED = {1: [("gpipe", 1), ("1f1b", 1), ("interleaved_zb", 1), ("interleaved_1f1b", 1), ("zbh2", 1)],
-         2: [("zbv", 2), ("v_half", 2), ("v_min", 2), ("dualpipev", 2), ("interleaved_1f1b", 2),
-             ("interleaved_zb", 2), ("looped_bfs", 2)]}
+# every fixed schedule of pipecore a zb_auto schedule of 1 or 2 stages per rank is compared with:
+# all that take that many stages per rank, but dualpipe (model stages mirrored: twice the weights)
+FIXED = {V: [(name, V) for name in pc.SCHEDULES if name not in ("zb_auto", "forward_only", "dualpipe")
+             and _takes(name, V)] for V in (1, 2)}
 SAIL = {"F": 1, "I": 1.5, "W": 0.5}  # sail-sg's published ZB-V cases: costs per stage
+assert {n for n, _ in FIXED[2]} >= {"zbv", "v_half", "v_min", "dualpipev", "looped_bfs", "interleaved_zb"}
+assert {n for n, _ in FIXED[1]} >= {"gpipe", "1f1b", "interleaved_zb", "zbh2"}
 
 
 def _fixed_that_fit(R, m, V, limit):
@@ -54,13 +57,22 @@ def test_zb_auto_v_no_worse_than_sail_sg_zbv_heuristic(R, m, sail_makespan):
     assert pc.build_schedule("zbv", R, m).simulate(SAIL).makespan > sail_makespan
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(R=st.integers(1, 8), m=st.integers(1, 24), V=st.sampled_from([1, 2]),
-       f=st.sampled_from([0.5, 1, 1.5, 2]), i=st.sampled_from([0.5, 1, 1.5, 2]),
-       w=st.sampled_from([0.25, 0.5, 1, 2]), comm=st.sampled_from([0, 0.25, 1]), data=st.data())
+       f=st.sampled_from([0.5, 1, 1.5, 2, 3]), i=st.sampled_from([0.5, 1, 1.5, 2]),
+       w=st.sampled_from([0, 0.1, 0.5, 1, 2]), comm=st.sampled_from([0, 0.25, 1, 5]), data=st.data())
 def test_property_zb_auto(R, m, V, f, i, w, comm, data):
-    limit = data.draw(st.integers(V, 2 * R * V), label="memory_limit")
+    limit = data.draw(st.integers(V, 4 * R * V), label="memory_limit")
     _check_auto(R, m, V, {"F": f, "I": i, "W": w, "comm": comm}, limit)
+
+
+@pytest.mark.parametrize("R, m, V, costs, limit", [
+    (8, 16, 2, {"F": 1, "I": 2, "W": 0.1, "comm": 5}, 32),  # looped BFS wins: slow messages, room for all
+    (32, 256, 2, {"F": 3, "I": 1, "W": 0.1}, 64),  # past the search budget: the fixed ones still count
+    (32, 256, 1, {"F": 1, "I": 1.5, "W": 0.5, "comm": 0.1}, 32),
+])
+def test_zb_auto_no_worse_than_fixed_at_the_edges(R, m, V, costs, limit):
+    _check_auto(R, m, V, costs, limit)
 
 
 def test_zb_auto_per_stage_costs_and_defaults():
@@ -85,6 +97,11 @@ def test_zb_auto_bad_input_says_what_to_do():
         pc.build_schedule("zbv", 4, 8, memory_limit=8)
     with pytest.raises(ValueError, match="runs 1 or 2 stage"):
         pc.build_schedule("zb_auto", 4, 8, 3)
+    for bad in ({"comm": float("nan")}, {"F": float("inf")}, {"W": -1}):
+        with pytest.raises(ValueError, match="must be finite and not negative"):
+            pc.build_schedule("zb_auto", 4, 8, costs=bad)
+    with pytest.raises(ValueError, match=r"'I' \(3\) exceeds 'B' \(2\), so W = B - I would be negative"):
+        pc.build_schedule("zb_auto", 4, 8, costs={"B": 2, "I": 3})
 
 
 @pytest.mark.parametrize("R", [2, 3, 4, 5, 6, 8, 12, 16])
@@ -175,7 +192,14 @@ def test_compare_recommends_the_fastest_that_fits(memory):
     fits = [c for c in rows if c.fits]
     assert fits and rows[: len(fits)] == fits  # within memory first
     assert all(c.memory <= memory + 1e-9 for c in fits) and all(c.memory > memory for c in rows[len(fits):])
-    assert fits[0].makespan == min(c.makespan for c in fits)
+    # each row is the schedule simulated under its share of the costs
+    from pipecore.schedule.recommend import per_rank_costs, stage_costs
+
+    for c in rows:
+        if c.name != "zb_auto":
+            s = pc.build_schedule(c.name, 8, 32, c.stages_per_rank)
+            again = s.simulate(stage_costs(s.topology.model_stage, per_rank_costs(costs, 8)))
+            assert c.makespan == pytest.approx(again.makespan), c.name
     names = {(c.name, c.stages_per_rank) for c in rows}
     assert ("zb_auto", 1) in names and ("zb_auto", 2) in names and ("v_min", 2) in names
     by_name = {(c.name, c.stages_per_rank): c for c in rows}
@@ -289,14 +313,67 @@ def test_v_rounds_times_are_the_simulators():
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbh2", "zbv",
-                                  "v_half", "v_min"])
+                                  "v_half", "v_min", "dualpipev", "dualpipe"])
 def test_fast_makespan_is_the_simulators(name):
     from pipecore.schedule.builders.auto import makespan
     from pipecore.schedule.simulate import _cost_table
 
-    for R, m in ((1, 3), (2, 5), (4, 8), (8, 19)):
-        s = pc.build_schedule(name, R, m)
+    for R, m in ((1, 4), (2, 6), (4, 8), (8, 20)):
+        try:
+            s = pc.build_schedule(name, R, m)
+        except ValueError:
+            continue
         for costs in ({"F": 1, "I": 1, "W": 1}, {"F": [1 + s_ % 3 for s_ in range(s.num_stages)], "I": 2, "W": 0.5,
                                                   "comm": 0.3}):
             table = _cost_table(costs, s.num_stages)
             assert makespan(s.codes, s.topology, table) == pytest.approx(s.simulate(costs).makespan)
+
+
+def test_costs_of_a_dualpipe_trace_fold_its_mirrored_stages():
+    # dualpipe's stages R..2R-1 compute model stages 0..R-1 again: the trace's 4 stages are 2
+    from pipecore.schedule.recommend import traced_model_stages
+
+    model_f = [1.0, 3.0]
+    events = [{"name": f"PP:{s}{kind}{mb}", "ts": 0.0, "dur": 1000 * model_f[s % 2] * scale}
+              for s in range(4) for mb in range(2) for kind, scale in (("F", 1), ("I", 1), ("W", 0.5))]
+    mirrored = traced_model_stages("dualpipe", 2)
+    assert mirrored == [0, 1, 0, 1]
+    costs = costs_from_trace(events, model_stage=mirrored)
+    assert costs == {"F": [1.0, 3.0], "I": [1.0, 3.0], "W": [0.5, 1.5]}
+    assert costs_from_trace(events)["F"] == [1.0, 3.0, 1.0, 3.0]  # read as a chain: 4 stages
+    with pytest.raises(ValueError, match="forwards only: trace a training step"):
+        costs_from_trace([e for e in events if "F" in e["name"]])
+    with pytest.raises(ValueError, match="no F/I/W/B action with a duration"):
+        costs_from_trace([{"name": "0F0", "ts": 0}])
+    with pytest.raises(ValueError, match="objects with a name and times"):
+        costs_from_trace(["0F0"])
+
+
+def test_compare_says_what_is_wrong():
+    for args, needle in (((0, 8), "num_ranks must be a positive integer"),
+                         ((4, 8, {"F": float("nan")}), "must be finite and not negative"),
+                         ((4, 8, {"B": 2, "I": 3}), "W = B - I would be negative"),
+                         ((4, 8, {"comm": [1, 2]}), "comm is the cost of one message"),
+                         ((4, 8, {}, float("inf")), "fraction of 1F1B's activation memory")):
+        with pytest.raises(ValueError, match=needle):
+            compare(*args)
+
+
+def _run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "pipecore", *args], capture_output=True, text=True)
+
+
+def test_cli_simulate_builds_zb_auto_for_the_costs_given():
+    costs = {"F": 1, "I": 2, "W": 0.1, "comm": 5}
+    out = _run_cli("simulate", "zb_auto", "-r", "8", "-m", "32", "-v", "2", "--F", "1", "--I", "2", "--W", "0.1",
+                   "--comm", "5")
+    assert out.returncode == 0, out.stderr
+    tuned = pc.build_schedule("zb_auto", 8, 32, 2, costs=costs).simulate(costs).makespan
+    assert f"makespan          {tuned:.6g}" in out.stdout
+    assert tuned < pc.build_schedule("zb_auto", 8, 32, 2).simulate(costs).makespan
+    for args, needle in ((("--compare", "-r", "4", "-m", "8", "-v", "2"), "--stages-per-rank: not with --compare"),
+                         (("1f1b", "-r", "4", "-m", "8", "--memory", "0.5"), "go with --compare or --profile"),
+                         (("--compare", "-r", "4", "-m", "8", "--comm", "nan"), "must be finite"),
+                         (("--compare", "-r", "4", "-m", "8", "--traced-schedule", "dualpipe"), "describes the trace")):
+        out = _run_cli("simulate", *args)
+        assert out.returncode == 1 and needle in out.stderr, (args, out.stderr)

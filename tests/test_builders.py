@@ -190,14 +190,14 @@ def test_interleaved_1f1b_is_megatrons_order(R, m, V, N):
 def test_interleaved_takes_every_microbatch_count():
     # torch refuses m=9 on 4 ranks (not a multiple of its 2 rounds); Megatron groups 5 + 4
     refused_by_torch = [(R, m) for R in range(2, 9) for m in range(R, 4 * R) if m % max(1, m // R)]
-    assert (4, 9) in refused_by_torch and len(refused_by_torch) == 37
+    assert (4, 9) in refused_by_torch
     for R, m in refused_by_torch:
         for name in ("interleaved_1f1b", "interleaved_zb"):
             s = pc.build_schedule(name, R, m, 2)
             s.lower().validate()
     s = pc.build_schedule("interleaved_1f1b", 4, 9, 2)
     assert [str(a) for a in s.actions[0][:12]] == megatron_reference.rank_order(0, 4, 9, 2, 5)[:12]
-    with pytest.raises(ValueError, match=r"group_size=4 does not fit 9 microbatches on 4 ranks.*\[5, 9\]"):
+    with pytest.raises(ValueError, match=r"group_size=4 does not fit 9 microbatches on 4 ranks.*e.g. \[5, 9\]"):
         pc.build_schedule("interleaved_1f1b", 4, 9, 2, group_size=4)
     with pytest.raises(ValueError, match="group_size applies to interleaved_1f1b, interleaved_zb, not to zbv"):
         pc.build_schedule("zbv", 4, 8, group_size=4)

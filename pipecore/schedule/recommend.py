@@ -18,36 +18,48 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .builders import SCHEDULES, _SPECS, build_schedule
-from .simulate import _peak_activations, simulate
+from .builders import SCHEDULES, build_schedule, default_stages_per_rank
+from .simulate import _cost_table, _peak_activations, simulate
 
 _ACTION = re.compile(r"(?:^|:)(\d+)([FIWB])(\d+)$")
 _KINDS = ("F", "I", "W", "B")
 
 
-def costs_from_trace(events: Iterable[Mapping], unit: float = 1e-3) -> dict[str, list[float]]:
-    """Median duration per kind (F, I, W, B) and stage of a traced step, in ms (`unit` per us).
+def costs_from_trace(events: Iterable[Mapping], unit: float = 1e-3,
+                     model_stage: Sequence[int] | None = None) -> dict[str, list[float]]:
+    """Median duration per kind (F, I, W, B) and model stage of a traced step, in ms (`unit` per us).
 
     `events`: a `Pipeline.trace()` / `gather_trace()` list (name, start_us, end_us) or the
     "traceEvents" of `to_chrome_trace` (name, ts, dur). Communication and OVERLAP_F_B pairs are
-    left out. With split backwards in the trace the result has F, I and W (a stage that ran B,
-    merged, gets its B split in the measured stages' I : W ratio), else F and B (the simulator
-    then takes I = W = B / 2)."""
+    left out. `model_stage[s]`: the model stage the traced schedule's stage s computes (its
+    topology's; dualpipe's stages R..2R-1 mirror 0..R-1); by default stage s is model stage s.
+    With split backwards in the trace the result has F, I and W (a stage that ran B, merged, gets
+    its B split in the measured stages' I : W ratio), else F and B."""
     samples: dict[tuple[str, int], list[float]] = {}
     for e in events:
-        name = e.get("name", "")
+        if not isinstance(e, Mapping):
+            raise ValueError(f"trace events are objects with a name and times, got {e!r}")
+        name = str(e.get("name", ""))
         match = _ACTION.search(name)
         if not match or name.endswith("OVERLAP_F_B") or e.get("lane", 0) == 1 or e.get("tid") == 2:
             continue
         if "dur" in e:
             dur = float(e["dur"])
-        elif "end_us" in e:
+        elif "end_us" in e and "start_us" in e:
             dur = float(e["end_us"]) - float(e["start_us"])
         else:
             continue
-        samples.setdefault((match.group(2), int(match.group(1))), []).append(dur * unit)
+        stage = int(match.group(1))
+        if model_stage is not None:
+            if stage >= len(model_stage):
+                raise ValueError(f"the trace has stage {stage}; the traced schedule has {len(model_stage)} stages")
+            stage = model_stage[stage]
+        samples.setdefault((match.group(2), stage), []).append(dur * unit)
     if not samples:
-        raise ValueError("the trace has no F/I/W/B actions: record it with Pipeline(trace=True)")
+        raise ValueError("the trace has no F/I/W/B action with a duration (dur, or start_us and end_us): "
+                         "record a training step with Pipeline(trace=True) and export it with to_chrome_trace")
+    if not any(kind in ("I", "W", "B") for kind, _ in samples):
+        raise ValueError("the trace has forwards only: trace a training step (pipe.step), not eval")
     stages = max(s for _, s in samples) + 1
     median = {key: statistics.median(v) for key, v in samples.items()}
     split = [s for s in range(stages) if ("I", s) in median and ("W", s) in median]
@@ -61,15 +73,23 @@ def costs_from_trace(events: Iterable[Mapping], unit: float = 1e-3) -> dict[str,
                 median.setdefault(("W", s), median[("B", s)] * (1 - share))
     costs = {}
     for kind in (("F", "I", "W") if split else ("F", "B")):
-        have = [s for s in range(stages) if (kind, s) in median]
-        if not have:
-            continue
-        missing = sorted(set(range(stages)) - set(have))
+        missing = [s for s in range(stages) if (kind, s) not in median]
         if missing:
-            raise ValueError(f"the trace has {kind} actions for some stages but not for stages {missing}: "
-                             f"trace a whole step of every rank (gather_trace)")
+            raise ValueError(f"the trace has no {kind} for stages {missing}: trace a whole training step of every "
+                             f"rank (gather_trace)")
         costs[kind] = [median[(kind, s)] for s in range(stages)]
     return costs
+
+
+def traced_model_stages(name: str, num_ranks: int) -> list[int]:
+    """The model stage of each stage of schedule `name` (at its default stages per rank) on
+    `num_ranks` ranks, for `costs_from_trace`."""
+    for m in (2 * num_ranks, 4 * num_ranks, 8 * num_ranks):
+        try:
+            return list(build_schedule(name, num_ranks, m).topology.model_stage)
+        except ValueError:
+            continue
+    raise ValueError(f"{name} does not build on {num_ranks} ranks")
 
 
 def load_trace(path: str) -> list[dict]:
@@ -78,7 +98,7 @@ def load_trace(path: str) -> list[dict]:
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
         raise ValueError(f"{path}: expected a Chrome trace (traceEvents) or a list of Pipeline.trace() events")
-    return [e for e in events if e.get("ph", "X") == "X"]
+    return [e for e in events if not isinstance(e, Mapping) or e.get("ph", "X") == "X"]
 
 
 def resample(values: Sequence[float], n: int) -> list[float]:
@@ -137,7 +157,7 @@ class Candidate:
 
 def _stage_counts(name: str) -> tuple[int, ...]:
     """Stages per rank a schedule is compared at: its default; ZB-H1 and zb_auto at 1 and 2."""
-    return (1, 2) if name in ("interleaved_zb", "zb_auto") else (_SPECS[name].default_stages_per_rank,)
+    return (1, 2) if name in ("interleaved_zb", "zb_auto") else (default_stages_per_rank(name),)
 
 
 def compare(num_ranks: int, num_microbatches: int, costs: Mapping[str, object] | None = None,
@@ -145,10 +165,16 @@ def compare(num_ranks: int, num_microbatches: int, costs: Mapping[str, object] |
     """Every schedule of `names` (default: all but forward_only) that builds for these ranks and
     microbatches, zb_auto built for `costs` within `memory` (a fraction of 1F1B's activations);
     those within `memory` first, fastest first."""
-    if not memory > 0:
+    if not (isinstance(memory, (int, float)) and 0 < memory < float("inf")):
         raise ValueError(f"memory is a fraction of 1F1B's activation memory (1.0: 1F1B's), got {memory!r}")
     R, m = num_ranks, num_microbatches
+    for label, value in (("num_ranks", R), ("num_microbatches", m)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{label} must be a positive integer, got {value!r}")
+    if not isinstance((costs or {}).get("comm", 0), (int, float)):
+        raise ValueError("comm is the cost of one message: one number")
     costs = per_rank_costs(costs, R)
+    _cost_table(stage_costs(range(R), costs), R)  # bad costs: said here, not as schedules left out
     rows = []
     for name in names or [n for n in SCHEDULES if n != "forward_only"]:
         for V in _stage_counts(name):

@@ -7,6 +7,8 @@ actions of a lowered schedule take no rank time (their latency is the `comm` cos
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -49,8 +51,8 @@ def _cost_table(costs: Mapping[str, object] | None, num_stages: int) -> dict[str
             vals = [float(v) for v in value]
         else:
             raise ValueError(f"cost {name!r} must be a number or one number per stage ({num_stages}), got {value!r}")
-        if any(v < 0 for v in vals):
-            raise ValueError(f"cost {name!r} must not be negative")
+        if not all(math.isfinite(v) and v >= 0 for v in vals):
+            raise ValueError(f"cost {name!r} must be finite and not negative, got {value!r}")
         return vals
 
     table = {k: per_stage(k, v) for k, v in costs.items() if k != "OVERLAP_F_B"}
@@ -63,7 +65,11 @@ def _cost_table(costs: Mapping[str, object] | None, num_stages: int) -> dict[str
         else:
             table["B"] = [2 * f for f in table["F"]]
     table.setdefault("I", [b / 2 for b in table["B"]])
-    table.setdefault("W", [b - i for b, i in zip(table["B"], table["I"])])
+    if "W" not in table:
+        if any(i > b for b, i in zip(table["B"], table["I"])):
+            raise ValueError(f"cost 'I' ({costs['I']!r}) exceeds 'B' ({costs['B']!r}), so W = B - I would be negative: "
+                             f"give W, or a B of at least I")
+        table["W"] = [b - i for b, i in zip(table["B"], table["I"])]
     for k in ("comm", "REDUCE_GRAD", "UNSHARD", "RESHARD"):
         table.setdefault(k, [0.0] * num_stages)
     if "OVERLAP_F_B" in costs:

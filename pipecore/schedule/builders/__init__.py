@@ -108,6 +108,23 @@ def build_schedule(name: str, num_ranks: int, num_microbatches: int, stages_per_
         return spec.build(num_ranks, num_microbatches, stages_per_rank, **options)
 
 
+def takes_stages_per_rank(name: str, stages_per_rank: int) -> bool:
+    """Whether schedule `name` runs `stages_per_rank` stages per rank."""
+    allowed = _SPECS[canonical_name(name)].allowed_stages_per_rank
+    return allowed is None or stages_per_rank in allowed
+
+
+def default_stages_per_rank(name: str) -> int:
+    return _SPECS[canonical_name(name)].default_stages_per_rank
+
+
+def fixed_schedules(stages_per_rank: int) -> tuple[str, ...]:
+    """The training schedules of fixed order that run `stages_per_rank` stages per rank, model
+    stage s once (not dualpipe's mirrored copies): what zb_auto compares itself with."""
+    return tuple(n for n in SCHEDULES if n not in ("zb_auto", "forward_only", "dualpipe")
+                 and takes_stages_per_rank(n, stages_per_rank))
+
+
 def describe() -> dict[str, str]:
     """One line per schedule: what it does."""
     return {name: spec.summary for name, spec in _SPECS.items()}

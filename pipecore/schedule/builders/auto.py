@@ -13,14 +13,14 @@ ranks took their actions (so the simulator reproduces the generator's times exac
   at the end. A W that would delay an input about to arrive is run only if a policy allows it.
 
 Several policies are tried and the shortest simulated makespan kept; on a V also the construction
-in rounds of `v_rounds`, which sees when each input arrives. The fixed schedules that fit the
-memory limit are candidates too (`fixed_candidates`), so under the costs it was given zb_auto is
-never worse than they are, as long as the search fits its budget: it runs the first policy, the
-fixed schedules, on a V the rounds, then the other policies until `SEARCH_BUDGET` actions were
-placed (all of them for a few hundred actions, e.g. 4 ranks x 8 microbatches x 2 stages; the first
-ones at 8 x 32 x 2; at 32 ranks x 2 stages x 256 microbatches the first policy and the fixed
-schedules, in about half a second). The budget counts actions, not seconds, so every rank builds
-the same schedule; the search goes on past it only until it has a schedule.
+in rounds of `v_rounds`, which sees when each input arrives. Every fixed schedule that fits the
+memory limit is a candidate too (`builders.fixed_schedules`, scored by a replay of the simulator),
+so under the costs it was given zb_auto is never worse than any of them. The list schedules are
+tried within a budget of actions placed (`SEARCH_BUDGET`): all of them for a few hundred
+actions (4 ranks x 8 microbatches x 2 stages), the first ones at 8 x 32 x 2, only the first
+policy at 32 ranks x 2 stages x 256 microbatches. The budget counts actions, not seconds, so
+every rank builds the same schedule from the same costs (bit for bit: give every rank the same
+numbers rather than each its own measurement).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from ..schedule import Schedule
 from ..topology import Topology
 from ..action import STAGE_SHIFT
-from ._codes import B, F, I, W, code
+from ._codes import B, F, I, OVERLAP, W, code
 from .v_rounds import _Stuck, build_rounds
 
 
@@ -44,6 +44,11 @@ class Policy:
     # or "balanced": forwards deeper first, backwards on the stage with fewer done (deeper on ties)
     w_overrun: float  # an idle W may delay an arriving input by up to this share of W's cost
     reserve: bool  # on a V, the first leg's forward leaves room for the second's (never deadlocks)
+
+    def __post_init__(self):
+        if self.first not in ("backward", "forward", "alternate") or self.pick not in ("deeper", "shallower",
+                                                                                         "balanced"):
+            raise ValueError(f"unknown policy {self}")
 
 
 # every policy, the ones that most often gave the shortest makespan over a grid of ranks,
@@ -56,7 +61,7 @@ POLICIES = _RANKED + tuple(
     p for p in (Policy(f, d, o, v) for v in (True, False) for f in ("alternate", "backward", "forward")
                 for d in ("balanced", "deeper", "shallower") for o in (0.0, 0.5, 1.0)) if p not in _RANKED)
 # list-scheduling work (actions placed, over all policies tried) one zb_auto build may spend
-SEARCH_BUDGET = 120_000
+SEARCH_BUDGET = 90_000
 SLACK_ROUNDS = 3
 
 
@@ -231,13 +236,6 @@ def generate(topo: Topology, costs: dict[str, list[float]], memory_limit: int, p
     return rows, max(clock), idle
 
 
-def fixed_candidates(V: int) -> tuple[str, ...]:
-    """pipecore's fixed schedules zb_auto compares with for V stages per rank (at 2, the loop
-    placement's interleaved ones win now and then: with slow forwards and fast weight gradients)."""
-    return ("1f1b", "interleaved_zb", "zbh2", "gpipe") if V == 1 else (
-        "zbv", "v_half", "v_min", "interleaved_zb", "interleaved_1f1b")
-
-
 def check_memory_limit(R: int, V: int, memory_limit) -> int:
     if memory_limit is None:
         return R * V
@@ -290,14 +288,30 @@ def _round_runs(topo, table, limit):
 
 
 def makespan(codes: list[list[int]], topo: Topology, table: dict[str, list[float]]) -> float:
-    """The simulator's makespan of a compute-only schedule of F, I, W and B, without its event
-    machinery: ranks in turn run what they can until all are done (about 6x faster)."""
+    """The simulator's makespan (overlap "lockstep": a pair costs both halves) of a compute-only
+    schedule, without its event machinery: ranks in turn run what they can until all are done
+    (about 6x faster)."""
+    from ..lowering import leaf_codes
+
     R = len(codes)
     prev, nxt, srank = topo.prev_stage, topo.next_stage, topo.stage_rank
     cost = {F: table["F"], I: table["I"], W: table["W"], B: table["B"]}
     comm = table["comm"]
     stage_bits = 0xFFFF << STAGE_SHIFT
     end: dict[int, float] = {}
+
+    def ready(c, r):
+        """When leaf action c's input is there (0 without one); None if not yet computed."""
+        kind, s = c & 0xF, (c >> STAGE_SHIFT) & 0xFFFF
+        q = prev[s] if kind == F else nxt[s] if kind != W else -1  # whose output it needs
+        if q < 0:
+            return 0.0
+        # a gradient comes from the next stage's I or B: both are kept under kind 0xF
+        e = end.get((c & ~stage_bits) | (q << STAGE_SHIFT) | (0 if kind == F else 0xF))
+        if e is not None and srank[q] != r:
+            e += comm[s]
+        return e
+
     pos, clock = [0] * R, [0.0] * R
     active = [r for r in range(R) if codes[r]]
     while active:
@@ -306,18 +320,21 @@ def makespan(codes: list[list[int]], topo: Topology, table: dict[str, list[float
             row, p, t = codes[r], pos[r], clock[r]
             while p < len(row):
                 c = row[p]
-                kind, s = c & 0xF, (c >> STAGE_SHIFT) & 0xFFFF
-                q = prev[s] if kind == F else nxt[s] if kind != W else -1  # whose output it needs
-                if q >= 0:
-                    e = end.get((c & ~stage_bits) | (q << STAGE_SHIFT))
+                kind = c & 0xF
+                if kind == OVERLAP:
+                    leaves = leaf_codes(c)
+                    times = [ready(lc, r) for lc in leaves]
+                    if None in times:
+                        break
+                    t = max(t, *times) + sum(cost[lc & 0xF][(lc >> STAGE_SHIFT) & 0xFFFF] for lc in leaves)
+                    for lc in leaves:
+                        end[lc | 0xF if lc & 0xF in (I, B) else lc] = t
+                else:
+                    e = ready(c, r)
                     if e is None:
                         break
-                    if srank[q] != r:
-                        e += comm[s]
-                    if e > t:
-                        t = e
-                t += cost[kind][s]
-                end[c] = t
+                    t = max(t, e) + cost[kind][(c >> STAGE_SHIFT) & 0xFFFF]
+                    end[c | 0xF if kind in (I, B) else c] = t
                 p += 1
             if p != pos[r]:
                 moved = True
@@ -329,37 +346,42 @@ def makespan(codes: list[list[int]], topo: Topology, table: dict[str, list[float
 
 
 def _fixed_runs(topo, table, limit, V):
-    from . import build_schedule
+    """Each fixed schedule of V stages per rank that fits `limit` (`fixed_schedules`: on a V the
+    loop-placed interleaved ones too, which win now and then, e.g. with slow forwards)."""
+    from . import build_schedule, fixed_schedules
     from ..simulate import _peak_activations
 
     R, m = topo.num_ranks, topo.num_microbatches
-    for name in fixed_candidates(V):
+    for name in fixed_schedules(V):
         try:
             fixed = build_schedule(name, R, m, V)
         except ValueError:
             continue
-        if max(_peak_activations(fixed.codes)) <= limit:
-            yield fixed.codes, makespan(fixed.codes, fixed.topology, table), fixed.topology
+        if max(_peak_activations(fixed.codes)) > limit:
+            continue
+        yield fixed.codes, makespan(fixed.codes, fixed.topology, table), fixed.topology
 
 
-def search(topo: Topology, table: dict[str, list[float]], limit: int, V: int, budget: int = SEARCH_BUDGET,
-           fixed: bool = True):
-    """The shortest schedule found within `budget`: the first policy, the fixed schedules that
-    fit `limit`, on a V the rounds, then the other policies; a run that would go past the budget
-    is not started once there is a schedule. A run costs the actions it places (a fixed
-    schedule's, replayed: a third of that)."""
+def search(topo: Topology, table: dict[str, list[float]], limit: int, V: int, budget: int = SEARCH_BUDGET):
+    """The shortest of: every fixed schedule that fits `limit`, and the list schedules that fit
+    `budget` (each run places every action once): the first policy, on a V the rounds, then the
+    other policies; a run that would pass the budget is not started once there is a schedule."""
+    best = None
+    for result in _fixed_runs(topo, table, limit, V):
+        if best is None or result[1] < best[1]:
+            best = result
     size = len(topo.stage_rank) * topo.num_microbatches * 3
     policies = _policy_runs(topo, table, limit)
-    best = next(policies)
+    first = next(policies)
+    if first is not None and (best is None or first[1] < best[1]):
+        best = first
     spent = size
-    sources = ([(_fixed_runs(topo, table, limit, V), size // 3)] if fixed else []) + (
-        [(_round_runs(topo, table, limit), size)] if V == 2 else []) + [(policies, size)]
-    for runs, cost in sources:
-        while best is None or spent + cost <= budget:
+    for runs in ([_round_runs(topo, table, limit)] if V == 2 else []) + [policies]:
+        while best is None or spent + size <= budget:
             result = next(runs, StopIteration)
             if result is StopIteration:
                 break
-            spent += cost
+            spent += size
             if result is not None and (best is None or result[1] < best[1]):
                 best = result
     return best
@@ -367,6 +389,9 @@ def search(topo: Topology, table: dict[str, list[float]], limit: int, V: int, bu
 
 def build_zb_auto(num_ranks: int, num_microbatches: int, stages_per_rank: int,
                   costs: Mapping[str, object] | None = None, memory_limit: int | None = None) -> Schedule:
+    """The fastest schedule found for `costs` within `memory_limit` (see the module's docstring).
+    At 2 stages per rank it is a V, unless a loop-placed interleaved schedule simulates faster:
+    its `placement` says which (a Pipeline places stages by it)."""
     from ..simulate import _cost_table
 
     R, m, V = num_ranks, num_microbatches, stages_per_rank
@@ -378,6 +403,10 @@ def build_zb_auto(num_ranks: int, num_microbatches: int, stages_per_rank: int,
     return Schedule._from_codes(best[0], best[2], "zb_auto")
 
 
+# ZB-H2's order: forwards and backwards as they come, W into the waits (2R-1 activations)
+ZBH2_POLICY = Policy("alternate", "balanced", 1.0, False)
+
+
 def build_zbh2(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> Schedule:
     """ZB-H2 of "Zero Bubble Pipeline Parallelism" (Qi et al., 2024): a rank holds up to 2R-1
     activations, twice 1F1B's, to fill the warmup and cooldown; listed for F = I = W."""
@@ -385,5 +414,5 @@ def build_zbh2(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> S
 
     R, m = num_ranks, num_microbatches
     topo = Topology.loop(R, R, m)
-    found = search(topo, _cost_table(None, R), 2 * R - 1, 1, budget=0, fixed=False)
-    return Schedule._from_codes(found[0], found[2], "zbh2")
+    rows, _, _ = generate(topo, _cost_table(None, R), 2 * R - 1, ZBH2_POLICY)
+    return Schedule._from_codes(rows, topo, "zbh2")

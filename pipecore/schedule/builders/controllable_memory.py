@@ -10,8 +10,8 @@ backward of stage 0) and the cool-down (after the last microbatch's first forwar
 each action moves to the earliest free slot after its inputs where it keeps every rank within
 the block's peak memory; then the cool-down's backwards move up once more without their W, and
 the W go back into the free slots. A rank runs its actions in slot order; the simulator squeezes
-out the empty slots. At F = I = W this is the authors' V-Half and V-Min to the bubble and the
-peak memory (8 and 16 ranks, 4 microbatches per rank).
+out the empty slots. The makespans equal those of the authors' generator at the tested points
+(4, 8 and 16 ranks, 4 microbatches per rank; tests/test_auto_schedules.py).
 """
 
 from ..schedule import Schedule

@@ -35,11 +35,11 @@ def check_group_size(name: str, R: int, m: int, group_size) -> int:
         raise ValueError(f"group_size must be an integer, got {group_size!r}")
     low = min(R, m)  # fewer microbatches than ranks: one group of all of them
     if not low <= group_size <= m or (m % group_size and m % group_size < R):
-        fits = [N for N in range(low, m + 1) if m % N == 0 or m % N >= R]
+        fits = [N for N in range(low, min(m, low + 200) + 1) if m % N == 0 or m % N >= R][:10]
         raise ValueError(
             f"{name}: group_size={group_size} does not fit {m} microbatches on {R} ranks: a group holds between "
             f"min(ranks, microbatches) and microbatches microbatches, and the last group (m % group_size, "
-            f"when not 0) at least one per rank, as in Megatron; choose one of {fits}")
+            f"when not 0) at least one per rank, as in Megatron; e.g. {fits}{' or ' + str(m) if m not in fits else ''}")
     return group_size
 
 
