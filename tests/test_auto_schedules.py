@@ -168,12 +168,13 @@ def test_costs_from_a_trace():
     chrome = [{"ph": "X", "name": e["name"], "ts": 5.0, "dur": e["end_us"]} for e in events]
     assert costs_from_trace(chrome) == costs_from_trace(events)
     # a merged backward (B) alone is kept; beside split ones it is split in their I : W ratio
-    assert costs_from_trace([{"name": "0B0", "ts": 0, "dur": 2000}]) == {"B": [2.0]}
+    assert costs_from_trace([{"name": "0F0", "ts": 0, "dur": 1000}, {"name": "0B0", "ts": 0, "dur": 2000}]) == {
+        "F": [1.0], "B": [2.0]}
     merged = [e for e in events if not e["name"].startswith(("PP:0I", "PP:0W"))]
     merged += [{"name": f"PP:0B{mb}", "start_us": 0.0, "end_us": 400.0} for mb in range(3)]
     split = costs_from_trace(merged)
     assert split["I"][0] == pytest.approx(0.3) and split["W"][0] == pytest.approx(0.1) and "B" not in split
-    with pytest.raises(ValueError, match="no F/I/W/B actions: record it with Pipeline"):
+    with pytest.raises(ValueError, match="no F/I/W/B action with a duration"):
         costs_from_trace([{"name": "PP:0SEND_F0", "ts": 0, "dur": 1}])
     with pytest.raises(ValueError, match=r"F actions for some stages but not for stages \[1\]"):
         costs_from_trace([{"name": "0F0", "ts": 0, "dur": 1}, {"name": "2F0", "ts": 0, "dur": 1}])

@@ -56,8 +56,10 @@ def test_cost_errors():
         s.simulate({"X": 1})
     with pytest.raises(ValueError, match="one number per stage"):
         s.simulate({"F": [1, 2, 3]})
-    with pytest.raises(ValueError, match="must not be negative"):
+    with pytest.raises(ValueError, match="must be finite and not negative"):
         s.simulate({"F": -1})
+    with pytest.raises(ValueError, match="must be finite and not negative"):
+        s.simulate({"comm": float("nan")})
 
 
 def test_result_fields():

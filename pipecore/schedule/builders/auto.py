@@ -365,16 +365,21 @@ def _fixed_runs(topo, table, limit, V):
 def search(topo: Topology, table: dict[str, list[float]], limit: int, V: int, budget: int = SEARCH_BUDGET):
     """The shortest of: every fixed schedule that fits `limit`, and the list schedules that fit
     `budget` (each run places every action once): the first policy, on a V the rounds, then the
-    other policies; a run that would pass the budget is not started once there is a schedule."""
+    other policies; a run that would pass the budget is not started once there is a schedule.
+    On a tie, `topo`'s placement wins."""
     best = None
-    for result in _fixed_runs(topo, table, limit, V):
-        if best is None or result[1] < best[1]:
+
+    def keep(result):
+        nonlocal best
+        if result is not None and (best is None or (result[1], result[2].style != topo.style)
+                                   < (best[1], best[2].style != topo.style)):
             best = result
+
+    for result in _fixed_runs(topo, table, limit, V):
+        keep(result)
     size = len(topo.stage_rank) * topo.num_microbatches * 3
     policies = _policy_runs(topo, table, limit)
-    first = next(policies)
-    if first is not None and (best is None or first[1] < best[1]):
-        best = first
+    keep(next(policies))
     spent = size
     for runs in ([_round_runs(topo, table, limit)] if V == 2 else []) + [policies]:
         while best is None or spent + size <= budget:
@@ -382,8 +387,7 @@ def search(topo: Topology, table: dict[str, list[float]], limit: int, V: int, bu
             if result is StopIteration:
                 break
             spent += size
-            if result is not None and (best is None or result[1] < best[1]):
-                best = result
+            keep(result)
     return best
 
 
