@@ -176,8 +176,8 @@ def test_costs_from_a_trace():
     assert split["I"][0] == pytest.approx(0.3) and split["W"][0] == pytest.approx(0.1) and "B" not in split
     with pytest.raises(ValueError, match="no F/I/W/B action with a duration"):
         costs_from_trace([{"name": "PP:0SEND_F0", "ts": 0, "dur": 1}])
-    with pytest.raises(ValueError, match=r"F actions for some stages but not for stages \[1\]"):
-        costs_from_trace([{"name": "0F0", "ts": 0, "dur": 1}, {"name": "2F0", "ts": 0, "dur": 1}])
+    with pytest.raises(ValueError, match=r"no F for stages \[1\]: trace a whole training step"):
+        costs_from_trace([{"name": n, "ts": 0, "dur": 1} for n in ("0F0", "2F0", "0B0", "1B0", "2B0")])
 
 
 def test_resample_keeps_the_model_cost():
