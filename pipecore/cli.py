@@ -88,7 +88,8 @@ def _compare(a) -> None:
     if best.name == "zb_auto":
         per_stage = stage_costs(range(a.ranks * best.stages_per_rank), per_rank_costs(costs, a.ranks))
         shown = {k: ([float(f"{x:.4g}") for x in v] if isinstance(v, list) else v) for k, v in per_stage.items()}
-        how += f", costs={shown}, memory_limit={memory_limit(memory, a.ranks, best.stages_per_rank)}"
+        limit = memory_limit(memory, a.ranks, best.stages_per_rank, a.microbatches)
+        how += f", costs={shown}, memory_limit={limit}"
     print(f"recommended: {best.name} with {best.stages_per_rank} stage(s) per rank, makespan {best.makespan:.5g} "
           f"({how}))")
 

@@ -140,9 +140,10 @@ def per_rank_costs(costs: Mapping[str, object] | None, num_ranks: int) -> dict[s
             for k, v in (costs or {}).items()}
 
 
-def memory_limit(memory: float, num_ranks: int, stages_per_rank: int) -> int:
-    """zb_auto's memory_limit (activations of a stage) for `memory` x 1F1B's."""
-    return max(stages_per_rank, int(memory * num_ranks * stages_per_rank + 1e-9))
+def memory_limit(memory: float, num_ranks: int, stages_per_rank: int, num_microbatches: int) -> int:
+    """zb_auto's memory_limit (activations of a stage) for `memory` x 1F1B's (inf: all of them)."""
+    everything = num_microbatches * stages_per_rank
+    return max(stages_per_rank, min(everything, int(min(memory * num_ranks, everything) * stages_per_rank + 1e-9)))
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ def compare(num_ranks: int, num_microbatches: int, costs: Mapping[str, object] |
     """Every schedule of `names` (default: all but forward_only) that builds for these ranks and
     microbatches, zb_auto built for `costs` within `memory` (a fraction of 1F1B's activations);
     those within `memory` first, fastest first."""
-    if not (isinstance(memory, (int, float)) and 0 < memory < float("inf")):
+    if not (isinstance(memory, (int, float)) and memory > 0):  # inf: no limit
         raise ValueError(f"memory is a fraction of 1F1B's activation memory (1.0: 1F1B's), got {memory!r}")
     R, m = num_ranks, num_microbatches
     for label, value in (("num_ranks", R), ("num_microbatches", m)):
@@ -181,7 +182,7 @@ def compare(num_ranks: int, num_microbatches: int, costs: Mapping[str, object] |
             try:
                 if name == "zb_auto":
                     mine = stage_costs(range(R * V), costs)  # loop or V: stage s is model stage s
-                    sched = build_schedule(name, R, m, V, costs=mine, memory_limit=memory_limit(memory, R, V))
+                    sched = build_schedule(name, R, m, V, costs=mine, memory_limit=memory_limit(memory, R, V, m))
                 else:
                     sched = build_schedule(name, R, m, V)
                     mine = stage_costs(sched.topology.model_stage, costs)

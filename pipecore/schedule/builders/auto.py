@@ -364,9 +364,9 @@ def _fixed_runs(topo, table, limit, V):
 
 def search(topo: Topology, table: dict[str, list[float]], limit: int, V: int, budget: int = SEARCH_BUDGET):
     """The shortest of: every fixed schedule that fits `limit`, and the list schedules that fit
-    `budget` (each run places every action once): the first policy, on a V the rounds, then the
-    other policies; a run that would pass the budget is not started once there is a schedule.
-    On a tie, `topo`'s placement wins."""
+    `budget` (each run places every action once): the first policy, then the other policies and,
+    on a V, the rounds taking turns; a run that would pass the budget is not started once there
+    is a schedule. On a tie, `topo`'s placement wins."""
     best = None
 
     def keep(result):
@@ -381,13 +381,15 @@ def search(topo: Topology, table: dict[str, list[float]], limit: int, V: int, bu
     policies = _policy_runs(topo, table, limit)
     keep(next(policies))
     spent = size
-    for runs in ([_round_runs(topo, table, limit)] if V == 2 else []) + [policies]:
-        while best is None or spent + size <= budget:
-            result = next(runs, StopIteration)
-            if result is StopIteration:
-                break
-            spent += size
-            keep(result)
+    sources = ([_round_runs(topo, table, limit)] if V == 2 else []) + [policies]
+    while sources and (best is None or spent + size <= budget):  # the sources take turns
+        runs = sources.pop(0)
+        result = next(runs, StopIteration)
+        if result is StopIteration:
+            continue
+        sources.append(runs)
+        spent += size
+        keep(result)
     return best
 
 
