@@ -351,11 +351,14 @@ def test_costs_of_a_dualpipe_trace_fold_its_mirrored_stages():
 
 
 def test_compare_says_what_is_wrong():
+    unlimited = {(c.name, c.stages_per_rank): c for c in compare(4, 8, {}, float("inf"))}
+    assert all(c.fits for c in unlimited.values()) and unlimited[("gpipe", 1)].memory == 2.0
     for args, needle in (((0, 8), "num_ranks must be a positive integer"),
                          ((4, 8, {"F": float("nan")}), "must be finite and not negative"),
                          ((4, 8, {"B": 2, "I": 3}), "W = B - I would be negative"),
                          ((4, 8, {"comm": [1, 2]}), "comm is the cost of one message"),
-                         ((4, 8, {}, float("inf")), "fraction of 1F1B's activation memory")):
+                         ((4, 8, {}, float("nan")), "fraction of 1F1B's activation memory"),
+                         ((4, 8, {}, 0), "fraction of 1F1B's activation memory")):
         with pytest.raises(ValueError, match=needle):
             compare(*args)
 
