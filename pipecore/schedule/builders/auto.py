@@ -247,44 +247,42 @@ def check_memory_limit(R: int, V: int, memory_limit) -> int:
     return memory_limit
 
 
+def _while_shorter(run, times: int, topo: Topology):
+    """`run(idle)` -> (rows, makespan, idle per rank), run again with the idle of the run before
+    while that shortens it, at most `times`: each result, None for a run that deadlocked."""
+    idle = last = None
+    for _ in range(times):
+        try:
+            rows, makespan, idle = run(idle)
+        except _Stuck:
+            yield None
+            return
+        yield rows, makespan, topo
+        if last is not None and makespan >= last:
+            return
+        last = makespan
+
+
 def _policy_runs(topo, table, limit):
-    """The result of each list-scheduling run, policy after policy, each policy again with slack
-    while that shortens it; None for a run that deadlocked."""
+    """Policy after policy; again with slack: the least idle ranks may spend what they idled less
+    than the most idle one to run W early."""
     for policy in POLICIES:
-        slack = None
-        last = None
-        for _ in range(SLACK_ROUNDS):  # the least idle ranks may spend what they have less to run W early
-            try:
-                rows, makespan, idle = generate(topo, table, limit, policy, slack)
-            except _Stuck:
-                yield None
-                break
-            yield rows, makespan, topo
-            if last is not None and makespan >= last:
-                break
-            last = makespan
-            most = max(idle)
-            slack = [most - x for x in idle]
+        yield from _while_shorter(
+            lambda idle, policy=policy: generate(topo, table, limit, policy,
+                                                 None if idle is None else [max(idle) - x for x in idle]),
+            SLACK_ROUNDS, topo)
 
 
 def _round_runs(topo, table, limit):
-    """The V built in rounds (`v_rounds`), each way of filling, each again with what the ranks
-    idled while that shortens it."""
+    """The V built in rounds (`v_rounds`), each way of filling; again with what each rank idled
+    the time before."""
     for before_backward in (True, False):
         for before_forward in (True, False):
             for reserve in (True, False):
-                approved = last = None
-                for _ in range(SLACK_ROUNDS + 1):
-                    try:
-                        rows, makespan, idle = build_rounds(topo, table, limit, before_backward, before_forward,
-                                                            reserve, approved)
-                    except _Stuck:
-                        yield None
-                        break
-                    yield rows, makespan, topo
-                    if last is not None and makespan >= last:
-                        break
-                    last, approved = makespan, idle
+                yield from _while_shorter(
+                    lambda idle, flags=(before_backward, before_forward, reserve): build_rounds(
+                        topo, table, limit, *flags, approved=idle),
+                    SLACK_ROUNDS + 1, topo)
 
 
 def makespan(codes: list[list[int]], topo: Topology, table: dict[str, list[float]]) -> float:
