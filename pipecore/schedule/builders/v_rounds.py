@@ -114,8 +114,11 @@ def build_rounds(topo: Topology, costs: dict[str, list[float]], memory_limit: in
             while (live[r] + 2 + 2 * r <= memory_limit and clock[r] + cf[down[r]] <= back
                    and n(F, down[r]) < m):
                 for j in range(r + 1):
-                    if n(F, down[j]) < m and live[j] + 2 <= memory_limit:
+                    k = n(F, down[j])
+                    if k < m and live[j] + 2 <= memory_limit and ready(F, down[j], k) is not None:
                         put(j, F, down[j])
+                if n(F, down[r]) == k:  # rank r could not take one more: its input did not come
+                    break
         put(r, F, up[r])
     leg = 0
     for r in range(1, R):
