@@ -13,13 +13,12 @@ from auto_cases import traced_zbv_step
 from pipeline_cases import train_and_compare
 from dist_pool import pool
 from pipecore.schedule.recommend import compare, costs_from_trace, load_trace, resample
-from pipecore.schedule.builders import takes_stages_per_rank as _takes
+from pipecore.schedule.builders import fixed_schedules
 from pipecore.schedule.simulate import _peak_activations
 
 # every fixed schedule of pipecore a zb_auto schedule of 1 or 2 stages per rank is compared with:
 # all that take that many stages per rank, but dualpipe (model stages mirrored: twice the weights)
-FIXED = {V: [(name, V) for name in pc.SCHEDULES if name not in ("zb_auto", "forward_only", "dualpipe")
-             and _takes(name, V)] for V in (1, 2)}
+FIXED = {V: [(name, V) for name in fixed_schedules(V)] for V in (1, 2)}
 SAIL = {"F": 1, "I": 1.5, "W": 0.5}  # sail-sg's published ZB-V cases: costs per stage
 assert {n for n, _ in FIXED[2]} >= {"zbv", "v_half", "v_min", "dualpipev", "looped_bfs", "interleaved_zb"}
 assert {n for n, _ in FIXED[1]} >= {"gpipe", "1f1b", "interleaved_zb", "zbh2"}

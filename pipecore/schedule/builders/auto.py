@@ -73,12 +73,10 @@ def generate(topo: Topology, costs: dict[str, list[float]], memory_limit: int, p
     R, S, m = topo.num_ranks, topo.num_stages, topo.num_microbatches
     cf, ci, cw, comm = costs["F"], costs["I"], costs["W"], costs["comm"]
     prev, nxt, srank = topo.prev_stage, topo.next_stage, topo.stage_rank
-    local = [topo.rank_stages(r) for r in range(R)]
-    local = [sorted(st, reverse=policy.pick != "shallower") for st in local]
+    local = [sorted(topo.rank_stages(r), reverse=policy.pick != "shallower") for r in range(R)]
     balanced = policy.pick == "balanced"
     # a V's first-leg forward keeps room for the second leg's
-    first_leg = [policy.reserve and len(topo.rank_stages(srank[s])) > 1 and s == min(topo.rank_stages(srank[s]))
-                 for s in range(S)]
+    first_leg = [policy.reserve and len(local[srank[s]]) > 1 and s == min(local[srank[s]]) for s in range(S)]
     fin_f = [-1.0] * (S * m)  # end of each (stage, microbatch)'s F / I; -1: not placed yet
     fin_i = [-1.0] * (S * m)
     nf = [0] * S
@@ -319,7 +317,7 @@ def makespan(codes: list[list[int]], topo: Topology, table: dict[str, list[float
             while p < len(row):
                 c = row[p]
                 kind = c & 0xF
-                if kind == OVERLAP:
+                if kind == OVERLAP:  # (the single action below without a list of leaves: the hot path)
                     leaves = leaf_codes(c)
                     times = [ready(lc, r) for lc in leaves]
                     if None in times:

@@ -17,6 +17,7 @@ out the empty slots. The makespans equal those of the authors' generator at the 
 from ..schedule import Schedule
 from ..topology import Topology
 from ..action import MB_SHIFT, STAGE_SHIFT
+from ..simulate import _peak_activations
 from ._codes import F, I, W, code
 
 PERIOD = 6
@@ -124,7 +125,7 @@ def _squeeze_cooldown_backwards(ranks: list[dict[int, int]], topo: Topology, m: 
     nxt, srank = topo.next_stage, topo.stage_rank
     at = {c: t for slots in ranks for t, c in slots.items()}
     cooldown_start = _cooldown_start(at, topo.num_ranks, m)
-    peak = max(_peak(slots) for slots in ranks)
+    peak = max(_peak_activations([[slots[t] for t in sorted(slots)] for slots in ranks]))
     for slots in ranks:
         for t in [t for t, c in slots.items() if c & 0xF == W and t > cooldown_start]:
             del at[slots.pop(t)]
@@ -153,18 +154,6 @@ def _squeeze_cooldown_backwards(ranks: list[dict[int, int]], topo: Topology, m: 
             slots[old] = c
     for slots in ranks:
         _place_w(slots)
-
-
-def _peak(slots: dict[int, int]) -> int:
-    level = peak = 0
-    for t in sorted(slots):
-        kind = slots[t] & 0xF
-        if kind == F:
-            level += 1
-            peak = max(peak, level)
-        elif kind == W:
-            level -= 1
-    return peak
 
 
 def _cooldown_peak(slots: dict[int, int], start: int, level: int, pending: int) -> int:
