@@ -317,6 +317,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "NCCL groups: batches on a communication stream, events, statuses on the device; False where this "
            "build has no such path for `device`")
       .def_property_readonly("device_comm", &pipecore::Executor::device_comm)
+      .def("_emulate_device_comm", &pipecore::Executor::emulate_device_comm,
+           "test-only: the device path's protocol run by the host on CPU tensors over gloo (host_device_comm.cpp)")
       .def("set_reverse_channel", &pipecore::Executor::set_reverse_channel, py::arg("channel"))
       .def("recv_posted_at", &pipecore::Executor::recv_posted_at,
            "per RECV action of the last run, in program order: the program index before which it was posted")

@@ -29,6 +29,8 @@ namespace pipecore {
 class DeviceComm {
  public:
   virtual ~DeviceComm() = default;
+  // The device whose tensors it posts and gates (loss seeds elsewhere are not gated).
+  virtual c10::DeviceType device_type() const = 0;
   // Start of a step (on the compute stream): the step status is ok.
   virtual void begin_step() = 0;
   // Posts `tasks` (program order) as one group (c10d coalescing) on the communication stream and
@@ -48,5 +50,9 @@ class DeviceComm {
 
 // A DeviceComm for `device`, or null where this build has none (CPU devices; builds without CUDA).
 std::unique_ptr<DeviceComm> make_device_comm(const c10::Device& device);
+
+// The same protocol run by the host on CPU tensors over gloo, for tests on machines without a GPU
+// (host_device_comm.cpp says what differs); `timeout` bounds each wait for a message.
+std::unique_ptr<DeviceComm> make_host_device_comm(std::chrono::milliseconds timeout);
 
 }  // namespace pipecore

@@ -239,7 +239,14 @@ void Executor::wait_recv(Inbox& inbox, const Instr& in, const char* what) {
 
 const std::vector<at::Tensor>& Executor::receive(Inbox& inbox, const Instr& in, const char* what) {
   if (device_comm_) {
-    device_comm_->consume(*inbox.task);  // the status is checked on the device, read at the step's end
+    try {
+      device_comm_->consume(*inbox.task);  // the status is checked on the device, read at the step's end
+    } catch (const CommError& e) {  // a consume that waits on the host (host_device_comm.cpp)
+      std::ostringstream os;
+      os << where(in) << ": waiting for " << what << " of microbatch " << in.mb << " from rank " << inbox.task->peer
+         << " failed (timeout " << timeout_.count() / 1000.0 << " s): " << e.what();
+      throw CommError(os.str());
+    }
   } else {
     wait_task(*inbox.task, in, what);
     check_message(inbox.task->parts, in, what);
@@ -272,22 +279,24 @@ void Executor::check_device_status() {
        << timeout_.count() / 1000.0 << " s (a peer stopped sending or receiving)";
     throw CommError(os.str());
   }
+  if (status == kMessageUnknown) throw CommError(device_status_text(status));
+  if (status == kMessageReplan) throw PeerReplan(device_status_text(status));
+  if (status == kMessageAborted) throw PeerAbort(device_status_text(status));
+}
+
+std::string Executor::device_status_text(int64_t status) const {
   std::ostringstream os;
   os << "pipecore rank " << rank_ << ": ";
   if (status == kMessageUnknown) {
     os << "a message received in this step does not end with pipecore's trailer: the messages between this rank "
           "and a peer are out of step (another send or receive on this process group with the same peer, or a "
           "schedule lowered differently there)";
-    throw CommError(os.str());
-  }
-  if (status == kMessageReplan) {
+  } else if (status == kMessageReplan) {
     os << "messages of this step say a first stage's batch changed shape";
-    throw PeerReplan(os.str());
-  }
-  if (status == kMessageAborted) {
+  } else {
     os << "messages of this step say a peer's step was aborted";
-    throw PeerAbort(os.str());
   }
+  return os.str();
 }
 
 void Executor::check_message(const std::vector<at::Tensor>& parts, const Instr& in, const char* what) {
@@ -378,6 +387,8 @@ bool Executor::set_device_comm(const std::string& device) {
   device_comm_ = make_device_comm(c10::Device(device));
   return device_comm_ != nullptr;
 }
+
+void Executor::emulate_device_comm() { device_comm_ = make_host_device_comm(timeout_); }
 
 void Executor::post_batch(size_t index, bool aborted, int64_t status) {
   if (index < posted_through_) return;  // posted with an earlier action of its batch
@@ -598,6 +609,22 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const Spec
     why = kOrigin;
     origin = std::current_exception();
   }
+  const std::string action = i < program_.size() ? labels_[program_[i].label] : std::string("end of step");
+  int64_t status = kMessageOk;
+  auto read_status = [&] {  // false where the status cannot be read: this rank's error stands
+    try {
+      return device_comm_->finish_step(timeout_, status);
+    } catch (...) {
+      return false;
+    }
+  };
+  if (why == kOrigin && device_comm_ && read_status() && status != kMessageOk) {
+    // The device path computes on what arrived before its status is known: on a peer's aborted or
+    // "shapes changed" message (zeros of the old shapes) a stage or the loss may fail (this step's
+    // targets against the old shapes). Then the status says what happened; this error is its echo.
+    why = status == kMessageReplan ? kReplan : status == kMessageAborted ? kPeer : kComm;
+    failure = device_status_text(status) + " (here that made action " + action + " fail: " + error_text(origin) + ")";
+  }
   if (why == kNone) {
     for (auto& s : slots_) s = Slot();  // the step is done: drop graphs, buffers, received tensors
     kept_.clear();
@@ -605,7 +632,6 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const Spec
   }
   // Abort: drop this step's compute state, tell whoever listens, then run the rest of the program
   // without compute so that every peer gets every message it waits for.
-  const std::string action = i < program_.size() ? labels_[program_[i].label] : std::string("end of step");
   if (why == kOrigin && on_abort) {
     try {
       on_abort(error_text(origin), action);
@@ -859,7 +885,8 @@ void Executor::do_forward(const Instr& in, const ForwardFn& forward) {
     s.has_loss = true;
     if (loss.requires_grad()) {
       s.loss_edge = torch::autograd::impl::gradient_edge(loss);
-      if (device_comm_ && loss.is_cuda()) {  // zero unless every message of the step so far was ok
+      // zero unless every message of the step so far was ok
+      if (device_comm_ && loss.device().type() == device_comm_->device_type()) {
         s.loss_seed = at::empty_like(loss);
         device_comm_->fill_seed(s.loss_seed, seed);
       } else {

@@ -170,6 +170,8 @@ class Executor {
   // Batches replace the receive window and the send budget there (device_comm.h says why).
   bool set_device_comm(const std::string& device);
   bool device_comm() const { return device_comm_ != nullptr; }
+  // Tests on CPU: the device path's protocol run by the host over gloo (make_host_device_comm).
+  void emulate_device_comm();
   // gloo: messages travelling to a lower group rank go through `channel`, a second gloo group over
   // the same ranks, so that each pair of ranks has one connection per direction. gloo holds a pair's
   // lock while a send is written into its socket, and its event loop skips a locked pair and polls
@@ -334,6 +336,8 @@ class Executor {
   std::vector<at::Tensor> message_of(const Instr& in, bool aborted, int64_t status = 0);
   // Device path, end of step: reads the step's message status; throws what it says.
   void check_device_status();
+  // What a step status other than ok means, for this rank's error message.
+  std::string device_status_text(int64_t status) const;
   std::string where(const Instr& in) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;

@@ -26,6 +26,7 @@ from .wrapped_stages import WrappedStage
 from .grads import TiedWeights
 from .overlap import PairRunner
 from .split_backward import fallback_message, name_parameter
+from .rollback import Rollback
 from .stage import PipelineStage, from_torch_stage, is_torch_stage
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -225,6 +226,7 @@ class Pipeline:
         device = self.stages[0].device
         if not gloo and device.type == "cuda":
             self._executor.set_device_comm(str(device))  # False (host-waiting path) in builds without CUDA
+        self._rollback = Rollback([s.module for s in self.stages], [s.device for s in self.stages])
         self._pairs = PairRunner(self, overlap_f_b)  # how OVERLAP_F_B pairs run (pipecore/overlap.py)
         self._set_weight_builders()
         self._reverse_channel = None  # gloo: opened at the first agreement (_open_reverse_channel)
@@ -428,14 +430,18 @@ class Pipeline:
         native = _native()
         try:
             while True:
+                # RNG states and buffers go back if this run does not count (pipecore/rollback.py)
+                self._rollback.arm(learn=self._discovery is not None)
                 try:
                     self._executor.run(self._forward, lambda error, action: self._publish_error(step, error, action),
                                        self._discovery.answer if self._discovery is not None else None)
                     break
                 except native.PeerReplan:  # a first stage's batch changed shape: agree, then run again
+                    self._rollback.restore()
                     agreed = self._agree_and_plan(step, desc, training)
                     self._outputs, self._losses = {}, {}
         except native.PeerAbort as exc:
+            self._rollback.restore()
             self._end_discovery(failed=True)
             self._restore_grads(stash, tied_stash)
             raise PeerFailedError(f"rank {self.rank}: step {step} aborted because {self._peer_error(step)} "
@@ -445,6 +451,10 @@ class Pipeline:
             self._discovery = None
             raise self._group_broke(exc) from None
         except BaseException as exc:
+            try:
+                self._rollback.restore()
+            except Exception as also:  # noqa: BLE001 - the step's own error is the one to raise
+                exc.add_note(f"pipecore: the step's RNG states and buffers could not be put back: {also}")
             self._restore_grads(stash, tied_stash)
             also = self._executor.last_comm_failure
             if also:  # this rank's own error, and releasing its peers failed too: the group broke
@@ -461,6 +471,7 @@ class Pipeline:
             self._loss_divisor = None
             done, self._outputs = self._outputs, {}  # a failed step's outputs die with the exception
         self._end_discovery(failed=False)
+        self._rollback.finished()
         if training and self._dp is not None:
             self._dp.finish()  # the replicas' sums, before the mirrored and tied copies add theirs up
         if stash is not None:
@@ -778,6 +789,7 @@ class Pipeline:
                                          sent.meta_tensors() if sent is not None else [], like)
 
     def _forward(self, local: int, mb: int, received: list[torch.Tensor]):
+        self._rollback.before_forward()
         stage = self.stages[local]
         s = stage.stage_index
         topo = self.schedule.topology

@@ -169,12 +169,13 @@ def capped_rank_releases_its_peers(rank, world, m):
     return capped, refused, after
 
 
-def stray_message_puts_the_channel_out_of_step(rank, world):
+def stray_message_puts_the_channel_out_of_step(rank, world, messages="default"):
     """Rank 0 sends a message of its own to rank 1 on the pipeline's group before the step: rank 1
     reads it as the first activation. Not rank 1's error: the channel is out of step, the group
-    must be rebuilt."""
+    must be rebuilt. `messages`: see set_messages."""
     group = dist.new_group(backend="gloo")
     pipe, _ = _pipe(rank, world, "1f1b", group=group, timeout=5)
+    set_messages(pipe, messages)
     x, y = make_batch(8)
     _step(pipe, x, y)
     if rank == 0:  # the size of the first activation message: 2 rows x 16 floats, packed, + trailer

@@ -14,7 +14,7 @@ from torch import nn
 
 import pipecore as pc
 from models import make_batch, make_stages, reference_forward
-from pipeline_cases import _assert_grads_close
+from pipeline_cases import _assert_grads_close, set_messages
 
 MODES = ("sequential", "concurrent", "lockstep")
 
@@ -46,12 +46,14 @@ def _values(losses):
     return [None if v is None else float(v) for v in losses]
 
 
-def modes_match(rank, world, name, m, kind, steps=3):
+def modes_match(rank, world, name, m, kind, steps=3, messages="default"):
     """Every mode gives the same losses and gradients, to the last bit, as each other; and those of
-    single-process training (within 1e-6) at every step."""
+    single-process training (within 1e-6) at every step. `messages`: see set_messages."""
     model = _model(kind, name, world)
     ref = copy.deepcopy(model)
     pipes = {mode: _build(rank, world, name, m, model, mode) for mode in MODES}
+    for pipe, _ in pipes.values():
+        set_messages(pipe, messages)
     topo = pipes["sequential"][1]
     rows = 3 * m + 1
     for step in range(steps):

@@ -78,11 +78,15 @@ def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=
         if recv_window is not None and step > 0:  # the first step posts each receive at its action
             _check_recv_posting(pipe, *recv_window)
         _check_program(pipe, sched)
-        _check_reverse_channel(pipe)
-        if messages != "direct" and (pipe.has_first or world > 1):
-            assert pipe._executor.threaded_posts > 0
-        elif messages == "direct":
-            assert pipe._executor.threaded_posts == 0
+        if messages == "device" and step > 0:  # (the first step learns shapes on the host-waiting path)
+            # every message went in a batch on the pipeline's group, posted by the compute thread
+            assert pipe._executor.reverse_posts == 0 and pipe._executor.threaded_posts == 0
+        else:
+            _check_reverse_channel(pipe)
+            if messages == "direct":
+                assert pipe._executor.threaded_posts == 0
+            elif pipe.has_first or world > 1:
+                assert pipe._executor.threaded_posts > 0
         if optimizer:
             opt.step()
             ref_opt.step()
@@ -124,11 +128,15 @@ def pipelines_on_subgroups(rank, world, name):
 def set_messages(pipe, mode):
     """mode "large": every message as large ones go (its tensors from their own storage, then a
     trailer); "direct": sends and receives posted by the compute thread (as on NCCL), not the comm
-    thread."""
+    thread; "device": the device path's protocol (batches, statuses folded when consumed and read at
+    the step's end, gated loss seeds), run by the host over gloo (csrc/host_device_comm.cpp)."""
     if mode == "large":
         pipe._executor.set_large_messages(0)
     elif mode == "direct":
         pipe._executor.set_comm_thread(False)
+    elif mode == "device":
+        pipe._executor._emulate_device_comm()
+        assert pipe._executor.device_comm
 
 
 def _check_program(pipe, sched):

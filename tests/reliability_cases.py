@@ -84,20 +84,21 @@ def failing_stage(rank, world, name, bad_rank, where, messages="default"):
     return first, second
 
 
-def _faulty_pipe(rank, world, bad_rank, fault, timeout):
+def _faulty_pipe(rank, world, bad_rank, fault, timeout, messages="default"):
     """A 1f1b pipeline on a group of its own whose `bad_rank` runs `fault` before its forward."""
     group = dist.new_group(backend="gloo")
     pipe, _ = _pipe(rank, world, "1f1b", group=group, timeout=timeout)
+    set_messages(pipe, messages)
     if rank == bad_rank:
         pipe.stages[0].module.register_forward_pre_hook(lambda mod, args: fault())
     return pipe
 
 
-def hanging_rank(rank, world, bad_rank, warm=False):
+def hanging_rank(rank, world, bad_rank, warm=False, messages="default"):
     """A rank stuck in its forward longer than the timeout: its peers fail with a clear error.
     `warm`: after a first good step (the hang is then met waiting for data, not for shapes)."""
     hang = {"on": not warm}
-    pipe = _faulty_pipe(rank, world, bad_rank, lambda: time.sleep(6) if hang["on"] else None, timeout=2)
+    pipe = _faulty_pipe(rank, world, bad_rank, lambda: time.sleep(6) if hang["on"] else None, 2, messages)
     x, y = make_batch(8)
     if warm:
         _step(pipe, x, y)

@@ -89,9 +89,10 @@ def test_a_rank_at_its_memory_cap_still_releases_its_peers():
     assert after0[0] == "ok" and after1[0] == "ok", (after0, after1)
 
 
-def test_a_message_that_is_not_pipecores_breaks_the_group_not_the_rank():
+@pytest.mark.parametrize("messages", ["default", "device"])
+def test_a_message_that_is_not_pipecores_breaks_the_group_not_the_rank(messages):
     p = pool(2)
-    (first0, after0), (first1, after1) = p.run(stray_message_puts_the_channel_out_of_step, timeout=90)
+    (first0, after0), (first1, after1) = p.run(stray_message_puts_the_channel_out_of_step, messages, timeout=90)
     assert first1[0] == "CommunicationError" and "out of step" in first1[1] and first1[2] < 5, first1
     assert first0[0] in ("CommunicationError", "PeerFailedError"), first0
     assert after1[0] == "CommunicationError" and "rebuild" in after1[1], after1

@@ -19,6 +19,13 @@ def test_every_mode_trains_like_one_process_and_alike_to_the_bit(name, world, m,
     assert sum(pairs) > 0  # the schedule has pairs to overlap
 
 
+@pytest.mark.parametrize("name, world, m", [("dualpipev", 2, 4), ("dualpipe", 2, 4), ("dualpipev", 4, 8)])
+def test_every_mode_on_the_device_path_protocol(name, world, m):
+    # the device path's protocol (statuses folded from both halves' threads), run by the host on gloo
+    pairs = pool(world).run(modes_match, name, m, "multi", 3, "device")
+    assert sum(pairs) > 0
+
+
 @pytest.mark.parametrize("mode", ["concurrent", "lockstep"])
 @pytest.mark.parametrize("name, world, m", [("dualpipev", 2, 6), ("dualpipe", 2, 4), ("dualpipev", 4, 8)])
 def test_the_halves_of_a_pair_run_at_once(name, world, m, mode):

@@ -42,10 +42,11 @@ def test_receives_posted_ahead(name, world, V, window, max_bytes, past_sends):
 
 @pytest.mark.parametrize("name, world, V", [("gpipe", 4, 1), ("1f1b", 2, 1), ("interleaved_1f1b", 2, 2),
                                             ("interleaved_zb", 2, 2), ("zbv", 2, 2), ("dualpipe", 2, 2)])
-@pytest.mark.parametrize("messages", ["large", "direct"])
+@pytest.mark.parametrize("messages", ["large", "direct", "device"])
 def test_message_paths(name, world, V, messages):
-    # every message as large ones go (tensors from their own storage, then a trailer), or every
-    # send and receive posted by the compute thread (as on NCCL): 2 steps with an optimizer
+    # every message as large ones go (tensors from their own storage, then a trailer), every send
+    # and receive posted by the compute thread (as on NCCL), or the device path's protocol run by the
+    # host (csrc/host_device_comm.cpp): 2 steps with an optimizer
     pool(world).run(train_and_compare, name, 2 * world, V, "multi", 4 * world + 1, 2, True, True, False, None,
                     messages)
 
@@ -82,7 +83,7 @@ def test_split_backward_defers_weight_gradients():
 
 @pytest.mark.parametrize("name, world", [("gpipe", 2), ("1f1b", 2), ("interleaved_1f1b", 2), ("zbv", 2),
                                          ("1f1b", 4)])
-@pytest.mark.parametrize("messages", ["default", "large", "direct"])
+@pytest.mark.parametrize("messages", ["default", "large", "direct", "device"])
 def test_sent_outputs_are_freed(name, world, messages):
     pool(world).run(sent_outputs_freed, name, messages)
 
@@ -103,7 +104,7 @@ def test_view_outputs_train_correctly():
 
 
 @pytest.mark.parametrize("name", ["1f1b", "interleaved_zb", "dualpipe", "zbv"])
-@pytest.mark.parametrize("messages", ["default", "large"])
+@pytest.mark.parametrize("messages", ["default", "large", "device"])
 def test_batch_shape_changes_between_steps(name, messages):
     plans = pool(2).run(changing_batch_shapes, name, messages)
     assert plans[0] == 4  # train at 12, 9, 16 rows and eval at 9

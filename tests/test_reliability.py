@@ -12,7 +12,7 @@ from reliability_cases import (bad_input, construction_errors, dying_rank, faili
     ("1f1b", 2, 0, "forward"), ("1f1b", 4, 2, "forward"), ("1f1b", 2, 1, "loss"), ("interleaved_zb", 2, 1, "forward"),
     ("zbv", 2, 0, "backward"), ("dualpipev", 2, 1, "forward"), ("gpipe", 4, 3, "loss"), ("dualpipe", 2, 0, "forward"),
 ])
-@pytest.mark.parametrize("messages", ["default", "large", "direct"])
+@pytest.mark.parametrize("messages", ["default", "large", "direct", "device"])
 def test_a_failing_rank_ends_the_step_everywhere_and_the_next_step_works(name, world, bad_rank, where, messages):
     results = pool(world).run(failing_stage, name, bad_rank, where, messages, timeout=60)
     for rank, (first, second) in enumerate(results):
@@ -26,13 +26,14 @@ def test_a_failing_rank_ends_the_step_everywhere_and_the_next_step_works(name, w
         assert second[0] == "ok", (rank, second)
 
 
-@pytest.mark.parametrize("warm, needle", [
-    (False, "action PP:1RECV_F0: the shapes of microbatch 0's activations did not arrive from rank 0 within 2 s"),
-    (True, "action PP:1F0: waiting for activations of microbatch 0 from rank 0 failed"),
+@pytest.mark.parametrize("warm, messages, needle", [
+    (False, "default", "action PP:1RECV_F0: the shapes of microbatch 0's activations did not arrive from rank 0 within 2 s"),
+    (True, "default", "action PP:1F0: waiting for activations of microbatch 0 from rank 0 failed"),
+    (True, "device", "action PP:1F0: waiting for activations of microbatch 0 from rank 0 failed"),
 ])
-def test_a_hanging_rank_times_out_with_a_clear_error(warm, needle):
+def test_a_hanging_rank_times_out_with_a_clear_error(warm, messages, needle):
     p = pool(2)
-    results = p.run(hanging_rank, 0, warm, timeout=90)
+    results = p.run(hanging_rank, 0, warm, messages, timeout=90)
     p.broken = True  # its subgroup is broken by design; start the next test on fresh ranks
     kind, msg, seconds = results[1][0]
     assert kind == "CommunicationError", results[1]

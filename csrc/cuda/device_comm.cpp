@@ -28,6 +28,8 @@ class CudaComm final : public DeviceComm {
         host_status_(at::empty({1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true))),
         status_read_(c10::DeviceType::CUDA) {}
 
+  c10::DeviceType device_type() const override { return c10::DeviceType::CUDA; }
+
   void begin_step() override { status_.zero_(); }
 
   void post_batch(c10d::ProcessGroup& group, const std::vector<std::shared_ptr<CommTask>>& tasks) override {

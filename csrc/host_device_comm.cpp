@@ -1,0 +1,138 @@
+// The device path's protocol run by the host on CPU tensors (see device_comm.h), so that machines
+// without a GPU test the executor's side of it: batches posted at their first action, no receive
+// window and no send budget, statuses folded into a step status when a message is consumed, sent
+// trailers carrying that status on, loss seeds gated by it, compute running on aborted messages,
+// and the status read once at the end of the step. What CUDA does with a communication stream,
+// events and one-thread kernels, this does on the host: it waits for a receive's parts when an
+// action consumes them (where the compute stream would wait on the receive's event), and a batch's
+// operations are posted one by one (gloo has no coalescing; it needs none, since it does not
+// serialise a group's operations). Selected only by tests (Executor._emulate_device_comm).
+#include <ATen/ops/full.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <unordered_set>
+
+#include "comm.h"
+#include "device_comm.h"
+#include "executor.h"
+#include "message_status.h"
+
+namespace pipecore {
+namespace {
+
+// The step status's code for a trailer that is not pipecore's: larger than every message status,
+// as on the device (csrc/cuda/status_kernels.h).
+constexpr int64_t kNotOurs = kMessageReplan + 1;
+
+class HostDeviceComm final : public DeviceComm {
+ public:
+  explicit HostDeviceComm(std::chrono::milliseconds timeout) : timeout_(timeout) {}
+  ~HostDeviceComm() override { drain(); }
+
+  c10::DeviceType device_type() const override { return c10::DeviceType::CPU; }
+
+  void begin_step() override {
+    drain();  // an aborted step (whose end reads no status) leaves its drained receives here
+    status_ = kMessageOk;
+  }
+
+  void post_batch(c10d::ProcessGroup& group, const std::vector<std::shared_ptr<CommTask>>& tasks) override {
+    for (const auto& task : tasks) {
+      post_parts(*task);
+      if (!task->send) {
+        std::lock_guard<std::mutex> lock(mu_);
+        receives_.insert(receives_.end(), task->works.begin(), task->works.end());
+      }
+    }
+    for (const auto& task : tasks) task->mark_posted(nullptr);
+  }
+
+  void consume(const CommTask& task) override {
+    for (const auto& work : task.works) {
+      if (!work || !first_wait(*work)) continue;
+      bool done = false;
+      std::string why = "timed out";
+      try {
+        done = work->wait(timeout_);
+      } catch (const std::exception& e) {
+        why = e.what();
+      }
+      if (!done) throw CommError(why);  // the executor says which message
+    }
+    const int64_t code = message_status(task.parts);
+    fold(code == kMessageUnknown ? kNotOurs : code);
+  }
+
+  void write_trailer(at::Tensor& trailer) override {
+    TORCH_CHECK(trailer.is_cpu() && trailer.is_contiguous() && trailer.nbytes() >= 16,
+                "pipecore: a trailer is 16 contiguous host bytes");
+    const int64_t code = status_.load();
+    const int64_t words[2] = {code > kMessageReplan ? kMessageAborted : code, kTrailerMagic};
+    std::memcpy(trailer.data_ptr(), words, sizeof(words));
+  }
+
+  void fill_seed(at::Tensor& seed, double value) override { seed.fill_(status_.load() == kMessageOk ? value : 0.0); }
+
+  bool finish_step(std::chrono::milliseconds timeout, int64_t& status) override {
+    if (!drain(timeout)) return false;
+    const int64_t code = status_.load();
+    status = code == kNotOurs ? kMessageUnknown : code;
+    return true;
+  }
+
+ private:
+  // Waits for this step's receives, consumed or not, within `timeout`: gloo writes into a receive's
+  // buffer until its Work completes. False if one failed or took longer.
+  bool drain(std::chrono::milliseconds timeout) {
+    std::vector<c10::intrusive_ptr<c10d::Work>> receives;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      receives.swap(receives_);
+    }
+    // the Works stay alive until the set is cleared: no address in it is reused meanwhile
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    bool ok = true;
+    for (auto& work : receives) {
+      if (!first_wait(*work)) continue;
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      try {
+        ok = ok && left.count() > 0 && work->wait(left);
+      } catch (const std::exception&) {
+        ok = false;
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    waited_.clear();
+    return ok;
+  }
+  bool drain() { return drain(timeout_); }
+
+  // gloo's Work completes one wait: a second one waits for another message
+  bool first_wait(const c10d::Work& work) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return waited_.insert(&work).second;
+  }
+
+  void fold(int64_t code) {  // status = max(status, code); the two halves of a pair may fold at once
+    int64_t seen = status_.load();
+    while (code > seen && !status_.compare_exchange_weak(seen, code)) {
+    }
+  }
+
+  std::chrono::milliseconds timeout_;
+  std::atomic<int64_t> status_{kMessageOk};
+  std::mutex mu_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> receives_;  // this step's, until it ends
+  std::unordered_set<const c10d::Work*> waited_;          // those of receives_ waited for once
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceComm> make_host_device_comm(std::chrono::milliseconds timeout) {
+  return std::make_unique<HostDeviceComm>(timeout);
+}
+
+}  // namespace pipecore

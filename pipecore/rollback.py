@@ -1,0 +1,73 @@
+"""Module state a step must not leave behind when it does not count.
+
+A step does not count when it fails (this rank's error or a peer's) or runs again because a first
+stage's batch changed shape. Its gradients are the caller's to zero (PeerFailedError says so) or
+carry nothing (a "shapes changed" pass), but its forwards also draw random numbers (dropout) and
+move buffers (batch-norm statistics). On NCCL a rank even computes on stand-in messages (zeros of
+the old shapes) before it learns their status, since the host never waits for a message
+(csrc/device_comm.h). `Rollback` saves RNG states and the buffers forwards change when a step
+starts and puts them back when the step does not count, so the next run draws and normalises as
+if the failed or replaced pass had never run.
+
+What it cannot put back is Python state a forward changes (a counter in an attribute)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+class Rollback:
+    """RNG states and forward-changed buffers of `modules`, saved per step, restorable.
+
+    Which buffers a forward changes is learnt by value in the steps that learn a batch shape's plan
+    (the host-waiting path, where comparing costs no extra wait): kernels such as batch norm's update
+    their running statistics in place without moving the tensor's version counter."""
+
+    def __init__(self, modules: Sequence[nn.Module], devices: Sequence[torch.device]):
+        self._buffers = [b for m in modules for b in m.buffers()]
+        self._cuda = sorted({d.index if d.index is not None else torch.cuda.current_device()
+                             for d in devices if d.type == "cuda"})
+        self._changing: set[int] = set()  # indices of buffers some forward changed
+        self._due: bool | None = None  # save at the next forward (learning: True) or not at all (None)
+        self._learning = False
+        self._saved: dict[int, torch.Tensor] | None = None  # None: nothing saved this run
+        self._rng = None
+        self._cuda_rng: list = []
+
+    def arm(self, learn: bool) -> None:
+        """Before a run of the step's program; `learn`: the run learns its batch shape's plan. The state
+        is saved at the run's first forward (`before_forward`), where a failure to save (out of memory)
+        is the rank's own error in the step, which releases its peers."""
+        self._due, self._saved = learn, None
+
+    def before_forward(self) -> None:
+        if self._due is None:
+            return
+        learn, self._due = self._due, None
+        self._rng = torch.get_rng_state()
+        self._cuda_rng = [torch.cuda.get_rng_state(d) for d in self._cuda]  # host state: no device wait
+        self._learning = learn
+        keep = range(len(self._buffers)) if learn else self._changing
+        with torch.no_grad():
+            self._saved = {i: self._buffers[i].clone() for i in keep}
+
+    def finished(self) -> None:
+        """After a run that ended well."""
+        if self._learning and self._saved is not None:
+            self._changing.update(i for i, saved in self._saved.items() if not torch.equal(self._buffers[i], saved))
+        self._due, self._saved, self._learning = None, None, False
+
+    def restore(self) -> None:
+        """After a run that does not count: RNG streams and buffers as when its first forward began."""
+        self._due = None
+        if self._saved is None:  # no forward ran: nothing moved
+            return
+        torch.set_rng_state(self._rng)
+        for d, state in zip(self._cuda, self._cuda_rng):
+            torch.cuda.set_rng_state(state, d)
+        with torch.no_grad():
+            for i, saved in self._saved.items():
+                self._buffers[i].copy_(saved)
