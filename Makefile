@@ -21,6 +21,7 @@ install:
 	fi
 	$(PIP) install -q $(DEV_DEPS)
 	$(PIP) install -q --no-build-isolation -e .
+	$(PYTHON) -m pipecore.build_check
 
 # pipeline-parallel training of a GPT on 4 CPU processes (torchrun), a few minutes after install
 demo: install

@@ -4,6 +4,8 @@
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
+#include <sstream>
+
 #if defined(__has_include)
 #if __has_include(<torch/headeronly/version.h>)
 #include <torch/headeronly/version.h>
@@ -103,7 +105,22 @@ py::dict build_info() {
 #else
   info["torch_version"] = py::str("");
 #endif
+  info["compiler"] = py::str(__VERSION__);
+#ifdef __GLIBCXX__
+  info["libstdcxx_headers"] = py::int_(__GLIBCXX__);  // the date of the libstdc++ it was compiled against
+#else
+  info["libstdcxx_headers"] = py::int_(0);
+#endif
   return info;
+}
+
+// What breaks first when the extension's C++ runtime differs from the one loaded with torch (seen:
+// a g++ newer than the system's, its extension crashing in std::ostringstream): text formatted by
+// a stream, an exception thrown with it and translated at the module's boundary.
+void self_check(int64_t n) {
+  std::ostringstream os;
+  os << "pipecore self-check " << n << ' ' << 0.5 * n;
+  throw pipecore::CommError(os.str());
 }
 
 // Specs arrive as meta tensors (shape, dtype, requires_grad) from Python.
@@ -160,7 +177,10 @@ void run(pipecore::Executor& self, py::function forward, py::function on_abort, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pipecore native extension: the pipeline executor";
   m.def("build_info", &build_info,
-        "Compile-time configuration of pipecore._C: {'cuda': bool, 'nvtx': bool, 'torch_version': str}.");
+        "Compile-time configuration of pipecore._C: {'cuda': bool, 'nvtx': bool, 'torch_version': str, 'compiler': "
+        "str, 'libstdcxx_headers': int}.");
+  m.def("_self_check", &self_check, py::arg("n"),
+        "raises CommError('pipecore self-check N N/2'); pipecore.build_check runs it in a fresh process");
 
   pipecore::bind_weight_store(m);
 

@@ -2,6 +2,7 @@
 
 import re
 
+import pytest
 import torch
 
 import pipecore._C as _C
@@ -10,10 +11,31 @@ import pipecore._C as _C
 def test_build_info_keys_and_types():
     info = _C.build_info()
     assert isinstance(info, dict)
-    assert set(info) == {"cuda", "nvtx", "torch_version"}
+    assert set(info) == {"cuda", "nvtx", "torch_version", "compiler", "libstdcxx_headers"}
     assert isinstance(info["cuda"], bool)
     assert isinstance(info["nvtx"], bool)
     assert isinstance(info["torch_version"], str)
+    assert info["compiler"] and info["libstdcxx_headers"] > 20000000  # e.g. "13.3.0", 20240904
+
+
+def test_self_check_throws_its_formatted_message_across_the_boundary():
+    with pytest.raises(_C.CommError, match=r"^pipecore self-check 3 1\.5$"):
+        _C._self_check(3)
+
+
+def test_build_check_passes_for_this_build():
+    from pipecore import build_check
+    assert build_check.check() is None
+
+
+def test_build_check_names_the_compiler_and_the_fix_when_the_extension_crashes():
+    from pipecore import build_check
+    crash = "import os, signal; import pipecore._C; os.kill(os.getpid(), signal.SIGSEGV)"
+    problem = build_check.check(crash)
+    assert problem is not None and "died of SIGSEGV" in problem, problem
+    info = _C.build_info()
+    assert f"compiler {info['compiler']}" in problem and "CC=/usr/bin/gcc CXX=/usr/bin/g++ make install" in problem
+    assert "libstdc++" in problem.split("loads:")[1], problem  # the one this Python loads with torch
 
 
 def test_build_info_torch_version_matches_runtime():
