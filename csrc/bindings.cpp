@@ -153,8 +153,8 @@ void run(pipecore::Executor& self, py::function forward, py::function on_abort, 
     py::gil_scoped_acquire gil;
     py::error_scope keep;  // a pending Python error (the failure itself) is set aside meanwhile
     try {
-      on_abort(py::str(PyUnicode_DecodeUTF8(error.data(), static_cast<Py_ssize_t>(error.size()), "replace"),
-                       /*borrowed=*/false),
+      on_abort(py::reinterpret_steal<py::str>(
+                   PyUnicode_DecodeUTF8(error.data(), static_cast<Py_ssize_t>(error.size()), "replace")),
                action);
     } catch (py::error_already_set& e) {
       e.discard_as_unraisable("pipecore: reporting a failure to the other ranks");

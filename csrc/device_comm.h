@@ -41,6 +41,8 @@ class DeviceComm {
   virtual void consume(const CommTask& task) = 0;
   // Writes the step status (ok, or the first bad status a message brought) into a 16-byte trailer.
   virtual void write_trailer(at::Tensor& trailer) = 0;
+  // `flag` (one element) = 1 if the step status is not ok (else unchanged).
+  virtual void mark_failed(at::Tensor& flag) = 0;
   // `seed` (one element) = value if the step status is ok, else 0.
   virtual void fill_seed(at::Tensor& seed, double value) = 0;
   // End of step: the step status (a MessageStatus; kMessageUnknown if a trailer was not pipecore's),
@@ -52,7 +54,8 @@ class DeviceComm {
 std::unique_ptr<DeviceComm> make_device_comm(const c10::Device& device);
 
 // The same protocol run by the host on CPU tensors over gloo, for tests on machines without a GPU
-// (host_device_comm.cpp says what differs); `timeout` bounds each wait for a message.
-std::unique_ptr<DeviceComm> make_host_device_comm(std::chrono::milliseconds timeout);
+// (host_device_comm.cpp says what differs); `timeout` (the executor's, read at each wait; it must
+// outlive the DeviceComm) bounds each wait for a message.
+std::unique_ptr<DeviceComm> make_host_device_comm(const std::chrono::milliseconds& timeout);
 
 }  // namespace pipecore

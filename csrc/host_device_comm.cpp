@@ -6,13 +6,17 @@
 // events and one-thread kernels, this does on the host: it waits for a receive's parts when an
 // action consumes them (where the compute stream would wait on the receive's event), and a batch's
 // operations are posted one by one (gloo has no coalescing; it needs none, since it does not
-// serialise a group's operations). Selected only by tests (Executor._emulate_device_comm).
+// serialise a group's operations). Receives an aborted step drained without consuming are waited
+// for when the next step begins (gloo writes into a receive's buffer until its Work completes);
+// an executor destroyed before that drops them, as the host path drops receives posted ahead.
+// Selected only by tests (Executor._emulate_device_comm).
 #include <ATen/ops/full.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <sstream>
 #include <unordered_set>
 
 #include "comm.h"
@@ -29,13 +33,19 @@ constexpr int64_t kNotOurs = kMessageReplan + 1;
 
 class HostDeviceComm final : public DeviceComm {
  public:
-  explicit HostDeviceComm(std::chrono::milliseconds timeout) : timeout_(timeout) {}
-  ~HostDeviceComm() override { drain(); }
+  // `timeout`: the executor's, which outlives this
+  explicit HostDeviceComm(const std::chrono::milliseconds& timeout) : timeout_(timeout) {}
 
   c10::DeviceType device_type() const override { return c10::DeviceType::CPU; }
 
   void begin_step() override {
-    drain();  // an aborted step (whose end reads no status) leaves its drained receives here
+    // an aborted step leaves receives it drained without consuming: they land before the next step
+    if (!drain(timeout_)) {
+      std::ostringstream os;
+      os << "pipecore: messages of the previous (aborted) step did not arrive within " << timeout_.count() / 1000.0
+         << " s";
+      throw CommError(os.str());
+    }
     status_ = kMessageOk;
   }
 
@@ -74,10 +84,25 @@ class HostDeviceComm final : public DeviceComm {
     std::memcpy(trailer.data_ptr(), words, sizeof(words));
   }
 
+  void mark_failed(at::Tensor& flag) override {
+    if (status_.load() != kMessageOk) flag.fill_(1);
+  }
+
   void fill_seed(at::Tensor& seed, double value) override { seed.fill_(status_.load() == kMessageOk ? value : 0.0); }
 
-  bool finish_step(std::chrono::milliseconds timeout, int64_t& status) override {
-    if (!drain(timeout)) return false;
+  bool finish_step(std::chrono::milliseconds, int64_t& status) override {
+    // every message consumed so far was waited for and folded: the status is final. Their Works (and
+    // buffers) go now, as on the device; a receive drained without consumption, after an abort, stays
+    // for the next begin_step to wait for.
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      std::vector<c10::intrusive_ptr<c10d::Work>> pending;
+      for (auto& work : receives_) {
+        if (waited_.count(work.get()) == 0) pending.push_back(std::move(work));
+      }
+      receives_.swap(pending);
+      waited_.clear();  // only Works of receives_ are in it, and those left were not waited for
+    }
     const int64_t code = status_.load();
     status = code == kNotOurs ? kMessageUnknown : code;
     return true;
@@ -108,8 +133,6 @@ class HostDeviceComm final : public DeviceComm {
     waited_.clear();
     return ok;
   }
-  bool drain() { return drain(timeout_); }
-
   // gloo's Work completes one wait: a second one waits for another message
   bool first_wait(const c10d::Work& work) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -122,7 +145,7 @@ class HostDeviceComm final : public DeviceComm {
     }
   }
 
-  std::chrono::milliseconds timeout_;
+  const std::chrono::milliseconds& timeout_;
   std::atomic<int64_t> status_{kMessageOk};
   std::mutex mu_;
   std::vector<c10::intrusive_ptr<c10d::Work>> receives_;  // this step's, until it ends
@@ -131,7 +154,7 @@ class HostDeviceComm final : public DeviceComm {
 
 }  // namespace
 
-std::unique_ptr<DeviceComm> make_host_device_comm(std::chrono::milliseconds timeout) {
+std::unique_ptr<DeviceComm> make_host_device_comm(const std::chrono::milliseconds& timeout) {
   return std::make_unique<HostDeviceComm>(timeout);
 }
 

@@ -42,14 +42,16 @@ def loaded_libstdcxx() -> str:
 
 def check(probe: str = PROBE) -> str | None:
     """None if the extension passes `probe` in a fresh process, else what went wrong and the fix."""
-    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
-    if run.returncode == 0:
-        return None
-    tail = (run.stderr or run.stdout).strip().splitlines()[-5:]
-    if run.returncode < 0:
-        how = f"died of {signal.Signals(-run.returncode).name}"
+    try:
+        run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        how, tail = "hung (over 300 s)", []
     else:
-        how = f"failed (exit status {run.returncode})"
+        if run.returncode == 0:
+            return None
+        tail = (run.stderr or run.stdout).strip().splitlines()[-5:]
+        how = f"died of {_signal_name(-run.returncode)}" if run.returncode < 0 else \
+            f"failed (exit status {run.returncode})"
     built = _built_with()
     cxx = os.environ.get("CXX", "c++ (the first on PATH)")
     return (f"pipecore._C {how} in its self-check (a formatted message thrown across the module's boundary).\n"
@@ -59,6 +61,13 @@ def check(probe: str = PROBE) -> str | None:
             "Rebuild with the system compiler torch's libstdc++ comes with, for example:\n"
             "  CC=/usr/bin/gcc CXX=/usr/bin/g++ make install\n"
             + ("  output: " + " | ".join(tail) if tail else ""))
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal
+        return f"signal {number}"
 
 
 def _built_with() -> str:

@@ -169,6 +169,24 @@ class DataParallel:
             for adapter in self.wrapped.values():
                 adapter.end_step(failed=True)
 
+    def discard_round(self) -> None:
+        """The device path, a first stage's batch changed shape: this rank's pass over stand-in messages
+        (or, on the first stage, its "shapes changed" pass) counts as one round of reductions, its
+        buckets flagged failed (sent ones by the device status, csrc/grad_reduce.h; the rest now), and
+        .grad goes back for the step to run again. Every rank of a replica whose batch changed does one
+        such round, so the replicas' reductions stay paired: a replica whose batch did not change gets
+        the flags, fails its step (PeerFailedError), and its step again pairs with the run that counts."""
+        from .runtime import _native
+
+        try:
+            self.reducer.finish(True, 1.0)
+        except _native().CommError as exc:
+            raise self._pipe._group_broke(exc) from None
+        except RuntimeError:
+            pass  # a gradient changed after its bucket was sent: this round does not count anyway
+        self.reducer.restore(False)
+        self.reducer.begin_step()
+
     def _stray_gradient(self) -> str | None:
         """A gradient of a plain stage's parameter that no bucket holds (it required no gradient when
         the Pipeline was built): it would differ between replicas."""

@@ -20,20 +20,23 @@ from torch import nn
 
 
 class Rollback:
-    """RNG states and forward-changed buffers of `modules`, saved per step, restorable.
+    """RNG states and forward-changed buffers of `modules`, saved per run, restorable.
 
-    Which buffers a forward changes is learnt by value in the steps that learn a batch shape's plan
+    Which buffers a forward changes is learnt by value in the runs that learn a batch shape's plan
     (the host-waiting path, where comparing costs no extra wait): kernels such as batch norm's update
-    their running statistics in place without moving the tensor's version counter."""
+    their running statistics in place without moving the tensor's version counter. Buffers are looked
+    up by owner and name at every save, so one a forward rebinds (`self.ema = 0.9 * self.ema + ...`)
+    or that `.to()` replaced is the current one."""
 
     def __init__(self, modules: Sequence[nn.Module], devices: Sequence[torch.device]):
-        self._buffers = [b for m in modules for b in m.buffers()]
+        self._slots = [(owner, name) for m in modules for owner in m.modules() for name in owner._buffers]
         self._cuda = sorted({d.index if d.index is not None else torch.cuda.current_device()
                              for d in devices if d.type == "cuda"})
-        self._changing: set[int] = set()  # indices of buffers some forward changed
+        self._changing: list[int] = []  # slots some forward changed
+        self._copies: dict[int, torch.Tensor] = {}  # slot -> its saved value, kept from run to run
         self._due: bool | None = None  # save at the next forward (learning: True) or not at all (None)
         self._learning = False
-        self._saved: dict[int, torch.Tensor] | None = None  # None: nothing saved this run
+        self._saved: list[int] | None = None  # the slots saved in this run; None: nothing saved
         self._rng = None
         self._cuda_rng: list = []
 
@@ -50,14 +53,27 @@ class Rollback:
         self._rng = torch.get_rng_state()
         self._cuda_rng = [torch.cuda.get_rng_state(d) for d in self._cuda]  # host state: no device wait
         self._learning = learn
-        keep = range(len(self._buffers)) if learn else self._changing
+        slots = [i for i in (range(len(self._slots)) if learn else self._changing) if self._buffer(i) is not None]
         with torch.no_grad():
-            self._saved = {i: self._buffers[i].clone() for i in keep}
+            same, into = [], []
+            for i in slots:
+                b, copy = self._buffer(i), self._copies.get(i)
+                if copy is not None and copy.shape == b.shape and copy.dtype == b.dtype and copy.device == b.device:
+                    same.append(b)
+                    into.append(copy)
+                else:
+                    self._copies[i] = b.clone()
+            if into:
+                torch._foreach_copy_(into, same)  # one launch per device and dtype, no allocation
+        self._saved = slots
 
     def finished(self) -> None:
         """After a run that ended well."""
         if self._learning and self._saved is not None:
-            self._changing.update(i for i, saved in self._saved.items() if not torch.equal(self._buffers[i], saved))
+            seen = set(self._changing)
+            self._changing += [i for i in self._saved if i not in seen and not self._same(i)]
+            for i in set(self._saved) - set(self._changing):  # learnt unchanged: no copy kept
+                self._copies.pop(i, None)
         self._due, self._saved, self._learning = None, None, False
 
     def restore(self) -> None:
@@ -69,5 +85,19 @@ class Rollback:
         for d, state in zip(self._cuda, self._cuda_rng):
             torch.cuda.set_rng_state(state, d)
         with torch.no_grad():
-            for i, saved in self._saved.items():
-                self._buffers[i].copy_(saved)
+            for i in self._saved:
+                owner, name = self._slots[i]
+                b, copy = owner._buffers.get(name), self._copies[i]
+                if b is not None and b.shape == copy.shape and b.dtype == copy.dtype and b.device == copy.device:
+                    b.copy_(copy)
+                else:  # the run rebound it to another shape or type: the saved tensor becomes the buffer
+                    owner._buffers[name] = copy.clone()
+
+    def _buffer(self, i: int) -> torch.Tensor | None:
+        owner, name = self._slots[i]
+        return owner._buffers.get(name)
+
+    def _same(self, i: int) -> bool:
+        b, copy = self._buffer(i), self._copies[i]
+        return (b is not None and b.shape == copy.shape and b.dtype == copy.dtype and b.device == copy.device
+                and torch.equal(b, copy))

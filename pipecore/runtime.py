@@ -412,6 +412,8 @@ class Pipeline:
         if agreed is not None and self.has_first and desc != self._last_desc.get(training):
             self._ensure_loaded(agreed, training)
             self._run_aborted(2)
+            if training and self._dp is not None and self._executor.device_comm:
+                self._dp.discard_round()  # as the ranks that compute on its stand-ins do (data_parallel.py)
             agreed = None
         if agreed is None:
             agreed = self._agree_and_plan(step, desc, training)
@@ -432,29 +434,39 @@ class Pipeline:
             while True:
                 # RNG states and buffers go back if this run does not count (pipecore/rollback.py)
                 self._rollback.arm(learn=self._discovery is not None)
+                on_stand_ins = self._executor.device_comm and self._discovery is None  # (device_comm.h)
                 try:
                     self._executor.run(self._forward, lambda error, action: self._publish_error(step, error, action),
                                        self._discovery.answer if self._discovery is not None else None)
                     break
                 except native.PeerReplan:  # a first stage's batch changed shape: agree, then run again
-                    self._rollback.restore()
+                    problem = self._restore_module_state()
+                    if problem:  # the peers are agreeing already: run again, and say so
+                        warnings.warn(problem, RuntimeWarning, stacklevel=3)
+                    if training and self._dp is not None and on_stand_ins:
+                        self._dp.discard_round()
                     agreed = self._agree_and_plan(step, desc, training)
                     self._outputs, self._losses = {}, {}
         except native.PeerAbort as exc:
-            self._rollback.restore()
+            problem = self._restore_module_state()
             self._end_discovery(failed=True)
             self._restore_grads(stash, tied_stash)
-            raise PeerFailedError(f"rank {self.rank}: step {step} aborted because {self._peer_error(step)} "
-                                  f"(noticed here: {exc}). The group is fine: zero the gradients and step again."
-                                  ) from None
+            failed = PeerFailedError(f"rank {self.rank}: step {step} aborted because {self._peer_error(step)} "
+                                     f"(noticed here: {exc}). The group is fine: zero the gradients and step again.")
+            if problem:
+                failed.add_note(problem)
+            raise failed from None
         except native.CommError as exc:
+            problem = self._restore_module_state()
             self._discovery = None
-            raise self._group_broke(exc) from None
+            broke = self._group_broke(exc)
+            if problem:
+                broke.add_note(problem)
+            raise broke from None
         except BaseException as exc:
-            try:
-                self._rollback.restore()
-            except Exception as also:  # noqa: BLE001 - the step's own error is the one to raise
-                exc.add_note(f"pipecore: the step's RNG states and buffers could not be put back: {also}")
+            problem = self._restore_module_state()
+            if problem:
+                exc.add_note(problem)
             self._restore_grads(stash, tied_stash)
             also = self._executor.last_comm_failure
             if also:  # this rank's own error, and releasing its peers failed too: the group broke
@@ -558,6 +570,15 @@ class Pipeline:
         if self._loaded != key:
             self._load(self._plans[key], training)
             self._loaded = key
+
+    def _restore_module_state(self) -> str:
+        """After a run that does not count: RNG states and buffers back (pipecore/rollback.py). Returns
+        why that failed ('' if it did not): the step's own error is the one to raise."""
+        try:
+            self._rollback.restore()
+        except Exception as exc:  # noqa: BLE001
+            return f"pipecore: the step's RNG states and buffers could not be put back: {type(exc).__name__}: {exc}"
+        return ""
 
     def _run_aborted(self, status: int) -> None:
         try:

@@ -19,6 +19,7 @@ from torch import nn
 import pipecore as pc
 from gpt_cases import relative_difference  # examples/gpt.py's, the tests' measure
 from models import make_batch, make_stages, reference_forward
+from pipeline_cases import set_messages
 from reliability_cases import _outcome
 
 _MESHES: dict[tuple[int, int], object] = {}
@@ -203,12 +204,13 @@ def _train(rank, world, name, m, dp, steps=2, tokens=False, accumulate=False, ma
     return dict(r.worst, norms=r.norms, has_last=r.pipe.has_last)
 
 
-def failing_replica(rank, world, name, m, bad_rank, fail_step):
+def failing_replica(rank, world, name, m, bad_rank, fail_step, messages="default"):
     """The forward of `bad_rank`'s first stage raises at step `fail_step` (earlier steps succeed and
     match one process): returns (that step's outcome on this rank, worst differences of the steps
     before and of two clean steps after it, with zeroed gradients, and whether the failed step left
-    .grad as it was before it)."""
+    .grad as it was before it). `messages`: see set_messages."""
     r = Replica(rank, world, name, m, 2)
+    set_messages(r.pipe, messages)
     state = {"step": 0}
 
     def boom(module, args):
@@ -608,3 +610,31 @@ def dualpipe_mirrors(rank, world, bucket_bytes=None):
                 worst = max(worst, relative_difference(p.grad, q.grad))
             s.module.zero_grad(set_to_none=True)
     return worst
+
+
+def shape_changes_on_the_device_path(rank, world, name, m, rows):
+    """`rows[step][replica]`: the rows of each replica's batch, on the device path's protocol
+    (messages="device"): a batch that changes shape runs a pass over stand-ins first. Each step is
+    compared with one process (the replicas' mean losses averaged, as the reduction averages them);
+    a step that fails with PeerFailedError is stepped again, as its message says. Returns per step
+    the outcomes of its tries and the worst gradient difference of the one that counted."""
+    r = Replica(rank, world, name, m, 2)
+    set_messages(r.pipe, "device")
+    pipe, seen = r.pipe, []
+    for step, counts in enumerate(rows):
+        xs, ys = zip(*[make_batch(n, width=r.width, seed=10 * step + d) for d, n in enumerate(counts)])
+        loss = sum(r.loss_fn(reference_forward(r.ref, xc), yc) for xc, yc in zip(xs, ys)) / len(xs)
+        loss.backward()
+        tries = []
+        for _ in range(2):
+            outcome = _outcome(lambda: pipe.step(*((xs[r.replica],) if pipe.has_first else ()),
+                                                 target=ys[r.replica] if pipe.has_last else None))
+            tries.append((outcome[0], round(outcome[2], 1)))
+            if outcome[0] != "PeerFailedError":
+                break
+        if tries[-1][0] == "ok":
+            r.compare_grads(f"step {step}")
+        seen.append((tries, r.worst["grad"]))
+        r.worst["grad"] = 0.0
+        r.zero_grad()
+    return seen

@@ -55,8 +55,10 @@ def modes_match(rank, world, name, m, kind, steps=3, messages="default"):
     for pipe, _ in pipes.values():
         set_messages(pipe, messages)
     topo = pipes["sequential"][1]
-    rows = 3 * m + 1
     for step in range(steps):
+        # on the device path the last batch changes shape: its first pass runs on stand-ins, with
+        # "shapes changed" statuses folded from both halves' threads
+        rows = 2 * m + 1 if messages == "device" and step == steps - 1 else 3 * m + 1
         x, y = make_batch(rows, seed=step + 1)
         losses = {mode: [] for mode in MODES}
         for mode, (pipe, _) in pipes.items():
@@ -78,7 +80,10 @@ def modes_match(rank, world, name, m, kind, steps=3, messages="default"):
     # pairs that never hand over run on one thread
     want = {"sequential": 0, "concurrent": pairs * (steps - 1), "lockstep": 0}
     for mode, (pipe, _) in pipes.items():
-        assert pipe.overlapped_pairs == want[mode], (mode, pipe.overlapped_pairs, pairs)
+        if messages == "device" and mode == "concurrent":  # the stand-in pass overlaps until it fails, if it does
+            assert pairs * (steps - 2) <= pipe.overlapped_pairs <= want[mode], (mode, pipe.overlapped_pairs, pairs)
+        else:
+            assert pipe.overlapped_pairs == want[mode], (mode, pipe.overlapped_pairs, pairs)
         assert pipe.overlap_fallbacks == {}, pipe.overlap_fallbacks
     return pairs
 

@@ -68,7 +68,15 @@ def failing_stage(rank, world, name, bad_rank, where, messages="default"):
             return inner(out, y)
         pipe.loss_fn = loss
     x, y = make_batch(8)
+    if messages == "device":  # a first step learns the shapes (host-waiting path); the failing one is the device path's
+        fail["on"] = False
+        _step(pipe, x, y)
+        fail["on"] = True
+        for s in pipe.stages:
+            s.module.zero_grad(set_to_none=True)
     first = _outcome(lambda: _step(pipe, x, y))
+    if messages == "device":
+        assert pipe._executor.threaded_posts == 0 and pipe._executor.reverse_posts == 0, "not the device path"
     fail["on"] = False
     for s in pipe.stages:
         s.module.zero_grad(set_to_none=True)

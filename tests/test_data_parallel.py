@@ -192,3 +192,23 @@ def test_tied_embedding_and_head(name):
 def test_dualpipe_mirrored_stages(bucket_bytes):
     for rank, worst in enumerate(pool(4).run(cases.dualpipe_mirrors, bucket_bytes, timeout=120)):
         assert worst <= TOL, f"rank {rank}: gradients differ from one process by {worst:.2e}"
+
+
+@pytest.mark.parametrize("rows, changed", [
+    ([[9, 9], [9, 9], [6, 6], [9, 9]], "together"),
+    ([[9, 9], [9, 9], [6, 9], [9, 9]], "on one replica"),
+])
+def test_batch_shape_changes_on_the_device_path_keep_the_replicas_paired(rows, changed):
+    """dp=2 x pp=3 on the device path's protocol: the ranks after a first stage compute on stand-ins
+    before they learn that the batch changed shape, and their reductions go to the other replica. That
+    round is flagged and discarded on every rank of the replica that changed, so the replicas stay
+    paired: changed together, every step counts; changed on one replica, the other replica's step
+    fails once (PeerFailedError), and stepping again pairs it with the run that counts."""
+    results = pool(6).run(cases.shape_changes_on_the_device_path, "1f1b", 3, rows, timeout=180)
+    for rank, seen in enumerate(results):
+        for step, (tries, worst) in enumerate(seen):
+            replica_b = rank >= 3
+            # on one replica: replica 0's batch changes shape at steps 2 and 3, replica 1's never
+            want = ["PeerFailedError", "ok"] if changed == "on one replica" and step in (2, 3) and replica_b else ["ok"]
+            assert [kind for kind, _ in tries] == want, (rank, step, tries)
+            assert worst <= TOL, (rank, step, worst)

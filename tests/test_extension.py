@@ -35,7 +35,8 @@ def test_build_check_names_the_compiler_and_the_fix_when_the_extension_crashes()
     assert problem is not None and "died of SIGSEGV" in problem, problem
     info = _C.build_info()
     assert f"compiler {info['compiler']}" in problem and "CC=/usr/bin/gcc CXX=/usr/bin/g++ make install" in problem
-    assert "libstdc++" in problem.split("loads:")[1], problem  # the one this Python loads with torch
+    loaded = build_check.loaded_libstdcxx()
+    assert "libstdc++" in loaded and loaded in problem.split("loads:")[1], (loaded, problem)  # found, and named
 
 
 def test_build_info_torch_version_matches_runtime():

@@ -21,7 +21,8 @@ def test_every_mode_trains_like_one_process_and_alike_to_the_bit(name, world, m,
 
 @pytest.mark.parametrize("name, world, m", [("dualpipev", 2, 4), ("dualpipe", 2, 4), ("dualpipev", 4, 8)])
 def test_every_mode_on_the_device_path_protocol(name, world, m):
-    # the device path's protocol (statuses folded from both halves' threads), run by the host on gloo
+    # the device path's protocol run by the host on gloo, the last step at a new batch shape ("shapes
+    # changed" statuses folded from both halves' threads)
     pairs = pool(world).run(modes_match, name, m, "multi", 3, "device")
     assert sum(pairs) > 0
 

@@ -13,7 +13,7 @@ constexpr int64_t kStatusNotOurs = 3;
 
 // status = max(status, the code of the 16-byte `trailer`)
 void fold_trailer(const at::Tensor& trailer, at::Tensor& status, cudaStream_t stream);
-// trailer = (min(status, aborted), magic): a rank that saw a foreign trailer sends "aborted" on
+// trailer = (status, magic), where a foreign trailer's code goes on as "aborted"
 void write_trailer(at::Tensor& trailer, const at::Tensor& status, cudaStream_t stream);
 // seed[0] = status == ok ? value : 0
 void fill_seed(at::Tensor& seed, double value, const at::Tensor& status, cudaStream_t stream);
