@@ -41,8 +41,6 @@ class DeviceComm {
   virtual void consume(const CommTask& task) = 0;
   // Writes the step status (ok, or the first bad status a message brought) into a 16-byte trailer.
   virtual void write_trailer(at::Tensor& trailer) = 0;
-  // `flag` (one element) = 1 if the step status is not ok (else unchanged).
-  virtual void mark_failed(at::Tensor& flag) = 0;
   // `seed` (one element) = value if the step status is ok, else 0.
   virtual void fill_seed(at::Tensor& seed, double value) = 0;
   // End of step: the step status (a MessageStatus; kMessageUnknown if a trailer was not pipecore's),

@@ -53,19 +53,7 @@ Executor::Executor(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t num_stages
       prev_local_(num_stages, -1),
       split_fallbacks_(num_stages) {}
 
-Executor::~Executor() {
-  if (reducer_) reducer_->set_failure_marker(nullptr);  // the reducer may outlive this executor
-}
-
-void Executor::set_grad_reducer(std::shared_ptr<GradReducer> reducer) {
-  if (reducer_) reducer_->set_failure_marker(nullptr);
-  reducer_ = std::move(reducer);
-  if (!reducer_) return;
-  // buckets sent from a pass over stand-in messages (device path) carry the failure to the replicas
-  reducer_->set_failure_marker([this](at::Tensor& flag) {
-    if (device_comm_ && flag.device().type() == device_comm_->device_type()) device_comm_->mark_failed(flag);
-  });
-}
+Executor::~Executor() = default;
 
 void Executor::set_links(int64_t stage, int64_t next_local, int64_t prev_local) {
   TORCH_CHECK(stage >= 0 && stage < num_stages_, "pipecore: bad stage index ", stage);

@@ -188,7 +188,7 @@ class Executor {
   }
   // Data-parallel gradient reduction of plain stages (grad_reduce.h): armed before each stage's last
   // backward, its REDUCE_GRAD sends what is left. Null: none.
-  void set_grad_reducer(std::shared_ptr<GradReducer> reducer);
+  void set_grad_reducer(std::shared_ptr<GradReducer> reducer) { reducer_ = std::move(reducer); }
   // Stages whose events go to `fn` (the bindings take the GIL for it), and whose backward runs whole
   // at I (their W does nothing): DDP's and FSDP2's autograd hooks expect a microbatch's weight
   // gradients within one backward.

@@ -70,11 +70,6 @@ void GradReducer::add_bucket(int64_t stage, std::vector<at::Tensor> params, cons
   set_aside_.resize(all_params_.size());
 }
 
-void GradReducer::set_failure_marker(FailureMarker marker) {
-  std::lock_guard<std::mutex> lock(mu_);
-  mark_failed_ = std::move(marker);
-}
-
 void GradReducer::begin_step() {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& b : buckets_) {
@@ -160,10 +155,6 @@ void GradReducer::send(Bucket& b, bool failed) {
         slot.zero_();
         b.sent_grads.emplace_back(nullptr, 0);
       }
-    }
-    if (mark_failed_) {
-      at::Tensor failure = flags.narrow(0, n, 1);
-      mark_failed_(failure);
     }
   }
   std::vector<at::Tensor> tensors{b.flat};

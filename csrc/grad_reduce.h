@@ -29,7 +29,6 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <cstdint>
-#include <functional>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -49,11 +48,6 @@ class GradReducer {
   // of local stage `stage`, all of `like`'s dtype and device. No params: a flags-only bucket (a rank
   // whose stages reduce their gradients otherwise still says whether its step failed).
   void add_bucket(int64_t stage, std::vector<at::Tensor> params, const at::Tensor& like);
-
-  // Device path (device_comm.h): sets a bucket's "this replica failed" flag on the device when the
-  // step's message status is not ok, so a bucket sent from a pass over stand-in messages says so.
-  using FailureMarker = std::function<void(at::Tensor& flag)>;
-  void set_failure_marker(FailureMarker marker);
 
   void begin_step();
   // The stage's last backward starts: accumulations of its parameters now mark them ready.
@@ -111,7 +105,6 @@ class GradReducer {
   std::vector<Bucket> buckets_;
   std::vector<uint8_t> armed_;  // per local stage
   size_t next_ = 0;             // buckets before it were sent
-  FailureMarker mark_failed_;
   bool failing_ = false;        // finish(failed=true): what is sent now carries the failure flag
   bool finished_ = true;
   bool succeeded_ = true;

@@ -84,10 +84,6 @@ class HostDeviceComm final : public DeviceComm {
     std::memcpy(trailer.data_ptr(), words, sizeof(words));
   }
 
-  void mark_failed(at::Tensor& flag) override {
-    if (status_.load() != kMessageOk) flag.fill_(1);
-  }
-
   void fill_seed(at::Tensor& seed, double value) override { seed.fill_(status_.load() == kMessageOk ? value : 0.0); }
 
   bool finish_step(std::chrono::milliseconds, int64_t& status) override {

@@ -66,6 +66,8 @@ class DataParallel:
         self.agreed = False
         self._uid: str | None = None
         self._store = dist.distributed_c10d._get_default_store()
+        # rounds of reductions (a step's, or a discarded one): what pairs with the other replicas
+        self._round = 0
 
     def attach(self) -> None:
         """Once the Pipeline's programs and executor exist: the buckets of the plain stages, in the
@@ -98,6 +100,7 @@ class DataParallel:
 
     # -- a step ------------------------------------------------------------------------------
     def begin_step(self) -> None:
+        self._round += 1
         self._concluded = False
         self.reducer.begin_step()
         for adapter in self.wrapped.values():
@@ -171,21 +174,34 @@ class DataParallel:
 
     def discard_round(self) -> None:
         """The device path, a first stage's batch changed shape: this rank's pass over stand-in messages
-        (or, on the first stage, its "shapes changed" pass) counts as one round of reductions, its
-        buckets flagged failed (sent ones by the device status, csrc/grad_reduce.h; the rest now), and
-        .grad goes back for the step to run again. Every rank of a replica whose batch changed does one
-        such round, so the replicas' reductions stay paired: a replica whose batch did not change gets
-        the flags, fails its step (PeerFailedError), and its step again pairs with the run that counts."""
+        (or, on the first stage, its "shapes changed" pass) counts as one round of reductions, flagged
+        failed, and .grad goes back for the step to run again. Every rank of a replica whose batch
+        changed does one such round, so the replicas' rounds stay paired: a replica whose batch did not
+        change gets the flags, fails its step (PeerFailedError, with the reason below), and its step
+        again pairs with the run that counts. Wrapped stages' own reductions (DDP, FSDP2) already ran on
+        the stand-ins and cannot be taken back: refused."""
         from .runtime import _native
 
+        why = (f"rank {dist.get_rank()}: the batch of data-parallel replica {self.rank} changed shape, and on this "
+               "device path its ranks computed on stand-ins before they knew (csrc/device_comm.h): that round of "
+               "gradient reductions was discarded. Step again (before any other data-parallel collective) to pair "
+               "with the run that counts")
+        if self._uid is not None:  # the replicas' key only: this pipeline's step goes on
+            try:
+                self._store.compare_set(self._replicas_error_key(), "", why)
+            except Exception:  # noqa: BLE001 - the message is best effort; the flags carry the failure
+                pass
         try:
             self.reducer.finish(True, 1.0)
         except _native().CommError as exc:
             raise self._pipe._group_broke(exc) from None
-        except RuntimeError:
-            pass  # a gradient changed after its bucket was sent: this round does not count anyway
         self.reducer.restore(False)
-        self.reducer.begin_step()
+        if self.wrapped:
+            raise InputError(f"rank {dist.get_rank()}: a batch changed shape on NCCL with DDP- or FSDP2-wrapped stages "
+                             "and dp_group: their reductions already ran on stand-in messages and cannot be discarded. "
+                             "Keep every replica's batch shape fixed (pad the last batch, or drop it), or use plain "
+                             "stages")
+        self.begin_step()
 
     def _stray_gradient(self) -> str | None:
         """A gradient of a plain stage's parameter that no bucket holds (it required no gradient when
@@ -229,8 +245,11 @@ class DataParallel:
     def _error_keys(self) -> list[str]:
         """Where a failed step's first error is left: this dp group's key and this pipeline's."""
         step = self._pipe._step_count - 1
-        keys = [f"pipecore/dp/{self._uid}/step{step}/error"] if self._uid is not None else []
+        keys = [self._replicas_error_key()] if self._uid is not None else []
         return keys + ([self._pipe._store_key(step)] if self._pipe._uid is not None else [])
+
+    def _replicas_error_key(self) -> str:
+        return f"pipecore/dp/{self._uid}/round{self._round}/error"  # by round: a discarded one counts
 
     def _first_error(self) -> str:
         """The first error left under this rank's keys (another rank's), waiting briefly for it."""

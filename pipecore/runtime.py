@@ -412,7 +412,7 @@ class Pipeline:
         if agreed is not None and self.has_first and desc != self._last_desc.get(training):
             self._ensure_loaded(agreed, training)
             self._run_aborted(2)
-            if training and self._dp is not None and self._executor.device_comm:
+            if training and self._dp is not None and self._executor.device_comm and self.world > 1:
                 self._dp.discard_round()  # as the ranks that compute on its stand-ins do (data_parallel.py)
             agreed = None
         if agreed is None:

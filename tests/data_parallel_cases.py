@@ -629,7 +629,7 @@ def shape_changes_on_the_device_path(rank, world, name, m, rows):
         for _ in range(2):
             outcome = _outcome(lambda: pipe.step(*((xs[r.replica],) if pipe.has_first else ()),
                                                  target=ys[r.replica] if pipe.has_last else None))
-            tries.append((outcome[0], round(outcome[2], 1)))
+            tries.append((outcome[0], round(outcome[2], 1), outcome[1][:400]))
             if outcome[0] != "PeerFailedError":
                 break
         if tries[-1][0] == "ok":

@@ -84,11 +84,6 @@ class CudaComm final : public DeviceComm {
     cuda::write_trailer(trailer, status_, compute_stream().stream());
   }
 
-  void mark_failed(at::Tensor& flag) override {
-    c10::cuda::CUDAGuard device_guard(device_);
-    flag.masked_fill_(status_.ne(kMessageOk), 1);  // on the current stream: no host wait
-  }
-
   void fill_seed(at::Tensor& seed, double value) override {
     cuda::fill_seed(seed, value, status_, compute_stream().stream());
   }
