@@ -242,10 +242,7 @@ const std::vector<at::Tensor>& Executor::receive(Inbox& inbox, const Instr& in, 
     try {
       device_comm_->consume(*inbox.task);  // the status is checked on the device, read at the step's end
     } catch (const CommError& e) {  // a consume that waits on the host (host_device_comm.cpp)
-      std::ostringstream os;
-      os << where(in) << ": waiting for " << what << " of microbatch " << in.mb << " from rank " << inbox.task->peer
-         << " failed (timeout " << timeout_.count() / 1000.0 << " s): " << e.what();
-      throw CommError(os.str());
+      throw CommError(wait_failure(in, what, inbox.task->peer, e.what()));
     }
   } else {
     wait_task(*inbox.task, in, what);
@@ -261,14 +258,18 @@ void Executor::wait_task(CommTask& task, const Instr& in, const char* what) {
     try {
       work->wait(timeout_);
     } catch (const std::exception& e) {
-      std::ostringstream os;
-      os << where(in) << ": waiting for " << what << " of microbatch " << in.mb << " from rank " << task.peer
-         << " failed (timeout " << timeout_.count() / 1000.0 << " s): " << e.what();
-      throw CommError(os.str());
+      throw CommError(wait_failure(in, what, task.peer, e.what()));
     }
     work.reset();
   }
   task.works.clear();
+}
+
+std::string Executor::wait_failure(const Instr& in, const char* what, int peer, const char* why) const {
+  std::ostringstream os;
+  os << where(in) << ": waiting for " << what << " of microbatch " << in.mb << " from rank " << peer << " failed (timeout "
+     << timeout_.count() / 1000.0 << " s): " << why;
+  return os.str();
 }
 
 void Executor::check_device_status() {

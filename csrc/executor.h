@@ -336,6 +336,8 @@ class Executor {
   std::vector<at::Tensor> message_of(const Instr& in, bool aborted, int64_t status = 0);
   // Device path, end of step: reads the step's message status; throws what it says.
   void check_device_status();
+  // The message of a failed or timed-out wait for `what` (activations, output gradients) of `in`.
+  std::string wait_failure(const Instr& in, const char* what, int peer, const char* why) const;
   // What a step status other than ok means, for this rank's error message.
   std::string device_status_text(int64_t status) const;
   std::string where(const Instr& in) const;

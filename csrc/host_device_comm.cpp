@@ -10,7 +10,6 @@
 // for when the next step begins (gloo writes into a receive's buffer until its Work completes);
 // an executor destroyed before that drops them, as the host path drops receives posted ahead.
 // Selected only by tests (Executor._emulate_device_comm).
-#include <ATen/ops/full.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
@@ -26,10 +25,6 @@
 
 namespace pipecore {
 namespace {
-
-// The step status's code for a trailer that is not pipecore's: larger than every message status,
-// as on the device (csrc/cuda/status_kernels.h).
-constexpr int64_t kNotOurs = kMessageReplan + 1;
 
 class HostDeviceComm final : public DeviceComm {
  public:
@@ -73,7 +68,7 @@ class HostDeviceComm final : public DeviceComm {
       if (!done) throw CommError(why);  // the executor says which message
     }
     const int64_t code = message_status(task.parts);
-    fold(code == kMessageUnknown ? kNotOurs : code);
+    fold(code == kMessageUnknown ? kStatusNotOurs : code);
   }
 
   void write_trailer(at::Tensor& trailer) override {
@@ -100,7 +95,7 @@ class HostDeviceComm final : public DeviceComm {
       waited_.clear();  // only Works of receives_ are in it, and those left were not waited for
     }
     const int64_t code = status_.load();
-    status = code == kNotOurs ? kMessageUnknown : code;
+    status = code == kStatusNotOurs ? kMessageUnknown : code;
     return true;
   }
 

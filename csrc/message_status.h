@@ -9,5 +9,8 @@ namespace pipecore {
 enum MessageStatus : int64_t { kMessageUnknown = -1, kMessageOk = 0, kMessageAborted = 1, kMessageReplan = 2 };
 // The trailer's second word: "pipecore" in ASCII.
 constexpr int64_t kTrailerMagic = 0x65726f6365706970LL;
+// A step status (device path, device_comm.h) is the largest code its messages brought; a trailer that
+// is not pipecore's counts as this, above every message status.
+constexpr int64_t kStatusNotOurs = kMessageReplan + 1;
 
 }  // namespace pipecore

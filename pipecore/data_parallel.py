@@ -152,12 +152,8 @@ class DataParallel:
         from .runtime import _native
 
         said = str(error).strip()
-        text = f"rank {dist.get_rank()}: {type(error).__name__}: {said.splitlines()[0] if said else ''}"
-        for key in self._error_keys():
-            try:
-                self._store.compare_set(key, "", text)
-            except Exception:  # noqa: BLE001 - the message is best effort; the flags carry the failure
-                pass
+        self._leave_error(self._error_keys(),
+                          f"rank {dist.get_rank()}: {type(error).__name__}: {said.splitlines()[0] if said else ''}")
         try:
             if self.agreed:  # replicas that disagree on their buckets must not exchange them
                 self.reducer.finish(True, 1.0)
@@ -187,10 +183,7 @@ class DataParallel:
                "gradient reductions was discarded. Step again (before any other data-parallel collective) to pair "
                "with the run that counts")
         if self._uid is not None:  # the replicas' key only: this pipeline's step goes on
-            try:
-                self._store.compare_set(self._replicas_error_key(), "", why)
-            except Exception:  # noqa: BLE001 - the message is best effort; the flags carry the failure
-                pass
+            self._leave_error([self._replicas_error_key()], why)
         try:
             self.reducer.finish(True, 1.0)
         except _native().CommError as exc:
@@ -247,6 +240,14 @@ class DataParallel:
         step = self._pipe._step_count - 1
         keys = [self._replicas_error_key()] if self._uid is not None else []
         return keys + ([self._pipe._store_key(step)] if self._pipe._uid is not None else [])
+
+    def _leave_error(self, keys: list[str], text: str) -> None:
+        """`text` under each key unless an error is there already (the first one stays)."""
+        for key in keys:
+            try:
+                self._store.compare_set(key, "", text)
+            except Exception:  # noqa: BLE001 - the message is best effort; the flags carry the failure
+                pass
 
     def _replicas_error_key(self) -> str:
         return f"pipecore/dp/{self._uid}/round{self._round}/error"  # by round: a discarded one counts

@@ -53,19 +53,19 @@ class Rollback:
         self._rng = torch.get_rng_state()
         self._cuda_rng = [torch.cuda.get_rng_state(d) for d in self._cuda]  # host state: no device wait
         self._learning = learn
-        slots = [i for i in (range(len(self._slots)) if learn else self._changing) if self._buffer(i) is not None]
+        buffers = {i: self._buffer(i) for i in (range(len(self._slots)) if learn else self._changing)}
+        buffers = {i: b for i, b in buffers.items() if b is not None}
         with torch.no_grad():
             same, into = [], []
-            for i in slots:
-                b, copy = self._buffer(i), self._copies.get(i)
-                if copy is not None and copy.shape == b.shape and copy.dtype == b.dtype and copy.device == b.device:
+            for i, b in buffers.items():
+                if _fits(self._copies.get(i), b):
                     same.append(b)
-                    into.append(copy)
+                    into.append(self._copies[i])
                 else:
                     self._copies[i] = b.clone()
             if into:
                 torch._foreach_copy_(into, same)  # one launch per device and dtype, no allocation
-        self._saved = slots
+        self._saved = list(buffers)
 
     def finished(self) -> None:
         """After a run that ended well."""
@@ -86,11 +86,11 @@ class Rollback:
             torch.cuda.set_rng_state(state, d)
         with torch.no_grad():
             for i in self._saved:
-                owner, name = self._slots[i]
-                b, copy = owner._buffers.get(name), self._copies[i]
-                if b is not None and b.shape == copy.shape and b.dtype == copy.dtype and b.device == copy.device:
+                b, copy = self._buffer(i), self._copies[i]
+                if _fits(b, copy):
                     b.copy_(copy)
                 else:  # the run rebound it to another shape or type: the saved tensor becomes the buffer
+                    owner, name = self._slots[i]
                     owner._buffers[name] = copy.clone()
 
     def _buffer(self, i: int) -> torch.Tensor | None:
@@ -99,5 +99,9 @@ class Rollback:
 
     def _same(self, i: int) -> bool:
         b, copy = self._buffer(i), self._copies[i]
-        return (b is not None and b.shape == copy.shape and b.dtype == copy.dtype and b.device == copy.device
-                and torch.equal(b, copy))
+        return _fits(b, copy) and torch.equal(b, copy)
+
+
+def _fits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Can one be copied into the other as it is (same shape, dtype and device)?"""
+    return a is not None and b is not None and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device

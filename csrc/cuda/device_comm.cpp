@@ -102,7 +102,7 @@ class CudaComm final : public DeviceComm {
       pause = std::min(pause * 2, std::chrono::microseconds(500));
     }
     const int64_t code = host_status_.data_ptr<int64_t>()[0];
-    status = code == cuda::kStatusNotOurs ? kMessageUnknown : code;
+    status = code == kStatusNotOurs ? kMessageUnknown : code;
     return true;
   }
 
