@@ -1,34 +1,70 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
-# Installed only when no torch is importable; an existing torch (CPU or CUDA
-# build, any version) is always kept. Never let pip resolve torch on its own.
+# Installed only when no torch is importable; an existing torch (CPU or CUDA build) is always kept,
+# and pip never resolves torch on its own here (--no-deps below).
 TORCH_SPEC ?= torch==2.13.0
-# setuptools and wheel: a fresh venv brings setuptools 65, which builds an editable install without
-# build isolation only with the separate wheel package
-DEV_DEPS := "setuptools>=70.1" wheel ninja pybind11 pytest hypothesis numpy matplotlib nvtx
+# steps of `make demo` (CI runs a short one: make demo STEPS=20)
+STEPS ?= 200
+DEMO_DIR ?= build/demo
 
-.PHONY: all install demo test bench clean
+# What each target needs beyond torch. setuptools>=70.1 and wheel: a fresh venv's setuptools 65
+# cannot build an editable install without build isolation.
+BUILD_DEPS := "setuptools>=70.1" wheel ninja
+DEMO_DEPS := numpy matplotlib
+TEST_DEPS := pytest hypothesis nvtx
+
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -ec
+
+.PHONY: all install install-test demo test bench clean
 
 all: install
 
-install:
-	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
-		echo "torch already installed: $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
-	else \
+# One stamp per Python environment, torch and pipecore install: `make install` does its work again only
+# when one of those, the build files or a C++ source changed.
+ENV_KEY_CMD = $(PYTHON) -c "import sys, hashlib, importlib.metadata as m; \
+	ds = {(d.metadata['Name'] or '').lower(): (d.version, d.read_text('direct_url.json')) for d in m.distributions()}; \
+	print(hashlib.sha1(repr((sys.prefix, ds.get('torch'), ds.get('pipecore'))).encode()).hexdigest()[:12])"
+ENV_KEY := $(shell $(ENV_KEY_CMD))
+INSTALLED := build/installed-$(or $(ENV_KEY),unknown)
+BUILD_INPUTS := Makefile setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*)
+
+install: $(INSTALLED)
+	@echo "pipecore is installed for $(PYTHON) ($$(cat $(INSTALLED)))"
+
+# pipecore in editable mode and its extension, compiled once: objects stay in build/obj-*, so an install
+# after a change recompiles only what changed. A line per compiled file; the whole log in build/install.log.
+$(INSTALLED): $(BUILD_INPUTS)
+	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then :; else \
 		echo "torch not importable; installing $(TORCH_SPEC)"; \
-		$(PIP) install -q "$(TORCH_SPEC)" || exit 1; \
-		$(PYTHON) -c "import torch" || exit 1; \
+		$(PIP) install -q "$(TORCH_SPEC)"; \
+		$(PYTHON) -c "import torch"; \
 	fi
-	$(PIP) install -q $(DEV_DEPS)
-	$(PIP) install -q --no-build-isolation -e .
+	$(PIP) install -q $(BUILD_DEPS) $(DEMO_DEPS)
+	@mkdir -p build
+	@echo "building pipecore._C (first build: about 2 minutes on 2 cores; log: build/install.log)"
+	@start=$$(date +%s); \
+	$(PIP) install -v --no-deps --no-build-isolation -e . 2>&1 | tee build/install.log | sed -un \
+		-e 's|^ *\[\([0-9]*/[0-9]*\)\] .* -c [^ ]*\(csrc/[^ ]*\) -o .*|  [\1] compiled \2|p' \
+		-e 's|^ *ninja: no work to do.*|  nothing to compile: every object is up to date|p' \
+		-e 's|^ *\(.*-shared .* -o [^ ]*\(_C[^ /]*\.so\)\).*|  linked \2|p' \
+		-e '/error:/p' \
+	|| { echo "pipecore: the build failed; the end of build/install.log:"; tail -n 40 build/install.log; exit 1; }; \
+	echo "  done in $$(( $$(date +%s) - start )) s"
 	$(PYTHON) -m pipecore.build_check
+	@rm -f $(INSTALLED)
+	@stamp=build/installed-$$($(ENV_KEY_CMD)); \
+	$(PYTHON) -c "import sys, torch; print(f'Python {sys.version.split()[0]} at {sys.prefix}, torch {torch.__version__}')" > $$stamp
 
-# pipeline-parallel training of a GPT on 4 CPU processes (torchrun), a few minutes after install
+install-test: install
+	@$(PYTHON) -c "import pytest, hypothesis, nvtx" 2>/dev/null || $(PIP) install -q $(TEST_DEPS)
+
+# pipeline-parallel training of a GPT on 4 CPU processes (torchrun), its timeline and a checkpoint
 demo: install
-	$(PYTHON) examples/train_gpt.py --ranks 4 --steps 200 --checkpoint-dir build/demo-checkpoint \
-		--timeline build/gpt_timeline.png
+	$(PYTHON) examples/train_gpt.py --ranks 4 --steps $(STEPS) --checkpoint-dir $(DEMO_DIR)/checkpoint \
+		--timeline $(DEMO_DIR)/gpt_timeline.png
 
-test: install
+test: install-test
 	$(PYTHON) -m pytest -q tests
 
 bench:

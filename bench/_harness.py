@@ -16,6 +16,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from pipecore.schedule.output import writable  # noqa: E402
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -115,6 +117,6 @@ def bar_plot(path: str, labels: list[str], series: dict[str, list[float]], ylabe
     ax.set_title(title, fontsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(writable(path), dpi=120)
     plt.close(fig)
     print(f"wrote {path}")

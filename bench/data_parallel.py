@@ -57,6 +57,7 @@ import traceback
 
 import _harness  # noqa: F401  (puts the repo on sys.path)
 from _harness import ROOT, bar_plot, spawn, table
+from pipecore.schedule.output import writable
 
 DP, PP = 2, 2
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zbv"]
@@ -267,7 +268,7 @@ def draw_timeline(path: str, panels: list[tuple[str, list[dict]]], world: int) -
     handles.append(Patch(color=dp_colours[0], label="DP:reduce bucket (sent -> completed)"))
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 8), fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
-    fig.savefig(path, dpi=130)
+    fig.savefig(writable(path), dpi=130)
     plt.close(fig)
     return path
 
@@ -288,9 +289,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=None, help=f"steps per timed block ({FULL['steps']})")
     ap.add_argument("--blocks", type=int, default=None, help=f"timed blocks of each, alternating ({FULL['blocks']})")
     ap.add_argument("--warmup", type=int, default=None, help=f"untimed steps of (a) and (b) ({FULL['warmup']})")
-    ap.add_argument("--timeline", default=os.path.normpath(os.path.join(ROOT, "build", "data_parallel_timeline.png")),
-                    help="picture of one traced overlapped step per schedule (default: the repository's "
-                         "build/data_parallel_timeline.png; '' for none)")
+    ap.add_argument("--timeline", default=None, help="picture of one traced overlapped step per schedule (.png)")
     ap.add_argument("--plot", default=None, help="bar plot of the step times")
     a = ap.parse_args(argv)
     base = QUICK if a.quick else FULL
@@ -373,7 +372,6 @@ def main(argv=None):
                 f"at most: ((b) - that) / (c)"))
     print(f"wall time {time.perf_counter() - t_start:.0f} s")
     if a.timeline:
-        os.makedirs(os.path.dirname(os.path.abspath(a.timeline)), exist_ok=True)
         print(f"wrote {draw_timeline(a.timeline, panels, DP * PP)}")
     if a.plot:
         bar_plot(a.plot, schedules, plot, "ms / step (median)", textwrap.fill(title, 100))

@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -109,6 +110,44 @@ def main() -> None:
     if "RANK" not in os.environ:
         sys.exit(launch(args))
     device = setup(args)
+    try:
+        train(args, device)
+        dist.barrier()  # a rank that failed after the last collective breaks this one: the others learn it here
+    except Exception as error:  # noqa: BLE001 - every rank names the first error, then exits
+        stop_every_rank(error)
+    dist.destroy_process_group()
+
+
+FIRST_ERROR, HEARD = "examples/train_gpt/first_error", "examples/train_gpt/heard"
+
+
+def stop_every_rank(error: Exception) -> None:
+    """Ends this rank so that every rank's output names the error that came first, not gloo's "Connection
+    closed by peer". The first rank to fail posts its error in the process group's store and drops its
+    connections, which breaks the collective the others wait in; they print that error, and the first
+    rank waits (10 s at most) until they have, before torchrun stops them all."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()
+    mine = f"rank {rank} failed: {type(error).__name__}: {error}"
+    try:
+        first = store.compare_set(FIRST_ERROR, "", mine).decode()
+    except Exception:  # noqa: BLE001 - the store went with the rank that hosts it: say what this rank knows
+        first = mine
+    if first == mine:
+        traceback.print_exception(error)
+        print(f"[rank {rank}] {mine}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()  # the others' collectives with this rank break at once
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and store.add(HEARD, 0) < world - 1:
+            time.sleep(0.05)
+    else:
+        own = f"{type(error).__name__}: {error}".splitlines()[0][:100]
+        print(f"[rank {rank}] stopped: {first} (here: {own})", file=sys.stderr, flush=True)
+        store.add(HEARD, 1)
+    sys.exit(1)
+
+
+def train(args: argparse.Namespace, device: torch.device) -> None:
     world = dist.get_world_size()
     if world % args.dp or args.rows % (args.dp * args.microbatches):
         raise SystemExit(f"--dp {args.dp} must divide the {world} ranks, and dp x microbatches the {args.rows} rows")
@@ -183,7 +222,6 @@ def main() -> None:
         say(f"checkpoint: {args.checkpoint_dir} (step {args.steps}); continue with --resume --steps N")
     if args.sample_tokens:
         sample(pipe, stages, sched, data, cfg, args, device)
-    dist.destroy_process_group()
 
 
 def progress(step: int, args, loss: float, norm: float, seconds: float) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from .schedule.output import writable
 from .schedule.picture import draw, kind_of, lanes_from_simulation, lanes_from_trace
 
 
@@ -41,7 +42,7 @@ def to_chrome_trace(events: Sequence[dict], path: str | None = None) -> dict:
                     "args": {"step": e.get("step")}})
     trace = {"traceEvents": out, "displayTimeUnit": "ms"}
     if path is not None:
-        with open(path, "w") as f:
+        with open(writable(path), "w") as f:
             json.dump(trace, f)
     return trace
 

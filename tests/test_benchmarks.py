@@ -19,12 +19,14 @@ CASES = {
     "memory": ["--schedules", "1f1b", "--microbatches", "2", "--rows", "64", "--width", "64", "--steps", "1"],
     "zero_bubble": ["--schedules", "zbv", "--ranks", "2", "--microbatches", "4", "--ms", "1", "1", "1",
                     "--blocks", "1", "--steps", "1"],
-    "data_parallel": ["--quick"],
+    "data_parallel": ["--quick", "--timeline", "{out}/timeline.png"],
     "compat": ["--schedules", "1F1B", "ZBVZeroBubble", "--microbatches", "4", "--dim", "16", "--seq", "8",
                "--rows", "8", "--blocks", "1", "--steps", "1"],
     "overlap": ["--schedules", "1f1b", "--microbatches", "4", "--forward-ms", "1", "--backward-ms", "1",
                 "--mib", "0.1", "--steps", "1", "--pair-schedules", "dualpipev", "--comm-ms", "1"],
 }
+# pictures a bench writes beyond its --plot ({out}: a folder that does not exist yet)
+PICTURES = {"data_parallel": "{out}/timeline.png"}
 # what a bench prints beyond its first table: overlap's OVERLAP_F_B table, with its lockstep rows (the bench
 # itself fails unless every pair of concurrent and lockstep ran overlapped)
 PRINTS = {"overlap": "lockstep"}
@@ -32,11 +34,20 @@ PRINTS = {"overlap": "lockstep"}
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_benchmark_prints_its_table(name, tmp_path):
-    plot = str(tmp_path / f"{name}.png")
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", f"{name}.py"), *CASES[name], "--plot", plot],
-                         capture_output=True, text=True, timeout=300)
+    """Run from an empty working directory, writing under folders that do not exist yet: a bench writes
+    nothing into the source tree and creates the folders it writes to."""
+    out_dir = str(tmp_path / "new" / "folder")
+    plot = os.path.join(out_dir, f"{name}.png")
+    args = [a.format(out=out_dir) for a in CASES[name]]
+    work = tmp_path / "cwd"
+    work.mkdir()
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", f"{name}.py"), *args, "--plot", plot],
+                         capture_output=True, text=True, timeout=300, cwd=work)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
     assert len(lines) >= 4 and set(lines[2].replace(" ", "")) == {"-"}, out.stdout  # title, header, rule, rows
     assert PRINTS.get(name, "") in out.stdout, out.stdout
     assert os.path.getsize(plot) > 0
+    if name in PICTURES:
+        assert os.path.getsize(PICTURES[name].format(out=out_dir)) > 0
+    assert not os.listdir(work), os.listdir(work)

@@ -7,10 +7,11 @@ import os
 
 from .action import Action, decode
 from .errors import ScheduleError
+from .output import writable
 
 
 def write_csv(schedule, path) -> None:
-    with open(path, "w", newline="") as f:
+    with open(writable(path), "w", newline="") as f:
         writer = csv.writer(f)
         for row in schedule.codes:
             writer.writerow([str(decode(c)) for c in row])

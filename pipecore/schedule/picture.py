@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from .output import writable
+
 COLOURS = {
     "F": "#4C72B0", "B": "#55A868", "I": "#8FD19E", "W": "#DD8452", "OVERLAP_F_B": "#8172B3",
     "SEND_F": "#999999", "RECV_F": "#BBBBBB", "SEND_B": "#999999", "RECV_B": "#BBBBBB",
@@ -88,7 +90,7 @@ def draw(panels: Sequence[tuple[str, Lanes]], path: str, *, unit: str = "time", 
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=130)
+    fig.savefig(writable(path), dpi=130)
     plt.close(fig)
     return path
 

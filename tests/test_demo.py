@@ -1,0 +1,78 @@
+"""The front door: `make demo`'s own command, run as a newcomer would, from an empty working directory
+with its timeline and checkpoint under folders that do not exist yet; resumed from that checkpoint; and
+one rank's failure named on every rank."""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "train_gpt.py")
+
+
+def demo_command(steps: int, demo_dir: str) -> list[str]:
+    """The command `make demo STEPS=steps DEMO_DIR=demo_dir` runs (read from the Makefile, so the two
+    cannot drift apart)."""
+    out = subprocess.run(["make", "--no-print-directory", "-n", "-C", ROOT, "demo", f"STEPS={steps}",
+                          f"DEMO_DIR={demo_dir}", f"PYTHON={sys.executable}"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    lines = out.stdout.replace("\\\n", " ").splitlines()
+    command = [shlex.split(line) for line in lines if "examples/train_gpt.py" in line]
+    assert len(command) == 1, out.stdout
+    return [os.path.join(ROOT, a) if a == "examples/train_gpt.py" else a for a in command[0]]
+
+
+def run(command: list[str], cwd, timeout=400) -> subprocess.CompletedProcess:
+    out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    return out
+
+
+def losses(stdout: str) -> dict[int, str]:
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"step +(\d+)/\d+ +loss (\S+)", stdout)}
+
+
+@pytest.mark.slow
+def test_demo_trains_writes_its_files_and_resumes(tmp_path):
+    work = tmp_path / "cwd"
+    work.mkdir()
+    demo_dir = os.path.join("out", "new")  # relative to the working directory, and not there yet
+    first = run(demo_command(4, demo_dir), work)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    grads = re.search(r"gradients of step 0 within ([0-9.e+-]+)", first.stdout)
+    assert grads and float(grads.group(1)) <= 1e-5, first.stdout
+    timeline = work / demo_dir / "gpt_timeline.png"
+    assert timeline.stat().st_size > 10_000, "the timeline picture is missing or empty"
+    assert str(timeline) in first.stdout  # the demo names where it wrote it
+    checkpoint = work / demo_dir / "checkpoint"
+    assert (checkpoint / ".metadata").is_file(), sorted(os.listdir(work / demo_dir))
+    assert "sample (the prompt, then what the model wrote)" in first.stdout
+
+    # resumed for 2 more steps: the same losses as 6 steps in one go
+    resumed = run(demo_command(6, demo_dir) + ["--resume"], work)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resumed from {os.path.join(demo_dir, 'checkpoint')} at step 4" in resumed.stdout, resumed.stdout
+    straight = run([sys.executable, SCRIPT, *demo_command(6, "unused")[2:], "--checkpoint-dir", "", "--timeline", "",
+                    "--sample-tokens", "0", "--check-steps", "0"], work)
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    after = losses(resumed.stdout)
+    assert set(after) == {5, 6}, resumed.stdout
+    assert after == {s: v for s, v in losses(straight.stdout).items() if s in after}, (resumed.stdout, straight.stdout)
+    assert sorted(os.listdir(work)) == ["out"]  # nothing else in the working directory
+
+
+def test_one_rank_failing_is_named_on_every_rank(tmp_path):
+    """Rank 0 alone fails after the last step (its timeline's folder cannot be made): every rank says
+    so, instead of gloo's "Connection closed by peer" tracebacks, and nobody waits out a timeout."""
+    out = run([sys.executable, SCRIPT, "--ranks", "4", "--steps", "1", "--width", "32", "--heads", "2",
+               "--seq-len", "16", "--rows", "8", "--sample-tokens", "0", "--check-steps", "0",
+               "--timeline", "/dev/null/timeline.png"], tmp_path, timeout=120)
+    assert out.returncode != 0
+    error = "rank 0 failed: FileExistsError: [Errno 17] File exists: '/dev/null'"
+    for rank in range(4):
+        assert re.search(rf"^\[rank {rank}\] .*{re.escape(error)}", out.stderr, re.M), (rank, out.stderr[-4000:])
+    # the ranks that stopped because of it print one line each, not a traceback
+    assert out.stderr.count("Traceback (most recent call last)") <= 2, out.stderr[-4000:]  # rank 0's and torchrun's
