@@ -5,6 +5,7 @@ The schedule layer (`pipecore.schedule`) is pure Python; the runtime names (`Pip
 names (its schedule classes are also here, at the top level).
 """
 
+from .errors import CommunicationError, InputError, PeerFailedError, PipelineError
 from .schedule import (SCHEDULES, Action, Kind, Schedule, ScheduleError, SimResult, Topology,
                        build_schedule)
 
@@ -14,7 +15,8 @@ __version__ = "0.1.0"
 _COMPAT = ["get_schedule_class", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
            "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "ScheduleDualPipe"]
 
-__all__ = ["Action", "Kind", "Schedule", "ScheduleError", "SimResult", "Topology", "SCHEDULES",
+__all__ = ["Action", "Kind", "Schedule", "ScheduleError", "InputError", "PipelineError", "PeerFailedError",
+           "CommunicationError", "SimResult", "Topology", "SCHEDULES",
            "build_schedule", "Pipeline", "PipelineStage", "defer_weight_grad", "partition", "clip_grad_norm_",
            "save_checkpoint", "load_checkpoint", "init_mesh", "overlap_handoff", "OverlappedPair", *_COMPAT,
            "__version__"]

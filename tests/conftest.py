@@ -1,23 +1,28 @@
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest
 from hypothesis import settings
+from hypothesis.configuration import set_hypothesis_home_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# the suite writes only into temporary folders: no example database in the checkout (pytest's own cache is
-# off in pyproject.toml for the same reason)
+# the suite writes only into temporary folders: hypothesis keeps no example database and its caches in a
+# temporary folder, not in the checkout (pytest's own cache is off in pyproject.toml for the same reason)
 settings.register_profile("pipecore", database=None)
 settings.load_profile("pipecore")
+HYPOTHESIS_HOME = tempfile.mkdtemp(prefix="pipecore-hypothesis-")
+set_hypothesis_home_dir(HYPOTHESIS_HOME)
 
 
 def _tree_state() -> set[str] | None:
-    """What `git status` shows in the checkout (untracked and ignored files included, bytecode caches
-    aside), or None outside a git checkout."""
+    """The checkout's untracked and ignored files, as `git status` lists them (bytecode caches aside; a
+    tracked file edited while the suite runs is the developer's), or None outside a git checkout."""
     try:
         out = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--ignored", "--untracked-files=all"],
                              capture_output=True, text=True, timeout=120)
@@ -25,7 +30,7 @@ def _tree_state() -> set[str] | None:
         return None
     if out.returncode != 0:
         return None
-    return {line for line in out.stdout.splitlines() if "__pycache__" not in line}
+    return {line for line in out.stdout.splitlines() if line[:2] in ("??", "!!") and "__pycache__" not in line}
 
 
 def pytest_sessionstart(session):
@@ -33,6 +38,7 @@ def pytest_sessionstart(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(HYPOTHESIS_HOME, ignore_errors=True)
     before = getattr(session.config, "_tree_before", None)
     after = _tree_state() if before is not None else None
     if after is None:

@@ -75,3 +75,15 @@ def test_schedule_layer_does_not_import_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_errors_users_catch_are_at_the_top_level_without_importing_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, pipecore as pc; from pipecore.errors import CommunicationError, InputError, PeerFailedError;"
+            "assert (pc.InputError, pc.PeerFailedError, pc.CommunicationError) == (InputError, PeerFailedError, "
+            "CommunicationError); assert issubclass(pc.PeerFailedError, pc.PipelineError); pc.ScheduleError;"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -76,3 +76,41 @@ def test_one_rank_failing_is_named_on_every_rank(tmp_path):
         assert re.search(rf"^\[rank {rank}\] .*{re.escape(error)}", out.stderr, re.M), (rank, out.stderr[-4000:])
     # the ranks that stopped because of it print one line each, not a traceback
     assert out.stderr.count("Traceback (most recent call last)") <= 2, out.stderr[-4000:]  # rank 0's and torchrun's
+
+
+QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")
+
+
+def test_readme_quickstart_is_the_example_file():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    block = re.search(r"`examples/quickstart.py`.*?```python\n(.*?)```", readme, re.S)
+    assert block, "the README's quickstart block is missing"
+    assert block.group(1) == open(QUICKSTART).read()
+
+
+def test_quickstart_trains_as_one_process_would(tmp_path):
+    """The quickstart on 2 ranks (torchrun, as the README says to run it) prints the losses of the same
+    model trained in one process: its model and data lines run here, the loop as one process would."""
+    import torch
+
+    out = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", QUICKSTART],
+              tmp_path, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    printed = re.findall(r"step (\d+): loss (\S+)", out.stdout)
+    assert [int(s) for s, _ in printed] == [20, 40, 60, 80, 100], out.stdout
+
+    source = open(QUICKSTART).read()
+    setup = source[source.index("torch.manual_seed(0)"):source.index("sched = ")]  # the model and the teacher
+    scope = {"torch": torch}
+    exec(setup, scope)
+    model, teacher = scope["model"], scope["teacher"]
+    opt = torch.optim.AdamW(model.parameters(), lr=float(re.search(r"lr=([0-9.e-]+)", source).group(1)))
+    expected = {}
+    for step in range(100):
+        x = torch.randn(32, 64)
+        loss = torch.nn.functional.mse_loss(model(x), teacher(x))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected[step + 1] = f"{loss.item():.4f}"
+    assert {int(s): v for s, v in printed} == {s: expected[s] for s in (20, 40, 60, 80, 100)}
