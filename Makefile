@@ -30,17 +30,17 @@ INSTALLED := build/installed-$(or $(ENV_KEY),unknown)
 BUILD_INPUTS := Makefile setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*)
 
 install: $(INSTALLED)
-	@echo "pipecore is installed for $(PYTHON) ($$(cat $(INSTALLED)))"
+	@echo "pipecore is installed for $(PYTHON) ($$(cat build/installed-$$($(ENV_KEY_CMD))))"
 
 # pipecore in editable mode and its extension, compiled once: objects stay in build/obj-*, so an install
 # after a change recompiles only what changed. A line per compiled file; the whole log in build/install.log.
 $(INSTALLED): $(BUILD_INPUTS)
+	$(PIP) install -q $(BUILD_DEPS) $(DEMO_DEPS)
 	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then :; else \
 		echo "torch not importable; installing $(TORCH_SPEC)"; \
 		$(PIP) install -q "$(TORCH_SPEC)"; \
 		$(PYTHON) -c "import torch"; \
 	fi
-	$(PIP) install -q $(BUILD_DEPS) $(DEMO_DEPS)
 	@mkdir -p build
 	@echo "building pipecore._C (first build: about 2 minutes on 2 cores; log: build/install.log)"
 	@start=$$(date +%s); \

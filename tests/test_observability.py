@@ -138,3 +138,21 @@ def test_cli_show_simulate_validate(tmp_path):
     assert out.returncode == 1 and "error: rank 0" in out.stderr
     out = _cli("show", "nope", "-r", "2", "-m", "2")
     assert out.returncode == 1 and "choose one of" in out.stderr
+
+
+def test_every_writer_creates_the_folders_it_needs(tmp_path):
+    """CSV, Chrome trace, pictures and the CLI's --out, each under folders that do not exist yet."""
+    from pipecore.profiling import draw_trace, to_chrome_trace
+
+    s = pc.build_schedule("1f1b", 2, 4)
+    s.to_csv(tmp_path / "a" / "b" / "s.csv")
+    assert pc.Schedule.from_csv(tmp_path / "a" / "b" / "s.csv").actions == s.actions
+    events = [{"rank": r, "name": f"PP:{a}", "start_us": 10.0 * i, "end_us": 10.0 * i + 8, "step": 0}
+              for r in range(2) for i, a in enumerate(s.actions[r])]
+    to_chrome_trace(events, str(tmp_path / "c" / "trace.json"))
+    assert os.path.getsize(tmp_path / "c" / "trace.json") > 0
+    draw_trace(events, str(tmp_path / "d" / "e" / "t.png"), schedule=s)
+    assert os.path.getsize(tmp_path / "d" / "e" / "t.png") > 1000
+    out = _cli("show", "zbv", "--ranks", "2", "--microbatches", "4", "--out", str(tmp_path / "f" / "z.png"))
+    assert out.returncode == 0, out.stderr
+    assert os.path.getsize(tmp_path / "f" / "z.png") > 1000
