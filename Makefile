@@ -3,6 +3,8 @@ PIP := $(PYTHON) -m pip
 # Installed only when no torch is importable; an existing torch (CPU or CUDA build) is always kept,
 # and pip never resolves torch on its own here (--no-deps below).
 TORCH_SPEC ?= torch==2.13.0
+# more pip arguments for that install, e.g. TORCH_PIP_ARGS="--index-url <a PyTorch wheel index>"
+TORCH_PIP_ARGS ?=
 # steps of `make demo` (CI runs a short one: make demo STEPS=20)
 STEPS ?= 200
 DEMO_DIR ?= build/demo
@@ -20,29 +22,39 @@ SHELL := /bin/bash
 
 all: install
 
-# One stamp per Python environment, torch and pipecore install: `make install` does its work again only
-# when one of those, the build files or a C++ source changed.
-ENV_KEY_CMD = $(PYTHON) -c "import sys, hashlib, importlib.metadata as m; \
-	ds = {(d.metadata['Name'] or '').lower(): (d.version, d.read_text('direct_url.json')) for d in m.distributions()}; \
-	print(hashlib.sha1(repr((sys.prefix, ds.get('torch'), ds.get('pipecore'))).encode()).hexdigest()[:12])"
+# One stamp per Python environment, the torch and pipecore it imports and the build's settings: `make install`
+# does its work again only when one of those, the build files, a C++ source or the built library changed.
+ENV_KEY_CMD = $(PYTHON) -c "import sys, os, hashlib, importlib.metadata as m; \
+	found = [next(iter(m.distributions(name=n)), None) for n in ('torch', 'pipecore')]; \
+	dists = [(d.version, d.read_text('direct_url.json')) if d else None for d in found]; \
+	env = [os.environ.get(v) for v in ('PIPECORE_NO_CUDA', 'PIPECORE_DEBUG_INFO', 'CC', 'CXX')]; \
+	print(hashlib.sha1(repr((sys.prefix, dists, env)).encode()).hexdigest()[:12])"
 ENV_KEY := $(shell $(ENV_KEY_CMD))
 INSTALLED := build/installed-$(or $(ENV_KEY),unknown)
-BUILD_INPUTS := Makefile setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*)
+BUILD_INPUTS := Makefile setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/* pipecore/_C*.so)
 
 install: $(INSTALLED)
-	@echo "pipecore is installed for $(PYTHON) ($$(cat build/installed-$$($(ENV_KEY_CMD))))"
+	@echo "pipecore is installed for $(PYTHON)"
 
 # pipecore in editable mode and its extension, compiled once: objects stay in build/obj-*, so an install
 # after a change recompiles only what changed. A line per compiled file; the whole log in build/install.log.
 $(INSTALLED): $(BUILD_INPUTS)
+	@$(PYTHON) -c "import sys, sysconfig, os; \
+		managed = sys.prefix == sys.base_prefix and os.path.exists(os.path.join(sysconfig.get_path('stdlib'), 'EXTERNALLY-MANAGED')); \
+		sys.exit(managed)" || { echo "pipecore: $(PYTHON) is the system's Python, which pip may not change (PEP 668)." \
+		"Make a virtual environment and use it:"; \
+		echo "    python3 -m venv --system-site-packages .venv && make $(MAKECMDGOALS) PYTHON=.venv/bin/python"; exit 1; }
+	@$(PIP) --version >/dev/null 2>&1 || { echo "pipecore: $(PYTHON) has no pip. Install it (Debian: apt-get install" \
+		"python3-pip python3-venv) or use a virtual environment: python3 -m venv .venv && make $(MAKECMDGOALS)" \
+		"PYTHON=.venv/bin/python"; exit 1; }
 	$(PIP) install -q $(BUILD_DEPS) $(DEMO_DEPS)
 	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then :; else \
-		echo "torch not importable; installing $(TORCH_SPEC)"; \
-		$(PIP) install -q "$(TORCH_SPEC)"; \
+		echo "torch not importable; installing $(TORCH_SPEC) $(TORCH_PIP_ARGS)"; \
+		$(PIP) install -q "$(TORCH_SPEC)" $(TORCH_PIP_ARGS); \
 		$(PYTHON) -c "import torch"; \
 	fi
 	@mkdir -p build
-	@echo "building pipecore._C (first build: about 2 minutes on 2 cores; log: build/install.log)"
+	@echo "building pipecore._C (log: build/install.log)"
 	@start=$$(date +%s); \
 	$(PIP) install -v --no-deps --no-build-isolation -e . 2>&1 | tee build/install.log | sed -un \
 		-e 's|^ *\[\([0-9]*/[0-9]*\)\] .* -c [^ ]*\(csrc/[^ ]*\) -o .*|  [\1] compiled \2|p' \
@@ -53,15 +65,15 @@ $(INSTALLED): $(BUILD_INPUTS)
 	echo "  done in $$(( $$(date +%s) - start )) s"
 	$(PYTHON) -m pipecore.build_check
 	@rm -f $(INSTALLED)
-	@stamp=build/installed-$$($(ENV_KEY_CMD)); \
-	$(PYTHON) -c "import sys, torch; print(f'Python {sys.version.split()[0]} at {sys.prefix}, torch {torch.__version__}')" > $$stamp
+	@$(PYTHON) -c "import sys, torch; print(f'Python {sys.version.split()[0]} at {sys.prefix}, torch {torch.__version__}')" \
+		> build/installed-$$($(ENV_KEY_CMD))
 
 install-test: install
 	@$(PYTHON) -c "import pytest, hypothesis, nvtx" 2>/dev/null || $(PIP) install -q $(TEST_DEPS)
 
 # pipeline-parallel training of a GPT on 4 CPU processes (torchrun), its timeline and a checkpoint
 demo: install
-	$(PYTHON) examples/train_gpt.py --ranks 4 --steps $(STEPS) --checkpoint-dir $(DEMO_DIR)/checkpoint \
+	$(PYTHON) examples/train_gpt.py --ranks 4 --cpu --steps $(STEPS) --checkpoint-dir $(DEMO_DIR)/checkpoint \
 		--timeline $(DEMO_DIR)/gpt_timeline.png
 
 test: install-test

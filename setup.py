@@ -25,12 +25,13 @@ try:
     import torch
     from torch.utils import cpp_extension
     from torch.utils.cpp_extension import BuildExtension, CppExtension
-except ImportError as e:
+except (ImportError, OSError) as e:  # OSError: a torch whose libraries do not load
     sys.exit(
         f"pipecore: this build cannot import torch ({e}).\n"
         "pipecore's C++ extension is compiled against the torch that is already installed "
-        f"({TORCH_REQUIREMENT}). pip's default build isolation builds in a new environment without it.\n"
-        "Install torch first, then build without isolation:\n"
+        f"({TORCH_REQUIREMENT}). pip's default build isolation builds in a new environment without the torch "
+        "you installed. With torch installed, build without isolation:\n"
+        '    pip install "setuptools>=70.1" wheel ninja\n'
         "    pip install --no-build-isolation .        (or: make install, in a checkout)")
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -125,9 +126,9 @@ class BuildPipecore(BuildExtension.with_options(use_ninja=True)):
 
     def build_extensions(self):
         # Python's own CFLAGS carry -g: debug information for torch's headers makes each unit ~1.6x
-        # slower to compile and the library 4x larger. PIPECORE_DEBUG_INFO=1 keeps it.
+        # slower to compile and the library 30x larger. PIPECORE_DEBUG_INFO=1 keeps it.
         if os.environ.get("PIPECORE_DEBUG_INFO", "0") in ("", "0"):
-            for name in ("compiler_so", "linker_so"):
+            for name in ("compiler_so", "compiler_so_cxx", "linker_so", "linker_so_cxx"):
                 command = getattr(self.compiler, name, None)
                 if command:
                     self.compiler.set_executable(name, [f for f in command if f != "-g"])
@@ -135,12 +136,19 @@ class BuildPipecore(BuildExtension.with_options(use_ninja=True)):
         if ccache and "CXX" not in os.environ:
             # torch's ninja file runs `c++` (and nvcc's host compiler) from PATH: ccache's links come first
             os.environ["PATH"] = ccache + os.pathsep + os.environ.get("PATH", "")
+            os.environ.setdefault("CCACHE_BASEDIR", ROOT)  # paths relative to the checkout: clones share the cache
             print(f"pipecore setup.py: compiling through ccache ({ccache})")
         super().build_extensions()
 
 
 CUDA_HOME = _cuda_home()
 USE_CUDA = _use_cuda(CUDA_HOME)
+
+# ninja installed into a virtual environment that is not activated (make ... PYTHON=venv/bin/python) is
+# not on PATH, and torch looks for it there: without it the build is serial and never incremental
+_venv_ninja = os.path.join(sysconfig.get_path("scripts"), "ninja")
+if os.path.isfile(_venv_ninja) and shutil.which("ninja") != _venv_ninja:
+    os.environ["PATH"] = os.path.dirname(_venv_ninja) + os.pathsep + os.environ.get("PATH", "")
 
 if shutil.which("ninja") is None:
     # BuildExtension falls back to distutils with a warning; say why it is slow.

@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -31,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import pipecore as pc  # noqa: E402
 from pipecore.profiling import draw_trace, gather_trace  # noqa: E402
+from first_failure import FirstFailure  # noqa: E402
 from gpt import (GPTConfig, build_gpt, get_batch, lm_loss, pipeline_stages, relative_difference,  # noqa: E402
                  stdlib_bytes)
 
@@ -81,15 +81,18 @@ def launch(args: argparse.Namespace) -> int:
 
 
 def setup(args) -> torch.device:
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available() and not args.cpu:
+    local, ranks_here = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() and not args.cpu else 0
+    if 0 < gpus < ranks_here and local == 0:
+        print(f"{ranks_here} ranks on this machine but {gpus} GPUs: gloo on the CPUs", flush=True)
+    if gpus >= ranks_here:
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")
         # the machine's cores shared between the ranks
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
         dist.init_process_group("gloo")
     return device
 
@@ -109,42 +112,15 @@ def main() -> None:
     args = parse_args()
     if "RANK" not in os.environ:
         sys.exit(launch(args))
-    device = setup(args)
+    watch = FirstFailure()  # one rank's error named on every rank (examples/first_failure.py)
     try:
+        device = setup(args)
         train(args, device)
-        dist.barrier()  # a rank that failed after the last collective breaks this one: the others learn it here
+        dist.barrier()  # a rank that fails after the last collective stops the others here
     except Exception as error:  # noqa: BLE001 - every rank names the first error, then exits
-        stop_every_rank(error)
+        watch.failed(error)
+    watch.close()
     dist.destroy_process_group()
-
-
-FIRST_ERROR, HEARD = "examples/train_gpt/first_error", "examples/train_gpt/heard"
-
-
-def stop_every_rank(error: Exception) -> None:
-    """Ends this rank so that every rank's output names the error that came first, not gloo's "Connection
-    closed by peer". The first rank to fail posts its error in the process group's store and drops its
-    connections, which breaks the collective the others wait in; they print that error, and the first
-    rank waits (10 s at most) until they have, before torchrun stops them all."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    store = dist.distributed_c10d._get_default_store()
-    mine = f"rank {rank} failed: {type(error).__name__}: {error}"
-    try:
-        first = store.compare_set(FIRST_ERROR, "", mine).decode()
-    except Exception:  # noqa: BLE001 - the store went with the rank that hosts it: say what this rank knows
-        first = mine
-    if first == mine:
-        traceback.print_exception(error)
-        print(f"[rank {rank}] {mine}", file=sys.stderr, flush=True)
-        dist.destroy_process_group()  # the others' collectives with this rank break at once
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and store.add(HEARD, 0) < world - 1:
-            time.sleep(0.05)
-    else:
-        own = f"{type(error).__name__}: {error}".splitlines()[0][:100]
-        print(f"[rank {rank}] stopped: {first} (here: {own})", file=sys.stderr, flush=True)
-        store.add(HEARD, 1)
-    sys.exit(1)
 
 
 def train(args: argparse.Namespace, device: torch.device) -> None:

@@ -67,15 +67,20 @@ def test_demo_trains_writes_its_files_and_resumes(tmp_path):
 def test_one_rank_failing_is_named_on_every_rank(tmp_path):
     """Rank 0 alone fails after the last step (its timeline's folder cannot be made): every rank says
     so, instead of gloo's "Connection closed by peer" tracebacks, and nobody waits out a timeout."""
-    out = run([sys.executable, SCRIPT, "--ranks", "4", "--steps", "1", "--width", "32", "--heads", "2",
+    import time
+
+    started = time.monotonic()
+    out = run([sys.executable, SCRIPT, "--ranks", "4", "--cpu", "--steps", "1", "--width", "32", "--heads", "2",
                "--seq-len", "16", "--rows", "8", "--sample-tokens", "0", "--check-steps", "0",
                "--timeline", "/dev/null/timeline.png"], tmp_path, timeout=120)
     assert out.returncode != 0
     error = "rank 0 failed: FileExistsError: [Errno 17] File exists: '/dev/null'"
     for rank in range(4):
         assert re.search(rf"^\[rank {rank}\] .*{re.escape(error)}", out.stderr, re.M), (rank, out.stderr[-4000:])
-    # the ranks that stopped because of it print one line each, not a traceback
+    # the ranks that stopped because of it print one line each, not a traceback, and said so in time
     assert out.stderr.count("Traceback (most recent call last)") <= 2, out.stderr[-4000:]  # rank 0's and torchrun's
+    assert "not every rank said it stopped" not in out.stderr, out.stderr[-4000:]
+    assert time.monotonic() - started < 60
 
 
 QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")
@@ -100,9 +105,10 @@ def test_quickstart_trains_as_one_process_would(tmp_path):
     assert [int(s) for s, _ in printed] == [20, 40, 60, 80, 100], out.stdout
 
     source = open(QUICKSTART).read()
+    definitions = source[:source.index("dist.init_process_group")]  # imports and the model's classes
     setup = source[source.index("torch.manual_seed(0)"):source.index("sched = ")]  # the model and the teacher
-    scope = {"torch": torch}
-    exec(setup, scope)
+    scope = {}
+    exec(definitions + setup, scope)
     model, teacher = scope["model"], scope["teacher"]
     opt = torch.optim.AdamW(model.parameters(), lr=float(re.search(r"lr=([0-9.e-]+)", source).group(1)))
     expected = {}
@@ -112,5 +118,6 @@ def test_quickstart_trains_as_one_process_would(tmp_path):
         loss.backward()
         opt.step()
         opt.zero_grad()
-        expected[step + 1] = f"{loss.item():.4f}"
-    assert {int(s): v for s, v in printed} == {s: expected[s] for s in (20, 40, 60, 80, 100)}
+        expected[step + 1] = loss.item()
+    for step, value in printed:  # printed to 4 decimals; the two runs' rounding may differ in the last bits
+        assert abs(float(value) - expected[int(step)]) <= 1e-4, (step, value, expected[int(step)])

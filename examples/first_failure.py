@@ -1,0 +1,117 @@
+"""One rank's error, named in every rank's output (used by examples/train_gpt.py under torchrun).
+
+When one rank fails, torchrun stops every other rank, and a rank blocked in a collective with it dies of
+gloo's "Connection closed by peer" (NCCL: a timeout): a wall of tracebacks that hides the error that came
+first. Here the first rank to fail posts its error in torchrun's store. A thread on every rank watches
+that store, so the other ranks print that error within a fraction of a second, wherever they are blocked.
+Every rank leaves once all have printed (10 s at most): torchrun stops the rest as soon as one exits.
+
+    watch = FirstFailure()            # after torchrun started this process
+    try:
+        train()
+        dist.barrier()                # a rank that fails after the last collective stops the others here
+    except Exception as error:
+        watch.failed(error)           # does not return
+    watch.close()
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch.distributed as dist
+
+import pipecore as pc
+
+# errors that follow from another rank's failure: they wait for that rank's error before posting their own
+DERIVED = (pc.PeerFailedError, pc.CommunicationError)
+
+
+class FirstFailure:
+    def __init__(self, poll_seconds: float = 0.2, wait_seconds: float = 10.0):
+        self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self.error_key, self.heard_key = f"first_failure/{run}/error", f"first_failure/{run}/heard"
+        self.poll, self.wait = poll_seconds, wait_seconds
+        # clients of their own on torchrun's store (MASTER_ADDR:MASTER_PORT): the process group's client is
+        # shared with the Pipeline, and the watching thread must not hold it
+        self.store, watch_store = (dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                                 is_master=False, timeout=timedelta(seconds=30)) for _ in range(2))
+        self.done = threading.Event()
+        threading.Thread(target=self._watch, args=(watch_store,), daemon=True, name="first-failure").start()
+
+    def close(self) -> None:
+        """Training ended well on this rank: stop watching."""
+        self.done.set()
+
+    def failed(self, error: Exception) -> None:
+        """This rank's error: name the first error of the run on this rank's output, then exit(1)."""
+        self.done.set()
+        mine = f"rank {self.rank} failed: {type(error).__name__}: {error}"
+        derived = isinstance(error, DERIVED) or "Connection closed by peer" in str(error)
+        first = self._first(mine, wait=self.wait / 2 if derived else 0.0)
+        if first == mine:
+            traceback.print_exception(error)
+            print(f"[rank {self.rank}] {mine}", file=sys.stderr, flush=True)
+            if not self._all_heard(self.store):
+                print(f"[rank {self.rank}] not every rank said it stopped within {self.wait:.0f} s", file=sys.stderr,
+                      flush=True)
+        else:
+            if not derived:  # an error of its own beside the first one: show it too
+                traceback.print_exception(error)
+            own = f"{type(error).__name__}: {error}".splitlines()[0][:100]
+            print(f"[rank {self.rank}] stopped: {first} (here: {own})", file=sys.stderr, flush=True)
+            self._heard(self.store)
+        sys.exit(1)
+
+    def _first(self, mine: str, wait: float) -> str:
+        """The run's first error: another rank's if posted (within `wait` seconds), else this one's."""
+        try:
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and not self.store.check([self.error_key]):
+                time.sleep(self.poll / 4)
+            return self.store.compare_set(self.error_key, "", mine).decode()
+        except Exception:  # noqa: BLE001 - torchrun's store is gone: say what this rank knows
+            return mine
+
+    def _all_heard(self, store) -> bool:
+        """Waits (`wait` seconds at most) until every rank but the first said it stopped."""
+        deadline = time.monotonic() + self.wait
+        try:
+            while store.add(self.heard_key, 0) < self.world - 1:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(self.poll / 4)
+        except Exception:  # noqa: BLE001 - torchrun's store is gone: nobody left to wait for
+            pass
+        return True
+
+    def _heard(self, store) -> None:
+        """This rank said it stopped; it leaves once every other rank has too."""
+        try:
+            store.add(self.heard_key, 1)
+        except Exception:  # noqa: BLE001 - torchrun's store is gone
+            return
+        self._all_heard(store)
+
+    def _watch(self, store) -> None:
+        """Another rank's error ends this rank at once, wherever its main thread is blocked."""
+        while not self.done.wait(self.poll):
+            try:
+                if not store.check([self.error_key]):
+                    continue
+                first = store.get(self.error_key).decode()
+            except Exception:  # noqa: BLE001 - torchrun's store is gone: nothing left to watch
+                return
+            if self.done.is_set() or first.startswith(f"rank {self.rank} "):
+                return  # this rank's main thread is reporting
+            print(f"[rank {self.rank}] stopped: {first}", file=sys.stderr, flush=True)
+            try:
+                self._heard(store)
+            finally:
+                os._exit(1)
