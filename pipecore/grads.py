@@ -123,7 +123,8 @@ class TiedWeights:
 
     def sum_grads(self, stash: dict) -> None:
         """Every copy's .grad := what it held before the step + the sum over model stages of this
-        step's gradients (a dualpipe mirror's, already summed with its twin, is counted once)."""
+        step's gradients (a dualpipe mirror's, already summed with its twin, is counted once). A
+        weight no copy got a gradient for keeps what it held (None if none), as in one process."""
         pipe = self._pipe
         for key, copies in self.copies.items():
             holders = sorted({c.rank for c in copies})
@@ -132,18 +133,27 @@ class TiedWeights:
             if all({c.model_stage for c in copies if c.rank == r} == models for r in holders):
                 if not here:  # every holder has a copy of each model stage: no communication
                     continue
-                total = self._sum([self._grad(key, c) for c in _one_per_model_stage(here)])
+                counted = _one_per_model_stage(here)
+                total, got = self._sum([self._grad(key, c) for c in counted]), self._got(key, counted)
             elif not here and len(holders) <= 2:
                 continue
             else:  # each model stage counted once, on the rank of its primary copy (stage == model stage)
-                mine = [self._grad(key, c) for c in here if c.stage == c.model_stage]
-                total = self._reduce(key, holders, self._sum(mine) if mine else None, "summing tied weight gradients")
+                counted = [c for c in here if c.stage == c.model_stage]
+                mine = self._sum([self._grad(key, c) for c in counted]) if counted else self._zeros(key)
+                # one more element: how many of the counted copies got a gradient
+                flat = torch.cat([mine.reshape(-1), mine.new_tensor([float(self._got(key, counted))])])
+                flat = self._reduce(key, holders, flat, "summing tied weight gradients")
+                total, got = flat[:-1].view_as(mine), bool(flat[-1].item())
                 if not here:
                     continue
             for c in here:
                 prev = stash.get((key, c.stage))
                 p = self._params[(key, c.stage)]
-                p.grad = total.clone() if prev is None else prev + total
+                p.grad = prev if not got else total.clone() if prev is None else prev + total
+
+    def _got(self, key: str, copies: list[TiedCopy]) -> bool:
+        """Whether any of these copies got a gradient this step."""
+        return any(self._params[(key, c.stage)].grad is not None for c in copies)
 
     def _grad(self, key: str, copy: TiedCopy) -> torch.Tensor:
         p = self._params[(key, copy.stage)]
@@ -156,15 +166,19 @@ class TiedWeights:
             total += g
         return total
 
+    def _zeros(self, key: str) -> torch.Tensor:
+        """Zeros shaped like the tied weight, on this rank's device for it."""
+        c = self.copies[key][0]
+        here = [p for (k, _), p in self._params.items() if k == key]
+        return torch.zeros(c.shape, dtype=getattr(torch, c.dtype.removeprefix("torch.")),
+                           device=here[0].device if here else self._pipe._comm_device())
+
     def _reduce(self, key: str, holders: list[int], mine: torch.Tensor | None, what: str) -> torch.Tensor:
         """The sum of the holders' tensors (zeros from a rank that gives None), equal on every holder:
         an exchange between two holders, an all-reduce over the group otherwise (every rank joins)."""
         pipe = self._pipe
         if mine is None:
-            c = self.copies[key][0]
-            here = [p for (k, _), p in self._params.items() if k == key]
-            mine = torch.zeros(c.shape, dtype=getattr(torch, c.dtype.removeprefix("torch.")),
-                               device=here[0].device if here else pipe._comm_device())
+            mine = self._zeros(key)
         from .runtime import _native
 
         if len(holders) == 2:

@@ -458,6 +458,7 @@ class Pipeline:
             raise failed from None
         except native.CommError as exc:
             problem = self._restore_module_state()
+            self._restore_grads(stash, tied_stash)  # what .grad held before the step survives a broken group
             self._discovery = None
             broke = self._group_broke(exc)
             if problem:
@@ -914,6 +915,9 @@ class Pipeline:
         return stash
 
     def _sum_mirrored_grads(self, stash) -> None:
+        """Each mirrored parameter's .grad := what it held before the step + the two copies' gradients
+        of this step. A parameter that neither copy got a gradient for keeps what it held (None if
+        none), as one process leaves a parameter its forward never used: AdamW then skips it."""
         topo = self.schedule.topology
         R = self.world
         partner = R - 1 - self.rank
@@ -925,17 +929,22 @@ class Pipeline:
                 if p.requires_grad:
                     params.append((s.stage_index, name, p))
                     mine.append((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1))
-        flat = torch.cat(mine) if mine else torch.zeros(0)
+        if not params:
+            return
+        # after the gradients, one flag per parameter: 1 where this copy got a gradient
+        got = torch.tensor([p.grad is not None for _, _, p in params], dtype=mine[0].dtype, device=mine[0].device)
+        flat = torch.cat(mine + [got])
         theirs = self._collective(_native().exchange, flat, partner,
                                   what=f"summing mirrored dualpipe gradients with rank {partner}")
         total = flat + theirs
+        anyone_got = total[-len(params):].tolist()
         offset = 0
-        for stage_index, name, p in params:
+        for (stage_index, name, p), got_one in zip(params, anyone_got):
             n = p.numel()
             g = total[offset:offset + n].view_as(p).clone()
             offset += n
             prev = stash.get((stage_index, name))
-            p.grad = g if prev is None else prev + g
+            p.grad = prev if not got_one else g if prev is None else prev + g
 
     def __repr__(self) -> str:
         return (f"Pipeline(rank={self.rank}/{self.world}, stages={[s.stage_index for s in self.stages]}, "

@@ -430,3 +430,57 @@ def given_shapes(rank, world, name, kind, rows, wrong):
         for (n, p), q in zip(s.module.named_parameters(), ref[s.stage_index].parameters()):
             _assert_grads_close(p.grad, q.grad, f"rank {rank} stage {s.stage_index} {n}")
     return "ok", ""
+
+
+class _StageWithUnusedLayer(nn.Module):
+    """A stage whose forward never uses one of its layers (an MoE expert no token reached)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.used = nn.Linear(width, width)
+        self.unused = nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.tanh(self.used(x))
+
+
+def unused_parameters_keep_no_gradient(rank, world, name, m, tie=False):
+    """A parameter no forward used keeps `.grad` None, as in one process, so AdamW with weight decay
+    leaves it alone; the others match one process. Two steps: the second accumulates on the first.
+    `tie`: the first and last model stages' unused weights are one tied weight."""
+    torch.manual_seed(0)
+    sched = pc.build_schedule(name, world, m)
+    topo = sched.topology
+    n_model = world if topo.style == "dualpipe" else topo.num_stages
+    model = nn.Sequential(*[_StageWithUnusedLayer(8) for _ in range(n_model)])
+    if tie:
+        model[-1].unused.weight = model[0].unused.weight
+    ref = copy.deepcopy(model)
+
+    def stage(s):
+        module = copy.deepcopy(model[topo.model_stage[s]])
+        tied = {"u": module.unused.weight} if tie and topo.model_stage[s] in (0, n_model - 1) else None
+        return pc.PipelineStage(module, s, sched.num_stages, tied=tied)
+
+    mine = [stage(s) for s in sched.rank_stages(rank)]
+    pipe = pc.Pipeline(mine, sched, m, loss_fn=nn.functional.mse_loss, timeout=60)
+    params = list({id(p): p for s in mine for p in s.module.parameters()}.values())
+    opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
+    g = torch.Generator().manual_seed(1)
+    for step in range(2):
+        x, y = torch.randn(2 * m, 8, generator=g), torch.randn(2 * m, 8, generator=g)
+        pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
+        nn.functional.mse_loss(ref(x), y).backward()
+        for s in mine:
+            for (n, p), (_, q) in zip(s.module.named_parameters(), ref[topo.model_stage[s.stage_index]].named_parameters()):
+                what = f"rank {rank} stage {s.stage_index} {n} step {step}"
+                if q.grad is None:
+                    assert p.grad is None, f"{what}: one process leaves .grad None, the pipeline gave {p.grad}"
+                else:
+                    _assert_grads_close(p.grad, q.grad, what)
+    opt.step()
+    ref_opt.step()
+    for s in mine:
+        for (n, p), (_, q) in zip(s.module.named_parameters(), ref[topo.model_stage[s.stage_index]].named_parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"rank {rank} stage {s.stage_index} {n}")

@@ -275,3 +275,23 @@ def own_error_then_peer_hangs(rank, world):
     seconds = time.monotonic() - t0
     after = _outcome(lambda: _step(pipe, x, y))
     return first, seconds, after
+
+
+def comm_error_keeps_gradients_held_before(rank, world, bad_rank):
+    """dualpipe (its mirrors' gradients are set aside during a step): the first step's gradients are
+    held, then `bad_rank` hangs past the timeout in the second step. Whatever each rank raises, every
+    parameter's .grad is what it held before that step, not lost."""
+    group = dist.new_group(backend="gloo")
+    pipe, _ = _pipe(rank, world, "dualpipe", group=group, timeout=2)
+    hang = {"on": False}
+    if rank == bad_rank:
+        pipe.stages[0].module.register_forward_pre_hook(lambda mod, args: time.sleep(6) if hang["on"] else None)
+    x, y = make_batch(8)
+    _step(pipe, x, y)
+    params = [p for s in pipe.stages for p in s.module.parameters()]
+    held = [None if p.grad is None else p.grad.clone() for p in params]
+    hang["on"] = True
+    outcome = _outcome(lambda: _step(pipe, x, y))
+    kept = all((h is None and p.grad is None) or (h is not None and p.grad is not None and torch.equal(h, p.grad))
+               for h, p in zip(held, params))
+    return outcome, kept, sum(h is not None for h in held)

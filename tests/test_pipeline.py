@@ -135,3 +135,12 @@ def test_given_shapes_need_both_and_tensors():
         pc.PipelineStage(nn.Linear(2, 2), 0, 2, input_args=torch.empty(1, 2))
     with pytest.raises(TypeError, match="output_args must be a tensor or hold tensors"):
         pc.PipelineStage(nn.Linear(2, 2), 0, 2, input_args=torch.empty(1, 2), output_args=(3,))
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["plain", "tied"])
+@pytest.mark.parametrize("name, world", [("1f1b", 2), ("1f1b", 4), ("zbv", 2), ("dualpipev", 2), ("dualpipe", 2)])
+def test_unused_parameters_keep_no_gradient(name, world, tie):
+    """An MoE expert no token reached: one process leaves its .grad None (also a tied weight's)."""
+    from pipeline_cases import unused_parameters_keep_no_gradient
+
+    pool(world).run(unused_parameters_keep_no_gradient, name, 2 * world, tie)

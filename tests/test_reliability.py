@@ -3,9 +3,9 @@
 import pytest
 
 from dist_pool import pool
-from reliability_cases import (bad_input, construction_errors, dying_rank, failing_stage, hanging_rank,
-                               memory_is_flat, mismatched_stage, no_loss_fn, own_error_then_peer_hangs,
-                               reverse_channel, stress)
+from reliability_cases import (bad_input, comm_error_keeps_gradients_held_before, construction_errors, dying_rank,
+                               failing_stage, hanging_rank, memory_is_flat, mismatched_stage, no_loss_fn,
+                               own_error_then_peer_hangs, reverse_channel, stress)
 
 
 @pytest.mark.parametrize("name, world, bad_rank, where", [
@@ -124,3 +124,13 @@ def test_a_stage_that_cannot_take_its_inputs_fails_every_rank_at_once(name, worl
             else:
                 assert kind == "PeerFailedError" and f"rank {bad_rank} failed in PP:{bad_stage}F0" in msg, (rank, msg)
                 assert "mat1" in msg, msg
+
+
+def test_a_broken_group_keeps_the_gradients_held_before_the_step():
+    p = pool(2)
+    results = p.run(comm_error_keeps_gradients_held_before, 0, timeout=90)
+    p.broken = True  # its subgroup is broken by design
+    assert results[1][0][0] == "CommunicationError", results[1][0]
+    for rank, (outcome, kept, held) in enumerate(results):
+        assert outcome[0] != "ok" and held > 0, (rank, outcome, held)
+        assert kept, f"rank {rank} ({outcome[0]}): the gradients held before the step were lost"
