@@ -140,7 +140,7 @@ class TiedWeights:
             else:  # each model stage counted once, on the rank of its primary copy (stage == model stage)
                 counted = [c for c in here if c.stage == c.model_stage]
                 mine = self._sum([self._grad(key, c) for c in counted]) if counted else self._zeros(key)
-                # one more element: how many of the counted copies got a gradient
+                # one more element: 1 where a counted copy here got a gradient (summed: how many ranks did)
                 flat = torch.cat([mine.reshape(-1), mine.new_tensor([float(self._got(key, counted))])])
                 flat = self._reduce(key, holders, flat, "summing tied weight gradients")
                 total, got = flat[:-1].view_as(mine), bool(flat[-1].item())

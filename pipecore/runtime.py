@@ -929,7 +929,7 @@ class Pipeline:
                 if p.requires_grad:
                     params.append((s.stage_index, name, p))
                     mine.append((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1))
-        if not params:
+        if not params:  # the partner holds the same model stages: it has none either
             return
         # after the gradients, one flag per parameter: 1 where this copy got a gradient
         got = torch.tensor([p.grad is not None for _, _, p in params], dtype=mine[0].dtype, device=mine[0].device)
