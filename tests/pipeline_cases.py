@@ -14,8 +14,8 @@ from models import make_batch, make_stages, reference_forward
 
 
 def _assert_grads_close(got: torch.Tensor | None, want: torch.Tensor | None, what: str, rtol=1e-6):
-    if want is None:
-        assert got is None or torch.count_nonzero(got) == 0, f"{what}: expected no gradient"
+    if want is None:  # one process leaves .grad None (AdamW then skips the parameter): zeros would differ
+        assert got is None, f"{what}: one process leaves .grad None, the pipeline gave {got}"
         return
     assert got is not None, f"{what}: gradient missing"
     scale = want.abs().max().item()
@@ -474,11 +474,7 @@ def unused_parameters_keep_no_gradient(rank, world, name, m, tie=False):
         nn.functional.mse_loss(ref(x), y).backward()
         for s in mine:
             for (n, p), (_, q) in zip(s.module.named_parameters(), ref[topo.model_stage[s.stage_index]].named_parameters()):
-                what = f"rank {rank} stage {s.stage_index} {n} step {step}"
-                if q.grad is None:
-                    assert p.grad is None, f"{what}: one process leaves .grad None, the pipeline gave {p.grad}"
-                else:
-                    _assert_grads_close(p.grad, q.grad, what)
+                _assert_grads_close(p.grad, q.grad, f"rank {rank} stage {s.stage_index} {n} step {step}")
     opt.step()
     ref_opt.step()
     for s in mine:
