@@ -27,8 +27,7 @@ def demo_command(steps: int, demo_dir: str) -> list[str]:
 
 
 def run(command: list[str], cwd, timeout=400) -> subprocess.CompletedProcess:
-    out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd)
-    return out
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
 def losses(stdout: str) -> dict[int, str]:
