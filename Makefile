@@ -63,7 +63,7 @@ $(INSTALLED): $(BUILD_INPUTS)
 		-e '/error:/p' \
 	|| { echo "pipecore: the build failed; the end of build/install.log:"; tail -n 40 build/install.log; exit 1; }; \
 	echo "  done in $$(( $$(date +%s) - start )) s"
-	$(PYTHON) -m pipecore.build_check
+	$(PYTHON) -m pipecore.tools.build_check
 	@rm -f $(INSTALLED)
 	@$(PYTHON) -c "import sys, torch; print(f'Python {sys.version.split()[0]} at {sys.prefix}, torch {torch.__version__}')" \
 		> build/installed-$$($(ENV_KEY_CMD))

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pipecore as pc  # noqa: E402
 from pipecore.schedule.builders import default_stages_per_rank, takes_stages_per_rank  # noqa: E402
-from pipecore.torch_compat import TORCH_CLASSES, torch_build, torch_lower  # noqa: E402
+from torch_schedules import TORCH_CLASSES, torch_build, torch_lower  # noqa: E402
 
 
 def _median_ms(fn, repeats: int) -> float:

@@ -85,7 +85,7 @@ def _bench_rank(rank, world, schedules, cfg):
     from torch import nn
 
     import pipecore as pc
-    from pipecore.data_parallel import _buckets, _reduce_order
+    from pipecore.training.data_parallel import _buckets
 
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     from gpt import relative_difference
@@ -125,12 +125,13 @@ def _bench_rank(rank, world, schedules, cfg):
         params_b = [p for s in pipe_b.stages for p in s.module.parameters()]
 
         # (b)'s buckets: pipecore's bucketing of each stage, stages in REDUCE_GRAD order
-        buckets = [bucket for local in _reduce_order(pipe_b)
+        order = pipe_b.programs[True].local_stages_in_order_of("REDUCE_GRAD", len(pipe_b.stages))
+        buckets = [bucket for local in order
                    for bucket in _buckets([p for p in pipe_b.stages[local].module.parameters() if p.requires_grad],
                                           bucket_bytes)]
         layout = [[(tuple(q.shape), str(q.dtype)) for q in bucket] for bucket in buckets]
-        if layout != [shapes for _, shapes in pipe_a._dp.layout]:
-            raise RuntimeError(f"rank {rank}: (b)'s buckets {layout} differ from pipecore's {pipe_a._dp.layout}")
+        if layout != [shapes for _, shapes in pipe_a.gradients.dp.layout]:
+            raise RuntimeError(f"rank {rank}: (b)'s buckets {layout} differ from pipecore's {pipe_a.gradients.dp.layout}")
 
         def zero(params):
             for p in params:
@@ -167,7 +168,7 @@ def _bench_rank(rank, world, schedules, cfg):
 
         def timed_a():
             step_a()
-            early.append(pipe_a._dp.reducer.early_buckets)
+            early.append(pipe_a.gradients.dp.reducer.early_buckets)
             tails.append(_dp_tail_ms(pipe_a.trace()))
 
         runners = {"overlapped": timed_a, "after step": step_b, "reduction": reduce_after}
@@ -192,7 +193,7 @@ def _bench_rank(rank, world, schedules, cfg):
         step_a()
         trace = [dict(e, rank=rank) for e in pipe_a.trace()]
         out[name] = {"times": times, "cpu": cpu, "grad diff": grad_diff, "early": statistics.median(early),
-                     "buckets": pipe_a._dp.reducer.num_buckets, "tail": statistics.median(tails),
+                     "buckets": pipe_a.gradients.dp.reducer.num_buckets, "tail": statistics.median(tails),
                      "bucket sizes": [sum(p.numel() * p.element_size() for p in bk) for bk in buckets],
                      "params": sum(p.numel() for p in params_a), "trace": trace}
         del pipe_a, pipe_b
@@ -218,7 +219,7 @@ def draw_timeline(path: str, panels: list[tuple[str, list[dict]]], world: int) -
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    from pipecore.schedule.picture import COLOURS, kind_of
+    from pipecore.tools.picture import COLOURS, kind_of
 
     dp_colours = ("#C44E52", "#E58A8C")
     fig, axes = plt.subplots(len(panels), 1, figsize=(13, 0.55 * 2 * world * len(panels) + 1.0 * len(panels) + 0.6),

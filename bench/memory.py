@@ -75,7 +75,7 @@ def _peak_rank(rank, world, variant, name, m, width, rows, steps, device="cpu", 
     else:
         stages = [pc.PipelineStage(copy.deepcopy(model[s]), s, sched.num_stages) for s in mine]
         pipe = pc.Pipeline(stages, sched, m, loss_fn=loss_fn)
-        pipe._executor.set_free_outputs(variant == "pipecore")
+        pipe.executor.set_free_outputs(variant == "pipecore")
 
         def step():
             pipe.step(*((x,) if first else ()), target=y if last else None, return_outputs=outputs)

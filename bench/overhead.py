@@ -31,7 +31,7 @@ def _measure(rank, world, name, V, m, width, repeats):
     loss_fn = nn.MSELoss()
     pipe = pc.Pipeline(stages, sched, m, loss_fn=loss_fn)
     x, y = torch.randn(m, width), torch.randn(m, width)
-    n_actions = len(pipe._programs[True][1])
+    n_actions = len(pipe.programs[True].labels)
 
     def run_pipecore():
         pipe.step(x, target=y)

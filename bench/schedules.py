@@ -19,7 +19,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from pipecore.schedule.recommend import compare  # noqa: E402
+from pipecore.tools.recommend import compare  # noqa: E402
 
 COST_SETS = {
     "F=I=W": {"F": 1, "I": 1, "W": 1},

@@ -82,7 +82,10 @@ def _rank(rank, world, name, m, compute, ms, width, rows, depth, blocks, steps):
     for key in PROGRAMS:
         stages = [pc.PipelineStage(modules[s], s, sched.num_stages) for s in sched.rank_stages(rank)]
         pipes[key] = pc.Pipeline(stages, sched, m, loss_fn=lambda out: out.float().pow(2).mean(), timeout=120)
-    pipes["merged"]._programs[True] = pipes["merged"]._encode(merged_program(sched))
+    from pipecore.executor.program import encode
+
+    merged = pipes["merged"]
+    merged.programs[True] = encode(merged_program(sched), rank, {s.stage_index: i for i, s in enumerate(merged.stages)})
     x = torch.randn(rows, width)
 
     def runner(pipe):
@@ -100,7 +103,7 @@ def _rank(rank, world, name, m, compute, ms, width, rows, depth, blocks, steps):
     durations = {"F": [], "I": [], "W": []}
     backward_ms = {}
     for key, pipe in pipes.items():
-        pipe._executor.set_trace(True)
+        pipe.executor.set_trace(True)
         pipe.trace_enabled = True
         runners[key]()
         per_microbatch = {}  # (stage, microbatch) -> its I + W, or its B (stages with inputs only)

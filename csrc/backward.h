@@ -36,7 +36,7 @@ struct WeightWork {
 };
 
 // Why weight-gradient work ran at I instead of W. The names are part of the Python surface
-// (Pipeline.split_backward_fallbacks, pipecore/split_backward.py).
+// (Pipeline.split_backward_fallbacks, pipecore/runtime/split_backward.py).
 enum class FallbackReason {
   kPythonFunction,       // "python_function"
   kCustomNode,           // "custom_node": a C++ autograd Function or another non-generated node

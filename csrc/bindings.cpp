@@ -180,9 +180,44 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Compile-time configuration of pipecore._C: {'cuda': bool, 'nvtx': bool, 'torch_version': str, 'compiler': "
         "str, 'libstdcxx_headers': int}.");
   m.def("_self_check", &self_check, py::arg("n"),
-        "raises CommError('pipecore self-check N N/2'); pipecore.build_check runs it in a fresh process");
+        "raises CommError('pipecore self-check N N/2'); pipecore.tools.build_check runs it in a fresh process");
 
   pipecore::bind_weight_store(m);
+
+  // The executor's constants, read by Python instead of copied (pipecore/executor/native.py)
+  py::dict opcodes;
+  opcodes["F"] = int64_t{pipecore::kF};
+  opcodes["I"] = int64_t{pipecore::kI};
+  opcodes["W"] = int64_t{pipecore::kW};
+  opcodes["B"] = int64_t{pipecore::kB};
+  opcodes["SEND_F"] = int64_t{pipecore::kSendF};
+  opcodes["RECV_F"] = int64_t{pipecore::kRecvF};
+  opcodes["SEND_B"] = int64_t{pipecore::kSendB};
+  opcodes["RECV_B"] = int64_t{pipecore::kRecvB};
+  opcodes["UNSHARD"] = int64_t{pipecore::kUnshard};
+  opcodes["RESHARD"] = int64_t{pipecore::kReshard};
+  opcodes["REDUCE_GRAD"] = int64_t{pipecore::kReduceGrad};
+  opcodes["OVERLAP_BEGIN"] = int64_t{pipecore::kOverlapBegin};
+  opcodes["OVERLAP_END"] = int64_t{pipecore::kOverlapEnd};
+  m.attr("OPCODES") = opcodes;
+  py::dict stage_events;
+  stage_events["UNSHARD"] = int64_t{pipecore::kUnshard};
+  stage_events["RESHARD"] = int64_t{pipecore::kReshard};
+  stage_events["REDUCE_GRAD"] = int64_t{pipecore::kReduceGrad};
+  stage_events["LAST_BACKWARD"] = pipecore::kLastBackwardEvent;
+  m.attr("STAGE_EVENTS") = stage_events;
+  py::dict spec_answers;  // what Python's discovery answers the executor (SpecFn)
+  spec_answers["SET"] = int64_t{pipecore::kSpecsSet};
+  spec_answers["ABSENT"] = int64_t{pipecore::kSpecsAbsent};
+  spec_answers["TIMED_OUT"] = int64_t{pipecore::kSpecsTimedOut};
+  m.attr("SPEC_ANSWERS") = spec_answers;
+  py::dict overlap_modes;
+  overlap_modes["sequential"] = static_cast<int64_t>(pipecore::OverlapMode::kSequential);
+  overlap_modes["concurrent"] = static_cast<int64_t>(pipecore::OverlapMode::kConcurrent);
+  overlap_modes["lockstep"] = static_cast<int64_t>(pipecore::OverlapMode::kLockstep);
+  m.attr("OVERLAP_MODES") = overlap_modes;
+  m.attr("DEFAULT_RECV_WINDOW") = pipecore::kDefaultRecvWindow;
+  m.attr("DEFAULT_SEND_BUDGET") = pipecore::kDefaultSendBudget;
 
   m.def("overlap_hand_over", &pipecore::overlap_hand_over, py::call_guard<py::gil_scoped_release>(),
         "lock-step OVERLAP_F_B pair: the running half lets the other compute; returns which half it is (-1: "

@@ -109,7 +109,7 @@ struct CommError : std::runtime_error {
 // Told once when this rank's own action fails (before its peers are told), with the error text.
 using AbortFn = std::function<void(const std::string& error, const std::string& action)>;
 
-// Discovery steps (the first step of each batch shape, pipecore/discovery.py) start without shapes:
+// Discovery steps (the first step of each batch shape, pipecore/runtime/discovery.py) start without shapes:
 // each message's shapes are learnt when the step reaches it. The spec source is asked for those of
 // (stage, mb)'s receive of activations (kRecvF) or, in an aborted step, its send of activations
 // (kSendF) when none are set; it sets them (set_input_specs / set_output_specs) and answers.

@@ -6,7 +6,7 @@
 
 The LM head is tied to the token embedding. In one process they are one Parameter; split over
 stages, the stage holding the embedding and the one holding the head each get a copy, declared
-with `tied={"embedding": ...}` so that pipecore keeps them equal (pipecore/grads.py).
+with `tied={"embedding": ...}` so that pipecore keeps them equal (pipecore/training/ties.py).
 
 The text is Python's own standard library source (it ships with every Python), read as bytes: a
 vocabulary of 256 tokens and no tokenizer to install.

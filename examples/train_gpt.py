@@ -29,7 +29,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import pipecore as pc  # noqa: E402
-from pipecore.profiling import draw_trace, gather_trace  # noqa: E402
+from pipecore.tools.profiling import draw_trace, gather_trace  # noqa: E402
 from first_failure import FirstFailure  # noqa: E402
 from gpt import (GPTConfig, build_gpt, get_batch, lm_loss, pipeline_stages, relative_difference,  # noqa: E402
                  stdlib_bytes)

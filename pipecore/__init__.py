@@ -5,8 +5,8 @@ The schedule layer (`pipecore.schedule`) is pure Python; the runtime names (`Pip
 names (its schedule classes are also here, at the top level).
 """
 
-from .errors import CommunicationError, InputError, PeerFailedError, PipelineError
-from .schedule import (SCHEDULES, Action, Kind, Schedule, ScheduleError, SimResult, Topology,
+from pipecore.errors import CommunicationError, InputError, PeerFailedError, PipelineError
+from pipecore.schedule import (SCHEDULES, Action, Kind, Schedule, ScheduleError, SimResult, Topology,
                        build_schedule)
 
 __version__ = "0.1.0"
@@ -21,12 +21,14 @@ __all__ = ["Action", "Kind", "Schedule", "ScheduleError", "InputError", "Pipelin
            "save_checkpoint", "load_checkpoint", "init_mesh", "overlap_handoff", "OverlappedPair", *_COMPAT,
            "__version__"]
 
-_LAZY = {"Pipeline": ("runtime", "Pipeline"), "PipelineStage": ("stage", "PipelineStage"),
-         "defer_weight_grad": ("split_backward", "defer_weight_grad"),
-         "microbatch": ("microbatch", None), "partition": ("partition", "partition"),
-         "clip_grad_norm_": ("grads", "clip_grad_norm_"), "save_checkpoint": ("checkpoint", "save_checkpoint"),
-         "load_checkpoint": ("checkpoint", "load_checkpoint"), "init_mesh": ("mesh", "init_mesh"),
-         "overlap_handoff": ("overlap", "overlap_handoff"), "OverlappedPair": ("overlap", "OverlappedPair"),
+_LAZY = {"Pipeline": ("runtime.pipeline", "Pipeline"), "PipelineStage": ("stage.pipeline_stage", "PipelineStage"),
+         "defer_weight_grad": ("runtime.split_backward", "defer_weight_grad"),
+         "microbatch": ("stage.microbatch", None), "partition": ("stage.partitioning", "partition"),
+         "clip_grad_norm_": ("training.clipping", "clip_grad_norm_"),
+         "save_checkpoint": ("training.checkpoint", "save_checkpoint"),
+         "load_checkpoint": ("training.checkpoint", "load_checkpoint"), "init_mesh": ("training.mesh", "init_mesh"),
+         "overlap_handoff": ("runtime.overlap", "overlap_handoff"),
+         "OverlappedPair": ("runtime.overlap", "OverlappedPair"),
          "compat": ("compat", None), **{name: ("compat.schedules", name) for name in _COMPAT}}
 
 

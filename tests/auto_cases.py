@@ -8,7 +8,7 @@ from pipeline_cases import make_batch, make_stages
 
 def traced_zbv_step(rank, world, path):
     """One traced zbv step (I and W split) on `world` ranks; rank 0 writes the Chrome trace."""
-    from pipecore.profiling import gather_trace, to_chrome_trace
+    from pipecore.tools.profiling import gather_trace, to_chrome_trace
 
     sched = pc.build_schedule("zbv", world, 8)
     model = make_stages("mlp", sched.num_stages)

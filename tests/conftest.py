@@ -5,6 +5,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
+# torch's own schedule builders for side-by-side checks live with the benchmarks (bench/torch_schedules.py)
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
 import pytest
 from hypothesis import settings

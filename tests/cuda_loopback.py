@@ -8,6 +8,7 @@ one group) gives here."""
 from __future__ import annotations
 
 import pipecore as pc
+from pipecore.executor.program import encode
 from pipecore.schedule import Action, Kind, Schedule
 
 
@@ -31,6 +32,6 @@ def loopback_schedule(sched: Schedule) -> Schedule:
 
 def make_loopback(pipe: pc.Pipeline) -> None:
     """Before the first step: `pipe` (all stages on this rank) sends across its stage boundaries."""
-    pipe._programs[True] = pipe._encode(loopback_schedule(pipe.schedule))
+    pipe.programs[True] = encode(loopback_schedule(pipe.schedule), pipe.rank, {s.stage_index: i for i, s in enumerate(pipe.stages)})
     for i in range(len(pipe.stages)):
-        pipe._executor.set_links(i, -1, -1)
+        pipe.executor.set_links(i, -1, -1)

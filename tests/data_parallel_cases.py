@@ -312,8 +312,8 @@ def reduction_overlap(rank, world, name):
     if len(order) == 2:
         under_other = max(sent[order[0]]) < last[order[1]]["start_us"]
     # buckets go in index order (the same on every replica): their send times rise with the index
-    starts = [t0 for _, _, _, t0, _ in sorted(pipe._dp.reducer.trace(), key=lambda e: e[1])]
-    return {"early": pipe._dp.reducer.early_buckets, "buckets": pipe._dp.reducer.num_buckets, "inside": inside,
+    starts = [t0 for _, _, _, t0, _ in sorted(pipe.gradients.dp.reducer.trace(), key=lambda e: e[1])]
+    return {"early": pipe.gradients.dp.reducer.early_buckets, "buckets": pipe.gradients.dp.reducer.num_buckets, "inside": inside,
             "under_other": under_other, "stages": sorted(sent), "in_order": starts == sorted(starts)}
 
 

@@ -51,7 +51,7 @@ def module_state_after_steps_that_do_not_count(rank, world, name, messages):
         outcome = _outcome(lambda: _step(pipe, x, y, losses))
         outcomes.append(outcome[0])
         if messages == "device" and rows is None:  # the failure met the device path, not a step learning shapes
-            assert pipe._executor.threaded_posts == 0 and pipe._executor.reverse_posts == 0, "not the device path"
+            assert pipe.executor.threaded_posts == 0 and pipe.executor.reverse_posts == 0, "not the device path"
         after = torch.get_rng_state()
         what = f"rank {rank} step {step} ({rows} rows)"
         if rows is None:  # failed: nothing moved

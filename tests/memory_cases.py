@@ -49,7 +49,7 @@ def first_stage_memory(rank, world, m, budget_units):
     p.reset_peak()
     _step(pipe, x, y)
     held = p.peak_bytes() - base
-    sent_peak = pipe._executor.peak_send_bytes
+    sent_peak = pipe.executor.peak_send_bytes
     for q in stage.module.parameters():
         q.grad = None
     _step(pipe, x, y)
@@ -102,7 +102,7 @@ def last_stage_memory(rank, world, m, return_outputs):
             torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
         else:
             assert out is None
-    return held, pipe._executor.peak_send_bytes
+    return held, pipe.executor.peak_send_bytes
 
 
 def out_of_memory_anywhere(rank, world, name, bad_rank, messages, min_bytes):
@@ -217,7 +217,7 @@ def combined_backend_string(rank, world):
     ref = copy.deepcopy(model)
     nn.CrossEntropyLoss()(reference_forward(ref, x), y).backward()
     _check_grads(pipe.stages, ref, pipe.schedule.topology, "combined backend")
-    stats = (dist.get_backend(group), pipe._executor.threaded_posts, pipe._executor.reverse_posts)
+    stats = (dist.get_backend(group), pipe.executor.threaded_posts, pipe.executor.reverse_posts)
     dist.destroy_process_group(group)
     return stats
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipecore.plan import as_call
+from pipecore.stage.boundary import as_call
 
 
 class MLPBlock(nn.Module):

@@ -512,7 +512,7 @@ def traced_lanes(rank, world, name):
     backs = {f"PP:{s}" for t in _pairs_of(pipe) for s in pc.Action.parse(t).sub_actions if s.kind is not pc.Kind.F}
     lane1 = [e["name"] for e in events if e["lane"] == 1]
     assert sorted(lane1) == sorted(backs), (lane1, backs)
-    from pipecore.profiling import to_chrome_trace
+    from pipecore.tools.profiling import to_chrome_trace
 
     rows = {e["tid"] for e in to_chrome_trace(events)["traceEvents"] if e["ph"] == "X" and e["name"] in backs}
     assert rows == ({2} if backs else set()), rows

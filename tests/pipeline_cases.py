@@ -41,7 +41,7 @@ def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=
     pipe = pc.Pipeline(mine, sched, m, loss_fn=loss_fn, scale_grads=scale_grads, timeout=60,
                        **({} if send_budget is None else {"send_budget": send_budget}))
     if recv_window is not None:
-        pipe._executor.set_recv_window(*recv_window)  # past_sends=False as on NCCL, here on gloo
+        pipe.executor.set_recv_window(*recv_window)  # past_sends=False as on NCCL, here on gloo
     set_messages(pipe, messages)
     params = [p for s in mine for p in s.module.parameters()]
     ref_params = [p for s in ref for p in s.parameters()]
@@ -80,13 +80,13 @@ def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=
         _check_program(pipe, sched)
         if messages == "device" and step > 0:  # (the first step learns shapes on the host-waiting path)
             # every message went in a batch on the pipeline's group, posted by the compute thread
-            assert pipe._executor.reverse_posts == 0 and pipe._executor.threaded_posts == 0
+            assert pipe.executor.reverse_posts == 0 and pipe.executor.threaded_posts == 0
         else:
             _check_reverse_channel(pipe)
             if messages == "direct":
-                assert pipe._executor.threaded_posts == 0
+                assert pipe.executor.threaded_posts == 0
             elif pipe.has_first or world > 1:
-                assert pipe._executor.threaded_posts > 0
+                assert pipe.executor.threaded_posts > 0
         if optimizer:
             opt.step()
             ref_opt.step()
@@ -119,7 +119,7 @@ def pipelines_on_subgroups(rank, world, name):
         for (n, p), q in zip(s.module.named_parameters(), ref[s.stage_index].parameters()):
             _assert_grads_close(p.grad, q.grad, f"rank {rank} replica {replica} stage {s.stage_index} {n}")
     _check_reverse_channel(pipe)
-    assert pipe._executor.reverse_posts > 0
+    assert pipe.executor.reverse_posts > 0
     del pipe
     for g in groups:
         dist.destroy_process_group(g)
@@ -131,17 +131,17 @@ def set_messages(pipe, mode):
     thread; "device": the device path's protocol (batches, statuses folded when consumed and read at
     the step's end, gated loss seeds), run by the host over gloo (csrc/host_device_comm.cpp)."""
     if mode == "large":
-        pipe._executor.set_large_messages(0)
+        pipe.executor.set_large_messages(0)
     elif mode == "direct":
-        pipe._executor.set_comm_thread(False)
+        pipe.executor.set_comm_thread(False)
     elif mode == "device":
-        pipe._executor._emulate_device_comm()
-        assert pipe._executor.device_comm
+        pipe.executor._emulate_device_comm()
+        assert pipe.executor.device_comm
 
 
 def _check_program(pipe, sched):
     """The executor runs exactly Schedule.lower()'s actions for this rank (what the simulator prices)."""
-    _, labels = pipe._programs[True]
+    labels = pipe.programs[True].labels
     want = []
     for a in sched.lower().actions[pipe.rank]:
         want.extend([f"PP:{a}", *(f"PP:{sub}" for sub in a.sub_actions), f"PP:{a}"] if a.kind is pc.Kind.OVERLAP_F_B
@@ -151,12 +151,12 @@ def _check_program(pipe, sched):
 
 def _check_reverse_channel(pipe):
     """gloo: exactly the messages that travel to a lower rank went through the reverse channel."""
-    flat, _ = pipe._programs[True]
+    flat = pipe.programs[True].instructions
     program = [flat[i:i + 5] for i in range(0, len(flat), 5)]  # op, stage, mb, peer, label
     sends, recvs = (4, 6), (5, 7)
     down = sum(1 for op, _, _, peer, _ in program
                if (op in sends and peer < pipe.rank) or (op in recvs and peer > pipe.rank))
-    assert pipe._executor.reverse_posts == down, (pipe._executor.reverse_posts, down)
+    assert pipe.executor.reverse_posts == down, (pipe.executor.reverse_posts, down)
 
 
 def _check_recv_posting(pipe, window, past_sends, max_bytes):
@@ -166,14 +166,14 @@ def _check_recv_posting(pipe, window, past_sends, max_bytes):
     any message leaves one receive ahead."""
     if max_bytes < 16:
         window = min(window, 1)
-    flat, labels = pipe._programs[True]
+    flat, labels = pipe.programs[True].instructions, pipe.programs[True].labels
     program = [flat[i:i + 5] for i in range(0, len(flat), 5)]  # op, stage, mb, peer, label
     SEND, RECV = {4, 6}, {5, 7}
     recvs = [i for i, ins in enumerate(program) if ins[0] in RECV]
     through = []  # RECV actions among program[0..i]
     for i, ins in enumerate(program):
         through.append((through[-1] if through else 0) + (ins[0] in RECV))
-    posted_at = pipe._executor.recv_posted_at()
+    posted_at = pipe.executor.recv_posted_at()
     assert len(posted_at) == len(recvs)
     earliest = 0
     for k, r in enumerate(recvs):
@@ -258,7 +258,7 @@ def sent_outputs_freed(rank, world, name, messages="default"):
         watching["on"] = True
     pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
     if messages == "device":
-        assert pipe._executor.threaded_posts == 0 and pipe._executor.reverse_posts == 0, "not the device path"
+        assert pipe.executor.threaded_posts == 0 and pipe.executor.reverse_posts == 0, "not the device path"
     assert not problems, problems
     alive = [k for k, lst in refs.items() for r in lst if not r.expired()]
     # the first stage's inputs are the caller's batch (alive by design); everything else is gone
@@ -350,7 +350,7 @@ def nvtx_step(rank, world, fail):
 
 
 def traced_step(rank, world, out_dir):
-    from pipecore.profiling import draw_trace, gather_trace, to_chrome_trace
+    from pipecore.tools.profiling import draw_trace, gather_trace, to_chrome_trace
 
     sched = pc.build_schedule("1f1b", world, 4)
     model = make_stages("mlp", world)
@@ -391,7 +391,7 @@ def changing_batch_shapes(rank, world, name, messages="default"):
                 p.grad = None
         for q in ref:
             q.zero_grad(set_to_none=True)
-    return len(pipe._plans)
+    return len(pipe.plans)
 
 
 def given_shapes(rank, world, name, kind, rows, wrong):

@@ -12,7 +12,7 @@ from torch import nn
 
 import pipecore as pc
 from models import make_batch
-from pipecore.plan import as_call
+from pipecore.stage.boundary import as_call
 from pipeline_cases import _assert_grads_close
 from reliability_cases import _outcome
 
@@ -139,7 +139,7 @@ def autocast_bf16(rank, world, name, V, m):
         out = _step(pipe, x, y, losses)
         ref_losses = _per_microbatch_reference(ref, x, y, m)
     _compare(pipe, ref, losses, ref_losses, f"rank {rank}", rtol=1e-2)
-    sent = {str(b.tensors[0].dtype) for p in pipe._plans.values() for st in p.values() for b in st.outputs.values()}
+    sent = {str(b.tensors[0].dtype) for p in pipe.plans.kept() for st in p.values() for b in st.outputs.values()}
     return sorted(sent), None if out is None else str(out.dtype)
 
 

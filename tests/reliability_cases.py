@@ -76,7 +76,7 @@ def failing_stage(rank, world, name, bad_rank, where, messages="default"):
             s.module.zero_grad(set_to_none=True)
     first = _outcome(lambda: _step(pipe, x, y))
     if messages == "device":
-        assert pipe._executor.threaded_posts == 0 and pipe._executor.reverse_posts == 0, "not the device path"
+        assert pipe.executor.threaded_posts == 0 and pipe.executor.reverse_posts == 0, "not the device path"
     fail["on"] = False
     for s in pipe.stages:
         s.module.zero_grad(set_to_none=True)
@@ -191,7 +191,7 @@ def stress(rank, world, name, steps, max_delay_us, seed):
     """Random delays before every send and receive; many steps with an optimizer; every step equal
     to single-process training."""
     pipe, model = _pipe(rank, world, name, m=4, kind="transformer")
-    pipe._executor.set_delays(max_delay_us, seed + rank)
+    pipe.executor.set_delays(max_delay_us, seed + rank)
     ref = copy.deepcopy(model)
     params = [p for s in pipe.stages for p in s.module.parameters()]
     opt = torch.optim.SGD(params, lr=0.05)
@@ -237,15 +237,15 @@ def reverse_channel(rank, world):
     group = dist.new_group(backend="gloo")
     before = loop_threads()
     pipe, _ = _pipe(rank, world, "1f1b", group=group)
-    assert pipe._reverse_channel is None
+    assert pipe.reverse_channel is None
     x, y = make_batch(8)
     _step(pipe, x, y)
-    channel = pipe._reverse_channel
+    channel = pipe.reverse_channel
     assert channel is not None and channel.size() == world and channel.rank() == rank
     _step(pipe, x, y)
-    assert pipe._reverse_channel is channel
+    assert pipe.reverse_channel is channel
     assert loop_threads() == before
-    assert pipe._executor.reverse_posts > 0
+    assert pipe.executor.reverse_posts > 0
     dist.destroy_process_group(group)
 
 

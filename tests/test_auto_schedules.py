@@ -12,7 +12,7 @@ import pipecore as pc
 from auto_cases import traced_zbv_step
 from pipeline_cases import train_and_compare
 from dist_pool import pool
-from pipecore.schedule.recommend import compare, costs_from_trace, load_trace, resample
+from pipecore.tools.recommend import compare, costs_from_trace, load_trace, resample
 from pipecore.schedule.builders import fixed_schedules
 from pipecore.schedule.simulate import _peak_activations
 
@@ -193,7 +193,7 @@ def test_compare_recommends_the_fastest_that_fits(memory):
     assert fits and rows[: len(fits)] == fits  # within memory first
     assert all(c.memory <= memory + 1e-9 for c in fits) and all(c.memory > memory for c in rows[len(fits):])
     # each row is the schedule simulated under its share of the costs
-    from pipecore.schedule.recommend import per_rank_costs, stage_costs
+    from pipecore.tools.recommend import per_rank_costs, stage_costs
 
     for c in rows:
         if c.name != "zb_auto":
@@ -331,7 +331,7 @@ def test_fast_makespan_is_the_simulators(name):
 
 def test_costs_of_a_dualpipe_trace_fold_its_mirrored_stages():
     # dualpipe's stages R..2R-1 compute model stages 0..R-1 again: the trace's 4 stages are 2
-    from pipecore.schedule.recommend import traced_model_stages
+    from pipecore.tools.recommend import traced_model_stages
 
     model_f = [1.0, 3.0]
     events = [{"name": f"PP:{s}{kind}{mb}", "ts": 0.0, "dur": 1000 * model_f[s % 2] * scale}

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import megatron_reference
 import pipecore as pc
-from pipecore.torch_compat import TORCH_CLASSES, torch_order
+from torch_schedules import TORCH_CLASSES, torch_order
 
 RANKS = [1, 2, 3, 4, 8]
 MICROBATCHES = [1, 2, 3, 4, 6, 8, 16]

@@ -217,7 +217,8 @@ def two_copies_on_one_rank(rank, world, root):
                 p.add_(1.0)  # the second copy drifted: it is not what is saved
         stages = [pc.PipelineStage(first, rank, 4), pc.PipelineStage(second, 3 - rank, 4)]
         pipe = SimpleNamespace(stages=stages, schedule=SimpleNamespace(name="custom", topology=topology),
-                               group=dist.group.WORLD, rank=rank, world=world)
+                               group=dist.group.WORLD, rank=rank, world=world,
+                               gradients=SimpleNamespace(dp=None))
         optimizer = torch.optim.AdamW([p for s in stages for p in s.module.parameters()], lr=0.1)
         return pipe, first, second, optimizer
 

@@ -59,7 +59,7 @@ CASES = [("interleaved_1f1b", 4), ("zbv", 2), ("dualpipev", 2), ("looped_bfs", 3
 def test_matches_reference_on_gpu(nccl_world, name, V, loopback):
     dev = nccl_world
     pipe, stages, ref = _build(name, V, dev, loopback=loopback)
-    assert pipe._executor.device_comm
+    assert pipe.executor.device_comm
     for rows in (32, 48, 32):  # batch shape changes: the replan protocol runs on the device too
         x, y = (t.to(dev) for t in make_batch(rows, width=32, seed=rows))
         for s in stages:
@@ -73,7 +73,7 @@ def test_matches_reference_on_gpu(nccl_world, name, V, loopback):
         assert _worst_grad_error(stages, ref) < 1e-5
         assert abs(sum(l.item() for l in losses) / len(losses) - ref_loss.item()) < 1e-5
     if loopback:  # every boundary went through NCCL
-        assert pipe._executor.freed_outputs == 8 * (pipe.schedule.num_stages - 1)
+        assert pipe.executor.freed_outputs == 8 * (pipe.schedule.num_stages - 1)
 
 
 @pytest.mark.parametrize("loopback", [False, True], ids=["local", "nccl-loopback"])
@@ -103,7 +103,7 @@ def test_sent_outputs_freed_on_gpu(nccl_world):
                             placement=[0, 0], name="gpipe-one-rank")
         pipe = pc.Pipeline(stages, sched, 8, loss_fn=nn.CrossEntropyLoss(), timeout=60)
         make_loopback(pipe)
-        pipe._executor.set_free_outputs(free)
+        pipe.executor.set_free_outputs(free)
         x = torch.randn(8 * 2048, 1024, device=dev)
         y = torch.randint(0, 4, (8 * 2048,), device=dev)
         pipe.step(x, target=y, return_outputs=False)

@@ -24,12 +24,12 @@ def test_self_check_throws_its_formatted_message_across_the_boundary():
 
 
 def test_build_check_passes_for_this_build():
-    from pipecore import build_check
+    from pipecore.tools import build_check
     assert build_check.check() is None
 
 
 def test_build_check_names_the_compiler_and_the_fix_when_the_extension_crashes():
-    from pipecore import build_check
+    from pipecore.tools import build_check
     crash = "import os, signal; import pipecore._C; os.kill(os.getpid(), signal.SIGSEGV)"
     problem = build_check.check(crash)
     assert problem is not None and "died of SIGSEGV" in problem, problem

@@ -108,7 +108,7 @@ def test_trace_and_chrome_export(tmp_path):
 
 
 def test_picture_of_a_simulated_schedule(tmp_path):
-    from pipecore.schedule.picture import draw_schedule
+    from pipecore.tools.picture import draw_schedule
 
     for ext in ("png", "svg"):
         path = str(tmp_path / f"zbv.{ext}")
@@ -142,7 +142,7 @@ def test_cli_show_simulate_validate(tmp_path):
 
 def test_every_writer_creates_the_folders_it_needs(tmp_path):
     """CSV, Chrome trace, pictures and the CLI's --out, each under folders that do not exist yet."""
-    from pipecore.profiling import draw_trace, to_chrome_trace
+    from pipecore.tools.profiling import draw_trace, to_chrome_trace
 
     s = pc.build_schedule("1f1b", 2, 4)
     s.to_csv(tmp_path / "a" / "b" / "s.csv")

@@ -1,4 +1,4 @@
-"""OVERLAP_F_B pairs (pipecore/overlap.py): concurrent, lock-step and hooked pairs train exactly like
+"""OVERLAP_F_B pairs (pipecore/runtime/overlap.py): concurrent, lock-step and hooked pairs train exactly like
 sequential ones and like one process; the halves really run at once; failures end the step everywhere."""
 
 import pytest
@@ -94,19 +94,15 @@ def test_backward_halves_have_a_trace_row_of_their_own():
 def test_pipeline_checks_overlap_f_b():
     import torch.distributed as dist  # noqa: F401 - Pipeline needs a group: checked in-process below
 
-    from pipecore.overlap import PairRunner
-
-    class Fake:
-        stages = []
-        _executor = None
+    from pipecore.runtime.overlap import PairRunner
 
     with pytest.raises(ValueError, match="overlap mode must be one of"):
-        PairRunner(Fake(), "parallel")
+        PairRunner(None, [], [], "parallel")
     import inspect
 
     assert inspect.signature(pc.Pipeline).parameters["overlap_f_b"].default == "lockstep"
     with pytest.raises(TypeError, match="overlap_f_b must be"):
-        PairRunner(Fake(), 3)
+        PairRunner(None, [], [], 3)
 
 
 def test_simulator_prices_pairs_as_the_executor_runs_them():

@@ -72,15 +72,14 @@ def test_message_order_disagreement_is_named():
 def executor_batches(rank, world, name, R):
     """On a one-rank gloo group: the executor's batches of each rank's program, as action names."""
     import torch.distributed as dist
-    from types import SimpleNamespace
     from pipecore._C import Executor
-    from pipecore.runtime import Pipeline
+    from pipecore.executor.program import encode
     lowered = pc.build_schedule(name, R, 2 * R).lower()
     out = []
     for r in range(R):
         mine = lowered.rank_stages(r)
-        fake = SimpleNamespace(rank=r, local_index={s: i for i, s in enumerate(mine)})
-        flat, labels = Pipeline._encode(fake, lowered)
+        program = encode(lowered, r, {s: i for i, s in enumerate(mine)})
+        flat, labels = program.instructions, program.labels
         ex = Executor(dist.group.WORLD, len(mine), 2 * R, 10.0)
         ex.set_program(flat, labels)
         ends = ex.batch_ends()

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import pipecore as pc
-from pipecore.partition import StageModule
-from pipecore.plan import as_call
+from pipecore.stage.partitioning import StageModule
+from pipecore.stage.boundary import as_call
 
 WIDTH = 8
 

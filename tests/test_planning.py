@@ -101,7 +101,7 @@ def test_boundary_values_round_trip_and_limits():
     from torch.utils._pytree import tree_flatten
 
     from pipecore.errors import InputError
-    from pipecore.plan import Boundary
+    from pipecore.stage.boundary import Boundary
 
     out = (torch.ones(2, 3), 7, {"odd": True, "none": None, "scale": 1.5})
     b = Boundary.of(out, "stage 0's output")

@@ -1,4 +1,4 @@
-"""Stages wrapped in torch DDP or FSDP2, driven by hand through pipecore.wrapped_stages the way the
+"""Stages wrapped in torch DDP or FSDP2, driven by hand through pipecore.training.wrapped_stages the way the
 executor drives them (2 gloo ranks = the data-parallel group; every stage of a schedule on each rank,
 each stage in its rank's order of that schedule): every gradient, loss and weight equals one process
 training the whole batch, DDP and FSDP2 reduce only in the stage's last backward / REDUCE_GRAD, and

@@ -1,4 +1,4 @@
-"""Stages wrapped in DDP or FSDP2 driven through pipecore.wrapped_stages.WrappedStage by hand, the way
+"""Stages wrapped in DDP or FSDP2 driven through pipecore.training.wrapped_stages.WrappedStage by hand, the way
 the executor drives them, on every rank of a pool (the pool's world is the data-parallel group): each
 rank runs all stages of a schedule in one process, every stage seeing the order of forwards and
 backwards its rank runs in that schedule, and compares every gradient, loss and weight with one
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import pipecore as pc
 from pipecore.errors import InputError, PipelineError
-from pipecore.wrapped_stages import WrappedStage
+from pipecore.training.wrapped_stages import WrappedStage
 
 WIDTH = 16
 

@@ -14,8 +14,8 @@ arguments and also accept torch's own stage objects. Tracing front ends (`pipeli
 from torch.distributed.pipelining import Pipe, SplitPoint, pipe_split, pipeline
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
-from ..stage import PipelineStage
-from .schedules import (PipelineScheduleMulti, PipelineScheduleSingle, Schedule1F1B, ScheduleDualPipe,
+from pipecore.stage.pipeline_stage import PipelineStage
+from pipecore.compat.schedules import (PipelineScheduleMulti, PipelineScheduleSingle, Schedule1F1B, ScheduleDualPipe,
                         ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
                         ScheduleLoopedBFS, ScheduleZBVZeroBubble, get_schedule_class)
 

@@ -16,8 +16,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..schedule import Schedule, ScheduleError, build_schedule
-from ..stage import PipelineStage, is_torch_stage
+from pipecore.schedule import Schedule, ScheduleError, build_schedule
+from pipecore.stage.pipeline_stage import PipelineStage, is_torch_stage
 
 __all__ = ["_PipelineSchedule", "PipelineScheduleSingle", "PipelineScheduleMulti", "_PipelineScheduleRuntime",
            "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
@@ -71,7 +71,7 @@ class _PipelineSchedule:
             self.pipeline.scale_grads = value
 
     def _build(self, schedule: Schedule) -> None:
-        from ..runtime import Pipeline
+        from pipecore.runtime.pipeline import Pipeline
 
         self.schedule = schedule
         self.pipeline = Pipeline(self._stages, schedule, self._n_microbatches, loss_fn=self._loss_fn,
@@ -204,7 +204,7 @@ class _PipelineScheduleRuntime(PipelineScheduleMulti):
             f"register_custom_function({computation_type!r}, ...) drives torch's stage internals, which pipecore "
             "does not have. For OVERLAP_F_B pairs pass overlap_f_b= to the schedule (\"lockstep\", \"concurrent\", "
             "or a callable(pair) that calls pair.run_forward() and pair.run_backward()) and call "
-            "pipecore.overlap_handoff() around the model's communication (pipecore/overlap.py)")
+            "pipecore.overlap_handoff() around the model's communication (pipecore/runtime/overlap.py)")
 
     @property
     def pipeline_order_with_comms(self) -> dict[int, list]:
@@ -305,7 +305,7 @@ def get_schedule_class(schedule_name: str) -> type:
 
 def _pipecore_stages(stages, schedule: str) -> list[PipelineStage]:
     """A multi-stage schedule's list of this rank's stages, as the Pipeline takes them (torch's converted)."""
-    from ..runtime import stage_list
+    from pipecore.runtime.pipeline import stage_list
 
     if isinstance(stages, PipelineStage) or is_torch_stage(stages):
         raise TypeError(f"{schedule} takes a list of this rank's stages, got one {type(stages).__name__}: pass "
@@ -323,7 +323,7 @@ _SET_BY_SCHEDULE = {"stages", "schedule", "num_microbatches", "loss_fn", "scale_
 
 def _check_pipeline_options(schedule: str, options: dict) -> None:
     """Keywords torch's class does not take go to pipecore.Pipeline: refused here, not at the first build."""
-    from ..runtime import Pipeline
+    from pipecore.runtime.pipeline import Pipeline
 
     known = set(inspect.signature(Pipeline.__init__).parameters) - {"self"} - _SET_BY_SCHEDULE
     unknown = sorted(set(options) - known)

@@ -16,7 +16,7 @@ import re
 from enum import IntEnum
 from typing import NamedTuple
 
-from .errors import ScheduleError
+from pipecore.schedule.errors import ScheduleError
 
 __all__ = ["Kind", "Action", "encode", "decode", "MAX_STAGES", "MAX_MICROBATCHES"]
 

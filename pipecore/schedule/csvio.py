@@ -5,9 +5,9 @@ from __future__ import annotations
 import csv
 import os
 
-from .action import Action, decode
-from .errors import ScheduleError
-from .output import writable
+from pipecore.schedule.action import Action, decode
+from pipecore.schedule.errors import ScheduleError
+from pipecore.schedule.output import writable
 
 
 def write_csv(schedule, path) -> None:
@@ -18,7 +18,7 @@ def write_csv(schedule, path) -> None:
 
 
 def read_csv(path, *, num_stages=None, num_microbatches=None, placement=None, name=None):
-    from .schedule import Schedule
+    from pipecore.schedule.schedule import Schedule
 
     if not os.path.exists(path):
         raise FileNotFoundError(f"schedule CSV {path!s} does not exist")

@@ -11,8 +11,8 @@ import sys
 from collections.abc import Iterable
 from contextlib import contextmanager
 
-from .action import MB_SHIFT, STAGE_SHIFT, SUB_SHIFT, Kind, decode, encode
-from .errors import ScheduleError
+from pipecore.schedule.action import MB_SHIFT, STAGE_SHIFT, SUB_SHIFT, Kind, decode, encode
+from pipecore.schedule.errors import ScheduleError
 
 F, I, W, B = int(Kind.F), int(Kind.I), int(Kind.W), int(Kind.B)
 SEND_F, RECV_F, SEND_B, RECV_B = int(Kind.SEND_F), int(Kind.RECV_F), int(Kind.SEND_B), int(Kind.RECV_B)
@@ -52,7 +52,7 @@ def gc_paused():
 
 
 def _lower(schedule, merge_iw, reduce_grad, sharded, max_active_stages, native):
-    from .schedule import Schedule
+    from pipecore.schedule.schedule import Schedule
 
     topo = schedule.topology
     codes = schedule.compute_only().codes

@@ -31,9 +31,9 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass
 
-from .action import Action, Kind
-from .errors import ScheduleError
-from .schedule import Schedule
+from pipecore.schedule.action import Action, Kind
+from pipecore.schedule.errors import ScheduleError
+from pipecore.schedule.schedule import Schedule
 
 __all__ = ["p2p_batches", "replay_serialized", "SerializedReplay"]
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from .action import Action, Kind, decode
-from .errors import ScheduleError
-from .topology import Topology
+from pipecore.schedule.action import Action, Kind, decode
+from pipecore.schedule.errors import ScheduleError
+from pipecore.schedule.topology import Topology
 
 if TYPE_CHECKING:
-    from .simulate import SimResult
+    from pipecore.schedule.simulate import SimResult
 
 ActionLike = Action | str | None
 
@@ -125,7 +125,7 @@ class Schedule:
         backward, UNSHARD/RESHARD around sharded stages.
         `native`: insert the comm actions in pipecore's C++ extension (same result, faster); by
         default when torch is already imported and the extension loads."""
-        from .lowering import lower
+        from pipecore.schedule.lowering import lower
 
         return lower(self, merge_iw=merge_iw, reduce_grad=reduce_grad, sharded=sharded,
                      max_active_stages=max_active_stages, native=native)
@@ -138,7 +138,7 @@ class Schedule:
     def validate(self) -> "Schedule":
         """Check completeness, placement, dependency order and deadlock freedom.
         Raises `ScheduleError` naming the rank, step and action; returns self when valid."""
-        from .validate import validate
+        from pipecore.schedule.validate import validate
 
         validate(self)
         return self
@@ -146,13 +146,13 @@ class Schedule:
     def simulate(self, costs: Mapping[str, object] | None = None, overlap: str = "lockstep") -> "SimResult":
         """Makespan, bubble and peak activations under `costs` (see pipecore.schedule.simulate);
         `overlap` prices OVERLAP_F_B pairs as the executor runs them (Pipeline's `overlap_f_b`)."""
-        from .simulate import simulate
+        from pipecore.schedule.simulate import simulate
 
         return simulate(self, costs, overlap)
 
     # -- io -------------------------------------------------------------------------------
     def to_csv(self, path) -> None:
-        from .csvio import write_csv
+        from pipecore.schedule.csvio import write_csv
 
         write_csv(self, path)
 
@@ -160,7 +160,7 @@ class Schedule:
     def from_csv(cls, path, *, num_stages: int | None = None, num_microbatches: int | None = None,
                  placement: str | Sequence[int] | Mapping[int, int] | None = None,
                  name: str | None = None) -> "Schedule":
-        from .csvio import read_csv
+        from pipecore.schedule.csvio import read_csv
 
         return read_csv(path, num_stages=num_stages, num_microbatches=num_microbatches,
                         placement=placement, name=name)
@@ -169,7 +169,7 @@ class Schedule:
                highlight: tuple[int, int] | None = None) -> str:
         """Step x rank table. `aligned` places actions at their unit-time step so bubbles show; a
         lowered schedule prints each rank's program in order, its sends and receives included."""
-        from .timeline import format_table
+        from pipecore.schedule.timeline import format_table
 
         return format_table(self, aligned=aligned, steps=steps, highlight=highlight)
 

@@ -12,10 +12,10 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .action import Action, Kind, decode
-from .errors import ScheduleError
-from .lowering import leaf_codes
-from .validate import _stage
+from pipecore.schedule.action import Action, Kind, decode
+from pipecore.schedule.errors import ScheduleError
+from pipecore.schedule.lowering import leaf_codes
+from pipecore.schedule.validate import _stage
 
 F, I, W, B = int(Kind.F), int(Kind.I), int(Kind.W), int(Kind.B)
 OVERLAP = int(Kind.OVERLAP_F_B)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ScheduleError
+from pipecore.schedule.errors import ScheduleError
 
 PLACEMENTS = ("loop", "v", "dualpipe", "custom")
 

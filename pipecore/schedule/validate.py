@@ -6,9 +6,9 @@ timeline around it.
 
 from __future__ import annotations
 
-from .action import MB_SHIFT, STAGE_SHIFT, Kind, decode
-from .errors import ScheduleError
-from .lowering import leaf_codes
+from pipecore.schedule.action import MB_SHIFT, STAGE_SHIFT, Kind, decode
+from pipecore.schedule.errors import ScheduleError
+from pipecore.schedule.lowering import leaf_codes
 
 F, I, W, B = int(Kind.F), int(Kind.I), int(Kind.W), int(Kind.B)
 SEND_F, RECV_F, SEND_B, RECV_B = int(Kind.SEND_F), int(Kind.RECV_F), int(Kind.SEND_B), int(Kind.RECV_B)
@@ -38,7 +38,7 @@ class _Reporter:
         self.schedule = schedule
 
     def fail(self, rank: int, step: int, problem: str) -> None:
-        from .timeline import format_table
+        from pipecore.schedule.timeline import format_table
 
         codes = self.schedule.codes
         if 0 <= step < len(codes[rank]):

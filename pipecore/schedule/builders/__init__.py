@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ..lowering import gc_paused
-from ..schedule import Schedule
-from .auto import build_zb_auto, build_zbh2
-from .controllable_memory import build_v_half, build_v_min
-from .dualpipe import build_dualpipe, build_dualpipev
-from .gpipe import build_forward_only, build_gpipe
-from .interleaved import build_interleaved_1f1b, build_interleaved_zb, build_looped_bfs
-from .one_f_one_b import build_1f1b
-from .zero_bubble_v import build_zbv
+from pipecore.schedule.lowering import gc_paused
+from pipecore.schedule.schedule import Schedule
+from pipecore.schedule.builders.auto import build_zb_auto, build_zbh2
+from pipecore.schedule.builders.controllable_memory import build_v_half, build_v_min
+from pipecore.schedule.builders.dualpipe import build_dualpipe, build_dualpipev
+from pipecore.schedule.builders.gpipe import build_forward_only, build_gpipe
+from pipecore.schedule.builders.interleaved import build_interleaved_1f1b, build_interleaved_zb, build_looped_bfs
+from pipecore.schedule.builders.one_f_one_b import build_1f1b
+from pipecore.schedule.builders.zero_bubble_v import build_zbv
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Shared helpers for builders: action codes without building Action objects."""
 
-from ..action import MB_SHIFT, STAGE_SHIFT, SUB_SHIFT, Kind
+from pipecore.schedule.action import MB_SHIFT, STAGE_SHIFT, SUB_SHIFT, Kind
 
 F, I, W, B = int(Kind.F), int(Kind.I), int(Kind.W), int(Kind.B)
 OVERLAP = int(Kind.OVERLAP_F_B)

@@ -30,11 +30,11 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..schedule import Schedule
-from ..topology import Topology
-from ..action import STAGE_SHIFT
-from ._codes import B, F, I, OVERLAP, W, code
-from .v_rounds import _Stuck, build_rounds
+from pipecore.schedule.schedule import Schedule
+from pipecore.schedule.topology import Topology
+from pipecore.schedule.action import STAGE_SHIFT
+from pipecore.schedule.builders._codes import B, F, I, OVERLAP, W, code
+from pipecore.schedule.builders.v_rounds import _Stuck, build_rounds
 
 
 @dataclass(frozen=True)
@@ -287,7 +287,7 @@ def makespan(codes: list[list[int]], topo: Topology, table: dict[str, list[float
     """The simulator's makespan (overlap "lockstep": a pair costs both halves) of a compute-only
     schedule, without its event machinery: ranks in turn run what they can until all are done
     (about 6x faster)."""
-    from ..lowering import leaf_codes
+    from pipecore.schedule.lowering import leaf_codes
 
     R = len(codes)
     prev, nxt, srank = topo.prev_stage, topo.next_stage, topo.stage_rank
@@ -344,8 +344,8 @@ def makespan(codes: list[list[int]], topo: Topology, table: dict[str, list[float
 def _fixed_runs(topo, table, limit, V):
     """Each fixed schedule of V stages per rank that fits `limit` (`fixed_schedules`: on a V the
     loop-placed interleaved ones too, which win now and then, e.g. with slow forwards)."""
-    from . import build_schedule, fixed_schedules
-    from ..simulate import _peak_activations
+    from pipecore.schedule.builders import build_schedule, fixed_schedules
+    from pipecore.schedule.simulate import _peak_activations
 
     R, m = topo.num_ranks, topo.num_microbatches
     for name in fixed_schedules(V):
@@ -394,7 +394,7 @@ def build_zb_auto(num_ranks: int, num_microbatches: int, stages_per_rank: int,
     """The fastest schedule found for `costs` within `memory_limit` (see the module's docstring).
     At 2 stages per rank it is a V, unless a loop-placed interleaved schedule simulates faster:
     its `placement` says which (a Pipeline places stages by it)."""
-    from ..simulate import _cost_table
+    from pipecore.schedule.simulate import _cost_table
 
     R, m, V = num_ranks, num_microbatches, stages_per_rank
     limit = check_memory_limit(R, V, memory_limit)
@@ -412,7 +412,7 @@ ZBH2_POLICY = Policy("alternate", "balanced", 1.0, False)
 def build_zbh2(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> Schedule:
     """ZB-H2 of "Zero Bubble Pipeline Parallelism" (Qi et al., 2024): a rank holds up to 2R-1
     activations, twice 1F1B's, to fill the warmup and cooldown; listed for F = I = W."""
-    from ..simulate import _cost_table
+    from pipecore.schedule.simulate import _cost_table
 
     R, m = num_ranks, num_microbatches
     topo = Topology.loop(R, R, m)

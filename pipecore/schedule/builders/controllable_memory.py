@@ -14,11 +14,11 @@ out the empty slots. The makespans equal those of the authors' generator at the 
 (4, 8 and 16 ranks, 4 microbatches per rank; tests/test_auto_schedules.py).
 """
 
-from ..schedule import Schedule
-from ..topology import Topology
-from ..action import MB_SHIFT, STAGE_SHIFT
-from ..simulate import _peak_activations
-from ._codes import F, I, W, code
+from pipecore.schedule.schedule import Schedule
+from pipecore.schedule.topology import Topology
+from pipecore.schedule.action import MB_SHIFT, STAGE_SHIFT
+from pipecore.schedule.simulate import _peak_activations
+from pipecore.schedule.builders._codes import F, I, W, code
 
 PERIOD = 6
 

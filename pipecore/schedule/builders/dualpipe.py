@@ -8,9 +8,9 @@ the steady state and I/W split backwards to fill the ends:
 
 from collections import deque
 
-from ..schedule import Schedule
-from ..topology import Topology
-from ._codes import B, F, I, W, code, overlap
+from pipecore.schedule.schedule import Schedule
+from pipecore.schedule.topology import Topology
+from pipecore.schedule.builders._codes import B, F, I, W, code, overlap
 
 
 def _dual_rank(n, hr, chunks, stage_of, mb_base):

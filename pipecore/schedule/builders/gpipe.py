@@ -1,8 +1,8 @@
 """GPipe (all forwards, then all backwards) and forward-only inference."""
 
-from ..schedule import Schedule
-from ..topology import Topology
-from ._codes import B, F, code
+from pipecore.schedule.schedule import Schedule
+from pipecore.schedule.topology import Topology
+from pipecore.schedule.builders._codes import B, F, code
 
 
 def build_gpipe(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> Schedule:
@@ -29,7 +29,7 @@ def build_forward_only(num_ranks: int, num_microbatches: int, stages_per_rank: i
 
 def _depth_first(row, R, m):
     # order by when the input is available in unit time: stage s, microbatch mb is ready at s + mb
-    from ._codes import mb_of
+    from pipecore.schedule.builders._codes import mb_of
 
     def stage(c):
         return (c >> 4) & 0xFFFF

@@ -9,10 +9,10 @@ at least R; so does `group_size` here. The default group is torch's (m // max(1,
 is a multiple of that round count), else the smallest N that Megatron accepts: every m works.
 """
 
-from ..schedule import Schedule
-from ..topology import Topology
-from ..action import MB_SHIFT, STAGE_SHIFT
-from ._codes import B, F, I, W, code
+from pipecore.schedule.schedule import Schedule
+from pipecore.schedule.topology import Topology
+from pipecore.schedule.action import MB_SHIFT, STAGE_SHIFT
+from pipecore.schedule.builders._codes import B, F, I, W, code
 
 
 def rounds(num_ranks: int, num_microbatches: int) -> int:

@@ -1,8 +1,8 @@
 """1F1B (PipeDream-flush): warm up with forwards, then alternate one forward and one backward."""
 
-from ..schedule import Schedule
-from ..topology import Topology
-from ._codes import B, F, code
+from pipecore.schedule.schedule import Schedule
+from pipecore.schedule.topology import Topology
+from pipecore.schedule.builders._codes import B, F, code
 
 
 def build_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> Schedule:

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..action import STAGE_SHIFT
-from ..topology import Topology
-from ._codes import F, I, W, code
+from pipecore.schedule.action import STAGE_SHIFT
+from pipecore.schedule.topology import Topology
+from pipecore.schedule.builders._codes import F, I, W, code
 
 
 class _Stuck(Exception):

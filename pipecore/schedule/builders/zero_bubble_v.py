@@ -1,10 +1,10 @@
 """ZB-V (zero bubble, V placement: rank r holds stages r and 2R-1-r).
 Zero bubble in steady state when F = I = W."""
 
-from ..action import MB_SHIFT, STAGE_SHIFT
-from ..schedule import Schedule
-from ..topology import Topology
-from ._codes import F, I, W
+from pipecore.schedule.action import MB_SHIFT, STAGE_SHIFT
+from pipecore.schedule.schedule import Schedule
+from pipecore.schedule.topology import Topology
+from pipecore.schedule.builders._codes import F, I, W
 
 
 def build_zbv(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> Schedule:

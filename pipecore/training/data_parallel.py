@@ -16,7 +16,7 @@ registration order, are all-reduced asynchronously from the stage's last backwar
 goes as soon as its parameters' last gradients are accumulated), the rest at the stage's
 REDUCE_GRAD, and the step waits for them at its end: one stage's reduction runs under the
 backwards of the others. Stages the user wrapped in torch DDP or FSDP2 reduce through their own
-wrapper (pipecore/wrapped_stages.py), driven by the schedule's UNSHARD, RESHARD and REDUCE_GRAD.
+wrapper (pipecore/training/wrapped_stages.py), driven by the schedule's UNSHARD, RESHARD and REDUCE_GRAD.
 
 A failed step anywhere fails the step on every rank of every replica (each bucket carries a
 "failed" flag; one small all-reduce over the pipeline group at the step's end tells the rest of the
@@ -27,41 +27,38 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from .errors import InputError, PeerFailedError, PipelineError
-from .wrapped_stages import WrappedStage
-
-if TYPE_CHECKING:
-    from .runtime import Pipeline
+from pipecore.errors import InputError, PeerFailedError, PipelineError
+from pipecore.executor.comm import Comm, leave_first
+from pipecore.executor.native import STAGE_EVENTS, C, CommError
+from pipecore.executor.program import Program
+from pipecore.training.wrapped_stages import WrappedStage
 
 DEFAULT_BUCKET_BYTES = 25 << 20  # torch DDP's bucket_cap_mb
-
-# executor stage events (csrc/executor.h)
-_UNSHARD, _RESHARD, _REDUCE_GRAD, _LAST_BACKWARD = 8, 9, 10, 13
 
 
 class DataParallel:
     """The data-parallel side of one Pipeline: its group, the buckets of its plain stages, the
     wrappers of the others."""
 
-    def __init__(self, pipe: "Pipeline", dp_group, bucket_bytes: int):
-        check_groups(pipe.group, dp_group)
+    def __init__(self, comm: Comm, stages: list, dp_group, bucket_bytes: int):
+        check_groups(comm.group, dp_group)
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes!r}")
         self.group = dp_group
         self.size = dist.get_world_size(dp_group)
         self.rank = dist.get_rank(dp_group)
-        self._pipe = pipe
+        self._comm = comm
+        self._stages = stages
         self.wrapped = {}
-        for local, stage in enumerate(pipe.stages):
+        for local, stage in enumerate(stages):
             adapter = WrappedStage.of(stage.module, dp_group)
             if adapter is not None:
                 self.wrapped[local] = adapter
-        self.sharded = frozenset(pipe.stages[local].stage_index for local, a in self.wrapped.items() if a.sharded)
+        self.sharded = frozenset(stages[local].stage_index for local, a in self.wrapped.items() if a.sharded)
         self._bucket_bytes = bucket_bytes
         self.agreed = False
         self._uid: str | None = None
@@ -69,52 +66,53 @@ class DataParallel:
         # rounds of reductions (a step's, or a discarded one): what pairs with the other replicas
         self._round = 0
 
-    def attach(self) -> None:
-        """Once the Pipeline's programs and executor exist: the buckets of the plain stages, in the
-        order of their REDUCE_GRAD actions, and the wrapped stages' events."""
-        from .runtime import _native
-
-        pipe = self._pipe
-        self.reducer = _native().GradReducer(self.group, pipe.timeout)
+    def attach(self, executor, program: Program, summary: dict) -> None:
+        """Once the Pipeline's training program and executor exist: the buckets of the plain stages,
+        in the order of their REDUCE_GRAD actions, and the wrapped stages' events. `summary`: what the
+        replicas' pipelines must have in common (checked at the first training step)."""
+        self._summary = summary
+        stages = self._stages
+        self.reducer = C.GradReducer(self.group, self._comm.timeout)
         self.layout: list[tuple] = []  # (local stage, [(shape, dtype)...]) per bucket: equal on every replica
         self._bucketed: set[int] = set()
-        order = _reduce_order(pipe)
+        order = program.local_stages_in_order_of("REDUCE_GRAD", len(stages))
         owner: dict[int, int] = {}  # a parameter two stages share goes with the later REDUCE_GRAD
         for local in order:
-            for p in pipe.stages[local].module.parameters():
+            for p in stages[local].module.parameters():
                 owner[id(p)] = local
         for local in order:
             if local in self.wrapped:
                 continue
-            params = [p for p in pipe.stages[local].module.parameters() if p.requires_grad and owner[id(p)] == local]
+            params = [p for p in stages[local].module.parameters() if p.requires_grad and owner[id(p)] == local]
             for bucket in _buckets(params, self._bucket_bytes):
                 self.reducer.add_bucket(local, bucket, torch.empty(0, dtype=bucket[0].dtype, device=bucket[0].device))
                 self.layout.append((local, [(tuple(q.shape), str(q.dtype)) for q in bucket]))
                 self._bucketed.update(id(q) for q in bucket)
         if self.reducer.num_buckets == 0:  # every stage reduces through its wrapper: the failure flag goes alone
-            self.reducer.add_bucket(-1, [], torch.empty(0, device=pipe._comm_device(self.group)))
-        pipe._executor.set_grad_reducer(self.reducer)
+            self.reducer.add_bucket(-1, [], torch.empty(0, device=self._comm.device_for(self.group)))
+        executor.set_grad_reducer(self.reducer)
         if self.wrapped:  # weakly: the executor's callback must not keep this Pipeline alive (a cycle via C++)
             event = weakref.WeakMethod(self._event)
-            pipe._executor.set_stage_events(sorted(self.wrapped), lambda kind, local: event()(kind, local))
+            executor.set_stage_events(sorted(self.wrapped), lambda kind, local: event()(kind, local))
 
     # -- a step ------------------------------------------------------------------------------
     def begin_step(self) -> None:
         self._round += 1
         self._concluded = False
+        self._reduced = False  # the step's reductions finished (finish() returned)
         self.reducer.begin_step()
         for adapter in self.wrapped.values():
             adapter.begin_step()
 
     def _event(self, event: int, local: int) -> None:
         adapter = self.wrapped[local]
-        if event == _UNSHARD:
+        if event == STAGE_EVENTS["UNSHARD"]:
             adapter.unshard()
-        elif event == _RESHARD:
+        elif event == STAGE_EVENTS["RESHARD"]:
             adapter.reshard()
-        elif event == _LAST_BACKWARD:
+        elif event == STAGE_EVENTS["LAST_BACKWARD"]:
             adapter.before_last_backward()
-        elif event == _REDUCE_GRAD:
+        elif event == STAGE_EVENTS["REDUCE_GRAD"]:
             adapter.reduce_grad(average=False)  # the 1/dp is in the loss seeds
 
     # A training step ends the same way on every rank of every replica: the buckets' flags tell the
@@ -123,12 +121,10 @@ class DataParallel:
     # position saw). Every rank makes both exchanges once per step, whichever way its step ended.
     def finish(self) -> None:
         """The step ran on this rank: wait for the reductions; PeerFailedError if any rank failed."""
-        from .runtime import _native
-
         try:
             ok = self.reducer.finish(False, 1.0)
-        except _native().CommError as exc:
-            raise self._pipe._group_broke(exc) from None
+        except CommError as exc:
+            raise self._comm.broke(exc) from None
         except RuntimeError as exc:  # a gradient changed after its bucket was sent
             ok, late = False, exc
         else:
@@ -137,30 +133,29 @@ class DataParallel:
         if not self._conclude(ok):
             if late is not None:
                 raise InputError(f"rank {dist.get_rank()}: {late}") from None
-            raise PeerFailedError(f"rank {dist.get_rank()} (pp rank {self._pipe.rank}, dp rank {self.rank}): step "
-                                  f"{self._pipe._step_count - 1} failed on another rank of this pipeline or of another "
+            raise PeerFailedError(f"rank {dist.get_rank()} (pp rank {self._comm.rank}, dp rank {self.rank}): step "
+                                  f"{self._comm.step} failed on another rank of this pipeline or of another "
                                   f"data-parallel replica ({self._first_error()}), so "
                                   "this step's gradients were not kept: .grad is as before the step. Step again "
                                   "once it is fixed.")
-        for adapter in self.wrapped.values():
-            adapter.end_step(failed=False)
+        self._reduced = True
 
     def abandon(self, error: BaseException) -> None:
         """The step failed (here or elsewhere): the replicas still get every bucket (flagged), the
         pipeline's ranks learn it, and .grad goes back to what it was before the step. The error goes
         to the store first (the first one stays), for the other ranks' messages."""
-        from .runtime import _native
-
         said = str(error).strip()
         self._leave_error(self._error_keys(),
                           f"rank {dist.get_rank()}: {type(error).__name__}: {said.splitlines()[0] if said else ''}")
         try:
-            if self.agreed:  # replicas that disagree on their buckets must not exchange them
+            # replicas that disagree on their buckets must not exchange them; after finish() (a later part
+            # of the gradient finalisation failed) this step's reductions are over: nothing more to exchange
+            if self.agreed and not self._reduced:
                 self.reducer.finish(True, 1.0)
             if self.agreed and not self._concluded:
                 self._conclude(False)
-        except _native().CommError as exc:
-            self._pipe._group_broke(exc)  # the step's own error is raised; later steps say the group broke
+        except CommError as exc:
+            self._comm.broke(exc)  # the step's own error is raised; later steps say the group broke
         except (RuntimeError, PipelineError):
             pass  # the step's own error says what happened
         finally:
@@ -176,8 +171,6 @@ class DataParallel:
         change gets the flags, fails its step (PeerFailedError, with the reason below), and its step
         again pairs with the run that counts. Wrapped stages' own reductions (DDP, FSDP2) already ran on
         the stand-ins and cannot be taken back: refused."""
-        from .runtime import _native
-
         why = (f"rank {dist.get_rank()}: the batch of data-parallel replica {self.rank} changed shape, and on this "
                "device path its ranks computed on stand-ins before they knew (csrc/device_comm.h): that round of "
                "gradient reductions was discarded. Step again (before any other data-parallel collective) to pair "
@@ -186,8 +179,8 @@ class DataParallel:
             self._leave_error([self._replicas_error_key()], why)
         try:
             self.reducer.finish(True, 1.0)
-        except _native().CommError as exc:
-            raise self._pipe._group_broke(exc) from None
+        except CommError as exc:
+            raise self._comm.broke(exc) from None
         self.reducer.restore(False)
         if self.wrapped:
             raise InputError(f"rank {dist.get_rank()}: a batch changed shape on NCCL with DDP- or FSDP2-wrapped stages "
@@ -199,7 +192,7 @@ class DataParallel:
     def _stray_gradient(self) -> str | None:
         """A gradient of a plain stage's parameter that no bucket holds (it required no gradient when
         the Pipeline was built): it would differ between replicas."""
-        for local, stage in enumerate(self._pipe.stages):
+        for local, stage in enumerate(self._stages):
             if local in self.wrapped:
                 continue
             for name, p in stage.module.named_parameters():
@@ -212,42 +205,37 @@ class DataParallel:
     def _conclude(self, ok: bool) -> bool:
         """Did every rank of the pipeline end the step well (its flags included)? Once per step."""
         self._concluded = True
-        if self._pipe._broken is not None:
+        if self._comm.broken is not None:
             return False
         return not self._anywhere_in_pipeline(not ok, "agreeing whether every replica's step succeeded")
 
     def _anywhere_in_pipeline(self, flag: bool, what: str) -> bool:
         """Is `flag` set on any rank of the pipeline's group? (One small all-reduce.)"""
-        pipe = self._pipe
-        if pipe.world == 1:
+        if self._comm.world == 1:
             return flag
-        from .runtime import _native
-
-        return pipe._collective(_native().all_reduce_sum, [int(flag)], what=what)[0] > 0
+        return self._comm.all_reduce_sum([int(flag)], what)[0] > 0
 
     def restore(self) -> None:
-        """After a kept step: the gradients .grad held before it are added back."""
+        """After a kept step (the last part of the gradient finalisation): the gradients .grad held
+        before it are added back."""
         self.reducer.restore(True)
+        for adapter in self.wrapped.values():
+            adapter.end_step(failed=False)
 
     def trace(self) -> list[dict]:
-        pipe = self._pipe
-        return [{"rank": pipe.rank, "name": f"DP:reduce {pipe.stages[s].stage_index}/{b} ({n} B)" if s >= 0
+        return [{"rank": self._comm.rank, "name": f"DP:reduce {self._stages[s].stage_index}/{b} ({n} B)" if s >= 0
                  else "DP:status", "start_us": t0, "end_us": t1}
                 for s, b, n, t0, t1 in self.reducer.trace()]
 
     def _error_keys(self) -> list[str]:
         """Where a failed step's first error is left: this dp group's key and this pipeline's."""
-        step = self._pipe._step_count - 1
         keys = [self._replicas_error_key()] if self._uid is not None else []
-        return keys + ([self._pipe._store_key(step)] if self._pipe._uid is not None else [])
+        pipeline_key = self._comm.error_key()
+        return keys + ([pipeline_key] if pipeline_key is not None else [])
 
     def _leave_error(self, keys: list[str], text: str) -> None:
         """`text` under each key unless an error is there already (the first one stays)."""
-        for key in keys:
-            try:
-                self._store.compare_set(key, "", text)
-            except Exception:  # noqa: BLE001 - the message is best effort; the flags carry the failure
-                pass
+        leave_first(self._store, keys, text)
 
     def _replicas_error_key(self) -> str:
         return f"pipecore/dp/{self._uid}/round{self._round}/error"  # by round: a discarded one counts
@@ -271,14 +259,11 @@ class DataParallel:
     def agree(self) -> None:
         """At the first training step: the replicas hold the same pipeline position, the same program
         and the same bucket layout; otherwise every rank of the dp group says what differs."""
-        from .grads import _gather_objects
-
-        pipe = self._pipe
-        mine = {"pp rank": pipe.rank, "pp size": pipe.world, "program": pipe._program, "buckets": self.layout,
-                "wrapped": sorted((pipe.stages[k].stage_index, a.kind) for k, a in self.wrapped.items()),
+        comm = self._comm
+        mine = {"pp rank": comm.rank, "pp size": comm.world, "program": self._summary, "buckets": self.layout,
+                "wrapped": sorted((self._stages[k].stage_index, a.kind) for k, a in self.wrapped.items()),
                 "nonce": int.from_bytes(os.urandom(7), "little")}
-        rows = _gather_objects(pipe, mine, "data-parallel replicas agreeing on their pipelines",
-                               group=self.group)
+        rows = comm.gather_objects(mine, "data-parallel replicas agreeing on their pipelines", group=self.group)
         # names this dp group's store keys alike on every replica (a failed step's first error)
         self._uid = f"{dist.distributed_c10d._get_process_group_name(self.group)}/{rows[0]['nonce']:x}"
         problem = None
@@ -294,7 +279,7 @@ class DataParallel:
             problem = ("the data-parallel replicas of another rank of this pipeline differ (its error says how); "
                        "build the groups with pc.init_mesh(dp=..., pp=...) and the same model on every replica")
         if problem is not None:
-            raise InputError(f"rank {dist.get_rank()} (pp rank {pipe.rank}, dp rank {self.rank}): {problem}")
+            raise InputError(f"rank {dist.get_rank()} (pp rank {comm.rank}, dp rank {self.rank}): {problem}")
         self.agreed = True  # until then no bucket goes: replicas that disagree must not exchange them
 
 
@@ -332,13 +317,6 @@ def _buckets(params: list, bucket_bytes: int) -> list[list]:
             done.append(open_.pop(key))
             size[key] = 0
     return done + list(open_.values())
-
-
-def _reduce_order(pipe: "Pipeline") -> list[int]:
-    """This rank's local stages in the order of their REDUCE_GRAD actions."""
-    flat, _ = pipe._programs[True]
-    order = [flat[i + 1] for i in range(0, len(flat), 5) if flat[i] == _REDUCE_GRAD]
-    return order + [k for k in range(len(pipe.stages)) if k not in order]
 
 
 def _describe(field: str, values: list) -> str:

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
-from .plan import describe, tensor_leaves
+from pipecore.stage.boundary import describe, tensor_leaves
 
 
 class PipelineStage:
@@ -27,7 +27,7 @@ class PipelineStage:
     For `dualpipe`, stage R+j holds a copy of model stage j (see `Schedule.topology.model_stage`).
 
     What crosses the boundaries is learnt from the forwards of the first step with each batch
-    shape (pipecore/discovery.py): nothing runs the module beforehand. `input_args`/`output_args`
+    shape (pipecore/runtime/discovery.py): nothing runs the module beforehand. `input_args`/`output_args`
     are accepted as torch's PipelineStage takes them (examples of one microbatch's inputs and of what
     the module returns for them, real or meta; only shapes and dtypes count): a forward on inputs
     shaped like `input_args` that returns other shapes fails with an error that names both.
@@ -36,7 +36,7 @@ class PipelineStage:
     on another declare one weight shared by stages (DeepSpeed's TiedLayerSpec, Megatron's embedding
     group): the Pipeline makes the copies equal at its first step, before any forward (the lowest stage's value wins), and
     sums their gradients after every training step, so an optimizer step keeps them equal
-    (pipecore/grads.py). Stages on one rank that hold the key need no communication for it.
+    (pipecore/training/ties.py). Stages on one rank that hold the key need no communication for it.
 
     `activation_checkpointing=True` runs the stage's forward under torch's non-reentrant
     checkpoint: a microbatch keeps only the stage's inputs until its backward recomputes the rest.

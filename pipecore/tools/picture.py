@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from .output import writable
+from pipecore.schedule.output import writable
 
 COLOURS = {
     "F": "#4C72B0", "B": "#55A868", "I": "#8FD19E", "W": "#DD8452", "OVERLAP_F_B": "#8172B3",

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from .schedule.output import writable
-from .schedule.picture import draw, kind_of, lanes_from_simulation, lanes_from_trace
+from pipecore.schedule.output import writable
+from pipecore.tools.picture import draw, kind_of, lanes_from_simulation, lanes_from_trace
 
 
 def gather_trace(pipe) -> list[dict]:

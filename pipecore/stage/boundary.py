@@ -5,7 +5,7 @@ the output also holds other values (ints, floats, bools, None, small picklable o
 tensor carrying those values pickled, so that they reach the next stage as the forward returned
 them, every step. A `Boundary` describes such a message: the output's structure, each tensor's
 shape, dtype and gradient flag, and the byte tensor's capacity. The first step of each batch shape
-learns every boundary from the forwards it runs (pipecore/discovery.py); later steps post receives
+learns every boundary from the forwards it runs (pipecore/runtime/discovery.py); later steps post receives
 of those shapes and check every output against them.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .errors import InputError
+from pipecore.errors import InputError
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Checks a freshly built pipecore._C in a process of its own: `python -m pipecore.build_check`
+"""Checks a freshly built pipecore._C in a process of its own: `python -m pipecore.tools.build_check`
 (`make install` runs it).
 
 An extension compiled by a C++ compiler whose libstdc++ differs from the one loaded with torch can

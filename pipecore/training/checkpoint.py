@@ -46,8 +46,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from . import __version__
-from .errors import InputError
+from pipecore import __version__
+from pipecore.errors import InputError
 
 LAYOUT_FILE = "pipecore.json"
 _FORMAT = 1
@@ -68,7 +68,7 @@ def save_checkpoint(path: str | os.PathLike, pipe, optimizer: torch.optim.Optimi
     (`dp_group=`) every rank calls it too; replica 0 writes (the replicas' states are equal, RNG
     states included: each rank's are replica 0's after loading)."""
     path = _normalise(path)
-    dp = getattr(pipe, "_dp", None)
+    dp = pipe.gradients.dp
     if dp is not None:  # data-parallel replicas hold the same state: replica 0 writes it
         if dp.wrapped:
             raise InputError(f"rank {pipe.rank}: save_checkpoint saves plain stages; this Pipeline has stages wrapped "
@@ -80,7 +80,7 @@ def save_checkpoint(path: str | os.PathLike, pipe, optimizer: torch.optim.Optimi
             except BaseException as exc:
                 failed = exc
         # the others wait with the group's own timeout (a save may take longer than a step)
-        anyone = torch.tensor([int(failed is not None)], device=pipe._comm_device(dp.group))
+        anyone = torch.tensor([int(failed is not None)], device=pipe.comm.device_for(dp.group))
         dist.all_reduce(anyone, group=dp.group)
         if failed is not None:
             raise failed

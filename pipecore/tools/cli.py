@@ -1,25 +1,18 @@
-"""`python -m pipecore ...`: look at schedules and run the benchmarks.
+"""`python -m pipecore ...`: look at schedules (the benchmarks are `python bench/NAME.py` in a checkout).
 
   show NAME --ranks R --microbatches M [--stages-per-rank V] [--out FILE.png|.svg] [--lowered]
   simulate NAME --ranks R --microbatches M [--F 1 --B 2 --I 1 --W 1 --comm 0] [--overlap concurrent]
   simulate --compare --ranks R --microbatches M [costs] [--profile TRACE.json] [--memory 1.0]
   validate FILE.csv [--placement loop|v|dualpipe]
-  bench {vs_torch,overhead,overlap,memory,build,schedules,zero_bubble,gpt,data_parallel,compat} [options...]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import runpy
 import sys
 
-from .schedule import SCHEDULES, Schedule, ScheduleError, build_schedule, canonical_name
-from .schedule.simulate import OVERLAP_MODES
-
-BENCHES = ("vs_torch", "overhead", "overlap", "memory", "build", "schedules", "zero_bubble", "gpt", "data_parallel",
-           "compat")
-
+from pipecore.schedule import SCHEDULES, Schedule, ScheduleError, build_schedule, canonical_name
+from pipecore.schedule.simulate import OVERLAP_MODES
 
 def _schedule_args(p: argparse.ArgumentParser, optional_name: bool = False) -> None:
     p.add_argument("name", help=f"one of {', '.join(SCHEDULES)}", **({"nargs": "?"} if optional_name else {}))
@@ -52,7 +45,7 @@ def _build(a) -> Schedule:
 
 
 def _compare(a) -> None:
-    from .schedule.recommend import (compare, costs_from_trace, load_trace, memory_limit, per_rank_costs, stage_costs,
+    from pipecore.tools.recommend import (compare, costs_from_trace, load_trace, memory_limit, per_rank_costs, stage_costs,
                                      traced_model_stages)
 
     costs = _cost_dict(a)
@@ -127,16 +120,13 @@ def main(argv=None) -> int:
     val = sub.add_parser("validate", help="check a schedule CSV (torch's format)")
     val.add_argument("csv")
     val.add_argument("--placement", default=None, help="loop, v or dualpipe (default: inferred)")
-    bench = sub.add_parser("bench", help="run a benchmark from bench/", add_help=False)
-    bench.add_argument("which", choices=BENCHES)
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     try:
         if a.cmd == "show":
             s = _build(a)
             print((s.lower() if a.lowered else s).format())
             out = a.out or f"{s.name}_r{a.ranks}_m{a.microbatches}.png"
-            from .schedule.picture import draw_schedule
+            from pipecore.tools.picture import draw_schedule
 
             draw_schedule(s, out, _cost_dict(a))
             print(f"wrote {out}")
@@ -168,14 +158,6 @@ def main(argv=None) -> int:
             s.validate()
             print(f"{a.csv}: valid ({s.num_ranks} ranks, {s.num_stages} stages, {s.num_microbatches} microbatches, "
                   f"{s.placement} placement{', lowered' if s.is_lowered else ''})")
-        elif a.cmd == "bench":
-            path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", f"{a.which}.py")
-            if not os.path.exists(path):
-                print(f"bench/{a.which}.py not found: the benchmarks live in the source checkout", file=sys.stderr)
-                return 2
-            sys.argv = [path] + a.rest
-            sys.path.insert(0, os.path.dirname(path))
-            runpy.run_path(path, run_name="__main__")
     except (ScheduleError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -15,7 +15,7 @@
                               list is what the stages run, the model's own forward never runs.
 
 A layer's output feeds the next layer the way a stage's output feeds the next stage in a
-`Pipeline` (pipecore.plan.as_call): a tuple or list becomes positional arguments, a dict keyword
+`Pipeline` (pipecore.stage.boundary.as_call): a tuple or list becomes positional arguments, a dict keyword
 arguments, anything else the one argument; so the result does not depend on where the cuts fall.
 
 Each stage is a `StageModule` (an nn.Sequential) holding the SAME layer objects: no copies, the
@@ -65,9 +65,7 @@ R even). To run several ranks in one process, deepcopy the parts each rank takes
 from __future__ import annotations
 
 import statistics
-import sys
 import time
-import types
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -76,7 +74,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .plan import as_call
+from pipecore.stage.boundary import as_call
 
 METHODS = ("uniform", "parameters", "time")
 _WARMUP, _REPS = 1, 3
@@ -389,15 +387,3 @@ def _print_balance(named: list[tuple[str, nn.Module]], bounds: list[int], layer_
     print(line(header))
     for r in rows:
         print(line(r))
-
-
-class _CallableModule(types.ModuleType):
-    """`import pipecore.partition` (for StageModule, say) makes `pipecore.partition` this module
-    rather than the function when it runs before the first `pc.partition`; calling the module
-    calls the function, so `pc.partition(...)` works in either order."""
-
-    def __call__(self, *args, **kwargs):
-        return partition(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -1,4 +1,4 @@
-"""torch.distributed.pipelining's own schedules, for side-by-side checks and benchmarks.
+"""torch.distributed.pipelining's own schedules, for side-by-side checks (tests/test_builders.py) and benchmarks.
 
 Builds torch's compute-only action orders without stages or a process group (its builders need
 only a few attributes), and runs torch's own lowering passes. Imports torch only when called.

@@ -51,9 +51,9 @@ import warnings
 import weakref
 from collections.abc import Callable
 
-from .schedule import Action, Kind
-
-MODES = {"sequential": 0, "concurrent": 1, "lockstep": 2}
+from pipecore.executor.native import OVERLAP_MODES as MODES
+from pipecore.executor.native import C
+from pipecore.schedule import Action, Kind
 
 _WHY = {  # the executor's reasons (csrc/executor.h, overlap_fallbacks) and what each means
     "checkpoint": "the backward half recomputes a checkpointed region, which sets the global RNG state while it "
@@ -75,13 +75,11 @@ def _mode_code(mode: str) -> int:
 def overlap_handoff():
     """Inside a lock-step OVERLAP_F_B pair: let the other half compute while this block runs (a
     wait for communication), then wait for the turn to come back. Anywhere else: nothing."""
-    from . import _C
-
-    half = _C.overlap_hand_over()
+    half = C.overlap_hand_over()
     try:
         yield
     finally:
-        _C.overlap_take_back(half)
+        C.overlap_take_back(half)
 
 
 class OverlappedPair:
@@ -114,7 +112,7 @@ class OverlappedPair:
     @property
     def sequential_reason(self) -> str | None:
         """Why the halves must not overlap ("checkpoint", "stage_events", "python_modes",
-        "one_kind"; see pipecore.overlap), or None."""
+        "one_kind"; see pipecore.runtime.overlap), or None."""
         return self._executor.pair_sequential_reason(self._bracket) or None
 
     def __repr__(self) -> str:
@@ -124,8 +122,11 @@ class OverlappedPair:
 class PairRunner:
     """A Pipeline's OVERLAP_F_B configuration: the mode, the hook, the warnings."""
 
-    def __init__(self, pipe, overlap_f_b: str | Callable):
-        self._pipe = pipe
+    def __init__(self, executor, stages: list, labels: list[str], overlap_f_b: str | Callable):
+        """`labels`: the training program's (an OVERLAP_F_B bracket's names its pair)."""
+        self._executor = executor
+        self._labels = labels
+        self._modules = {s.stage_index: s.module for s in stages}
         self._warned: set[str] = set()
         self._pairs: dict[int, Action] = {}  # bracket index -> container, of the training program
         if callable(overlap_f_b):
@@ -137,7 +138,7 @@ class PairRunner:
             raise TypeError("overlap_f_b must be 'lockstep', 'concurrent', 'sequential' or a callable(pair), got "
                             f"{type(overlap_f_b).__name__}")
         self._module_hooks = {} if self.mode == "sequential" and self._user_hook is None else {
-            s.stage_index: s.module.overlapped_forward_backward for s in pipe.stages
+            s.stage_index: s.module.overlapped_forward_backward for s in stages
             if callable(getattr(s.module, "overlapped_forward_backward", None))}
         hook = None
         if self._user_hook is not None or self._module_hooks:
@@ -148,15 +149,15 @@ class PairRunner:
                 runner = me()
                 if runner is not None:
                     runner._hook(bracket)
-        pipe._executor.set_overlap(MODES[self.mode], hook, str(pipe.stages[0].device))
+        executor.set_overlap(MODES[self.mode], hook, str(stages[0].device))
 
     def _hook(self, bracket: int) -> None:
         action = self._pairs.get(bracket)
         if action is None:
-            label = self._pipe._programs[True][1][bracket]
+            label = self._labels[bracket]
             action = self._pairs[bracket] = Action.parse(label.removeprefix("PP:"))
-        modules = {a.stage: self._pipe.stage_by_index[a.stage].module for a in action.sub_actions}
-        pair = OverlappedPair(self._pipe._executor, bracket, action, modules)
+        modules = {a.stage: self._modules[a.stage] for a in action.sub_actions}
+        pair = OverlappedPair(self._executor, bracket, action, modules)
         if self._user_hook is not None:
             self._user_hook(pair)
             return
@@ -169,10 +170,10 @@ class PairRunner:
 
     @property
     def fallbacks(self) -> dict[str, int]:
-        return dict(self._pipe._executor.overlap_fallbacks())
+        return dict(self._executor.overlap_fallbacks())
 
     def warn_fallbacks(self) -> None:
-        for why in self._pipe._executor.overlap_fallbacks():
+        for why in self._executor.overlap_fallbacks():
             if why not in self._warned:
                 self._warned.add(why)
                 warnings.warn(f"pipecore: OVERLAP_F_B pairs run in sequence, not overlapped: {_WHY.get(why, why)} "

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .errors import InputError, PipelineError
+from pipecore.errors import InputError, PipelineError
 
 
 def _fsdp_module() -> type | tuple:

@@ -26,23 +26,26 @@ from typing import Any
 
 import torch
 
-from .plan import Boundary, StagePlan, describe, tensor_leaves
+from pipecore.executor.comm import Comm
+from pipecore.executor.native import OPCODES, SPEC_ANSWERS
+from pipecore.stage.boundary import Boundary, StagePlan, describe, tensor_leaves
 
 ABSENT = b"pipecore: no output (the step failed before this forward)"
 
 # executor answers (csrc/executor.h SpecAnswer) and opcodes
-SPECS_SET, SPECS_ABSENT, SPECS_TIMED_OUT = 0, 1, 2
-_RECV_F = 5
 
 
 class Discovery:
     """One step learning the boundaries of its batch shape (train or eval)."""
 
-    def __init__(self, pipe, step: int, training: bool):
-        self.pipe = pipe
+    def __init__(self, comm: Comm, executor, stages: list, topology, training: bool):
+        self._comm = comm
+        self._executor = executor
+        self._stages = stages
+        self._topology = topology
         self.training = training
-        self.prefix = f"pipecore/{pipe._uid}/shapes/step{step}/{'train' if training else 'eval'}"
-        self.plans: dict[int, StagePlan] = {s.stage_index: StagePlan() for s in pipe.stages}
+        self.prefix = f"pipecore/{comm.uid}/shapes/step{comm.step}/{'train' if training else 'eval'}"
+        self.plans: dict[int, StagePlan] = {s.stage_index: StagePlan() for s in stages}
 
     def _key(self, stage: int, mb: int) -> str:
         return f"{self.prefix}/stage{stage}/mb{mb}"
@@ -51,12 +54,11 @@ class Discovery:
         """Stage `local`'s forward of `mb` returned an output of this boundary: its rank records it,
         hands it to the next stage (published, or directly when that stage is on this rank), and
         sets the shapes of the send and of the gradients that come back."""
-        pipe = self.pipe
-        stage = pipe.stages[local]
+        stage = self._stages[local]
         s = stage.stage_index
-        nxt = pipe.schedule.topology.next_stage[s]
+        nxt = self._topology.next_stage[s]
         self.plans[s].outputs[mb] = boundary
-        pipe._executor.set_output_specs(local, mb, boundary.meta_tensors(), torch.empty(0, device=stage.device))
+        self._executor.set_output_specs(local, mb, boundary.meta_tensors(), torch.empty(0, device=stage.device))
         if nxt in self.plans:
             self.plans[nxt].inputs[mb] = boundary
         else:
@@ -64,39 +66,38 @@ class Discovery:
 
     def answer(self, local: int, mb: int, op: int, may_wait: bool) -> int:
         """The executor asks for the shapes of a message it never had (csrc/executor.h SpecFn)."""
-        pipe = self.pipe
-        stage = pipe.stages[local]
+        stage = self._stages[local]
         s = stage.stage_index
-        if op != _RECV_F:
+        if op != OPCODES["RECV_F"]:
             # an aborted step's send of activations whose forward never returned (learnt_output sets the
             # shapes before it publishes them): no message goes, the receiver learns why
             self._publish(s, mb, None)
-            return SPECS_ABSENT
-        key = self._key(pipe.schedule.topology.prev_stage[s], mb)
-        store = pipe._store
+            return SPEC_ANSWERS["ABSENT"]
+        key = self._key(self._topology.prev_stage[s], mb)
+        store = self._comm.store
         try:
             if may_wait:
-                store.wait([key], timedelta(seconds=pipe.timeout))
+                store.wait([key], timedelta(seconds=self._comm.timeout))
             elif not store.check([key]):
-                return SPECS_ABSENT
+                return SPEC_ANSWERS["ABSENT"]
             data = store.get(key)
         except Exception:  # noqa: BLE001 - a store timeout or a lost store: a peer hung or died
-            return SPECS_TIMED_OUT
+            return SPEC_ANSWERS["TIMED_OUT"]
         try:
             store.delete_key(key)  # read once: the keys of a step do not pile up in the store
         except Exception:  # noqa: BLE001 - best effort
             pass
         if data == ABSENT:
-            return SPECS_ABSENT
+            return SPEC_ANSWERS["ABSENT"]
         with warnings.catch_warnings():  # torch 2.13 warns when a pickled leaf TreeSpec is loaded
             warnings.simplefilter("ignore", FutureWarning)
             boundary: Boundary = pickle.loads(data)
         self.plans[s].inputs[mb] = boundary
-        pipe._executor.set_input_specs(local, mb, boundary.meta_tensors(), torch.empty(0, device=stage.device))
-        return SPECS_SET
+        self._executor.set_input_specs(local, mb, boundary.meta_tensors(), torch.empty(0, device=stage.device))
+        return SPEC_ANSWERS["SET"]
 
     def _publish(self, stage: int, mb: int, boundary: Boundary | None) -> None:
-        self.pipe._store.set(self._key(stage, mb), ABSENT if boundary is None else pickle.dumps(boundary, protocol=4))
+        self._comm.store.set(self._key(stage, mb), ABSENT if boundary is None else pickle.dumps(boundary, protocol=4))
 
 
 def declared_mismatch(stage, args: Any, kwargs: Any, out: Any) -> str | None:

@@ -1,5 +1,5 @@
 """Compare schedules under given costs and recommend one: costs typed in, or measured in a trace
-of a real step (`Pipeline(trace=True)`, `pipecore.profiling.to_chrome_trace`).
+of a real step (`Pipeline(trace=True)`, `pipecore.tools.profiling.to_chrome_trace`).
 
 Costs are per model stage: a number is the cost of one rank's share of the model (a stage of
 1F1B); a list holds one value per stage of a model cut into that many equal stages (the chain a
@@ -18,8 +18,8 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .builders import SCHEDULES, build_schedule, default_stages_per_rank
-from .simulate import _cost_table, _peak_activations, simulate
+from pipecore.schedule.builders import SCHEDULES, build_schedule, default_stages_per_rank
+from pipecore.schedule.simulate import _cost_table, _peak_activations, simulate
 
 _ACTION = re.compile(r"(?:^|:)(\d+)([FIWB])(\d+)$")
 _KINDS = ("F", "I", "W", "B")

@@ -1,0 +1,159 @@
+"""The communication service of one Pipeline: the small native collectives, the store where a
+failing rank leaves its error, and whether the group broke.
+
+The runtime and the training modules (data parallel, ties, clipping, checkpoints) talk to the other
+ranks through this object only; none of them holds the Pipeline's private state. The collectives are
+the executor's own (csrc/collectives.h says why they are native): a hung or dead peer ends them with
+a timeout whose message names the rank and what it waited for, and the group is then marked broken.
+"""
+
+from __future__ import annotations
+
+import pickle
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipecore.errors import CommunicationError
+from pipecore.executor.native import C, CommError
+
+
+class Comm:
+    """Talks to the other ranks of one Pipeline's `group` (and, when asked, of another group such as
+    the data-parallel one)."""
+
+    def __init__(self, group, timeout: float, device: torch.device):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.timeout = timeout
+        self.device = device  # the stages' device
+        self.store = dist.distributed_c10d._get_default_store() if self.world > 1 else None
+        # names this Pipeline's keys in the store, alike on every rank: set at the first agreement
+        self.uid: str | None = None
+        self.broken: str | None = None  # why the group broke (no later step may use it)
+        self.step = -1  # the step in progress: its failures are left under its key
+
+    # -- the small collectives ---------------------------------------------------------------
+    def all_reduce_sum(self, values: list[int], what: str, group=None) -> list[int]:
+        return self._call(C.all_reduce_sum, values, what=what, group=group, on_device=True)
+
+    def all_gather(self, values: list[int], what: str, group=None) -> list[list[int]]:
+        return self._call(C.all_gather, values, what=what, group=group, on_device=True)
+
+    def all_reduce_tensor(self, tensor: torch.Tensor, op: str, what: str, group=None) -> torch.Tensor:
+        return self._call(C.all_reduce_tensor, tensor, op, what=what, group=group)
+
+    def exchange(self, tensor: torch.Tensor, peer: int, what: str) -> torch.Tensor:
+        """Sends `tensor` to group rank `peer` and returns what `peer` sends."""
+        return self._call(C.exchange, tensor, peer, what=what)
+
+    def gather_objects(self, obj: Any, what: str, group=None) -> list[Any]:
+        """Every rank's picklable `obj`, in group rank order (the int64 all-gather twice: sizes, then
+        the bytes; once when no rank has anything to say)."""
+        if (self.world if group is None else dist.get_world_size(group)) == 1:
+            return [obj]
+        data = pickle.dumps(obj) if obj else b""
+        sizes = [row[0] for row in self.all_gather([len(data)], what, group)]
+        if not any(sizes):
+            return [obj for _ in sizes]
+        words = (max(sizes) + 7) // 8
+        padded = data.ljust(words * 8, b"\0")
+        mine = [int.from_bytes(padded[i:i + 8], "little", signed=True) for i in range(0, len(padded), 8)]
+        out = []
+        for size, row in zip(sizes, self.all_gather(mine, what, group)):
+            raw = b"".join(v.to_bytes(8, "little", signed=True) for v in row)[:size]
+            out.append(pickle.loads(raw) if size else [])
+        return out
+
+    def _call(self, fn, *args, what: str, group=None, on_device: bool = False):
+        group = self.group if group is None else group
+        try:
+            return fn(group, *args, timeout=self.timeout, what=what,
+                      **({"device": str(self.device_for(group))} if on_device else {}))
+        except CommError as exc:
+            self.broken = str(exc)
+            raise CommunicationError(f"{exc}; a rank hung or died: rebuild the process group") from None
+
+    def device_for(self, group=None) -> torch.device:
+        """Where small collectives over `group` run: CPU when it has a CPU backend (gloo, also in
+        "cpu:gloo,cuda:nccl"), else the stages' device."""
+        group = self.group if group is None else group
+        return torch.device("cpu") if backend_of(group, torch.device("cpu")) else self.device
+
+    def broke(self, exc: Exception) -> CommunicationError:
+        """The executor's wait timed out or a connection broke: no later step may run on this group."""
+        self.broken = str(exc)
+        return CommunicationError(f"{exc}. A peer hung or died: rebuild the process group and the Pipeline.")
+
+    # -- failures left in the store -----------------------------------------------------------
+    def error_key(self, step: int | None = None) -> str | None:
+        """Where step `step`'s (default: this step's) first error is left; None before the first
+        agreement named this Pipeline's keys."""
+        if self.uid is None:
+            return None
+        return f"pipecore/{self.uid}/step{self.step if step is None else step}/error"
+
+    def publish_error(self, error: str, action: str) -> None:
+        """The first failing rank of this step: leave its error where the other ranks will look."""
+        key = self.error_key()
+        if self.world == 1 or key is None:
+            return
+        text = f"rank {self.rank} failed in {action}: {error.strip().splitlines()[0] if error.strip() else error}"
+        leave_first(self.store, [key], text)
+
+    def peer_error(self) -> str:
+        """The error the first failing rank of this step left (waiting briefly for it)."""
+        key = self.error_key()
+        try:
+            self.store.wait([key], timedelta(seconds=10))
+            return self.store.get(key).decode()
+        except Exception:  # noqa: BLE001 - the step fails anyway; only its message is missing
+            return "another rank failed (its error message did not arrive)"
+
+    # -- channels ---------------------------------------------------------------------------------
+    def p2p_is_gloo(self) -> bool:
+        """Do the stages' messages go through gloo? Asked of the backend that serves the stages'
+        device: a group made with "cpu:gloo,cuda:nccl" is gloo on CPU and NCCL on CUDA."""
+        backend = backend_of(self.group, self.device)
+        if backend is None:
+            return dist.get_backend(self.group) == "gloo"
+        backend = getattr(backend, "wrapped_pg", backend)  # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps it
+        return dist.is_gloo_available() and isinstance(backend, dist.ProcessGroupGloo)
+
+    def open_reverse_channel(self):
+        """gloo: a second gloo group over these ranks for the messages that travel to a lower rank,
+        so that a rank's sends never share a connection with the data it receives (see
+        Executor.set_reverse_channel). It runs on the group's own gloo device: no extra thread. Opened
+        right after an agreement, when every rank of the group is here to connect."""
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = self.group._get_backend(torch.device("cpu")).options._devices
+        options._timeout = timedelta(seconds=self.timeout)
+        options._threads = 1  # its collective threads idle: only send and receive run on it
+        store = dist.PrefixStore(f"pipecore/{self.uid}/reverse", self.store)
+        try:
+            return dist.ProcessGroupGloo(store, self.rank, self.world, options)
+        except RuntimeError as exc:
+            self.broken = str(exc)
+            raise CommunicationError(f"rank {self.rank}: connecting the ranks' second gloo channel failed within "
+                                     f"{self.timeout} s ({exc}); a rank hung or died: rebuild the process group"
+                                     ) from None
+
+
+def leave_first(store, keys: list[str], text: str) -> None:
+    """`text` under each key unless an error is there already (the first one stays)."""
+    for key in keys:
+        try:
+            store.compare_set(key, "", text)
+        except Exception:  # noqa: BLE001 - the message is best effort; the failure travels anyway
+            pass
+
+
+def backend_of(group, device: torch.device):
+    """The backend `group` uses for tensors on `device`, or None if it has none for that device."""
+    try:
+        return group._get_backend(device)
+    except RuntimeError:
+        return None

@@ -1,0 +1,65 @@
+"""The program one rank's executor runs: a lowered schedule's row as instructions.
+
+An instruction is five integers: the opcode (from `pipecore._C.OPCODES`), the stage's index among
+this rank's stages, the microbatch, the peer rank of a send or receive (-1 otherwise) and the index
+of its label ("PP:1F0", the NVTX range and profiler event name). An OVERLAP_F_B pair becomes its two
+halves between OVERLAP_BEGIN and OVERLAP_END brackets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipecore.executor.native import OPCODES
+from pipecore.schedule import Kind, Schedule
+
+FIELDS = 5  # integers per instruction
+
+
+@dataclass(frozen=True)
+class Program:
+    instructions: list[int]  # FIELDS integers per instruction
+    labels: list[str]
+
+    def local_stages_in_order_of(self, kind: str, num_local: int) -> list[int]:
+        """This rank's stages in the order of their first `kind` instruction, then the others."""
+        flat, op = self.instructions, OPCODES[kind]
+        order: list[int] = []
+        for i in range(0, len(flat), FIELDS):
+            if flat[i] == op and flat[i + 1] not in order:
+                order.append(flat[i + 1])
+        return order + [k for k in range(num_local) if k not in order]
+
+
+def encode(lowered: Schedule, rank: int, local_index: dict[int, int]) -> Program:
+    """`rank`'s row of `lowered` as the executor's instructions; `local_index`: stage -> its index
+    among this rank's stages."""
+    topo = lowered.topology
+    flat: list[int] = []
+    labels: list[str] = []
+
+    def emit(op: str, stage: int, mb: int, peer: int, label: str) -> None:
+        flat.extend((OPCODES[op], stage, mb, peer, len(labels)))
+        labels.append(label)
+
+    for a in lowered.actions[rank]:
+        if a.kind is Kind.OVERLAP_F_B:
+            emit("OVERLAP_BEGIN", 0, 0, -1, f"PP:{a}")
+            for sub in a.sub_actions:
+                emit(sub.kind.name, local_index[sub.stage], sub.microbatch, -1, f"PP:{sub}")
+            emit("OVERLAP_END", 0, 0, -1, f"PP:{a}")
+            continue
+        peer = -1
+        if a.kind in (Kind.SEND_F, Kind.RECV_B):
+            peer = topo.stage_rank[topo.next_stage[a.stage]]
+        elif a.kind in (Kind.SEND_B, Kind.RECV_F):
+            peer = topo.stage_rank[topo.prev_stage[a.stage]]
+        emit(a.kind.name, local_index[a.stage], a.microbatch if a.microbatch is not None else 0, peer, f"PP:{a}")
+    return Program(flat, labels)
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The schedule's forwards, in its order (same placement): what eval() runs."""
+    rows = [[leaf for a in row for leaf in a.leaves() if leaf.kind is Kind.F] for row in schedule.compute_only().actions]
+    topo = schedule.topology
+    return Schedule._from_codes([[a.code for a in row] for row in rows], topo, (schedule.name or "") + ":forward")

@@ -1,0 +1,102 @@
+"""The agreement protocol: what every rank of a pipeline must agree on before a step runs.
+
+One small all-reduce carries the batch signature (did a first stage's batch change shape?), whether
+any rank's step failed, and how many ranks train. The first agreement gathers instead: besides those
+it learns group rank 0's nonce (which names the Pipeline's keys in the store) and every rank's
+program digest, so ranks built with different schedules, microbatch counts or stage layouts all fail
+at once with the same message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from pipecore.errors import InputError
+from pipecore.executor.comm import Comm
+from pipecore.stage.boundary import signature
+
+REACH_STEP = "waiting for every rank to reach step()"
+
+
+class Agreement:
+    def __init__(self, comm: Comm, summary: dict[str, object], ties: int, on_first: Callable[[bool], None]):
+        """`summary`: what must be equal on every rank (schedule, microbatches, stages, placement,
+        program), named for the message; `ties`: tied weights declared on this rank; `on_first(any_ties)`
+        runs once, at the first agreement, on every rank (the tied weights are learnt there)."""
+        self.comm = comm
+        self.summary = summary
+        self._ties = ties
+        self._on_first = on_first
+        # group rank 0's names the store keys, the same on every rank (a per-process count would differ
+        # between ranks that build different numbers of pipelines)
+        self._nonce = int.from_bytes(os.urandom(7), "little") if comm.rank == 0 else 0
+        self.misbuilt: str | None = None  # the ranks' programs differ: every later step says it again
+
+    def __call__(self, local_sig: int, failed: bool, training: bool, what: str = REACH_STEP) -> tuple[int, bool]:
+        """(the batch signature summed over the ranks, whether any rank failed)."""
+        comm = self.comm
+        if comm.world == 1:
+            return local_sig, failed
+        if comm.uid is None:
+            return self._first(local_sig, failed, training)
+        sig, failed, trainers = comm.all_reduce_sum([local_sig, int(failed), int(training)], what)
+        if 0 < trainers < comm.world:
+            raise InputError(f"rank {comm.rank}: {trainers} of the {comm.world} ranks called step() and the others "
+                             f"eval() (this rank: {'step' if training else 'eval'}()): every rank makes the same call")
+        return sig, bool(failed)
+
+    def _first(self, local_sig: int, failed: bool, training: bool) -> tuple[int, bool]:
+        comm = self.comm
+        fields = [signature(v) for v in self.summary.values()]
+        rows = comm.all_gather([local_sig, int(failed), self._nonce, int(training), self._ties, *fields], REACH_STEP)
+        any_ties = any(r[4] for r in rows)
+        rows = [r[:4] + r[5:] for r in rows]
+        comm.uid = f"{dist.distributed_c10d._get_process_group_name(comm.group)}/{rows[0][2]:x}"
+        if any(r[4:] != rows[0][4:] for r in rows):
+            self.misbuilt = self._mismatch([r[4:] for r in rows])
+            raise InputError(self.misbuilt)
+        try:  # every rank learns the ties and the copies are made equal, before any forward
+            self._on_first(any_ties)
+        except InputError as exc:
+            self.misbuilt = str(exc)
+            raise
+        if len({r[3] for r in rows}) > 1:
+            calls = ", ".join(f"rank {r} {'step' if row[3] else 'eval'}()" for r, row in enumerate(rows))
+            raise InputError(f"rank {comm.rank}: the ranks made different calls ({calls}): every rank makes the same "
+                             "call, step() or eval()")
+        sig = (sum(r[0] for r in rows) + (1 << 63)) % (1 << 64) - (1 << 63)  # int64 wrap-around, as all_reduce
+        return sig, any(r[1] for r in rows)
+
+    def _mismatch(self, digests: list[list[int]]) -> str:
+        """Names the ranks and what differs between their programs (their summaries via the store)."""
+        comm = self.comm
+        key = f"pipecore/{comm.uid}/program/rank"
+        comm.store.set(f"{key}{comm.rank}", json.dumps(self.summary))
+        try:
+            comm.store.wait([f"{key}{r}" for r in range(comm.world)], timedelta(seconds=min(comm.timeout, 10)))
+            theirs = [json.loads(comm.store.get(f"{key}{r}")) for r in range(comm.world)]
+        except Exception:  # noqa: BLE001 - the digests still say which ranks differ
+            theirs = None
+        lines = []
+        differ = [len({d[k] for d in digests}) > 1 for k in range(len(self.summary))]
+        if any(differ[:-1]):
+            differ[-1] = False  # the lowered program differs because of what is named
+        for k, name in enumerate(self.summary):
+            if name == "program" and differ[k]:
+                lines.append("the lowered programs differ (the same schedule built differently: a custom Schedule or "
+                             "other builder options)")
+            elif differ[k]:
+                if theirs is None:
+                    groups: dict[int, list[int]] = {}
+                    for r, d in enumerate(digests):
+                        groups.setdefault(d[k], []).append(r)
+                    lines.append(f"{name} differs between ranks {' / '.join(str(g) for g in groups.values())}")
+                else:
+                    lines.append(f"{name}: " + ", ".join(f"rank {r} {t[name]!r}" for r, t in enumerate(theirs)))
+        return (f"rank {comm.rank}: the ranks were built with different pipelines ({'; '.join(lines)}). Build the "
+                "same Pipeline on every rank: the same schedule, num_microbatches and number of stages")

@@ -1,0 +1,508 @@
+"""`Pipeline`: runs a schedule over this rank's stages with the C++ executor: its configuration and
+`step()`. What a step is made of lives beside it: the agreement between ranks (agreement.py), the
+plans of what crosses each boundary (plans.py, discovery.py), the step's inputs and forward callback
+(step.py), rollback, overlap and the I/W split; the gradients after a step are pipecore/training/
+finalise.py's; every word to another rank goes through pipecore/executor/comm.py."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from pipecore.errors import CommunicationError, InputError, PeerFailedError
+from pipecore.executor.comm import Comm
+from pipecore.executor.native import DEFAULT_RECV_WINDOW, DEFAULT_SEND_BUDGET, C, CommError, PeerAbort, PeerReplan
+from pipecore.executor.program import encode, forward_only
+from pipecore.runtime.agreement import Agreement
+from pipecore.runtime.overlap import PairRunner
+from pipecore.runtime.plans import Plans
+from pipecore.runtime.rollback import Rollback
+from pipecore.runtime.split_backward import fallback_message, name_parameter
+from pipecore.runtime.step import StepRun, check_inputs, check_step_options, split_batch
+from pipecore.schedule import Schedule, build_schedule
+from pipecore.schedule.lowering import add_unshard_reshard
+from pipecore.stage import boundary as wire
+from pipecore.stage.microbatch import merge, merge_by_spec
+from pipecore.stage.pipeline_stage import PipelineStage, from_torch_stage, is_torch_stage
+from pipecore.training.data_parallel import DEFAULT_BUCKET_BYTES, DataParallel
+from pipecore.training.finalise import GradFinalisation
+from pipecore.training.ties import TiedWeights
+from pipecore.training.wrapped_stages import WrappedStage
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def _range(name: str):
+    """An NVTX range from Python (the `nvtx` package; no-op without it)."""
+    if _nvtx is None:
+        return nullcontext()
+    return _nvtx.annotate(name, domain="pipecore")
+
+
+try:  # Python-side phases show in Nsight Systems beside the executor's per-action ranges
+    import nvtx as _nvtx
+except ImportError:  # pragma: no cover - optional
+    _nvtx = None
+
+
+class Pipeline:
+    """Pipeline-parallel training of this rank's `stages` under `schedule`.
+
+    `step(*args, target=..., losses=...)` has torch.distributed.pipelining's meaning: inputs go on
+    the rank(s) holding a first stage, targets on the rank(s) holding a last stage; it returns the
+    merged last-stage outputs there (None elsewhere), fills `losses` with the per-microbatch losses
+    there (detached; the list's earlier contents replaced, as torch does),
+    and accumulates into every parameter's `.grad` what single-process training on the whole batch
+    would (`scale_grads`: each microbatch's loss is weighted by its share of the batch rows, which
+    equals the mean over the batch for mean-reduced losses; only this step's contribution is scaled).
+
+    `step(..., return_outputs=False)` drops each last-stage output as soon as its loss is computed
+    (an LLM's logits are the largest tensors of a step) and returns None; `loss_kwargs` are passed to
+    every call of `loss_fn(output, target, **loss_kwargs)`, as torch does.
+
+    `recv_window`: how many receives are posted ahead of the action that needs them (0: each at
+    its own RECV action), holding at most 16 MiB of buffers ahead (the next receive always goes). The
+    first step of each batch shape posts every receive at its own action (it learns the shapes).
+    Early receives let a peer's data land while this rank computes; each holds its buffer that
+    much longer.
+
+    `send_budget`: bytes of sends in flight to one peer. A sent message is freed as soon as its
+    transfer completes; a send that would exceed the budget first waits for earlier sends to that
+    peer (a larger message goes alone). It bounds what a rank holds for a peer that is behind, e.g.
+    a GPipe first stage whose sends would otherwise pile up.
+
+    `dp_group`: data-parallel replicas of this pipeline (`pc.init_mesh(dp, pp).get_group("dp")`; see
+    pipecore/training/data_parallel.py). Each replica steps its share of the global batch and `.grad` becomes
+    the mean over replicas, reduced in buckets of `bucket_bytes` while the step's other backwards run;
+    stages wrapped in torch DDP or FSDP2 reduce through their wrapper. A failure on any replica fails
+    the step on all of them and leaves `.grad` as it was before the step.
+
+    `overlap_f_b`: how the two halves of dualpipe's OVERLAP_F_B pairs run, the backward on a second
+    thread: "lockstep" (taking turns at `pipecore.overlap_handoff()` points inside the model),
+    "concurrent" (at once; only for halves that share no process group), "sequential" (as torch),
+    or a callable(pair) that decides (see pipecore/runtime/overlap.py).
+
+    `keyword_inputs`: which stages get step()'s keyword arguments (split into microbatches like the
+    inputs): "first_stage" (a first stage's, with the positional inputs; on a rank without one they
+    are refused), or "every_stage" (every stage of the rank they were given on, after what it
+    received: torch.distributed.pipelining's rule, e.g. TorchTitan's attention masks; pipecore.compat
+    uses it). A later stage's output shapes are learnt from the first step of each shape of the
+    first stages' inputs: keyword arguments that change another stage's output shapes on their own fail
+    the step's output check.
+
+    `group` defaults to the group the stages were given (`PipelineStage(..., group=)`, torch's way), else
+    the default group. `args_chunk_spec`, `kwargs_chunk_spec` and `output_merge_spec` mean what they
+    mean in torch.distributed.pipelining (its `TensorChunkSpec`s; None: tensors split and merged along
+    dim 0). `stages` may also be torch.distributed.pipelining's own `PipelineStage` objects: each is
+    converted to pipecore's (same module, index, device, group and dw_builder; pipecore.compat).
+
+    On a gloo `group`, the first step also opens a second gloo connection between the group's
+    ranks (on the group's own gloo device): messages to a lower rank travel on it, so that a rank's
+    sends never share a connection with the data it receives.
+    """
+
+    def __init__(self, stages: PipelineStage | Sequence[PipelineStage], schedule: str | Schedule,
+                 num_microbatches: int, loss_fn: Callable | None = None, group=None, scale_grads: bool = True,
+                 timeout: float | None = None, trace: bool = False, *, check_finite: bool = False,
+                 recv_window: int = DEFAULT_RECV_WINDOW, send_budget: int = DEFAULT_SEND_BUDGET,
+                 dp_group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap_f_b: str | Callable = "lockstep",
+                 args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None,
+                 keyword_inputs: str = "first_stage"):
+        if not dist.is_initialized():
+            raise RuntimeError("Pipeline needs torch.distributed: call dist.init_process_group first")
+        stages = stage_list(stages)
+        wrapped = [s.stage_index for s in stages if s.dw_builder is not None and WrappedStage.is_wrapped(s.module)]
+        if wrapped:
+            raise ValueError(f"stages {wrapped} have a dw_builder and a DDP/FSDP2-wrapped module: the wrapper reduces "
+                             "the gradients its autograd hooks see, not those a dw_builder's runner computes. Drop the "
+                             "dw_builder (pipecore splits the backward itself) or the wrapper")
+        self.group = _pipeline_group(group, stages)
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
+        self.num_microbatches = num_microbatches
+        if isinstance(schedule, str):
+            schedule = build_schedule(schedule, self.world, num_microbatches, len(stages))
+        elif not isinstance(schedule, Schedule):
+            raise TypeError(f"schedule must be a name from pc.SCHEDULES or a Schedule, got {type(schedule).__name__}")
+        if schedule.num_ranks != self.world:
+            raise ValueError(f"the schedule is for {schedule.num_ranks} ranks but the group has {self.world}")
+        if schedule.num_microbatches != num_microbatches:
+            raise ValueError(f"the schedule has {schedule.num_microbatches} microbatches, Pipeline was given "
+                             f"num_microbatches={num_microbatches}")
+        num_stages = {s.num_stages for s in stages}
+        if num_stages != {schedule.num_stages}:
+            raise ValueError(f"the schedule has {schedule.num_stages} stages but the stages say num_stages="
+                             f"{sorted(num_stages)}")
+        mine = schedule.rank_stages(self.rank)
+        given = sorted(s.stage_index for s in stages)
+        if given != mine:
+            raise ValueError(f"rank {self.rank} must hold stages {mine} under {schedule.name or 'this'} schedule's "
+                             f"{schedule.placement} placement, but was given stages {given}")
+        schedule.compute_only().validate()
+        self.schedule = schedule
+        self.stages = sorted(stages, key=lambda s: s.stage_index)
+        self.stage_by_index = {s.stage_index: s for s in self.stages}
+        local_index = {s.stage_index: i for i, s in enumerate(self.stages)}
+        self.loss_fn = loss_fn
+        self.scale_grads = scale_grads
+        # torch.distributed.pipelining's microbatch specs (None: tensors split and merged along dim 0)
+        self.args_chunk_spec, self.kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
+        self.output_merge_spec = output_merge_spec
+        if keyword_inputs not in ("first_stage", "every_stage"):
+            raise ValueError(f"keyword_inputs must be 'first_stage' or 'every_stage', got {keyword_inputs!r}")
+        self.keyword_inputs = keyword_inputs
+        self.timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
+        self.trace_enabled = trace
+        self.check_finite = check_finite
+        if self.timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        if isinstance(recv_window, bool) or not isinstance(recv_window, int) or recv_window < 0:
+            raise ValueError(f"recv_window must be an integer >= 0 (receives posted ahead), got {recv_window!r}")
+        if isinstance(send_budget, bool) or not isinstance(send_budget, int) or send_budget < 0:
+            raise ValueError(f"send_budget must be an integer >= 0 (bytes in flight per peer), got {send_budget!r}")
+        topo = schedule.topology
+        for s in self.stages:  # is_first/is_last as this schedule says (dualpipe: two first and two last stages)
+            s._role = (topo.prev_stage[s.stage_index] < 0, topo.next_stage[s.stage_index] < 0)
+        self.has_first = any(s.is_first for s in self.stages)
+        self.has_last = any(s.is_last for s in self.stages)
+        device = self.stages[0].device
+        self.comm = Comm(self.group, self.timeout, device)  # talks to the other ranks (pipecore/executor/comm.py)
+        # data-parallel replicas (pipecore/training/data_parallel.py): checked here, before any communication
+        self._dp = DataParallel(self.comm, self.stages, dp_group, bucket_bytes) if dp_group is not None else None
+        if dp_group is None:
+            for s in self.stages:  # a DDP/FSDP2 stage reduces over a group this Pipeline must know
+                WrappedStage.of(s.module, None)
+        self.gradients = GradFinalisation(self.comm, self.stages, topo, self._dp)
+        lowered = {True: schedule.lower(), False: forward_only(schedule).lower()}
+        # FSDP2 stages get UNSHARD/RESHARD in this rank's row only, after lowering: they do not communicate
+        # within the pipeline, and the sends and receives must be placed alike on every rank (lowering
+        # with them places those differently). The ranks agree below on the program without them.
+        run = dict(lowered)
+        if self._dp is not None and self._dp.sharded:
+            rows = [list(row) for row in lowered[True].codes]
+            rows[self.rank] = add_unshard_reshard(rows[self.rank], self._dp.sharded, max_active=3)
+            run[True] = Schedule._from_codes(rows, lowered[True].topology, lowered[True].name)
+        self.programs = {training: encode(v, self.rank, local_index) for training, v in run.items()}
+        # what every rank must agree on before the first step (checked at the first agreement)
+        summary = {
+            "schedule": schedule.name or "a custom Schedule",
+            "microbatches": num_microbatches,
+            "stages": schedule.num_stages,
+            "placement": f"{schedule.placement} (stage -> rank {list(topo.stage_rank)})",
+            "program": wire.signature([[str(a) for a in row] for v in lowered.values() for row in v.actions]),
+        }
+        self.executor = C.Executor(self.group, len(self.stages), num_microbatches, self.timeout)
+        for s in self.stages:
+            nxt, prv = topo.next_stage[s.stage_index], topo.prev_stage[s.stage_index]
+            self.executor.set_links(
+                local_index[s.stage_index],
+                local_index[nxt] if nxt >= 0 and topo.stage_rank[nxt] == self.rank else -1,
+                local_index[prv] if prv >= 0 and topo.stage_rank[prv] == self.rank else -1)
+        # on an accelerator, action times come from events on its stream (one device wait per traced step)
+        self.executor.set_trace(bool(trace), str(device))
+        # gloo runs every operation on its own; NCCL runs a peer pair's operations in posting order
+        gloo = self.comm.p2p_is_gloo()
+        self.executor.set_recv_window(recv_window, gloo)
+        self.executor.set_send_budget(send_budget)
+        # posting a gloo operation can block on gloo's locks (and a send copy the message): not on the
+        # compute thread
+        self.executor.set_comm_thread(gloo)
+        # NCCL: batches on a communication stream, events, message statuses on the device: no host
+        # wait inside a step (csrc/device_comm.h; posting order in pipecore/schedule/p2p_order.py)
+        if not gloo and device.type == "cuda":
+            self.executor.set_device_comm(str(device))  # False (host-waiting path) in builds without CUDA
+        self._rollback = Rollback([s.module for s in self.stages], [s.device for s in self.stages])
+        # how OVERLAP_F_B pairs run (pipecore/runtime/overlap.py)
+        self._pairs = PairRunner(self.executor, self.stages, self.programs[True].labels, overlap_f_b)
+        self._set_weight_builders()
+        self.reverse_channel = None  # gloo: opened at the first agreement
+        self._wants_reverse_channel = gloo and self.world > 1
+        self._trace: list[dict] = []
+        self._warned_fallbacks: set[tuple[int, tuple]] = set()
+        self._step_count = 0
+        # building a Pipeline is no collective (ranks may build different numbers of them): the ties are
+        # learnt at the first agreement; alone, now
+        ties = sum(len(s.tied) for s in self.stages)
+        self._agreement = Agreement(self.comm, summary, ties, self._learn_ties)
+        self.plans = Plans(self._agreement, self.executor, self.stages, topo, self.programs)
+        if self.world == 1:
+            self._learn_ties(ties > 0)
+        if self._dp is not None:
+            self._dp.attach(self.executor, self.programs[True], summary)
+
+    def _learn_ties(self, any_ties: bool) -> None:
+        self.gradients.ties = TiedWeights(self.comm, self.stages, self.schedule.topology) if any_ties else None
+
+    def _set_weight_builders(self) -> None:
+        """Stages with torch's dw_builder: whole backward at I, the builder's runner at W."""
+        local = [i for i, s in enumerate(self.stages) if s.dw_builder is not None]
+        if local:
+            # weakly: the executor's callbacks are invisible to Python's cycle collector, and a builder
+            # may hold what holds this Pipeline
+            me = weakref.ref(self)
+            self.executor.set_weight_builders(local, lambda i: me().stages[i].dw_builder())
+
+    # -- public -------------------------------------------------------------------------
+    def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
+             loss_kwargs: dict | None = None, loss_divisor: float | torch.Tensor | None = None, **kwargs):
+        """One training step over `num_microbatches` microbatches (see the class doc).
+
+        `loss_divisor` (read on ranks holding a last stage): `loss_fn` returns a sum over a
+        microbatch's tokens (e.g. `cross_entropy(..., reduction="sum", ignore_index=-100)`) and each
+        microbatch's gradient is divided by `loss_divisor`, the batch's token count (e.g.
+        `(target != -100).sum()`), so `.grad` equals single-process `loss_fn(whole batch) / N` even
+        when microbatches hold different numbers of tokens; it replaces the row-share weighting of
+        `scale_grads`. `losses` still holds what `loss_fn` returned. With `dp_group`, `loss_divisor`
+        is the token count of the whole global batch (every replica's: all-reduce it over the dp
+        group) and the replicas' gradients are summed."""
+        with _range("pipecore.step"):
+            self.gradients.begin_step()
+            try:
+                out = self._run(args, kwargs, target, losses, True, return_outputs, loss_kwargs, loss_divisor)
+            except BaseException as exc:
+                self.gradients.abandon(exc)  # .grad as before the step, on every failure path
+                raise
+            return out
+
+    def eval(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
+             loss_kwargs: dict | None = None, **kwargs):
+        """Forward only (no gradients); losses are computed when a target and loss_fn are given."""
+        with _range("pipecore.eval"), torch.no_grad():
+            return self._run(args, kwargs, target, losses, False, return_outputs, loss_kwargs)
+
+    def trace(self) -> list[dict]:
+        """This rank's actions of the last step: name ("PP:1F0"), start_us and end_us on the
+        host's monotonic clock (shared by all processes of one machine). Needs trace=True. On an
+        accelerator the times are when the action's work ran on the device's current stream
+        (events), placed on the host clock by one device wait at the start of each traced step."""
+        if not self.trace_enabled:
+            raise RuntimeError("tracing is off: create the Pipeline with trace=True")
+        return list(self._trace)
+
+    @property
+    def split_backward_fallbacks(self) -> dict[int, dict[tuple[str, str], int]]:
+        """Per stage of this rank, since this Pipeline was built: {(node, why): microbatches} whose
+        input backward (I) also computed weight gradients because that autograd node cannot be split
+        (see pipecore.runtime.split_backward); a shared parameter is named as "parameter fc.weight (shape
+        [8, 8])". Stages whose backward split cleanly are absent, and so are microbatches the
+        program runs as one B (where no other rank waits for the I)."""
+        return {self.stages[local].stage_index: {self._fallback_key(local, key): n for key, n in stats.items()}
+                for local, stats in enumerate(self.executor.split_fallbacks()) if stats}
+
+    @property
+    def overlap_fallbacks(self) -> dict[str, int]:
+        """Since this Pipeline was built: {why: pairs} of OVERLAP_F_B pairs that ran in sequence
+        although `overlap_f_b` overlaps them (see pipecore.runtime.overlap). The first step of each batch
+        shape, which runs every pair in sequence, is not counted."""
+        return self._pairs.fallbacks
+
+    @property
+    def overlapped_pairs(self) -> int:
+        """Since this Pipeline was built: OVERLAP_F_B pairs run on two threads under the concurrent
+        or lockstep rules (pairs a hook runs half by half are not counted, nor those of the first
+        step of each batch shape, which runs them in sequence)."""
+        return self.executor.overlapped_pairs
+
+    def _fallback_key(self, local: int, key: tuple[str, str, int]) -> tuple[str, str]:
+        node, why, param = key
+        return (name_parameter(self.stages[local].module, param, node) if param else node), why
+
+    def _warn_split_fallbacks(self) -> None:
+        new: dict[tuple[int, str], list[str]] = {}  # (stage, why) -> nodes not warned about yet
+        for local, stats in enumerate(self.executor.split_fallbacks()):
+            stage_index = self.stages[local].stage_index
+            for key in stats:
+                if (stage_index, key) not in self._warned_fallbacks:
+                    self._warned_fallbacks.add((stage_index, key))
+                    node, why = self._fallback_key(local, key)
+                    new.setdefault((stage_index, why), []).append(node)
+        for (stage_index, why), nodes in new.items():
+            warnings.warn(fallback_message(stage_index, why, sorted(nodes)), stacklevel=4)
+
+    # -- step ---------------------------------------------------------------------------
+    def _run(self, args, kwargs, target, losses, training: bool, return_outputs: bool, loss_kwargs,
+             loss_divisor=None):
+        comm, plans = self.comm, self.plans
+        if self._agreement.misbuilt is not None:
+            raise InputError(self._agreement.misbuilt)
+        if comm.broken is not None:
+            raise CommunicationError(f"rank {self.rank}: this Pipeline's process group broke in an earlier step "
+                                     f"({comm.broken}); rebuild the group and the Pipeline before stepping again")
+        if training and self._dp is not None and not self._dp.agreed:
+            self._dp.agree()  # eval() exchanges nothing over dp: it may run on some replicas only
+        step = comm.step = self._step_count
+        self._step_count += 1
+        # 1. everything that can be checked before communicating
+        problem = None
+        batch = None
+        desc = 0
+        try:
+            check_inputs(self, args, kwargs, target, training)
+            loss_divisor = check_step_options(self, return_outputs, loss_kwargs, loss_divisor)
+            with _range("pipecore.split"):
+                batch = split_batch(self, args, kwargs, target)
+            if self.has_first:
+                desc = wire.signature((wire.describe(args), wire.describe(kwargs), training))
+        except (ValueError, TypeError) as exc:
+            problem = exc
+        agreed = plans.agreed.get(training)
+        if problem is not None:
+            if agreed is None:  # first step of this mode: the ranks agree on shapes anyway (and learn the store keys)
+                self._agreement(0, True, training)
+            comm.publish_error(f"{type(problem).__name__}: {problem}", "input checks")
+            if agreed is not None:  # release the peers: they get "aborted" messages instead of data
+                plans.ensure_loaded(agreed, training)
+                self._run_aborted(1)
+            raise problem
+        # 2. shapes crossing every boundary. They are agreed on once per batch shape: a first stage
+        #    whose batch changed shape tells its peers by running the step as "shapes changed"
+        #    messages, then all ranks agree again; no collective runs while shapes stay the same.
+        if agreed is not None and self.has_first and desc != plans.last_desc.get(training):
+            plans.ensure_loaded(agreed, training)
+            self._run_aborted(2)
+            if training and self._dp is not None and self.executor.device_comm and self.world > 1:
+                self._dp.discard_round()  # as the ranks that compute on its stand-ins do (data_parallel.py)
+            agreed = None
+        if agreed is None:
+            self._agree_and_plan(step, desc, training)
+        else:
+            plans.ensure_loaded(agreed, training)
+        # 3. the step (the first one of a batch shape learns its plan: pipecore/runtime/discovery.py)
+        run = StepRun(self, plans, batch, training, return_outputs, loss_kwargs, loss_divisor,
+                      self._dp.wrapped if self._dp is not None else {},
+                      self._dp.size if self._dp is not None else 1, self._rollback.before_forward)
+        if training:
+            self.gradients.set_aside()
+        try:
+            while True:
+                # RNG states and buffers go back if this run does not count (pipecore/runtime/rollback.py)
+                self._rollback.arm(learn=plans.discovery is not None)
+                on_stand_ins = self.executor.device_comm and plans.discovery is None  # (device_comm.h)
+                try:
+                    self.executor.run(run.forward, lambda error, action: comm.publish_error(error, action),
+                                      plans.discovery.answer if plans.discovery is not None else None)
+                    break
+                except PeerReplan:  # a first stage's batch changed shape: agree, then run again
+                    problem = self._restore_module_state()
+                    if problem:  # the peers are agreeing already: run again, and say so
+                        warnings.warn(problem, RuntimeWarning, stacklevel=3)
+                    if training and self._dp is not None and on_stand_ins:
+                        self._dp.discard_round()
+                    self._agree_and_plan(step, desc, training)
+                    run.restart()
+        except PeerAbort as exc:
+            problem = self._restore_module_state()
+            plans.end_discovery(failed=True)
+            failed = PeerFailedError(f"rank {self.rank}: step {step} aborted because {comm.peer_error()} "
+                                     f"(noticed here: {exc}). The group is fine: zero the gradients and step again.")
+            if problem:
+                failed.add_note(problem)
+            raise failed from None
+        except CommError as exc:
+            problem = self._restore_module_state()
+            plans.forget_discovery()
+            broke = comm.broke(exc)
+            if problem:
+                broke.add_note(problem)
+            raise broke from None
+        except BaseException as exc:
+            problem = self._restore_module_state()
+            if problem:
+                exc.add_note(problem)
+            also = self.executor.last_comm_failure
+            if also:  # this rank's own error, and releasing its peers failed too: the group broke
+                comm.broken = also
+                plans.forget_discovery()
+                raise CommunicationError(f"rank {self.rank}: step {step} failed ({type(exc).__name__}: {exc}), and "
+                                         f"telling the other ranks failed too: {also}. A peer hung or died: rebuild "
+                                         "the process group and the Pipeline.") from exc
+            plans.end_discovery(failed=True)
+            raise
+        plans.end_discovery(failed=False)
+        self._rollback.finished()
+        if training:
+            self.gradients.finish()  # the replicas', mirrors' and ties' sums (pipecore/training/finalise.py)
+            self._warn_split_fallbacks()
+            self._pairs.warn_fallbacks()
+        if self.trace_enabled:
+            self._trace = [{"rank": self.rank, "step": step, "name": name, "start_us": t0, "end_us": t1, "lane": lane}
+                           for name, t0, t1, lane in self.executor.trace()]
+            if training and self._dp is not None:
+                self._trace += [dict(e, step=step) for e in self._dp.trace()]
+        if losses is not None and run.losses:  # replaced, as torch does
+            losses[:] = [run.losses.get(mb) for mb in range(self.num_microbatches)]
+        if not run.outputs:
+            return None
+        with _range("pipecore.merge"):
+            chunks = [run.outputs[mb] for mb in sorted(run.outputs)]
+            return merge(chunks) if self.output_merge_spec is None else merge_by_spec(chunks, self.output_merge_spec)
+
+    def _agree_and_plan(self, step: int, desc: int, training: bool) -> None:
+        """All ranks agree on the batch signature; its plan is loaded, or this step learns it."""
+        sig, failed = self.plans.agree(desc, training, self.has_first)
+        if failed:  # another rank's input checks failed on the first step of this mode
+            raise InputError(f"rank {self.rank}: step {step} not run: {self.comm.peer_error()}")
+        if self._wants_reverse_channel and self.reverse_channel is None:
+            self.reverse_channel = self.comm.open_reverse_channel()
+            self.executor.set_reverse_channel(self.reverse_channel)
+        self.plans.plan(sig, training)
+
+    def _restore_module_state(self) -> str:
+        """After a run that does not count: RNG states and buffers back (pipecore/runtime/rollback.py).
+        Returns why that failed ('' if it did not): the step's own error is the one to raise."""
+        try:
+            self._rollback.restore()
+        except Exception as exc:  # noqa: BLE001
+            return f"pipecore: the step's RNG states and buffers could not be put back: {type(exc).__name__}: {exc}"
+        return ""
+
+    def _run_aborted(self, status: int) -> None:
+        try:
+            self.executor.run_aborted(status)
+        except CommError as exc:
+            raise self.comm.broke(exc) from None
+
+    def __repr__(self) -> str:
+        return (f"Pipeline(rank={self.rank}/{self.world}, stages={[s.stage_index for s in self.stages]}, "
+                f"schedule={self.schedule.name!r}, microbatches={self.num_microbatches})")
+
+
+def stage_list(stages) -> list[PipelineStage]:
+    """The Pipeline's stages argument as a list of pipecore stages (torch.distributed.pipelining's
+    stage objects converted: pipecore.stage.pipeline_stage.from_torch_stage), or a TypeError that says what was given."""
+    if isinstance(stages, PipelineStage) or is_torch_stage(stages):
+        stages = [stages]
+    kind = type(stages)
+    try:
+        stages = list(stages)
+    except TypeError:
+        raise TypeError(f"stages must be a pipecore.PipelineStage (or torch.distributed.pipelining's) or a "
+                        f"non-empty list of them, got {kind.__name__}") from None
+    stages = [from_torch_stage(s) if is_torch_stage(s) else s for s in stages]
+    wrong = [type(s).__name__ for s in stages if not isinstance(s, PipelineStage)]
+    if not stages or wrong:
+        raise TypeError(f"stages must be a pipecore.PipelineStage or a non-empty list of them, got "
+                        f"{'an empty list' if not stages else 'a list holding ' + ', '.join(sorted(set(wrong)))}")
+    return stages
+
+
+def _pipeline_group(group, stages: list[PipelineStage]):
+    """The pipeline's process group: `group`, or the one its stages were given (torch's way), or the
+    default group."""
+    given = {id(s.group): s.group for s in stages if s.group is not None}
+    if len(given) > 1:
+        raise ValueError(f"this rank's stages were given different process groups (stages "
+                         f"{[s.stage_index for s in stages if s.group is not None]}): a pipeline runs over one group")
+    if group is None:
+        return next(iter(given.values()), dist.group.WORLD)
+    if given and next(iter(given.values())) is not group:
+        raise ValueError("Pipeline(group=...) differs from the group its stages were given: pass one of them, or "
+                         "the same group to both")
+    return group

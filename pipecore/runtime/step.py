@@ -1,0 +1,245 @@
+"""One step's inputs and the forward the executor calls back for each action F.
+
+`check_inputs` and `check_step_options` say, before any rank communicates, what is wrong with a
+step's arguments; `split_batch` cuts them into microbatches. `StepRun` holds one step's state (its
+microbatches, the outputs and losses it keeps) and is the executor's forward callback: it runs a
+stage's forward, returns the message for the next stage (learning its boundary on the first step of
+a batch shape, checking it after), or the loss and the weight its backward is seeded with.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from pipecore.errors import InputError
+from pipecore.runtime.discovery import declared_mismatch
+from pipecore.stage import boundary as wire
+from pipecore.stage.microbatch import batch_size, split, split_by_specs
+
+
+@dataclass
+class Batch:
+    """A step's arguments, per microbatch."""
+
+    inputs: dict[int, tuple[Any, Any]]  # first stages: microbatch -> (args, kwargs)
+    targets: list | None  # last stages
+    rows: list[int] | None  # the targets' rows per microbatch, where they have a batch dimension
+    stage_kwargs: list[dict] | None  # keyword_inputs="every_stage": each microbatch's, for every stage
+
+
+def check_step_options(pipe, return_outputs, loss_kwargs, divisor) -> float | None:
+    """Checks step()'s options; returns loss_divisor as a float (None where no last stage is)."""
+    if divisor is not None and pipe.has_last:
+        if isinstance(divisor, torch.Tensor) and divisor.numel() == 1 and not divisor.is_complex():
+            divisor = float(divisor)
+        if isinstance(divisor, bool) or not isinstance(divisor, (int, float)) or not 0 < divisor < float("inf"):
+            raise InputError(f"rank {pipe.rank}: loss_divisor must be a positive number (the batch's token count, "
+                             f"for a loss_fn that returns a sum), got {divisor!r}")
+    if not isinstance(return_outputs, bool):
+        raise InputError(f"return_outputs must be True or False, got {return_outputs!r}")
+    if loss_kwargs is not None and not isinstance(loss_kwargs, dict):
+        raise InputError(f"loss_kwargs must be a dict of keyword arguments for loss_fn, got "
+                         f"{type(loss_kwargs).__name__}")
+    return divisor if pipe.has_last else None
+
+
+def check_inputs(pipe, args, kwargs, target, training: bool) -> None:
+    if training and not torch.is_grad_enabled():
+        raise InputError(f"rank {pipe.rank}: step() computes gradients but was called under torch.no_grad(): "
+                         "call eval() for forward passes only")
+    if training and pipe.has_last and pipe.loss_fn is None:
+        raise InputError(f"rank {pipe.rank} holds a last stage ({_last_stages(pipe)}): training needs loss_fn")
+    if pipe.has_first and not args and not kwargs:
+        raise InputError(f"rank {pipe.rank} holds a first stage: step() needs the batch's inputs here")
+    if not pipe.has_first and kwargs and pipe.keyword_inputs == "first_stage":
+        raise InputError(f"rank {pipe.rank} holds no first stage (stages {[s.stage_index for s in pipe.stages]}): "
+                         f"step()'s keyword arguments {sorted(kwargs)} would reach no stage. Pass them on the "
+                         "ranks holding a first stage, or build the Pipeline with keyword_inputs='every_stage' "
+                         "to give them to every stage of the rank they are given on (torch's rule)")
+    if training and pipe.has_last and target is None and pipe.loss_fn is not None and takes_two_args(pipe.loss_fn):
+        raise InputError(f"rank {pipe.rank} holds a last stage ({_last_stages(pipe)}): step() needs target= "
+                         "for loss_fn(output, target) (or give a loss_fn that takes the output alone)")
+    if training and pipe.has_first:
+        for i, t in enumerate(tree_flatten((args, kwargs))[0]):
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
+                raise InputError(
+                    f"rank {pipe.rank}: step()'s input tensor {i} was computed with a gradient outside the "
+                    f"pipeline (grad_fn {type(t.grad_fn).__name__}): each microbatch's backward would run through "
+                    "that shared graph again. Compute it inside the first stage, or pass "
+                    "x.detach().requires_grad_() and backward x's .grad into that graph after the step")
+
+
+def split_batch(pipe, args, kwargs, target) -> Batch:
+    """Microbatches of the inputs (ranks with a first stage) and targets (with a last stage)."""
+    m = pipe.num_microbatches
+    inputs: dict[int, tuple[Any, Any]] = {}
+    if pipe.has_first:
+        inputs = dict(enumerate(_split_call(pipe, args, kwargs, pipe.args_chunk_spec)))
+    stage_kwargs = None
+    if pipe.keyword_inputs == "every_stage" and kwargs:  # torch's rule: every stage of this rank gets them
+        parts = inputs.values() if inputs else _split_call(pipe, (), kwargs, None)
+        stage_kwargs = [k for _, k in parts]
+    targets, rows = None, None
+    if pipe.has_last and target is not None:
+        targets = split(target, m, "target")
+        if batch_size(target) is not None:
+            rows = [batch_size(t) for t in targets]
+    return Batch(inputs, targets, rows, stage_kwargs)
+
+
+def _split_call(pipe, args: tuple, kwargs: dict, args_chunk_spec) -> list[tuple[tuple, dict]]:
+    """Per microbatch, (args, kwargs) of step()'s inputs: along dim 0, or as torch's chunk specs say."""
+    m = pipe.num_microbatches
+    if args_chunk_spec is None and pipe.kwargs_chunk_spec is None:
+        return list(zip(split(args, m, "input"), split(kwargs, m, "keyword input")))
+    return split_by_specs(args, kwargs, m, args_chunk_spec, pipe.kwargs_chunk_spec)
+
+
+def _last_stages(pipe) -> str:
+    topo = pipe.schedule.topology
+    return ", ".join(f"stage {s.stage_index}" for s in pipe.stages if topo.next_stage[s.stage_index] < 0)
+
+
+def takes_two_args(fn) -> bool:
+    """Does loss_fn take (output, target)? (True when it cannot be told.)"""
+    if fn is None:
+        return False
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind in (p.VAR_POSITIONAL,) for p in params):
+        return True
+    required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(required) >= 2
+
+
+class StepRun:
+    """One step (or eval) as the executor runs it: `forward` is its callback for every F."""
+
+    def __init__(self, pipe, plans, batch: Batch, training: bool, return_outputs: bool, loss_kwargs: dict | None,
+                 loss_divisor: float | None, wrapped: dict, dp_size: int, before_forward):
+        """`plans`: the Pipeline's `Plans` (a step that replans reads the new one); `wrapped`: local
+        stage -> its DDP/FSDP2 adapter (its forward context); `dp_size`: data-parallel replicas."""
+        self._pipe = pipe
+        self._plans = plans
+        self._batch = batch
+        self._training = training
+        self._return_outputs = return_outputs
+        self._loss_kwargs = loss_kwargs or {}
+        self._loss_divisor = loss_divisor
+        self._wrapped = wrapped
+        self._dp_size = dp_size
+        self._before_forward = before_forward
+        self.outputs: dict[int, Any] = {}  # last stages: microbatch -> output (detached), if asked
+        self.losses: dict[int, torch.Tensor] = {}  # last stages: microbatch -> loss (detached)
+
+    def restart(self) -> None:
+        """The step runs again (a peer's batch changed shape): what it kept goes."""
+        self.outputs, self.losses = {}, {}
+
+    def forward(self, local: int, mb: int, received: list[torch.Tensor]):
+        pipe = self._pipe
+        self._before_forward()
+        stage = pipe.stages[local]
+        s = stage.stage_index
+        topo = pipe.schedule.topology
+        if topo.prev_stage[s] < 0:
+            args, kwargs = self._batch.inputs[mb]
+        else:
+            args, kwargs = wire.as_call(self._plans.in_use[s].inputs[mb].decode(received))
+            extra = self._batch.stage_kwargs
+            if extra is not None:
+                clash = sorted(set(kwargs) & set(extra[mb]))
+                if clash:
+                    raise InputError(f"rank {pipe.rank}: stage {s} receives keyword inputs {clash} from stage "
+                                     f"{topo.prev_stage[s]} and from step()'s keyword arguments: rename one")
+                kwargs = {**kwargs, **extra[mb]}
+        try:
+            wrapper = self._wrapped.get(local) if self._training else None
+            with wrapper.forward_context() if wrapper is not None else nullcontext():
+                out = stage.forward(args, kwargs)
+        except Exception as exc:
+            shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_flatten((args, kwargs))[0]
+                      if isinstance(t, torch.Tensor)]
+            exc.add_note(f"pipecore: raised by stage {s}'s forward of microbatch {mb} on rank {pipe.rank}, inputs "
+                         f"{shapes}")
+            if "leaf Variable that requires grad" in str(exc) and topo.prev_stage[s] >= 0:
+                exc.add_note("pipecore: a stage's received inputs are leaves that need a gradient, so they cannot "
+                             "be changed in place: write `h = h + x` instead of `h += x` (or clone the input first)")
+            raise
+        if topo.next_stage[s] >= 0:
+            return self._message(local, mb, args, kwargs, out), None, 1.0
+        if self._return_outputs:
+            self.outputs[mb] = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
+        loss = None
+        seed = 1.0
+        targets = self._batch.targets
+        if pipe.loss_fn is not None and (self._training or targets is not None):
+            with stage.autocast_context():
+                if targets is not None:
+                    loss = pipe.loss_fn(out, targets[mb], **self._loss_kwargs)
+                else:
+                    loss = pipe.loss_fn(out, **self._loss_kwargs)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                                f"{' of shape ' + str(tuple(loss.shape)) if isinstance(loss, torch.Tensor) else ''}")
+            self.losses[mb] = loss.detach()
+            if pipe.check_finite and not torch.isfinite(loss.detach()).all():
+                raise FloatingPointError(f"rank {pipe.rank}: loss of microbatch {mb} is {loss.item()} "
+                                         "(check_finite=True)")
+            if pipe.scale_grads or self._loss_divisor is not None:
+                seed = self._loss_weight(mb)
+            elif self._dp_size > 1:
+                seed = 1.0 / self._dp_size
+        if not self._training:
+            loss = None
+        return [], loss, seed
+
+    def _message(self, local: int, mb: int, args, kwargs, out) -> list[torch.Tensor]:
+        """What stage `local`'s output for `mb` sends to the next stage; on the first step of a batch
+        shape its boundary is learnt here, on later steps the output is checked against it."""
+        pipe = self._pipe
+        stage = pipe.stages[local]
+        s = stage.stage_index
+        nxt = pipe.schedule.topology.next_stage[s]
+        what = f"rank {pipe.rank}: stage {s}'s output for microbatch {mb}"
+        if out is None:
+            raise InputError(f"{what} is None, but stage {nxt} takes it as its input: a stage returns what the next "
+                             "stage takes (a tensor, or a tuple, list or dict of tensors and other values). Does its "
+                             "forward miss a `return`?")
+        leaves, spec = tree_flatten(out)
+        discovery = self._plans.discovery
+        if discovery is not None:
+            problem = declared_mismatch(stage, args, kwargs, out)
+            if problem is not None:
+                raise InputError(f"{what} has {problem} (given as this stage's output_args)")
+            boundary = wire.Boundary.of(out, what)
+            tensors = boundary.encode(leaves, stage.device, what)
+            discovery.learnt_output(local, mb, boundary)
+        else:
+            boundary = self._plans.in_use[s].outputs[mb]
+            problem = boundary.mismatch(leaves, spec)
+            if problem is not None:
+                raise InputError(f"{what} has {problem}: stage {nxt} receives what the first step with this batch "
+                                 "shape returned (a stage's output may change its shapes, dtypes, gradient flags or "
+                                 "structure only with the batch's shapes)")
+            tensors = boundary.encode(leaves, stage.device, what)
+        # a view would keep its base alive after the send: send a viewless copy instead
+        return [t.clone() if t._is_view() else t for t in tensors]
+
+    def _loss_weight(self, mb: int) -> float:
+        """This microbatch's share of the batch: n_mb / N (1/m when rows are unknown); with a
+        loss_divisor (sum losses), 1 / loss_divisor."""
+        if self._loss_divisor is not None:
+            return 1.0 / self._loss_divisor
+        rows = self._batch.rows
+        if rows:
+            return rows[mb] / sum(rows) / self._dp_size  # the mean over replicas: their gradients are summed
+        return 1.0 / self._pipe.num_microbatches / self._dp_size

@@ -1,0 +1,107 @@
+"""`pc.clip_grad_norm_(pipe, max_norm)`: `torch.nn.utils.clip_grad_norm_` over the whole model: the
+norm over every stage on every rank, a tied weight and a dualpipe stage's mirrored copy counted
+once, equal on every rank. With data parallel replicas (`dp_group=`) the replicas' gradients are
+equal after the step, except FSDP2's sharded ones, whose shards' norms are summed over the dp group
+first.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def clip_grad_norm_(pipe, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Scales the gradients of every stage on every rank of `pipe` so that their global norm is at
+    most `max_norm`, as `torch.nn.utils.clip_grad_norm_` does for the whole model in one process;
+    returns the global norm before clipping (the same on every rank). A collective: call it on
+    every rank of the pipeline's group, after `step()`. Tied weights and dualpipe's mirrored
+    stages are counted once; every copy is scaled alike, so copies stay equal."""
+    if not _is_pipeline(pipe) and _is_pipeline(getattr(pipe, "pipeline", None)):
+        pipe = pipe.pipeline  # a pipecore.compat schedule
+    if not _is_pipeline(pipe):
+        raise TypeError(f"clip_grad_norm_ takes the pipecore.Pipeline (or pipecore.compat schedule) whose gradients "
+                        f"to clip, got {type(pipe).__name__} (for plain parameters use torch.nn.utils.clip_grad_norm_)")
+    max_norm, norm_type = float(max_norm), float(norm_type)
+    if not norm_type > 0:
+        raise ValueError(f"norm_type must be positive (2.0, 1.0 or inf), got {norm_type}")
+    counted, every = _grads_to_norm(pipe)
+    comm, dp = pipe.comm, pipe.gradients.dp
+    device = comm.device_for()
+    inf = norm_type == float("inf")
+    sharded = [_local(g) for g in counted if _is_sharded(g)]
+    local = _norm_part([g for g in counted if not _is_sharded(g)], norm_type, device)
+    if sharded:  # FSDP2 stages: each replica holds a shard of the gradient; the same on every replica
+        part = _norm_part(sharded, norm_type, comm.device_for(dp.group))
+        part = comm.all_reduce_tensor(part.reshape(1), "max" if inf else "sum",
+                                      "clip_grad_norm_: summing the sharded gradients' norms over the data-parallel "
+                                      "group (call it on every rank)", group=dp.group)[0].to(device)
+        local = torch.maximum(local, part) if inf else local + part
+    local = local.reshape(1)
+    if pipe.world > 1:
+        local = comm.all_reduce_tensor(local, "max" if inf else "sum",
+                                       "clip_grad_norm_: summing the gradient norms of every rank (call it on every rank)")
+    dtype = counted[0].dtype if counted else torch.float32
+    total = (local[0] if inf else local[0].pow(1.0 / norm_type)).to(dtype)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the pipeline's gradients is non-finite ({total}), "
+                           "so it cannot be clipped (error_if_nonfinite=True)")
+    clip = (max_norm / (total.double() + 1e-6)).clamp(max=1.0)
+    for g in every:
+        g = _local(g.detach())
+        g.mul_(clip.to(device=g.device, dtype=g.dtype))
+    return total.to(_local(every[0]).device) if every else total
+
+
+def _norm_part(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """max |g| (inf) or the sum of |g|^p over `grads`, as a float64 scalar on `device`."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).to(device) for g in grads]).double()
+    return norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
+
+
+def _dtensor():
+    """torch.distributed.tensor once imported (no gradient can be a DTensor before; importing it
+    costs a second)."""
+    return sys.modules.get("torch.distributed.tensor")
+
+
+def _is_sharded(g: torch.Tensor) -> bool:
+    """A DTensor gradient sharded over the data-parallel group (FSDP2)."""
+    dt = _dtensor()
+    return dt is not None and isinstance(g, dt.DTensor) and any(isinstance(p, dt.Shard) for p in g.placements)
+
+
+def _local(g: torch.Tensor) -> torch.Tensor:
+    dt = _dtensor()
+    return g.to_local() if dt is not None and isinstance(g, dt.DTensor) else g
+
+
+def _is_pipeline(obj) -> bool:
+    """A pipecore.Pipeline (told by what it offers: this layer sits below the runtime)."""
+    return all(hasattr(obj, name) for name in ("comm", "gradients", "stages", "schedule"))
+
+
+def _grads_to_norm(pipe) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(gradients counted in the norm, every gradient to scale) of this rank's stages."""
+    topo = pipe.schedule.topology
+    tied = pipe.gradients.ties
+    counted_copy = {(key, cs[0].stage) for key, cs in tied.copies.items()} if tied else set()
+    tied_copy = {id(p): (key, stage) for (key, stage), p in (tied._params.items() if tied else ())}
+    counted: list[torch.Tensor] = []
+    every: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for s in pipe.stages:
+        primary = topo.model_stage[s.stage_index] == s.stage_index
+        for p in s.module.parameters():
+            if p.grad is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            every.append(p.grad)
+            in_tie = tied_copy.get(id(p))
+            if primary and (in_tie is None or in_tie in counted_copy):
+                counted.append(p.grad)
+    return counted, every

@@ -1,0 +1,122 @@
+"""The one gradient finalisation of a training step: what is set aside before it, how the step's
+gradients are combined after it, and how `.grad` goes back when it fails.
+
+Three mechanisms keep `.grad` equal to single-process training; each sets the gradients it combines
+aside before the step, so that it combines this step's only, and adds back what `.grad` held:
+
+- data-parallel replicas (`DataParallel`): the executor's buckets (csrc/grad_reduce.h) set aside the
+  plain stages' gradients at the start of the step and all-reduce each bucket while later backwards
+  run; DDP/FSDP2 stages reduce through their wrapper, which sets its own aside;
+- dualpipe's mirrored stages (two copies of one model stage on partner ranks): every parameter's
+  gradient is set aside; after the step the partners exchange theirs and each copy gets the sum;
+- tied weights (`TiedWeights`): after the step, each copy gets the sum of the copies' gradients.
+
+The order is fixed, and written here only:
+
+1. `begin_step()`, before anything of the step: the replicas' buckets and wrappers set aside;
+2. `set_aside()`, right before the executor runs (after the first agreement, which learns the ties):
+   mirrors, then ties;
+3. `finish()`, once the step ran on this rank: the replicas' sums (PeerFailedError if a replica
+   failed), then the mirror sum, then the tie sum (a tied dualpipe copy is already summed with its
+   twin), then the replicas' set-aside gradients added back;
+4. `abandon(error)`, on every failure path, one inside `finish()` included (the Pipeline's step()
+   calls it for any exception): ties, then mirrors, then the replicas put back exactly what `.grad`
+   held before the step.
+
+A parameter that no copy got a gradient for keeps what it held (None if none), as one process
+leaves a parameter its forward never used: AdamW then skips it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipecore.executor.comm import Comm
+from pipecore.training.data_parallel import DataParallel
+from pipecore.training.ties import TiedWeights
+
+
+class GradFinalisation:
+    def __init__(self, comm: Comm, stages: list, topology, dp: DataParallel | None):
+        self._comm = comm
+        self._stages = stages
+        self._topology = topology
+        self._dp = dp
+        self.ties: TiedWeights | None = None  # learnt at the first agreement (building a Pipeline is no collective)
+        self._mirrored = topology.style == "dualpipe"
+        self._mirror_stash: dict | None = None
+        self._tie_stash: dict | None = None
+        self._active = False  # between begin_step() and the step's finish() or abandon()
+
+    @property
+    def dp(self) -> DataParallel | None:
+        """The data-parallel replicas (None without dp_group)."""
+        return self._dp
+
+    def begin_step(self) -> None:
+        self._active = True
+        if self._dp is not None:
+            self._dp.begin_step()
+
+    def set_aside(self) -> None:
+        if self._mirrored:
+            self._mirror_stash = {}
+            for s in self._stages:
+                for name, p in s.module.named_parameters():
+                    self._mirror_stash[(s.stage_index, name)] = p.grad
+                    p.grad = None
+        if self.ties:
+            self._tie_stash = self.ties.stash()
+
+    def finish(self) -> None:
+        """The step ran on this rank. Raises (PeerFailedError: another replica failed) with the
+        step's gradients still set aside: the caller then calls abandon()."""
+        if self._dp is not None:
+            self._dp.finish()
+        if self._mirror_stash is not None:
+            self._sum_mirrors(self._mirror_stash)
+        if self._tie_stash is not None:
+            self.ties.sum_grads(self._tie_stash)
+        self._mirror_stash = self._tie_stash = None
+        self._active = False
+        if self._dp is not None:
+            self._dp.restore()
+
+    def abandon(self, error: BaseException) -> None:
+        """The step failed, here or on another rank: .grad as before it (once per step)."""
+        if not self._active:
+            return
+        self._active = False
+        tie_stash, self._tie_stash = self._tie_stash, None
+        mirror_stash, self._mirror_stash = self._mirror_stash, None
+        if tie_stash is not None:
+            self.ties.restore(tie_stash)
+        if mirror_stash is not None:
+            for s in self._stages:
+                for name, p in s.module.named_parameters():
+                    p.grad = mirror_stash.get((s.stage_index, name))
+        if self._dp is not None:
+            self._dp.abandon(error)
+
+    def _sum_mirrors(self, stash: dict) -> None:
+        """Each mirrored parameter's .grad := what it held before the step + the two copies' gradients
+        of this step (None where neither copy got one and none was held)."""
+        topo = self._topology
+        partner = self._comm.world - 1 - self._comm.rank
+        params = [(s.stage_index, name, p) for s in sorted(self._stages, key=lambda s: topo.model_stage[s.stage_index])
+                  for name, p in s.module.named_parameters() if p.requires_grad]
+        if not params:  # the partner holds the same model stages: it has none either
+            return
+        mine = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, _, p in params]
+        # after the gradients, one flag per parameter: 1 where this copy got a gradient
+        got = torch.tensor([p.grad is not None for _, _, p in params], dtype=mine[0].dtype, device=mine[0].device)
+        flat = torch.cat(mine + [got])
+        total = flat + self._comm.exchange(flat, partner, f"summing mirrored dualpipe gradients with rank {partner}")
+        anyone_got = total[-len(params):].tolist()
+        offset = 0
+        for (stage_index, name, p), got_one in zip(params, anyone_got):
+            n = p.numel()
+            g = total[offset:offset + n].view_as(p).clone()
+            offset += n
+            prev = stash.get((stage_index, name))
+            p.grad = prev if not got_one else g if prev is None else prev + g

@@ -1,0 +1,181 @@
+"""Tied weights across stages (DeepSpeed's `TiedLayerSpec`/`ReduceTiedGrads`, Megatron's embedding
+group): stages declare one weight under one key, e.g. the token embedding on the first stage and
+the LM head on the last::
+
+    first = pc.PipelineStage(parts[0], 0, n, tied={"embedding": parts[0].embed.tok.weight})
+    last = pc.PipelineStage(parts[-1], n - 1, n, tied={"embedding": parts[-1].head.weight})
+
+The Pipeline copies the lowest stage's value to the others at the ranks' first agreement (the
+first step or eval, before any forward; building a Pipeline is no collective) and, after every
+training step, gives each copy the sum of the copies' gradients of that step (finalise.py says
+when), so that the copies stay equal under any optimizer and `.grad` equals what single-process
+training of the tied model gives. Where every stage holding a key is on one rank (the V placements
+put the first and last stages on rank 0) the sum is local; two ranks exchange their sums once;
+more ranks all-reduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pipecore.errors import InputError
+from pipecore.executor.comm import Comm
+
+
+@dataclass(frozen=True)
+class TiedCopy:
+    """One stage's copy of a tied weight."""
+
+    key: str
+    stage: int  # pipeline stage index
+    model_stage: int  # the model stage it belongs to (dualpipe mirrors share one)
+    rank: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class TiedWeights:
+    """The tied weights of one Pipeline: which copies exist on which ranks, and the step's sum."""
+
+    def __init__(self, comm: Comm, stages: list, topology):
+        """Learns every rank's ties (a collective over the pipeline's group) and makes the copies equal."""
+        self._comm = comm
+        mine = [TiedCopy(key, s.stage_index, topology.model_stage[s.stage_index], comm.rank, tuple(p.shape),
+                         str(p.dtype)) for s in stages for key, p in s.tied.items()]
+        self._params: dict[tuple[str, int], nn.Parameter] = {
+            (key, s.stage_index): p for s in stages for key, p in s.tied.items()}
+        everyone = comm.gather_objects(mine, "learning every rank's tied weights (a Pipeline is built on every rank)")
+        copies: dict[str, list[TiedCopy]] = {}
+        for c in (c for row in everyone for c in row):
+            copies.setdefault(c.key, []).append(c)
+        self.copies = {k: sorted(v, key=lambda c: c.stage) for k, v in sorted(copies.items())}
+        problem = self._problem()
+        if problem is not None:
+            raise InputError(f"rank {comm.rank}: {problem}")
+        self._sync_values()
+
+    def __bool__(self) -> bool:
+        return bool(self.copies)
+
+    def _problem(self) -> str | None:
+        for key, copies in self.copies.items():
+            if len({c.model_stage for c in copies}) < 2:
+                return (f"tied weight {key!r} is declared on stage {copies[0].stage} only: declare it on every stage "
+                        "that shares it (a weight shared within one stage's module needs no tie)")
+            if len({(c.shape, c.dtype) for c in copies}) > 1:
+                held = ", ".join(f"stage {c.stage} (rank {c.rank}) {list(c.shape)} {c.dtype}" for c in copies)
+                return (f"tied weight {key!r} has different shapes or dtypes on the stages that declare it: {held}. "
+                        "A tie joins copies of one weight: declare the same parameter shape under one key")
+        local = [(key, c.stage) for key, cs in self.copies.items() for c in cs if c.rank == self._comm.rank]
+        seen: dict[int, tuple[str, int]] = {}
+        for key, stage in local:
+            other = seen.setdefault(id(self._params[(key, stage)]), (key, stage))
+            if other != (key, stage):
+                return (f"stages {other[1]} and {stage} of rank {self._comm.rank} declare the same Parameter object "
+                        f"as tied {other[0]!r}/{key!r}: stages of one rank sharing one Parameter need no tie")
+        return None
+
+    # -- the copies' owner is the lowest stage: every copy starts as its value -------------------
+    def _sync_values(self) -> None:
+        rank = self._comm.rank
+        for key, copies in self.copies.items():
+            owner = copies[0]
+            holders = sorted({c.rank for c in copies})
+            here = [self._params[(key, c.stage)] for c in copies if c.rank == rank]
+            if not here and len(holders) <= 2:
+                continue  # an all-reduce (more than two holders) needs every rank; an exchange only the two
+            with torch.no_grad():
+                mine = self._params[(key, owner.stage)].detach() if owner.rank == rank else None
+                value = mine if holders == [owner.rank] else self._reduce(key, holders, mine,
+                                                                          "making tied weight copies equal")
+                for p in here:
+                    if p is not self._params.get((key, owner.stage)):
+                        p.copy_(value)
+
+    # -- after a step: each copy's gradient becomes the sum of the step's gradients -------------
+    def stash(self) -> dict[tuple[str, int], torch.Tensor | None]:
+        """The gradients the tied copies hold before a step (set aside: the sum covers one step)."""
+        stash = {}
+        for k, p in self._params.items():
+            stash[k] = p.grad
+            p.grad = None
+        return stash
+
+    def restore(self, stash: dict) -> None:
+        for k, p in self._params.items():
+            p.grad = stash[k]
+
+    def sum_grads(self, stash: dict) -> None:
+        """Every copy's .grad := what it held before the step + the sum over model stages of this
+        step's gradients (a dualpipe mirror's, already summed with its twin, is counted once). A
+        weight no copy got a gradient for keeps what it held (None if none), as in one process."""
+        rank = self._comm.rank
+        for key, copies in self.copies.items():
+            holders = sorted({c.rank for c in copies})
+            here = [c for c in copies if c.rank == rank]
+            models = {c.model_stage for c in copies}
+            if all({c.model_stage for c in copies if c.rank == r} == models for r in holders):
+                if not here:  # every holder has a copy of each model stage: no communication
+                    continue
+                counted = _one_per_model_stage(here)
+                total, got = self._sum([self._grad(key, c) for c in counted]), self._got(key, counted)
+            elif not here and len(holders) <= 2:
+                continue
+            else:  # each model stage counted once, on the rank of its primary copy (stage == model stage)
+                counted = [c for c in here if c.stage == c.model_stage]
+                mine = self._sum([self._grad(key, c) for c in counted]) if counted else self._zeros(key)
+                # one more element: 1 where a counted copy here got a gradient (summed: how many ranks did)
+                flat = torch.cat([mine.reshape(-1), mine.new_tensor([float(self._got(key, counted))])])
+                flat = self._reduce(key, holders, flat, "summing tied weight gradients")
+                total, got = flat[:-1].view_as(mine), bool(flat[-1].item())
+                if not here:
+                    continue
+            for c in here:
+                prev = stash.get((key, c.stage))
+                p = self._params[(key, c.stage)]
+                p.grad = prev if not got else total.clone() if prev is None else prev + total
+
+    def _got(self, key: str, copies: list[TiedCopy]) -> bool:
+        """Whether any of these copies got a gradient this step."""
+        return any(self._params[(key, c.stage)].grad is not None for c in copies)
+
+    def _grad(self, key: str, copy: TiedCopy) -> torch.Tensor:
+        p = self._params[(key, copy.stage)]
+        return p.grad if p.grad is not None else torch.zeros_like(p)
+
+    @staticmethod
+    def _sum(grads: list[torch.Tensor]) -> torch.Tensor:
+        total = grads[0].clone()
+        for g in grads[1:]:
+            total += g
+        return total
+
+    def _zeros(self, key: str) -> torch.Tensor:
+        """Zeros shaped like the tied weight, on this rank's device for it."""
+        c = self.copies[key][0]
+        here = [p for (k, _), p in self._params.items() if k == key]
+        return torch.zeros(c.shape, dtype=getattr(torch, c.dtype.removeprefix("torch.")),
+                           device=here[0].device if here else self._comm.device_for())
+
+    def _reduce(self, key: str, holders: list[int], mine: torch.Tensor | None, what: str) -> torch.Tensor:
+        """The sum of the holders' tensors (zeros from a rank that gives None), equal on every holder:
+        an exchange between two holders, an all-reduce over the group otherwise (every rank joins)."""
+        rank = self._comm.rank
+        if mine is None:
+            mine = self._zeros(key)
+        if len(holders) == 2:
+            peer = holders[1] if rank == holders[0] else holders[0]
+            theirs = self._comm.exchange(mine.detach(), peer, f"{what} {key!r} with rank {peer}")
+            return mine + theirs  # the same on both ranks: a + b == b + a
+        return self._comm.all_reduce_tensor(mine.detach(), "sum", f"{what} {key!r}")
+
+
+def _one_per_model_stage(copies: list[TiedCopy]) -> list[TiedCopy]:
+    """The first copy of each model stage, in model stage order (the same order on every rank)."""
+    chosen: dict[int, TiedCopy] = {}
+    for c in copies:
+        chosen.setdefault(c.model_stage, c)
+    return [chosen[m] for m in sorted(chosen)]
