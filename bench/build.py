@@ -34,14 +34,6 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 def run(schedules, ranks_list, micro_list, stages_per_rank, repeats, torch_budget_s, with_torch=True):
-    try:  # as in a Pipeline: torch and the extension loaded, send/recv insertion native
-        import torch  # noqa: F401
-
-        from pipecore import _C  # noqa: F401
-        native = True
-    except ImportError:
-        print("pipecore._C not built: 'pipecore ms' is the pure-Python lowering", file=sys.stderr)
-        native = False
     rows = []
     for name in schedules:
         for R in ranks_list:
@@ -53,9 +45,8 @@ def run(schedules, ranks_list, micro_list, stages_per_rank, repeats, torch_budge
                 except ValueError as exc:
                     print(f"skip {name} R={R} m={m}: {exc}", file=sys.stderr)
                     continue
-                ours = _median_ms(lambda: pc.build_schedule(name, R, m, V).lower(native=native), repeats)
-                ours_py = _median_ms(lambda: pc.build_schedule(name, R, m, V).lower(native=False), repeats)
-                ours_all = _median_ms(lambda: pc.build_schedule(name, R, m, V).lower(native=native).actions,
+                ours = _median_ms(lambda: pc.build_schedule(name, R, m, V).lower(), repeats)
+                ours_all = _median_ms(lambda: pc.build_schedule(name, R, m, V).lower().actions,
                                       max(1, repeats // 2))
                 theirs = None
                 # torch lowers only its multi-stage (runtime) schedules; GPipe/1F1B run without lowering
@@ -69,19 +60,19 @@ def run(schedules, ranks_list, micro_list, stages_per_rank, repeats, torch_budge
                             for _ in range(2)])
                     else:
                         theirs = first * 1e3
-                rows.append((name, R, V, m, ours, ours_all, theirs, ours_py))
+                rows.append((name, R, V, m, ours, ours_all, theirs))
     return rows
 
 
 def print_table(rows) -> None:
-    head = (f"{'schedule':<17}{'ranks':>6}{'V':>3}{'mb':>6}{'pipecore ms':>13}{'pure Python ms':>16}"
+    head = (f"{'schedule':<17}{'ranks':>6}{'V':>3}{'mb':>6}{'pipecore ms':>13}"
             f"{'+Action objs':>14}{'torch ms':>11}{'torch/ours':>12}")
     print(head)
     print("-" * len(head))
-    for name, R, V, m, ours, ours_all, theirs, ours_py in rows:
+    for name, R, V, m, ours, ours_all, theirs in rows:
         t = f"{theirs:11.1f}" if theirs is not None else f"{'-':>11}"
         ratio = f"{theirs / ours:11.1f}x" if theirs is not None else f"{'-':>12}"
-        print(f"{name:<17}{R:>6}{V:>3}{m:>6}{ours:13.1f}{ours_py:16.1f}{ours_all:14.1f}{t}{ratio}")
+        print(f"{name:<17}{R:>6}{V:>3}{m:>6}{ours:13.1f}{ours_all:14.1f}{t}{ratio}")
 
 
 def main(argv=None) -> None:

@@ -17,7 +17,6 @@
 #include "collectives.h"
 #include "executor.h"
 #include "grad_reduce.h"
-#include "send_recv.h"
 #include "weight_store.h"
 
 #ifndef TORCH_EXTENSION_NAME
@@ -27,66 +26,6 @@
 namespace py = pybind11;
 
 namespace {
-
-// Action codes cross as Python ints. OVERLAP_F_B containers (two leaf codes, over 64 bits) go in
-// as placeholders indexing their leaves and come back as the caller's own objects.
-py::object add_send_recv_py(const py::list& rows, const pipecore::StageLinks& links) {
-  using pipecore::codes::kOverlap, pipecore::codes::kStageShift, pipecore::codes::kSubShift;
-  constexpr uint64_t kSubMask = (uint64_t{1} << kSubShift) - 1;
-  std::vector<std::vector<int64_t>> codes(rows.size());
-  std::vector<py::object> containers;
-  std::vector<std::vector<int64_t>> leaves;
-  const py::int_ low_mask(~uint64_t{0});
-  const py::int_ sixty_four(64);
-  for (size_t r = 0; r < rows.size(); ++r) {
-    const py::list row = rows[r];
-    codes[r].reserve(row.size());
-    for (const auto& item : row) {
-      int overflow = 0;
-      const long long c = PyLong_AsLongLongAndOverflow(item.ptr(), &overflow);
-      if (!overflow) {
-        if (c == -1 && PyErr_Occurred()) throw py::error_already_set();
-        codes[r].push_back(c);
-        continue;
-      }
-      // a container: its leaves are 52-bit fields above the 4 kind bits; two fit 128 bits, more
-      // are left to the Python pass (None)
-      const py::int_ value = py::reinterpret_borrow<py::int_>(item);
-      const py::object high_obj = value >> sixty_four;
-      const unsigned long long high = PyLong_AsUnsignedLongLong(high_obj.ptr());
-      if (high == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
-        PyErr_Clear();
-        return py::none();
-      }
-      const py::object low_obj = value & low_mask;
-      const unsigned long long lo = PyLong_AsUnsignedLongLong(low_obj.ptr());
-      const unsigned __int128 bits = (static_cast<unsigned __int128>(high) << 64) | lo;
-      std::vector<int64_t> sub;
-      for (unsigned __int128 rest = bits >> kStageShift; rest != 0; rest >>= kSubShift) {
-        sub.push_back(static_cast<int64_t>(static_cast<uint64_t>(rest) & kSubMask));
-      }
-      codes[r].push_back(kOverlap | (static_cast<int64_t>(containers.size()) << kStageShift));
-      containers.push_back(py::reinterpret_borrow<py::object>(item));
-      leaves.push_back(std::move(sub));
-    }
-  }
-  pipecore::SendRecvResult result;
-  {
-    py::gil_scoped_release release;
-    result = pipecore::add_send_recv(codes, leaves, links);
-  }
-  py::list out(result.rows.size());
-  for (size_t r = 0; r < result.rows.size(); ++r) {
-    const auto& row = result.rows[r];
-    py::list items(row.size());
-    for (size_t k = 0; k < row.size(); ++k) {
-      const int64_t c = row[k];
-      items[k] = (c & 0xF) == kOverlap ? containers[static_cast<size_t>(c >> kStageShift)] : py::int_(c);
-    }
-    out[r] = std::move(items);
-  }
-  return py::make_tuple(out, result.stuck);
-}
 
 py::dict build_info() {
   py::dict info;
@@ -241,18 +180,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exchange", &pipecore::exchange, py::arg("group"), py::arg("tensor"), py::arg("peer"), py::arg("timeout"),
         py::arg("what"), py::call_guard<py::gil_scoped_release>(),
         "sends `tensor` to group rank `peer`, returns what `peer` sends (same size); CommError on failure");
-  m.def("add_send_recv", &add_send_recv_py, py::arg("rows"), py::arg("links"),
-        "Schedule lowering's send/recv insertion (pipecore.schedule.lowering.add_send_recv), natively: "
-        "rows of action codes in, (rows with SEND/RECV codes, [(rank, position, awaited key)] of stuck ranks) out; "
-        "None for containers of more than two actions.");
-  py::class_<pipecore::StageLinks>(m, "StageLinks")
-      .def(py::init<>())
-      .def_readwrite("fwd_need", &pipecore::StageLinks::fwd_need)
-      .def_readwrite("fwd_peer", &pipecore::StageLinks::fwd_peer)
-      .def_readwrite("fwd_recv", &pipecore::StageLinks::fwd_recv)
-      .def_readwrite("bwd_need", &pipecore::StageLinks::bwd_need)
-      .def_readwrite("bwd_peer", &pipecore::StageLinks::bwd_peer)
-      .def_readwrite("bwd_recv", &pipecore::StageLinks::bwd_recv);
 
   py::class_<pipecore::GradReducer, std::shared_ptr<pipecore::GradReducer>>(
       m, "GradReducer", "data-parallel gradient buckets of plain stages (csrc/grad_reduce.h)")

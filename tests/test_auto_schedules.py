@@ -14,7 +14,7 @@ from pipeline_cases import train_and_compare
 from dist_pool import pool
 from pipecore.tools.recommend import compare, costs_from_trace, load_trace, resample
 from pipecore.schedule.builders import fixed_schedules
-from pipecore.schedule.simulate import _peak_activations
+from pipecore.schedule.simulate import peak_activations
 
 # every fixed schedule of pipecore a zb_auto schedule of 1 or 2 stages per rank is compared with:
 # all that take that many stages per rank, but dualpipe (model stages mirrored: twice the weights)
@@ -30,7 +30,7 @@ def _fixed_that_fit(R, m, V, limit):
             s = pc.build_schedule(name, R, m, v)
         except ValueError:
             continue
-        if max(_peak_activations(s.codes)) <= limit:
+        if max(peak_activations(s.codes)) <= limit:
             yield name, s
 
 
@@ -248,7 +248,7 @@ def test_policies_that_reserve_room_never_deadlock():
     # zb_auto's last resort: on a V the first leg's forward leaves room for the second's; one
     # stage per rank needs no room kept. Every memory limit from the least (one per stage)
     from pipecore.schedule.builders.auto import POLICIES, generate
-    from pipecore.schedule.simulate import _cost_table
+    from pipecore.schedule.simulate import cost_table
     from pipecore.schedule.topology import Topology
 
     reserving = [p for p in POLICIES if p.reserve]
@@ -256,7 +256,7 @@ def test_policies_that_reserve_room_never_deadlock():
         for m in range(1, 9):
             for V in (1, 2):
                 topo = Topology.loop(R, R, m) if V == 1 else Topology.v(R, 2 * R, m)
-                table = _cost_table({"F": 1, "I": 2, "W": 0.5, "comm": 0.5}, topo.num_stages)
+                table = cost_table({"F": 1, "I": 2, "W": 0.5, "comm": 0.5}, topo.num_stages)
                 for limit in range(V, 2 * R * V + 1):
                     for policy in reserving[(R + m + limit) % 9::9]:
                         rows, makespan, _ = generate(topo, table, limit, policy)
@@ -288,7 +288,7 @@ def test_the_zero_bubble_papers_closed_forms(p):
 def test_v_rounds_times_are_the_simulators():
     # the V built in rounds places every action at the time the simulator gives it, within memory
     from pipecore.schedule.builders.v_rounds import _Stuck, build_rounds
-    from pipecore.schedule.simulate import _cost_table
+    from pipecore.schedule.simulate import cost_table
     from pipecore.schedule.topology import Topology
 
     built = 0
@@ -296,7 +296,7 @@ def test_v_rounds_times_are_the_simulators():
         for m in (1, R, 2 * R + 1, 4 * R):
             topo = Topology.v(R, 2 * R, m)
             for costs in ({"F": 1, "I": 1, "W": 1}, {"F": 2, "I": 3, "W": 1, "comm": 0.5}, {"F": 3, "I": 1, "W": 2}):
-                table = _cost_table(costs, 2 * R)
+                table = cost_table(costs, 2 * R)
                 for limit in (2, R + 1, 2 * R):
                     for flags in ((True, True, True), (False, True, False), (True, False, True)):
                         try:
@@ -316,7 +316,7 @@ def test_v_rounds_times_are_the_simulators():
                                   "v_half", "v_min", "dualpipev", "dualpipe"])
 def test_fast_makespan_is_the_simulators(name):
     from pipecore.schedule.builders.auto import makespan
-    from pipecore.schedule.simulate import _cost_table
+    from pipecore.schedule.simulate import cost_table
 
     for R, m in ((1, 4), (2, 6), (4, 8), (8, 20)):
         try:
@@ -325,7 +325,7 @@ def test_fast_makespan_is_the_simulators(name):
             continue
         for costs in ({"F": 1, "I": 1, "W": 1}, {"F": [1 + s_ % 3 for s_ in range(s.num_stages)], "I": 2, "W": 0.5,
                                                   "comm": 0.3}):
-            table = _cost_table(costs, s.num_stages)
+            table = cost_table(costs, s.num_stages)
             assert makespan(s.codes, s.topology, table) == pytest.approx(s.simulate(costs).makespan)
 
 

@@ -59,6 +59,8 @@ def _imports(name: str, path: str) -> set[str]:
         else:
             continue
         for t in targets:
+            if t.startswith("pipecore._C"):
+                continue  # the extension: below every Python module, it imports none of them
             while t and t not in MODULES:
                 t = t.rpartition(".")[0]
             if t and t != name and t.startswith("pipecore"):

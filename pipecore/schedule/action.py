@@ -57,8 +57,29 @@ MB_SHIFT = 20
 SUB_SHIFT = 52
 MAX_STAGES = 1 << 16
 MAX_MICROBATCHES = (1 << 32) - 1
-_STAGE_MASK = MAX_STAGES - 1
-_SUB_MASK = (1 << SUB_SHIFT) - 1
+STAGE_MASK = MAX_STAGES - 1
+SUB_MASK = (1 << SUB_SHIFT) - 1
+
+
+def stage_of(code: int) -> int:
+    """The stage of a single action's code."""
+    return (code >> STAGE_SHIFT) & STAGE_MASK
+
+
+def microbatch_of(code: int) -> int:
+    """The microbatch of a single action's code (-1: none)."""
+    return (code >> MB_SHIFT) - 1
+
+
+def leaf_codes(code: int) -> list[int]:
+    """Codes of the actions a step runs (the two halves of an OVERLAP_F_B container)."""
+    if code & 0xF != Kind.OVERLAP_F_B:
+        return [code]
+    out, rest = [], code >> STAGE_SHIFT
+    while rest:
+        out.append(rest & SUB_MASK)
+        rest >>= SUB_SHIFT
+    return out
 
 
 def encode(stage: int, kind: int, microbatch: int | None = None) -> int:
@@ -188,12 +209,12 @@ def decode(code: int) -> Action:
         subs = []
         rest = code >> STAGE_SHIFT
         while rest:
-            subs.append(decode(rest & _SUB_MASK))
+            subs.append(decode(rest & SUB_MASK))
             rest >>= SUB_SHIFT
         action = _new_action(Action, (-1, kind, None, tuple(subs)))
     else:
         mb = (code >> MB_SHIFT) - 1
-        action = _new_action(Action, ((code >> STAGE_SHIFT) & _STAGE_MASK, kind, None if mb < 0 else mb, None))
+        action = _new_action(Action, (stage_of(code), kind, None if mb < 0 else mb, None))
     if len(_decode_memo) < 1 << 20:
         _decode_memo[code] = action
     return action

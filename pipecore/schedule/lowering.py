@@ -7,35 +7,21 @@ All passes work on integer action codes (see action.py) so that lowering a pp=32
 from __future__ import annotations
 
 import gc
-import sys
 from collections.abc import Iterable
 from contextlib import contextmanager
 
-from pipecore.schedule.action import MB_SHIFT, STAGE_SHIFT, SUB_SHIFT, Kind, decode, encode
+from pipecore.schedule.action import MB_SHIFT, STAGE_MASK, STAGE_SHIFT, Kind, decode, encode, leaf_codes, stage_of
 from pipecore.schedule.errors import ScheduleError
 
 F, I, W, B = int(Kind.F), int(Kind.I), int(Kind.W), int(Kind.B)
 SEND_F, RECV_F, SEND_B, RECV_B = int(Kind.SEND_F), int(Kind.RECV_F), int(Kind.SEND_B), int(Kind.RECV_B)
 UNSHARD, RESHARD, REDUCE_GRAD, OVERLAP = int(Kind.UNSHARD), int(Kind.RESHARD), int(Kind.REDUCE_GRAD), int(Kind.OVERLAP_F_B)
-_SUB_MASK = (1 << SUB_SHIFT) - 1
-_STAGE_MASK = (1 << 16) - 1
-
-
-def leaf_codes(code: int) -> list[int]:
-    """Codes of the actions a step runs (sub-actions of an OVERLAP_F_B container)."""
-    if code & 0xF != OVERLAP:
-        return [code]
-    out, rest = [], code >> STAGE_SHIFT
-    while rest:
-        out.append(rest & _SUB_MASK)
-        rest >>= SUB_SHIFT
-    return out
 
 
 def lower(schedule, *, merge_iw: bool = True, reduce_grad: bool = True,
-          sharded: Iterable[int] | bool = (), max_active_stages: int = 3, native: bool | None = None):
+          sharded: Iterable[int] | bool = (), max_active_stages: int = 3):
     with gc_paused():
-        return _lower(schedule, merge_iw, reduce_grad, sharded, max_active_stages, native)
+        return _lower(schedule, merge_iw, reduce_grad, sharded, max_active_stages)
 
 
 @contextmanager
@@ -51,9 +37,7 @@ def gc_paused():
             gc.enable()
 
 
-def _lower(schedule, merge_iw, reduce_grad, sharded, max_active_stages, native):
-    from pipecore.schedule.schedule import Schedule
-
+def _lower(schedule, merge_iw, reduce_grad, sharded, max_active_stages):
     topo = schedule.topology
     codes = schedule.compute_only().codes
     if merge_iw:
@@ -69,8 +53,8 @@ def _lower(schedule, merge_iw, reduce_grad, sharded, max_active_stages, native):
         codes = [add_unshard_reshard(row, sharded, max_active_stages) for row in codes]
     if reduce_grad and any((c & 0xF) in (I, W, B, OVERLAP) for row in codes for c in row):
         codes = [add_reduce_grad(row, len(topo.rank_stages(r))) for r, row in enumerate(codes)]
-    codes = add_send_recv(codes, topo, native=native)
-    return Schedule._from_codes(codes, topo, schedule.name)
+    codes = add_send_recv(codes, topo)
+    return type(schedule)._from_codes(codes, topo, schedule.name)
 
 
 def input_grad_awaited(topo) -> frozenset[int]:
@@ -90,7 +74,7 @@ def merge_adjacent_iw(row: list[int], keep_split: frozenset[int]) -> list[int]:
     while k < n:
         c = row[k]
         if (c & 0xF == I and k + 1 < n and row[k + 1] == c + 1  # W code = I code + 1
-                and (c >> STAGE_SHIFT) & _STAGE_MASK not in keep_split):
+                and stage_of(c) not in keep_split):
             append(c + 2)  # B code = I code + 2
             k += 2
         else:
@@ -109,13 +93,13 @@ def add_reduce_grad(row: list[int], num_stages: int | None = None) -> list[int]:
         c = row[idx]
         kind = c & 0xF
         if kind == B or kind == W:
-            stage = (c >> STAGE_SHIFT) & _STAGE_MASK
+            stage = stage_of(c)
             if stage not in last:
                 last[stage] = idx
         elif kind == OVERLAP:
             for leaf in leaf_codes(c):
                 if leaf & 0xF in (B, W):
-                    last.setdefault((leaf >> STAGE_SHIFT) & _STAGE_MASK, idx)
+                    last.setdefault(stage_of(leaf), idx)
     if not last:
         return list(row)
     at: dict[int, list[int]] = {}
@@ -134,7 +118,7 @@ def add_reduce_grad(row: list[int], num_stages: int | None = None) -> list[int]:
 def add_unshard_reshard(row: list[int], sharded: frozenset[int], max_active: int) -> list[int]:
     """Keep at most `max_active` sharded stages unsharded, prefetching the next ones a rank computes
     (UNSHARD before first use, RESHARD when a stage is not among the next `max_active`)."""
-    stages_at = [[(leaf >> STAGE_SHIFT) & _STAGE_MASK for leaf in leaf_codes(c)] for c in row]
+    stages_at = [[stage_of(leaf) for leaf in leaf_codes(c)] for c in row]
     out: list[int] = []
     active: list[int] = []
     for k, c in enumerate(row):
@@ -158,7 +142,7 @@ def add_unshard_reshard(row: list[int], sharded: frozenset[int], max_active: int
     return out
 
 
-def add_send_recv(codes: list[list[int]], topo, *, native: bool | None = None) -> list[list[int]]:
+def add_send_recv(codes: list[list[int]], topo) -> list[list[int]]:
     """Insert SEND_*/RECV_* between stages on different ranks.
 
     Ranks advance in lock-step rounds (one step per rank per round; a blocked rank sleeps until the
@@ -166,16 +150,8 @@ def add_send_recv(codes: list[list[int]], topo, *, native: bool | None = None) -
     after it and the matching RECV is appended to the peer's list at that moment. The result is one
     global order in which every SEND is directly followed by its RECV, so it cannot deadlock, even
     with rendezvous (blocking) sends, and both ends of every channel see the same message order.
-
-    `native`: run the pass in pipecore's C++ extension (same output, 3-4x faster on large
-    schedules); by default whenever torch is already imported and the extension loads. This module
-    never imports torch itself.
     """
-    links = _stage_links(topo)
-    fast = _native_pass() if native is None else (_native_pass(required=True) if native else None)
-    if fast is not None:
-        return _add_send_recv_native(fast, codes, links)
-    return _add_send_recv_python(codes, links)
+    return _add_send_recv_python(codes, _stage_links(topo))
 
 
 def _stage_links(topo):
@@ -198,35 +174,6 @@ def _stage_links(topo):
     return fwd_need, fwd_peer, fwd_recv, bwd_need, bwd_peer, bwd_recv
 
 
-def _native_pass(required: bool = False):
-    """The extension module (its add_send_recv), if torch is imported and the extension loads."""
-    if not required and "torch" not in sys.modules:
-        return None
-    try:
-        from pipecore import _C
-    except ImportError:
-        if required:
-            raise
-        return None
-    return _C
-
-
-def _add_send_recv_native(native, codes: list[list[int]], links) -> list[list[int]]:
-    stage_links = native.StageLinks()
-    fwd_need, fwd_peer, fwd_recv, bwd_need, bwd_peer, bwd_recv = links
-    stage_links.fwd_need = [0 if d is None else d for d in fwd_need]
-    stage_links.bwd_need = [0 if d is None else d for d in bwd_need]
-    stage_links.fwd_peer, stage_links.fwd_recv = fwd_peer, fwd_recv
-    stage_links.bwd_peer, stage_links.bwd_recv = bwd_peer, bwd_recv
-    result = native.add_send_recv(codes, stage_links)
-    if result is None:  # an OVERLAP_F_B container of more than two actions
-        return _add_send_recv_python(codes, links)
-    out, stuck = result
-    if stuck:
-        _raise_deadlock(codes, [(r, p) for r, p, _ in stuck], {r: key for r, _, key in stuck})
-    return out
-
-
 def _add_send_recv_python(codes: list[list[int]], links) -> list[list[int]]:
     num_ranks = len(codes)
     fwd_need, fwd_peer, fwd_recv, bwd_need, bwd_peer, bwd_recv = links
@@ -237,7 +184,7 @@ def _add_send_recv_python(codes: list[list[int]], links) -> list[list[int]]:
     waiting: dict[int, list[int]] = {}
     blocked: dict[int, int] = {}
     current = [r for r in range(num_ranks) if lengths[r]]
-    smask = _STAGE_MASK
+    smask = STAGE_MASK
     kind_mask = ~0xF
 
     def wait(r: int, need: int) -> None:
@@ -358,7 +305,7 @@ def _raise_deadlock(codes, stuck, blocked) -> None:
 
 def _describe_key(key: int) -> str:
     phase = key & 3
-    stage = (key >> STAGE_SHIFT) & _STAGE_MASK
+    stage = stage_of(key)
     mb = (key >> MB_SHIFT) - 1
     kind = {1: "F", 2: "I/B"}[phase]
     return f"{stage}{kind}{mb}"

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 from pipecore.schedule.action import Action, Kind, decode
+from pipecore.schedule.csvio import read_csv, write_csv
 from pipecore.schedule.errors import ScheduleError
+from pipecore.schedule.lowering import lower
+from pipecore.schedule.simulate import SimResult, simulate
+from pipecore.schedule.timeline import format_table
 from pipecore.schedule.topology import Topology
-
-if TYPE_CHECKING:
-    from pipecore.schedule.simulate import SimResult
+from pipecore.schedule.validate import validate
 
 ActionLike = Action | str | None
 
@@ -116,19 +118,14 @@ class Schedule:
 
     # -- passes ---------------------------------------------------------------------------
     def lower(self, *, merge_iw: bool = True, reduce_grad: bool = True,
-              sharded: Iterable[int] | bool = (), max_active_stages: int = 3,
-              native: bool | None = None) -> "Schedule":
+              sharded: Iterable[int] | bool = (), max_active_stages: int = 3) -> "Schedule":
         """The runnable form (what a Pipeline runs): comm actions inserted (never deadlocks),
         adjacent I+W merged into B where no other rank waits for that input gradient (elsewhere
         I, SEND_B, W: the gradient leaves before the weight gradients are computed, so the lowered
         program simulates to the schedule's makespan), REDUCE_GRAD after each stage's last
-        backward, UNSHARD/RESHARD around sharded stages.
-        `native`: insert the comm actions in pipecore's C++ extension (same result, faster); by
-        default when torch is already imported and the extension loads."""
-        from pipecore.schedule.lowering import lower
-
+        backward, UNSHARD/RESHARD around sharded stages."""
         return lower(self, merge_iw=merge_iw, reduce_grad=reduce_grad, sharded=sharded,
-                     max_active_stages=max_active_stages, native=native)
+                     max_active_stages=max_active_stages)
 
     def compute_only(self) -> "Schedule":
         """This schedule without communication, REDUCE_GRAD and UNSHARD/RESHARD actions."""
@@ -138,39 +135,33 @@ class Schedule:
     def validate(self) -> "Schedule":
         """Check completeness, placement, dependency order and deadlock freedom.
         Raises `ScheduleError` naming the rank, step and action; returns self when valid."""
-        from pipecore.schedule.validate import validate
-
         validate(self)
         return self
 
     def simulate(self, costs: Mapping[str, object] | None = None, overlap: str = "lockstep") -> "SimResult":
         """Makespan, bubble and peak activations under `costs` (see pipecore.schedule.simulate);
         `overlap` prices OVERLAP_F_B pairs as the executor runs them (Pipeline's `overlap_f_b`)."""
-        from pipecore.schedule.simulate import simulate
-
         return simulate(self, costs, overlap)
 
     # -- io -------------------------------------------------------------------------------
     def to_csv(self, path) -> None:
-        from pipecore.schedule.csvio import write_csv
-
         write_csv(self, path)
 
     @classmethod
     def from_csv(cls, path, *, num_stages: int | None = None, num_microbatches: int | None = None,
                  placement: str | Sequence[int] | Mapping[int, int] | None = None,
                  name: str | None = None) -> "Schedule":
-        from pipecore.schedule.csvio import read_csv
-
-        return read_csv(path, num_stages=num_stages, num_microbatches=num_microbatches,
-                        placement=placement, name=name)
+        rows = read_csv(path)
+        try:
+            return cls(rows, num_stages, num_microbatches, placement=placement,
+                       name=name or os.path.splitext(os.path.basename(str(path)))[0])
+        except ScheduleError as exc:
+            raise ScheduleError(f"{path}: {exc}") from None
 
     def format(self, *, aligned: bool = True, steps: range | None = None,
                highlight: tuple[int, int] | None = None) -> str:
         """Step x rank table. `aligned` places actions at their unit-time step so bubbles show; a
         lowered schedule prints each rank's program in order, its sends and receives included."""
-        from pipecore.schedule.timeline import format_table
-
         return format_table(self, aligned=aligned, steps=steps, highlight=highlight)
 
     # -- dunder ---------------------------------------------------------------------------

@@ -12,10 +12,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pipecore.schedule.action import Action, Kind, decode
+from pipecore.schedule.action import STAGE_MASK, STAGE_SHIFT, Action, Kind, decode, leaf_codes, stage_of
 from pipecore.schedule.errors import ScheduleError
-from pipecore.schedule.lowering import leaf_codes
-from pipecore.schedule.validate import _stage
 
 F, I, W, B = int(Kind.F), int(Kind.I), int(Kind.W), int(Kind.B)
 OVERLAP = int(Kind.OVERLAP_F_B)
@@ -38,7 +36,7 @@ class SimResult:
         return [self.makespan - b for b in self.busy]
 
 
-def _cost_table(costs: Mapping[str, object] | None, num_stages: int) -> dict[str, list[float]]:
+def cost_table(costs: Mapping[str, object] | None, num_stages: int) -> dict[str, list[float]]:
     costs = dict(costs or {})
     unknown = set(costs) - set(_COST_KEYS)
     if unknown:
@@ -90,7 +88,7 @@ def simulate(schedule, costs: Mapping[str, object] | None = None, overlap: str =
     topo = schedule.topology
     codes = schedule.codes
     num_ranks = len(codes)
-    cost = _cost_table(costs, topo.num_stages)
+    cost = cost_table(costs, topo.num_stages)
     by_kind = {F: cost["F"], I: cost["I"], W: cost["W"], B: cost["B"]}
     comm = cost["comm"]
     overlap_fn = cost.get("OVERLAP_F_B") or (max if overlap == "concurrent" else None)
@@ -112,7 +110,7 @@ def simulate(schedule, costs: Mapping[str, object] | None = None, overlap: str =
             kind = c & 0xF
             if kind not in (F, I, W, B, OVERLAP):
                 name = _EXTRA_KINDS.get(kind)
-                dur = cost[name][_stage(c)] if name else 0.0
+                dur = cost[name][stage_of(c)] if name else 0.0
                 if dur:
                     timeline[r].append((decode(c), clock[r], clock[r] + dur))
                     clock[r] += dur
@@ -123,17 +121,17 @@ def simulate(schedule, costs: Mapping[str, object] | None = None, overlap: str =
             start = clock[r]
             need = -1
             for lc in leaves:
-                lk, s = lc & 0xF, _stage(lc)
+                lk, s = lc & 0xF, stage_of(lc)
                 deps = []
                 if lk == F:
                     p = prev_stage[s]
                     if p >= 0:
-                        deps.append(((lc & ~(0xFFFF << 4)) | (p << 4) | F, stage_rank[p] != r, s))
+                        deps.append(((lc & ~(STAGE_MASK << STAGE_SHIFT)) | (p << STAGE_SHIFT) | F, stage_rank[p] != r, s))
                 elif lk == I or lk == B:
                     deps.append(((lc & ~0xF) | F, False, s))
                     nx = next_stage[s]
                     if nx >= 0:
-                        deps.append(((lc & ~(0xFFFF << 4) & ~0xF) | (nx << 4) | 0xF, stage_rank[nx] != r, s))
+                        deps.append(((lc & ~(STAGE_MASK << STAGE_SHIFT) & ~0xF) | (nx << STAGE_SHIFT) | 0xF, stage_rank[nx] != r, s))
                 elif lk == W:
                     deps.append(((lc & ~0xF) | 0xF, False, s))
                 for key, remote, s_ in deps:
@@ -152,11 +150,11 @@ def simulate(schedule, costs: Mapping[str, object] | None = None, overlap: str =
                 blocked_on[r] = need
                 break
             if kind == OVERLAP:
-                parts = [by_kind[lc & 0xF][_stage(lc)] for lc in leaves]
+                parts = [by_kind[lc & 0xF][stage_of(lc)] for lc in leaves]
                 fwd = sum(p for p, lc in zip(parts, leaves) if lc & 0xF == F)
                 dur = overlap_fn(fwd, sum(parts) - fwd) if overlap_fn else sum(parts)
             else:
-                dur = by_kind[kind][_stage(c)]
+                dur = by_kind[kind][stage_of(c)]
             end = start + dur
             timeline[r].append((decode(c), start, end))
             clock[r] = end
@@ -175,10 +173,10 @@ def simulate(schedule, costs: Mapping[str, object] | None = None, overlap: str =
     makespan = max(clock, default=0.0)
     total = makespan * num_ranks
     bubble = 1.0 - sum(busy) / total if total > 0 else 0.0
-    return SimResult(makespan, bubble, busy, _peak_activations(codes), timeline)
+    return SimResult(makespan, bubble, busy, peak_activations(codes), timeline)
 
 
-def _peak_activations(codes: list[list[int]]) -> list[int]:
+def peak_activations(codes: list[list[int]]) -> list[int]:
     """Per rank, the most forward activations alive at once: a forward's activations live until
     its stage's B (or W, the last part of a split backward); without a backward, until it ends."""
     training = any((c & 0xF) in (I, W, B, OVERLAP) for row in codes for c in row)

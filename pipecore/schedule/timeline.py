@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from pipecore.schedule.action import decode
 from pipecore.schedule.errors import ScheduleError
+from pipecore.schedule.simulate import simulate
 
 
 def aligned_rows(schedule) -> list[list[str]]:
     """Each rank's actions placed at their unit-time step (every compute action takes one step,
     communication none), so idle steps show as blanks."""
-    from pipecore.schedule.simulate import simulate
-
     result = simulate(schedule, {"F": 1, "B": 1, "I": 1, "W": 1})
     rows: list[list[str]] = []
     for r, row in enumerate(result.timeline):

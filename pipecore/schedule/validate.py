@@ -6,27 +6,16 @@ timeline around it.
 
 from __future__ import annotations
 
-from pipecore.schedule.action import MB_SHIFT, STAGE_SHIFT, Kind, decode
+from pipecore.schedule.action import MB_SHIFT, STAGE_MASK, STAGE_SHIFT, Kind, decode, leaf_codes, microbatch_of, stage_of
 from pipecore.schedule.errors import ScheduleError
-from pipecore.schedule.lowering import leaf_codes
+from pipecore.schedule.timeline import format_table
 
 F, I, W, B = int(Kind.F), int(Kind.I), int(Kind.W), int(Kind.B)
 SEND_F, RECV_F, SEND_B, RECV_B = int(Kind.SEND_F), int(Kind.RECV_F), int(Kind.SEND_B), int(Kind.RECV_B)
 UNSHARD, RESHARD, REDUCE_GRAD, OVERLAP = int(Kind.UNSHARD), int(Kind.RESHARD), int(Kind.REDUCE_GRAD), int(Kind.OVERLAP_F_B)
 _COMPUTE = (F, I, W, B)
-_STAGE_MASK = (1 << 16) - 1
-
-
-def _stage(code: int) -> int:
-    return (code >> STAGE_SHIFT) & _STAGE_MASK
-
-
-def _mb(code: int) -> int:
-    return (code >> MB_SHIFT) - 1
-
-
 def _with_stage(code: int, stage: int) -> int:
-    return (code & ~(_STAGE_MASK << STAGE_SHIFT)) | (stage << STAGE_SHIFT)
+    return (code & ~(STAGE_MASK << STAGE_SHIFT)) | (stage << STAGE_SHIFT)
 
 
 def _with_kind(code: int, kind: int) -> int:
@@ -38,8 +27,6 @@ class _Reporter:
         self.schedule = schedule
 
     def fail(self, rank: int, step: int, problem: str) -> None:
-        from pipecore.schedule.timeline import format_table
-
         codes = self.schedule.codes
         if 0 <= step < len(codes[rank]):
             head = f"rank {rank}, step {step}, action {decode(codes[rank][step])}: {problem}"
@@ -77,7 +64,7 @@ def validate(schedule) -> None:
             else:
                 leaves = (c,)
             for lc in leaves:
-                lk, s = lc & 0xF, _stage(lc)
+                lk, s = lc & 0xF, stage_of(lc)
                 if s >= num_stages:
                     rep.fail(r, k, f"stage {s} does not exist (stages 0..{num_stages - 1})")
                 if stage_rank[s] != r:
@@ -89,7 +76,7 @@ def validate(schedule) -> None:
                             rep.fail(r, k, f"stage {s} reduces its gradients twice (first at step {where[lc][1]})")
                         where[lc] = (r, k)
                     continue
-                mb = _mb(lc)
+                mb = microbatch_of(lc)
                 if mb not in topo.microbatches[s]:
                     mbs = topo.microbatches[s]
                     rep.fail(r, k, f"microbatch {mb} is not one of stage {s}'s ({mbs.start}..{mbs.stop - 1})")
@@ -155,11 +142,11 @@ def _check_sharding(codes, rep) -> None:
         for k, c in enumerate(row):
             kind = c & 0xF
             if kind == UNSHARD:
-                state[_stage(c)] = True
+                state[stage_of(c)] = True
             elif kind == RESHARD:
-                if not state.get(_stage(c)):
-                    rep.fail(r, k, f"stage {_stage(c)} is resharded while not unsharded")
-                state[_stage(c)] = False
+                if not state.get(stage_of(c)):
+                    rep.fail(r, k, f"stage {stage_of(c)} is resharded while not unsharded")
+                state[stage_of(c)] = False
         if not state:
             continue
         sharded = set(state)
@@ -167,13 +154,13 @@ def _check_sharding(codes, rep) -> None:
         for k, c in enumerate(row):
             kind = c & 0xF
             if kind == UNSHARD:
-                state[_stage(c)] = True
+                state[stage_of(c)] = True
             elif kind == RESHARD:
-                state[_stage(c)] = False
+                state[stage_of(c)] = False
             elif kind in (F, I, W, B, OVERLAP):
                 for lc in leaf_codes(c):
-                    if _stage(lc) in sharded and not state.get(_stage(lc)):
-                        rep.fail(r, k, f"stage {_stage(lc)} computes while its parameters are sharded (UNSHARD first)")
+                    if stage_of(lc) in sharded and not state.get(stage_of(lc)):
+                        rep.fail(r, k, f"stage {stage_of(lc)} computes while its parameters are sharded (UNSHARD first)")
 
 
 def _check_comms(schedule, where, training, rep) -> None:
@@ -202,7 +189,7 @@ def _check_comms(schedule, where, training, rep) -> None:
     for r, row in enumerate(codes):
         for k, c in enumerate(row):
             kind = c & 0xF
-            s = _stage(c)
+            s = stage_of(c)
             if kind == SEND_F:
                 sent.setdefault((r, stage_rank[next_stage[s]]), []).append(_with_stage(c, next_stage[s]) - SEND_F + RECV_F)
             elif kind == SEND_B:
@@ -254,7 +241,7 @@ def _check_progress(schedule, lowered: bool, rep) -> None:
             c = row[pos[r]]
             need = -1
             for lc in (leaf_codes(c) if c & 0xF == OVERLAP else (c,)):
-                kind, s = lc & 0xF, _stage(lc)
+                kind, s = lc & 0xF, stage_of(lc)
                 if kind == F:
                     p = prev_stage[s]
                     if p >= 0:
@@ -288,8 +275,8 @@ def _check_progress(schedule, lowered: bool, rep) -> None:
         details = []
         for r in stuck:
             need = blocked_on[r]
-            what = decode(need) if need & 0xF != 0xF else f"the backward of {_stage(need)}B{_mb(need)}"
-            holder = stage_rank[_stage(need)]
+            what = decode(need) if need & 0xF != 0xF else f"the backward of {stage_of(need)}B{microbatch_of(need)}"
+            holder = stage_rank[stage_of(need)]
             details.append(f"rank {r} at step {pos[r]} ({decode(codes[r][pos[r]])}) waits for {what} on rank {holder}")
         r0 = stuck[0]
         rep.fail(r0, pos[r0], "deadlock: no rank can make progress:\n  " + "\n  ".join(details))

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pipecore.schedule.builders import SCHEDULES, build_schedule, default_stages_per_rank
-from pipecore.schedule.simulate import _cost_table, _peak_activations, simulate
+from pipecore.schedule.simulate import cost_table, peak_activations, simulate
 
 _ACTION = re.compile(r"(?:^|:)(\d+)([FIWB])(\d+)$")
 _KINDS = ("F", "I", "W", "B")
@@ -175,7 +175,7 @@ def compare(num_ranks: int, num_microbatches: int, costs: Mapping[str, object] |
     if not isinstance((costs or {}).get("comm", 0), (int, float)):
         raise ValueError("comm is the cost of one message: one number")
     costs = per_rank_costs(costs, R)
-    _cost_table(stage_costs(range(R), costs), R)  # bad costs: said here, not as schedules left out
+    cost_table(stage_costs(range(R), costs), R)  # bad costs: said here, not as schedules left out
     rows = []
     for name in names or [n for n in SCHEDULES if n != "forward_only"]:
         for V in _stage_counts(name):
@@ -190,7 +190,7 @@ def compare(num_ranks: int, num_microbatches: int, costs: Mapping[str, object] |
                 continue
             result = simulate(sched, mine)
             # a stage holds 1 / (model stages) of the model's activations; 1F1B's rank 0 holds R / R
-            peak = max(_peak_activations(sched.codes)) / (max(sched.topology.model_stage) + 1)
+            peak = max(peak_activations(sched.codes)) / (max(sched.topology.model_stage) + 1)
             rows.append(Candidate(name, V, result.makespan, result.bubble_ratio, peak, peak <= memory + 1e-9))
     rows.sort(key=lambda c: (not c.fits, c.makespan, c.memory))
     return rows

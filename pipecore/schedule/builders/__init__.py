@@ -37,7 +37,7 @@ _SPECS: dict[str, _Spec] = {
     "zbv": _Spec(build_zbv, 2, (2,), "zero bubble V: rank r holds stages r and 2R-1-r"),
     "v_half": _Spec(build_v_half, 2, (2,), "V-Half (controllable memory): half of 1F1B's activations"),
     "v_min": _Spec(build_v_min, 2, (2,), "V-Min (controllable memory): a third of 1F1B's activations"),
-    "zb_auto": _Spec(build_zb_auto, 1, (1, 2), "zero bubble built for given costs and memory limit (1 stage or a V)",
+    "zb_auto": _Spec(lambda *args, **options: build_zb_auto(*args, **options, fixed_schedules=_fixed_candidates), 1, (1, 2), "zero bubble built for given costs and memory limit (1 stage or a V)",
                      ("costs", "memory_limit")),
     "dualpipe": _Spec(build_dualpipe, 2, (2,), "DeepSeek's bidirectional DualPipe: mirrored stages r and R-1-r"),
     "dualpipev": _Spec(build_dualpipev, 2, (2,), "DualPipe folded into a V: overlapped F&B pairs"),
@@ -123,6 +123,15 @@ def fixed_schedules(stages_per_rank: int) -> tuple[str, ...]:
     stage s once (not dualpipe's mirrored copies): what zb_auto compares itself with."""
     return tuple(n for n in SCHEDULES if n not in ("zb_auto", "forward_only", "dualpipe")
                  and takes_stages_per_rank(n, stages_per_rank))
+
+
+def _fixed_candidates(num_ranks: int, num_microbatches: int, stages_per_rank: int):
+    """What zb_auto compares itself with: each fixed schedule that builds for these sizes."""
+    for name in fixed_schedules(stages_per_rank):
+        try:
+            yield build_schedule(name, num_ranks, num_microbatches, stages_per_rank)
+        except ValueError:
+            continue
 
 
 def describe() -> dict[str, str]:

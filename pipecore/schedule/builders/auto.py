@@ -32,9 +32,10 @@ from dataclasses import dataclass
 
 from pipecore.schedule.schedule import Schedule
 from pipecore.schedule.topology import Topology
-from pipecore.schedule.action import STAGE_SHIFT
+from pipecore.schedule.action import STAGE_MASK, STAGE_SHIFT, leaf_codes, stage_of
 from pipecore.schedule.builders._codes import B, F, I, OVERLAP, W, code
 from pipecore.schedule.builders.v_rounds import _Stuck, build_rounds
+from pipecore.schedule.simulate import cost_table, peak_activations
 
 
 @dataclass(frozen=True)
@@ -287,18 +288,17 @@ def makespan(codes: list[list[int]], topo: Topology, table: dict[str, list[float
     """The simulator's makespan (overlap "lockstep": a pair costs both halves) of a compute-only
     schedule, without its event machinery: ranks in turn run what they can until all are done
     (about 6x faster)."""
-    from pipecore.schedule.lowering import leaf_codes
 
     R = len(codes)
     prev, nxt, srank = topo.prev_stage, topo.next_stage, topo.stage_rank
     cost = {F: table["F"], I: table["I"], W: table["W"], B: table["B"]}
     comm = table["comm"]
-    stage_bits = 0xFFFF << STAGE_SHIFT
+    stage_bits = STAGE_MASK << STAGE_SHIFT
     end: dict[int, float] = {}
 
     def ready(c, r):
         """When leaf action c's input is there (0 without one); None if not yet computed."""
-        kind, s = c & 0xF, (c >> STAGE_SHIFT) & 0xFFFF
+        kind, s = c & 0xF, stage_of(c)
         q = prev[s] if kind == F else nxt[s] if kind != W else -1  # whose output it needs
         if q < 0:
             return 0.0
@@ -322,14 +322,14 @@ def makespan(codes: list[list[int]], topo: Topology, table: dict[str, list[float
                     times = [ready(lc, r) for lc in leaves]
                     if None in times:
                         break
-                    t = max(t, *times) + sum(cost[lc & 0xF][(lc >> STAGE_SHIFT) & 0xFFFF] for lc in leaves)
+                    t = max(t, *times) + sum(cost[lc & 0xF][stage_of(lc)] for lc in leaves)
                     for lc in leaves:
                         end[lc | 0xF if lc & 0xF in (I, B) else lc] = t
                 else:
                     e = ready(c, r)
                     if e is None:
                         break
-                    t = max(t, e) + cost[kind][(c >> STAGE_SHIFT) & 0xFFFF]
+                    t = max(t, e) + cost[kind][stage_of(c)]
                     end[c | 0xF if kind in (I, B) else c] = t
                 p += 1
             if p != pos[r]:
@@ -341,25 +341,19 @@ def makespan(codes: list[list[int]], topo: Topology, table: dict[str, list[float
     return max(clock, default=0.0)
 
 
-def _fixed_runs(topo, table, limit, V):
-    """Each fixed schedule of V stages per rank that fits `limit` (`fixed_schedules`: on a V the
-    loop-placed interleaved ones too, which win now and then, e.g. with slow forwards)."""
-    from pipecore.schedule.builders import build_schedule, fixed_schedules
-    from pipecore.schedule.simulate import _peak_activations
-
-    R, m = topo.num_ranks, topo.num_microbatches
-    for name in fixed_schedules(V):
-        try:
-            fixed = build_schedule(name, R, m, V)
-        except ValueError:
-            continue
-        if max(_peak_activations(fixed.codes)) > limit:
+def _fixed_runs(topo, table, limit, V, fixed_schedules):
+    """Each of `fixed_schedules(R, m, V)` that fits `limit` (the registry's fixed schedules: on a V
+    the loop-placed interleaved ones too, which win now and then, e.g. with slow forwards)."""
+    for fixed in fixed_schedules(topo.num_ranks, topo.num_microbatches, V):
+        if max(peak_activations(fixed.codes)) > limit:
             continue
         yield fixed.codes, makespan(fixed.codes, fixed.topology, table), fixed.topology
 
 
-def search(topo: Topology, table: dict[str, list[float]], limit: int, V: int, budget: int = SEARCH_BUDGET):
-    """The shortest of: every fixed schedule that fits `limit`, and the list schedules that fit
+def search(topo: Topology, table: dict[str, list[float]], limit: int, V: int, fixed_schedules,
+           budget: int = SEARCH_BUDGET):
+    """The shortest of: every fixed schedule that fits `limit` (`fixed_schedules(R, m, V)` yields
+    them), and the list schedules that fit
     `budget` (each run places every action once): the first policy, then the other policies and,
     on a V, the rounds taking turns; a run that would pass the budget is not started once there
     is a schedule. On a tie, `topo`'s placement wins."""
@@ -371,7 +365,7 @@ def search(topo: Topology, table: dict[str, list[float]], limit: int, V: int, bu
                                    < (best[1], best[2].style != topo.style)):
             best = result
 
-    for result in _fixed_runs(topo, table, limit, V):
+    for result in _fixed_runs(topo, table, limit, V, fixed_schedules):
         keep(result)
     size = len(topo.stage_rank) * topo.num_microbatches * 3
     policies = _policy_runs(topo, table, limit)
@@ -390,16 +384,16 @@ def search(topo: Topology, table: dict[str, list[float]], limit: int, V: int, bu
 
 
 def build_zb_auto(num_ranks: int, num_microbatches: int, stages_per_rank: int,
-                  costs: Mapping[str, object] | None = None, memory_limit: int | None = None) -> Schedule:
-    """The fastest schedule found for `costs` within `memory_limit` (see the module's docstring).
+                  costs: Mapping[str, object] | None = None, memory_limit: int | None = None, *,
+                  fixed_schedules) -> Schedule:
+    """The fastest schedule found for `costs` within `memory_limit` (see the module's docstring),
+    compared with `fixed_schedules(R, m, V)` (the registry passes them: it holds this builder).
     At 2 stages per rank it is a V, unless a loop-placed interleaved schedule simulates faster:
     its `placement` says which (a Pipeline places stages by it)."""
-    from pipecore.schedule.simulate import _cost_table
-
     R, m, V = num_ranks, num_microbatches, stages_per_rank
     limit = check_memory_limit(R, V, memory_limit)
     topo = Topology.loop(R, R, m) if V == 1 else Topology.v(R, 2 * R, m)
-    best = search(topo, _cost_table(costs, topo.num_stages), limit, V)
+    best = search(topo, cost_table(costs, topo.num_stages), limit, V, fixed_schedules)
     if best is None:  # pragma: no cover - the policies that reserve room never deadlock
         raise ValueError(f"zb_auto found no schedule within memory_limit={limit}")
     return Schedule._from_codes(best[0], best[2], "zb_auto")
@@ -412,9 +406,7 @@ ZBH2_POLICY = Policy("alternate", "balanced", 1.0, False)
 def build_zbh2(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> Schedule:
     """ZB-H2 of "Zero Bubble Pipeline Parallelism" (Qi et al., 2024): a rank holds up to 2R-1
     activations, twice 1F1B's, to fill the warmup and cooldown; listed for F = I = W."""
-    from pipecore.schedule.simulate import _cost_table
-
     R, m = num_ranks, num_microbatches
     topo = Topology.loop(R, R, m)
-    rows, _, _ = generate(topo, _cost_table(None, R), 2 * R - 1, ZBH2_POLICY)
+    rows, _, _ = generate(topo, cost_table(None, R), 2 * R - 1, ZBH2_POLICY)
     return Schedule._from_codes(rows, topo, "zbh2")

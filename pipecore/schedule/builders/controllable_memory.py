@@ -16,8 +16,8 @@ out the empty slots. The makespans equal those of the authors' generator at the 
 
 from pipecore.schedule.schedule import Schedule
 from pipecore.schedule.topology import Topology
-from pipecore.schedule.action import MB_SHIFT, STAGE_SHIFT
-from pipecore.schedule.simulate import _peak_activations
+from pipecore.schedule.action import MB_SHIFT, stage_of
+from pipecore.schedule.simulate import peak_activations
 from pipecore.schedule.builders._codes import F, I, W, code
 
 PERIOD = 6
@@ -85,7 +85,7 @@ def _reorder(ranks: list[dict[int, int]], topo: Topology, m: int) -> None:
     one = 1 << MB_SHIFT
 
     def inputs(c):
-        kind, s, k = c & 0xF, (c >> STAGE_SHIFT) & 0xFFFF, (c >> MB_SHIFT) - 1
+        kind, s, k = c & 0xF, stage_of(c), (c >> MB_SHIFT) - 1
         deps = [c - one] if k > 0 else []  # the stage's previous microbatch of this kind
         if kind == F and prev[s] >= 0:
             deps.append(code(prev[s], F, k))
@@ -100,8 +100,8 @@ def _reorder(ranks: list[dict[int, int]], topo: Topology, m: int) -> None:
     warmup_end = at[code(0, I, 0)]  # rank 0's first backward of stage 0
     cooldown_start = _cooldown_start(at, R, m)
     moving = [(c, t) for c, t in at.items() if not warmup_end <= t <= cooldown_start]
-    for c, old in sorted(moving, key=lambda item: (item[1], srank[(item[0] >> STAGE_SHIFT) & 0xFFFF])):
-        r = srank[(c >> STAGE_SHIFT) & 0xFFFF]
+    for c, old in sorted(moving, key=lambda item: (item[1], srank[stage_of(item[0])])):
+        r = srank[stage_of(c)]
         slots, row = ranks[r], memory[r]
         earliest = max((at[d] for d in inputs(c)), default=-1) + 1
         for t in range(earliest, old):
@@ -125,7 +125,7 @@ def _squeeze_cooldown_backwards(ranks: list[dict[int, int]], topo: Topology, m: 
     nxt, srank = topo.next_stage, topo.stage_rank
     at = {c: t for slots in ranks for t, c in slots.items()}
     cooldown_start = _cooldown_start(at, topo.num_ranks, m)
-    peak = max(_peak_activations([[slots[t] for t in sorted(slots)] for slots in ranks]))
+    peak = max(peak_activations([[slots[t] for t in sorted(slots)] for slots in ranks]))
     for slots in ranks:
         for t in [t for t, c in slots.items() if c & 0xF == W and t > cooldown_start]:
             del at[slots.pop(t)]
@@ -137,8 +137,8 @@ def _squeeze_cooldown_backwards(ranks: list[dict[int, int]], topo: Topology, m: 
                          sum(c & 0xF == I and c - I + W not in placed for c in early)))
     one = 1 << MB_SHIFT
     moving = [(c, t) for c, t in at.items() if t > cooldown_start and c & 0xF == I]
-    for c, old in sorted(moving, key=lambda item: (item[1], srank[(item[0] >> STAGE_SHIFT) & 0xFFFF])):
-        s, k = (c >> STAGE_SHIFT) & 0xFFFF, (c >> MB_SHIFT) - 1
+    for c, old in sorted(moving, key=lambda item: (item[1], srank[stage_of(item[0])])):
+        s, k = stage_of(c), (c >> MB_SHIFT) - 1
         deps = [code(s, F, k)] + ([c - one] if k > 0 else []) + ([code(nxt[s], I, k)] if nxt[s] >= 0 else [])
         r = srank[s]
         slots = ranks[r]

@@ -1,5 +1,6 @@
 """GPipe (all forwards, then all backwards) and forward-only inference."""
 
+from pipecore.schedule.action import stage_of
 from pipecore.schedule.schedule import Schedule
 from pipecore.schedule.topology import Topology
 from pipecore.schedule.builders._codes import B, F, code
@@ -32,6 +33,6 @@ def _depth_first(row, R, m):
     from pipecore.schedule.builders._codes import mb_of
 
     def stage(c):
-        return (c >> 4) & 0xFFFF
+        return stage_of(c)
 
     return sorted(row, key=lambda c: (stage(c) + mb_of(c), stage(c)))

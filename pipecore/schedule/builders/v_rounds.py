@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from pipecore.schedule.action import STAGE_SHIFT
+from pipecore.schedule.action import stage_of
 from pipecore.schedule.topology import Topology
 from pipecore.schedule.builders._codes import F, I, W, code
 
@@ -87,7 +87,7 @@ def build_rounds(topo: Topology, costs: dict[str, list[float]], memory_limit: in
 
     def put_w(r):
         c = pend[r].popleft()
-        s = (c >> STAGE_SHIFT) & 0xFFFF
+        s = stage_of(c)
         rows[r].append(c)
         clock[r] += cw[s]
         live[r] -= 1
@@ -101,7 +101,7 @@ def build_rounds(topo: Topology, costs: dict[str, list[float]], memory_limit: in
     def fill(r, arrival, allowed):
         """Weight gradients into rank r's wait for `arrival`; one more if idling would make it the
         most idle rank (and `allowed`)."""
-        while pend[r] and clock[r] + cw[(pend[r][0] >> STAGE_SHIFT) & 0xFFFF] <= arrival:
+        while pend[r] and clock[r] + cw[stage_of(pend[r][0])] <= arrival:
             put_w(r)
         if pend[r] and allowed and arrival - clock[r] > most_idle(r) - idle[r]:
             put_w(r)
