@@ -148,3 +148,8 @@ def test_clip_grad_norm_over_pipeline_and_replicas(kind):
         # reaches the gradients (1.02e-6 measured with both wrappers)
         for step, bound in enumerate((1e-6, 2e-6)):
             assert r["grad"][step] <= bound, f"rank {rank} step {step}: clipped gradients differ by {r['grad'][step]:.2e}"
+
+
+def test_ddp_stage_gradients_are_the_exact_sum_over_three_replicas():
+    for rank, r in enumerate(pool(3).run(cases.ddp_sums_exactly, timeout=120)):
+        assert r["exact"], f"rank {rank}: .grad differs from the replicas' exact sum by up to {r['worst']}"

@@ -90,28 +90,25 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 class CommCounter:
-    """Counts DDP's bucket all-reduces (a comm hook) and FSDP2's reduce-scatters and all-gathers."""
+    """Counts DDP's bucket all-reduces (pipecore's sum hook calls dist.all_reduce) and FSDP2's
+    reduce-scatters and all-gathers."""
 
     def __init__(self, wrapped: list[torch.nn.Module], kind: str):
         self.count = {"allreduce": 0, "reduce_scatter": 0, "all_gather": 0}
         self._undo = []
         if kind == "ddp":
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-            def hook(state, bucket):
-                self.count["allreduce"] += 1
-                return allreduce_hook(state, bucket)
-            for w in wrapped:
-                w.register_comm_hook(dist.group.WORLD, hook)
+            assert all(w._comm_hooks for w in wrapped), "the adapters register their hook first"
+            counted_ops = (("all_reduce", "allreduce"),)
         else:
-            for name, key in (("reduce_scatter_single", "reduce_scatter"), ("all_gather_single", "all_gather")):
-                orig = getattr(dist, name)
+            counted_ops = (("reduce_scatter_single", "reduce_scatter"), ("all_gather_single", "all_gather"))
+        for name, key in counted_ops:
+            orig = getattr(dist, name)
 
-                def counted(*args, _orig=orig, _key=key, **kwargs):
-                    self.count[_key] += 1
-                    return _orig(*args, **kwargs)
-                setattr(dist, name, counted)
-                self._undo.append((name, orig))
+            def counted(*args, _orig=orig, _key=key, **kwargs):
+                self.count[_key] += 1
+                return _orig(*args, **kwargs)
+            setattr(dist, name, counted)
+            self._undo.append((name, orig))
 
     def snapshot(self) -> dict:
         return dict(self.count)
@@ -516,3 +513,22 @@ def fsdp_adapter_made_while_unsharded(rank: int, world: int) -> bool:
     aside = all(p.grad is None for p in sharded) and stage._stash is not None
     stage.end_step(failed=True)
     return aside and all(hasattr(p, "full_tensor") and p.grad is not None for p in sharded)
+
+
+def ddp_sums_exactly(rank: int, world: int) -> dict:
+    """dp = `world` replicas (3: not a power of two) of a one-stage pipeline whose stage is a DDP
+    Linear, with integer inputs and a sum loss divided by loss_divisor=1: each replica's gradient is
+    integers, so the replicas' sum is exact in fp32. .grad must be exactly that sum (DDP's own hook
+    divides by dp, which multiplied back is exact only when dp is a power of two)."""
+    mesh = _mesh(world, 1)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8, bias=False)
+    ddp = torch.nn.parallel.DistributedDataParallel(layer, process_group=mesh.get_group("dp"))
+    pipe = pc.Pipeline(pc.PipelineStage(ddp, 0, 1), "1f1b", 2, loss_fn=lambda out: out.sum(),
+                       group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"), timeout=60)
+    g = torch.Generator().manual_seed(7)
+    X = torch.randint(-50, 50, (world * 4, 8), generator=g).float()
+    pipe.step(X.chunk(world)[rank], loss_divisor=1.0)
+    want = X.sum(0).expand(8, 8)  # d(sum(X W^T))/dW: every row of W gets the column sums of X
+    return {"exact": bool(torch.equal(layer.weight.grad, want)),
+            "worst": float((layer.weight.grad - want).abs().max())}

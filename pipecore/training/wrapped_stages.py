@@ -5,8 +5,9 @@ The recipe is torch.distributed.pipelining's (stage.py: `forward_maybe_with_nosy
 `backward_maybe_with_nosync`, `perform_reduce_grad`; schedules.py: UNSHARD/RESHARD), except that
 DDP's buffers are broadcast at each step's first forward (as plain DDP does; torch's pipelining
 broadcasts them once), FSDP2 reshards at RESHARD rather than inside REDUCE_GRAD, and gradients
-can be summed over the replicas (average=False: FSDP2 reduce-scatters with SUM; DDP's mean is
-multiplied back by the dp size, exact for a power of two).
+can be summed over the replicas (average=False: FSDP2 reduce-scatters with SUM; a DDP stage gets a
+comm hook that sums, unless its module has a hook of the user's, whose mean is then multiplied back
+by the dp size: exact only for a power of two).
 
 Each microbatch's backward is a normal autograd-engine call, so DDP's and FSDP2's autograd hooks
 (grad-accumulator hooks, pre-backward tensor hooks, post-backward nodes, queued final callbacks) run
@@ -146,6 +147,14 @@ class _DDPStage(WrappedStage):
         self._armed = False
         self._reached = 0
         self._hooks: list = []
+        # DDP's own reduction divides each gradient by dp before summing; pipecore wants the sum (the
+        # mean over replicas is in the loss seeds), and x / dp * dp is exact only for a power-of-two
+        # dp. A comm hook that sums takes DDP's place, unless the user registered a hook of their own
+        # (DDP takes one): then their mean is multiplied back by dp.
+        hooks = [hook for hook, _ in getattr(module, "_comm_hooks", [])]
+        if not hooks:
+            module.register_comm_hook(module.process_group, _sum_hook)
+        self._sums = not hooks or hooks == [_sum_hook]
 
     def forward_context(self):
         # Every forward runs with gradient sync off (torch: forward_maybe_with_nosync): DDP's
@@ -155,7 +164,7 @@ class _DDPStage(WrappedStage):
 
     def begin_step(self) -> None:
         # The reducer reduces all of .grad: what it held before the step goes aside, so that only
-        # the step's gradients are reduced (and multiplied by dp for a sum). The reduction writes a
+        # the step's gradients are reduced (summed over the replicas). The reduction writes a
         # bucket view's memory: copy those.
         self._set_aside_grads(copy=self.module.gradient_as_bucket_view)
 
@@ -195,10 +204,10 @@ class _DDPStage(WrappedStage):
                                 "parameter of a DDP stage must get a gradient in the last microbatch's backward (the "
                                 f"one DDP's reducer is armed for). DDP says: {exc}") from exc
         self._armed = False
-        if not average:  # the reducer divided each gradient by dp, then all-reduced (summed) them
+        if average == self._sums:  # the hook summed and a mean is asked for, or the other way round
             for p in self._params:
                 if p.grad is not None:
-                    p.grad.mul_(self.dp_size)
+                    p.grad.div_(self.dp_size) if average else p.grad.mul_(self.dp_size)
 
     def end_step(self, failed: bool) -> None:
         self._remove_hooks()
@@ -212,6 +221,12 @@ class _DDPStage(WrappedStage):
         # The next step's first forward broadcasts rank 0's buffers, as after a synced DDP forward
         # (our no_sync forwards cleared the flag; torch's pipelining leaves it cleared).
         self.module.require_forward_param_sync = True
+
+
+def _sum_hook(group, bucket):
+    """A DDP comm hook: the bucket summed over the group (DDP's default divides by its size first)."""
+    future = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return future.then(lambda done: done.value()[0])
 
 
 class _FSDPStage(WrappedStage):
