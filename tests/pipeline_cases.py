@@ -480,3 +480,31 @@ def unused_parameters_keep_no_gradient(rank, world, name, m, tie=False):
     for s in mine:
         for (n, p), (_, q) in zip(s.module.named_parameters(), ref[topo.model_stage[s.stage_index]].named_parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"rank {rank} stage {s.stage_index} {n}")
+
+
+def output_only_loss(rank, world, name, m, V, rows):
+    """loss_fn(output) with no target (a model that computes its own loss, say): each microbatch's
+    loss is weighted by its share of the batch rows, learnt from the first stages' inputs, so that
+    uneven microbatches still give the gradient of the whole batch's mean."""
+    sched = pc.build_schedule(name, world, m, V)
+    topo = sched.topology
+    n_model = world if topo.style == "dualpipe" else topo.num_stages
+    model = make_stages("mlp", n_model)
+    ref = copy.deepcopy(model)
+    mine = [pc.PipelineStage(copy.deepcopy(model[topo.model_stage[s]]), s, sched.num_stages)
+            for s in sched.rank_stages(rank)]
+
+    def loss_fn(out):
+        return out.float().pow(2).mean()
+    pipe = pc.Pipeline(mine, sched, m, loss_fn=loss_fn, timeout=60)
+    for step, n in enumerate((rows, rows + 2)):  # the row count changes with the batch's shape
+        x, _ = make_batch(n, seed=step + 1)
+        pipe.step(*((x,) if pipe.has_first else ()))
+        loss_fn(reference_forward(ref, x)).backward()
+        for s in mine:
+            ref_stage = ref[topo.model_stage[s.stage_index]]
+            for (n_, p), (_, q) in zip(s.module.named_parameters(), ref_stage.named_parameters()):
+                _assert_grads_close(p.grad, q.grad, f"rank {rank} stage {s.stage_index} {n_} step {step}")
+            s.module.zero_grad()
+        for r in ref:
+            r.zero_grad()

@@ -5,7 +5,7 @@ import torch
 
 import pipecore as pc
 from dist_pool import pool
-from pipeline_cases import (changing_batch_shapes, eval_matches, given_shapes, pipelines_on_subgroups, profiler_events,
+from pipeline_cases import (changing_batch_shapes, output_only_loss, eval_matches, given_shapes, pipelines_on_subgroups, profiler_events,
                             sent_outputs_freed, split_backward_defers_weight_grads, train_and_compare,
                             view_outputs_are_copied)
 
@@ -144,3 +144,10 @@ def test_unused_parameters_keep_no_gradient(name, world, tie):
     from pipeline_cases import unused_parameters_keep_no_gradient
 
     pool(world).run(unused_parameters_keep_no_gradient, name, 2 * world, tie)
+
+
+@pytest.mark.parametrize("name, world, V", [("1f1b", 2, 1), ("interleaved_1f1b", 2, 2), ("zbv", 2, 2),
+                                            ("dualpipe", 2, 2)])
+def test_loss_without_target_weights_uneven_microbatches_by_rows(name, world, V):
+    m = 2 * world
+    pool(world).run(output_only_loss, name, m, V, 3 * m + 1)

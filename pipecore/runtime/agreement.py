@@ -1,7 +1,8 @@
 """The agreement protocol: what every rank of a pipeline must agree on before a step runs.
 
 One small all-reduce carries the batch signature (did a first stage's batch change shape?), whether
-any rank's step failed, and how many ranks train. The first agreement gathers instead: besides those
+any rank's step failed, how many ranks train, and the first stages' batch rows (the last stages
+weight each microbatch's loss by its share of them when no target tells). The first agreement gathers instead: besides those
 it learns group rank 0's nonce (which names the Pipeline's keys in the store) and every rank's
 program digest, so ranks built with different schedules, microbatch counts or stage layouts all fail
 at once with the same message.
@@ -37,25 +38,31 @@ class Agreement:
         self._nonce = int.from_bytes(os.urandom(7), "little") if comm.rank == 0 else 0
         self.misbuilt: str | None = None  # the ranks' programs differ: every later step says it again
 
-    def __call__(self, local_sig: int, failed: bool, training: bool, what: str = REACH_STEP) -> tuple[int, bool]:
-        """(the batch signature summed over the ranks, whether any rank failed)."""
+    def __call__(self, local_sig: int, failed: bool, training: bool, what: str = REACH_STEP,
+                 batch_rows: int = 0) -> tuple[int, bool, int]:
+        """(the batch signature summed over the ranks, whether any rank failed, the rows of the
+        batch given to the ranks holding a first stage: `batch_rows` there, 0 elsewhere; 0 if none
+        said)."""
         comm = self.comm
         if comm.world == 1:
-            return local_sig, failed
+            return local_sig, failed, batch_rows
         if comm.uid is None:
-            return self._first(local_sig, failed, training)
-        sig, failed, trainers = comm.all_reduce_sum([local_sig, int(failed), int(training)], what)
+            return self._first(local_sig, failed, training, batch_rows)
+        sig, failed, trainers, rows, givers = comm.all_reduce_sum(
+            [local_sig, int(failed), int(training), batch_rows, int(batch_rows > 0)], what)
         if 0 < trainers < comm.world:
             raise InputError(f"rank {comm.rank}: {trainers} of the {comm.world} ranks called step() and the others "
                              f"eval() (this rank: {'step' if training else 'eval'}()): every rank makes the same call")
-        return sig, bool(failed)
+        return sig, bool(failed), rows // givers if givers else 0
 
-    def _first(self, local_sig: int, failed: bool, training: bool) -> tuple[int, bool]:
+    def _first(self, local_sig: int, failed: bool, training: bool, batch_rows: int) -> tuple[int, bool, int]:
         comm = self.comm
         fields = [signature(v) for v in self.summary.values()]
-        rows = comm.all_gather([local_sig, int(failed), self._nonce, int(training), self._ties, *fields], REACH_STEP)
+        rows = comm.all_gather([local_sig, int(failed), self._nonce, int(training), self._ties, batch_rows, *fields],
+                               REACH_STEP)
         any_ties = any(r[4] for r in rows)
-        rows = [r[:4] + r[5:] for r in rows]
+        given = [r[5] for r in rows if r[5] > 0]
+        rows = [r[:4] + r[6:] for r in rows]
         comm.uid = f"{dist.distributed_c10d._get_process_group_name(comm.group)}/{rows[0][2]:x}"
         if any(r[4:] != rows[0][4:] for r in rows):
             self.misbuilt = self._mismatch([r[4:] for r in rows])
@@ -70,7 +77,7 @@ class Agreement:
             raise InputError(f"rank {comm.rank}: the ranks made different calls ({calls}): every rank makes the same "
                              "call, step() or eval()")
         sig = (sum(r[0] for r in rows) + (1 << 63)) % (1 << 64) - (1 << 63)  # int64 wrap-around, as all_reduce
-        return sig, any(r[1] for r in rows)
+        return sig, any(r[1] for r in rows), sum(given) // len(given) if given else 0
 
     def _mismatch(self, digests: list[list[int]]) -> str:
         """Names the ranks and what differs between their programs (their summaries via the store)."""

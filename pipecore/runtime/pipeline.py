@@ -27,7 +27,7 @@ from pipecore.runtime.step import StepRun, check_inputs, check_step_options, spl
 from pipecore.schedule import Schedule, build_schedule
 from pipecore.schedule.lowering import add_unshard_reshard
 from pipecore.stage import boundary as wire
-from pipecore.stage.microbatch import merge, merge_by_spec
+from pipecore.stage.microbatch import batch_size, merge, merge_by_spec
 from pipecore.stage.pipeline_stage import PipelineStage, from_torch_stage, is_torch_stage
 from pipecore.training.data_parallel import DEFAULT_BUCKET_BYTES, DataParallel
 from pipecore.training.finalise import GradFinalisation
@@ -342,7 +342,7 @@ class Pipeline:
         # 1. everything that can be checked before communicating
         problem = None
         batch = None
-        desc = 0
+        desc = rows = 0
         try:
             check_inputs(self, args, kwargs, target, training)
             loss_divisor = check_step_options(self, return_outputs, loss_kwargs, loss_divisor)
@@ -350,6 +350,8 @@ class Pipeline:
                 batch = split_batch(self, args, kwargs, target)
             if self.has_first:
                 desc = wire.signature((wire.describe(args), wire.describe(kwargs), training))
+                if self.args_chunk_spec is None and self.kwargs_chunk_spec is None:  # split along dim 0
+                    rows = batch_size((args, kwargs)) or 0
         except (ValueError, TypeError) as exc:
             problem = exc
         agreed = plans.agreed.get(training)
@@ -371,7 +373,7 @@ class Pipeline:
                 self._dp.discard_round()  # as the ranks that compute on its stand-ins do (data_parallel.py)
             agreed = None
         if agreed is None:
-            self._agree_and_plan(step, desc, training)
+            self._agree_and_plan(step, desc, rows, training)
         else:
             plans.ensure_loaded(agreed, training)
         # 3. the step (the first one of a batch shape learns its plan: pipecore/runtime/discovery.py)
@@ -395,7 +397,7 @@ class Pipeline:
                         warnings.warn(problem, RuntimeWarning, stacklevel=3)
                     if training and self._dp is not None and on_stand_ins:
                         self._dp.discard_round()
-                    self._agree_and_plan(step, desc, training)
+                    self._agree_and_plan(step, desc, rows, training)
                     run.restart()
         except PeerAbort as exc:
             problem = self._restore_module_state()
@@ -444,9 +446,9 @@ class Pipeline:
             chunks = [run.outputs[mb] for mb in sorted(run.outputs)]
             return merge(chunks) if self.output_merge_spec is None else merge_by_spec(chunks, self.output_merge_spec)
 
-    def _agree_and_plan(self, step: int, desc: int, training: bool) -> None:
+    def _agree_and_plan(self, step: int, desc: int, rows: int, training: bool) -> None:
         """All ranks agree on the batch signature; its plan is loaded, or this step learns it."""
-        sig, failed = self.plans.agree(desc, training, self.has_first)
+        sig, failed = self.plans.agree(desc, training, self.has_first, rows)
         if failed:  # another rank's input checks failed on the first step of this mode
             raise InputError(f"rank {self.rank}: step {step} not run: {self.comm.peer_error()}")
         if self._wants_reverse_channel and self.reverse_channel is None:

@@ -28,18 +28,20 @@ class Plans:
         self._loaded: tuple[int, bool] | None = None
         self.agreed: dict[bool, int] = {}  # per mode: the signature all ranks agreed on
         self.last_desc: dict[bool, int] = {}  # first-stage ranks: the batch description it came from
+        self.batch_rows: dict[bool, int] = {}  # per mode: the rows of the first stages' batch (0: unknown)
         self.discovery: Discovery | None = None  # during a step that learns its batch shape's plan
         self.in_use: dict[int, StagePlan] = {}  # stage -> its plan, for the step that runs
 
     def __len__(self) -> int:
         return len(self._kept)
 
-    def agree(self, desc: int, training: bool, has_first: bool) -> tuple[int, bool]:
+    def agree(self, desc: int, training: bool, has_first: bool, batch_rows: int) -> tuple[int, bool]:
         """All ranks agree on the batch signature: (signature, whether another rank's input checks
-        failed)."""
-        sig, failed = self._agree(desc, False, training)
+        failed); every rank learns the first stages' batch rows."""
+        sig, failed, rows = self._agree(desc, False, training, batch_rows=batch_rows)
         if not failed:
             self.agreed[training] = sig
+            self.batch_rows[training] = rows
             if has_first:
                 self.last_desc[training] = desc
         return sig, failed
@@ -61,7 +63,7 @@ class Plans:
         discovery, self.discovery = self.discovery, None
         if discovery is None:
             return
-        _, failed_somewhere = self._agree(0, failed, discovery.training, "agreeing whether every rank ran the step "
+        _, failed_somewhere, _ = self._agree(0, failed, discovery.training, "agreeing whether every rank ran the step "
                                           "that learnt this batch shape's messages")
         if failed_somewhere:
             self.agreed.pop(discovery.training, None)

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from pipecore.errors import InputError
 from pipecore.runtime.discovery import declared_mismatch
 from pipecore.stage import boundary as wire
-from pipecore.stage.microbatch import batch_size, split, split_by_specs
+from pipecore.stage.microbatch import batch_size, split, split_by_specs, split_sizes
 
 
 @dataclass
@@ -235,11 +235,14 @@ class StepRun:
         return [t.clone() if t._is_view() else t for t in tensors]
 
     def _loss_weight(self, mb: int) -> float:
-        """This microbatch's share of the batch: n_mb / N (1/m when rows are unknown); with a
-        loss_divisor (sum losses), 1 / loss_divisor."""
+        """This microbatch's share of the batch rows, n_mb / N: the target's rows, else the rows of
+        the first stages' batch (learnt at the agreement; split as `split` does), else 1/m (inputs
+        split by torch's chunk specs, with no target rows); with a loss_divisor (sum losses),
+        1 / loss_divisor. Divided by the replicas, whose gradients are summed."""
         if self._loss_divisor is not None:
             return 1.0 / self._loss_divisor
-        rows = self._batch.rows
+        rows = self._batch.rows or split_sizes(self._plans.batch_rows.get(self._training, 0),
+                                               self._pipe.num_microbatches)
         if rows:
-            return rows[mb] / sum(rows) / self._dp_size  # the mean over replicas: their gradients are summed
+            return rows[mb] / sum(rows) / self._dp_size
         return 1.0 / self._pipe.num_microbatches / self._dp_size

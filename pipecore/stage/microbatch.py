@@ -25,6 +25,14 @@ def batch_size(tree: Any) -> int | None:
     return None
 
 
+def split_sizes(rows: int, n: int) -> list[int] | None:
+    """The rows of each of `n` microbatches of a batch of `rows` (None for an unknown batch): the
+    first `rows % n` get one more, as `split` cuts them."""
+    if rows < n:
+        return None
+    return [rows // n + (1 if i < rows % n else 0) for i in range(n)]
+
+
 def split(tree: Any, n: int, what: str = "input") -> list[Any]:
     """`n` microbatches of `tree`. Raises SplitError saying why when it cannot be split."""
     if n < 1:
