@@ -139,8 +139,8 @@ class Replica:
             ref_stage = self.ref[self.topo.model_stage[s.stage_index]]
             for (n, p), q in zip(s.module.named_parameters(), ref_stage.parameters()):
                 where = f"rank {self.rank} stage {s.stage_index} {n} {what}"
-                if q.grad is None:  # unused or frozen: no gradient (or zeros) here either
-                    assert p.grad is None or not p.grad.any(), f"{where}: a gradient where one process has none"
+                if q.grad is None:  # unused or frozen: None here too (zeros would move it under AdamW)
+                    assert p.grad is None, f"{where}: a gradient where one process has none"
                     continue
                 assert p.grad is not None, f"{where}: gradient missing"
                 self._note("grad", relative_difference(p.grad, q.grad), where)
