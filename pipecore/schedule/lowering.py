@@ -10,8 +10,9 @@ import gc
 from collections.abc import Iterable
 from contextlib import contextmanager
 
-from pipecore.schedule.action import MB_SHIFT, STAGE_MASK, STAGE_SHIFT, Kind, decode, encode, leaf_codes, stage_of
+from pipecore.schedule.action import STAGE_MASK, STAGE_SHIFT, Kind, decode, encode, leaf_codes, microbatch_of, stage_of
 from pipecore.schedule.errors import ScheduleError
+from pipecore.schedule.readiness import GRAD_DONE, Links
 
 F, I, W, B = int(Kind.F), int(Kind.I), int(Kind.W), int(Kind.B)
 SEND_F, RECV_F, SEND_B, RECV_B = int(Kind.SEND_F), int(Kind.RECV_F), int(Kind.SEND_B), int(Kind.RECV_B)
@@ -151,32 +152,14 @@ def add_send_recv(codes: list[list[int]], topo) -> list[list[int]]:
     global order in which every SEND is directly followed by its RECV, so it cannot deadlock, even
     with rendezvous (blocking) sends, and both ends of every channel see the same message order.
     """
-    return _add_send_recv_python(codes, _stage_links(topo))
-
-
-def _stage_links(topo):
-    """Per stage: code offsets from an action to what it needs / to what its peer receives, and
-    the peer (-1: none across ranks). "Done" markers are an action's code with kind bits 1
-    (forward done) or 2 (grad-input done): nothing waits for a W."""
-    stage_rank = topo.stage_rank
-    fwd_need, fwd_peer, fwd_recv = [], [], []
-    bwd_need, bwd_peer, bwd_recv = [], [], []
-    for s, r in enumerate(stage_rank):
-        p, n = topo.prev_stage[s], topo.next_stage[s]
-        fwd_need.append(None if p < 0 else ((p - s) << STAGE_SHIFT) + 1)
-        bwd_need.append(None if n < 0 else ((n - s) << STAGE_SHIFT) + 2)
-        cross_next = n >= 0 and stage_rank[n] != r
-        fwd_peer.append(stage_rank[n] if cross_next else -1)
-        fwd_recv.append(((n - s) << STAGE_SHIFT) + RECV_F if cross_next else 0)
-        cross_prev = p >= 0 and stage_rank[p] != r
-        bwd_peer.append(stage_rank[p] if cross_prev else -1)
-        bwd_recv.append(((p - s) << STAGE_SHIFT) + RECV_B if cross_prev else 0)
-    return fwd_need, fwd_peer, fwd_recv, bwd_need, bwd_peer, bwd_recv
+    return _add_send_recv_python(codes, Links.of(topo))
 
 
 def _add_send_recv_python(codes: list[list[int]], links) -> list[list[int]]:
     num_ranks = len(codes)
-    fwd_need, fwd_peer, fwd_recv, bwd_need, bwd_peer, bwd_recv = links
+    # done markers (readiness.py): an F's own code once it ran, grad_done(code) once an I or B ran
+    fwd_need, fwd_peer, fwd_recv = links.fwd_need, links.fwd_peer, links.fwd_recv
+    bwd_need, bwd_peer, bwd_recv = links.bwd_need, links.bwd_peer, links.bwd_recv
     out: list[list[int]] = [[] for _ in range(num_ranks)]
     pos = [0] * num_ranks
     lengths = [len(row) for row in codes]
@@ -214,14 +197,14 @@ def _add_send_recv_python(codes: list[list[int]], links) -> list[list[int]]:
                 if peer >= 0:
                     dst.append(c | SEND_F)
                     out[peer].append(c + fwd_recv[s])
-                mark = c | 1
+                mark = c
                 done.add(mark)
                 if mark in waiting:
                     woken.extend(waiting.pop(mark))
             elif kind == B or kind == I:
                 base = c & kind_mask
-                if base | 1 not in done:
-                    wait(r, base | 1)
+                if base not in done:
+                    wait(r, base)
                     continue
                 d = bwd_need[s]
                 if d is not None and base + d not in done:
@@ -233,14 +216,14 @@ def _add_send_recv_python(codes: list[list[int]], links) -> list[list[int]]:
                 if peer >= 0:
                     dst.append(base | SEND_B)
                     out[peer].append(base + bwd_recv[s])
-                mark = base | 2
+                mark = base | GRAD_DONE
                 done.add(mark)
                 if mark in waiting:
                     woken.extend(waiting.pop(mark))
             elif kind == W:  # nothing waits for a W: no marker
                 base = c & kind_mask
-                if base | 2 not in done:
-                    wait(r, base | 2)
+                if base | GRAD_DONE not in done:
+                    wait(r, base | GRAD_DONE)
                     continue
                 out[r].append(c)
             elif kind == OVERLAP:
@@ -253,10 +236,10 @@ def _add_send_recv_python(codes: list[list[int]], links) -> list[list[int]]:
                         if d is not None and leaf + d not in done:
                             need = leaf + d
                     elif lk == W:
-                        if base | 2 not in done:
-                            need = base | 2
-                    elif base | 1 not in done:
-                        need = base | 1
+                        if base | GRAD_DONE not in done:
+                            need = base | GRAD_DONE
+                    elif base not in done:
+                        need = base
                     elif bwd_need[ls] is not None and base + bwd_need[ls] not in done:
                         need = base + bwd_need[ls]
                     if need:
@@ -269,14 +252,14 @@ def _add_send_recv_python(codes: list[list[int]], links) -> list[list[int]]:
                 for leaf in leaves:
                     lk, ls, base = leaf & 0xF, (leaf >> STAGE_SHIFT) & smask, leaf & kind_mask
                     if lk == F:
-                        mark = base | 1
+                        mark = base
                         if fwd_peer[ls] >= 0:
                             dst.append(base | SEND_F)
                             out[fwd_peer[ls]].append(base + fwd_recv[ls])
                     elif lk == W:
                         continue
                     else:
-                        mark = base | 2
+                        mark = base | GRAD_DONE
                         if bwd_peer[ls] >= 0:
                             dst.append(base | SEND_B)
                             out[bwd_peer[ls]].append(base + bwd_recv[ls])
@@ -304,11 +287,8 @@ def _raise_deadlock(codes, stuck, blocked) -> None:
 
 
 def _describe_key(key: int) -> str:
-    phase = key & 3
-    stage = stage_of(key)
-    mb = (key >> MB_SHIFT) - 1
-    kind = {1: "F", 2: "I/B"}[phase]
-    return f"{stage}{kind}{mb}"
+    kind = "I/B" if key & 0xF == GRAD_DONE else "F"
+    return f"{stage_of(key)}{kind}{microbatch_of(key)}"
 
 
 __all__ = ["lower", "merge_adjacent_iw", "input_grad_awaited", "add_reduce_grad", "add_unshard_reshard",

@@ -1,8 +1,9 @@
-"""Event-driven cost-model simulator.
+"""Cost-model simulator.
 
 Each rank runs its actions in order; an action starts when its rank is free and its inputs are
-there: the producer's end, plus `comm` when the producer is on another rank. Communication
-actions of a lowered schedule take no rank time (their latency is the `comm` cost).
+there (pipecore/schedule/readiness.py): the producer's end, plus `comm` when the producer is on
+another rank. Communication actions of a lowered schedule take no rank time (their latency is the
+`comm` cost).
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pipecore.schedule.action import STAGE_MASK, STAGE_SHIFT, Action, Kind, decode, leaf_codes, stage_of
+from pipecore.schedule.action import Action, Kind, decode, leaf_codes
 from pipecore.schedule.errors import ScheduleError
+from pipecore.schedule.readiness import replay
 
 F, I, W, B = int(Kind.F), int(Kind.I), int(Kind.W), int(Kind.B)
 OVERLAP = int(Kind.OVERLAP_F_B)
+_COMPUTE = frozenset({F, I, W, B, OVERLAP})
 _EXTRA_KINDS = {int(Kind.REDUCE_GRAD): "REDUCE_GRAD", int(Kind.UNSHARD): "UNSHARD", int(Kind.RESHARD): "RESHARD"}
 # how the executor runs an OVERLAP_F_B pair's halves (Pipeline's `overlap_f_b`), its default first
 OVERLAP_MODES = ("lockstep", "concurrent", "sequential")
@@ -90,87 +93,22 @@ def simulate(schedule, costs: Mapping[str, object] | None = None, overlap: str =
     num_ranks = len(codes)
     cost = cost_table(costs, topo.num_stages)
     by_kind = {F: cost["F"], I: cost["I"], W: cost["W"], B: cost["B"]}
-    comm = cost["comm"]
-    overlap_fn = cost.get("OVERLAP_F_B") or (max if overlap == "concurrent" else None)
-    stage_rank, prev_stage, next_stage = topo.stage_rank, topo.prev_stage, topo.next_stage
-
-    finish: dict[int, float] = {}  # leaf code (or grad-input marker kind 0xF) -> end time
-    clock = [0.0] * num_ranks
+    by_kind.update({kind: cost[name] for kind, name in _EXTRA_KINDS.items()})
+    pair = cost.get("OVERLAP_F_B") or (max if overlap == "concurrent" else None)
     busy = [0.0] * num_ranks
-    pos = [0] * num_ranks
     timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(num_ranks)]
-    waiting: dict[int, list[int]] = {}
-    blocked_on: dict[int, int] = {}
-    ready = [r for r in range(num_ranks) if codes[r]]
-    while ready:
-        r = ready.pop()
-        row = codes[r]
-        while pos[r] < len(row):
-            c = row[pos[r]]
-            kind = c & 0xF
-            if kind not in (F, I, W, B, OVERLAP):
-                name = _EXTRA_KINDS.get(kind)
-                dur = cost[name][stage_of(c)] if name else 0.0
-                if dur:
-                    timeline[r].append((decode(c), clock[r], clock[r] + dur))
-                    clock[r] += dur
-                    busy[r] += dur
-                pos[r] += 1
-                continue
-            leaves = leaf_codes(c) if kind == OVERLAP else (c,)
-            start = clock[r]
-            need = -1
-            for lc in leaves:
-                lk, s = lc & 0xF, stage_of(lc)
-                deps = []
-                if lk == F:
-                    p = prev_stage[s]
-                    if p >= 0:
-                        deps.append(((lc & ~(STAGE_MASK << STAGE_SHIFT)) | (p << STAGE_SHIFT) | F, stage_rank[p] != r, s))
-                elif lk == I or lk == B:
-                    deps.append(((lc & ~0xF) | F, False, s))
-                    nx = next_stage[s]
-                    if nx >= 0:
-                        deps.append(((lc & ~(STAGE_MASK << STAGE_SHIFT) & ~0xF) | (nx << STAGE_SHIFT) | 0xF, stage_rank[nx] != r, s))
-                elif lk == W:
-                    deps.append(((lc & ~0xF) | 0xF, False, s))
-                for key, remote, s_ in deps:
-                    t = finish.get(key)
-                    if t is None:
-                        need = key
-                        break
-                    if remote:
-                        t += comm[s_]
-                    if t > start:
-                        start = t
-                if need >= 0:
-                    break
-            if need >= 0:
-                waiting.setdefault(need, []).append(r)
-                blocked_on[r] = need
-                break
-            if kind == OVERLAP:
-                parts = [by_kind[lc & 0xF][stage_of(lc)] for lc in leaves]
-                fwd = sum(p for p, lc in zip(parts, leaves) if lc & 0xF == F)
-                dur = overlap_fn(fwd, sum(parts) - fwd) if overlap_fn else sum(parts)
-            else:
-                dur = by_kind[kind][stage_of(c)]
-            end = start + dur
+
+    def record(r: int, c: int, start: float, end: float) -> None:
+        # sends and receives take no rank time (their latency is `comm`): not in the timeline
+        if end > start or c & 0xF in _COMPUTE:
             timeline[r].append((decode(c), start, end))
-            clock[r] = end
-            busy[r] += dur
-            for lc in leaves:
-                marks = (lc, (lc & ~0xF) | 0xF) if (lc & 0xF) in (I, B) else (lc,)
-                for m in marks:
-                    finish[m] = end
-                    if m in waiting:
-                        ready.extend(waiting.pop(m))
-            pos[r] += 1
-    stuck = [r for r in range(num_ranks) if pos[r] < len(codes[r])]
-    if stuck:
+            busy[r] += end - start
+
+    run = replay(codes, topo, cost=by_kind, pair=pair, comm=cost["comm"], on_action=record)
+    if run.stuck(codes):
         schedule.validate()  # raises the detailed error
-        raise ScheduleError(f"simulation stuck on ranks {stuck}")  # pragma: no cover
-    makespan = max(clock, default=0.0)
+        raise ScheduleError(f"simulation stuck on ranks {run.stuck(codes)}")  # pragma: no cover
+    makespan = max(run.clock, default=0.0)
     total = makespan * num_ranks
     bubble = 1.0 - sum(busy) / total if total > 0 else 0.0
     return SimResult(makespan, bubble, busy, peak_activations(codes), timeline)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pipecore.schedule.action import MB_SHIFT, STAGE_MASK, STAGE_SHIFT, Kind, decode, leaf_codes, microbatch_of, stage_of
 from pipecore.schedule.errors import ScheduleError
+from pipecore.schedule.readiness import GRAD_DONE, replay
 from pipecore.schedule.timeline import format_table
 
 F, I, W, B = int(Kind.F), int(Kind.I), int(Kind.W), int(Kind.B)
@@ -222,61 +223,20 @@ def _check_edge(producer, send, recv, consumer, where, rep) -> None:
 
 
 def _check_progress(schedule, lowered: bool, rep) -> None:
-    """Run the schedule: sends and receives are posted without blocking, a compute action waits for
-    its inputs (the peer's SEND when they come from another rank). Fails when ranks get stuck."""
+    """Run the schedule by the readiness rule (pipecore/schedule/readiness.py): sends and receives
+    are posted without blocking, a compute action waits for its inputs (the peer's SEND when they
+    come from another rank). Fails when ranks get stuck."""
     topo = schedule.topology
     codes = schedule.codes
-    stage_rank, prev_stage, next_stage = topo.stage_rank, topo.prev_stage, topo.next_stage
-    num_ranks = len(codes)
-    pos = [0] * num_ranks
-    done: set[int] = set()
-    waiting: dict[int, list[int]] = {}
-    blocked_on: dict[int, int] = {}
-    ready = [r for r in range(num_ranks) if codes[r]]
-    while ready:
-        r = ready.pop()
-        row = codes[r]
-        n = len(row)
-        while pos[r] < n:
-            c = row[pos[r]]
-            need = -1
-            for lc in (leaf_codes(c) if c & 0xF == OVERLAP else (c,)):
-                kind, s = lc & 0xF, stage_of(lc)
-                if kind == F:
-                    p = prev_stage[s]
-                    if p >= 0:
-                        src = _with_stage(lc, p)
-                        need = (src | SEND_F) if lowered and stage_rank[p] != r else (src | F)
-                elif kind == I or kind == B:
-                    nx = next_stage[s]
-                    if nx >= 0:
-                        src = _with_stage(lc, nx) & ~0xF
-                        if lowered and stage_rank[nx] != r:
-                            need = src | SEND_B
-                        else:
-                            need = src | 0xF  # "grad-input of src done", set by its I or B
-                if need >= 0 and need not in done:
-                    break
-                need = -1
-            if need >= 0:
-                waiting.setdefault(need, []).append(r)
-                blocked_on[r] = need
-                break
-            blocked_on.pop(r, None)
-            for lc in (leaf_codes(c) if c & 0xF == OVERLAP else (c,)):
-                marks = (lc, (lc & ~0xF) | 0xF) if (lc & 0xF) in (I, B) else (lc,)
-                for m in marks:
-                    done.add(m)
-                    if m in waiting:
-                        ready.extend(waiting.pop(m))
-            pos[r] += 1
-    stuck = [r for r in range(num_ranks) if pos[r] < len(codes[r])]
+    run = replay(codes, topo, lowered=lowered)
+    stuck = run.stuck(codes)
     if stuck:
         details = []
         for r in stuck:
-            need = blocked_on[r]
-            what = decode(need) if need & 0xF != 0xF else f"the backward of {stage_of(need)}B{microbatch_of(need)}"
-            holder = stage_rank[stage_of(need)]
-            details.append(f"rank {r} at step {pos[r]} ({decode(codes[r][pos[r]])}) waits for {what} on rank {holder}")
+            need = run.blocked_on[r]
+            what = decode(need) if need & 0xF != GRAD_DONE else f"the backward of {stage_of(need)}B{microbatch_of(need)}"
+            holder = topo.stage_rank[stage_of(need)]
+            details.append(f"rank {r} at step {run.pos[r]} ({decode(codes[r][run.pos[r]])}) waits for {what} on rank "
+                           f"{holder}")
         r0 = stuck[0]
-        rep.fail(r0, pos[r0], "deadlock: no rank can make progress:\n  " + "\n  ".join(details))
+        rep.fail(r0, run.pos[r0], "deadlock: no rank can make progress:\n  " + "\n  ".join(details))

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 from pipecore.schedule.schedule import Schedule
 from pipecore.schedule.topology import Topology
-from pipecore.schedule.action import STAGE_MASK, STAGE_SHIFT, leaf_codes, stage_of
-from pipecore.schedule.builders._codes import B, F, I, OVERLAP, W, code
+from pipecore.schedule.builders._codes import B, F, I, W, code
 from pipecore.schedule.builders.v_rounds import _Stuck, build_rounds
+from pipecore.schedule.readiness import replay
 from pipecore.schedule.simulate import cost_table, peak_activations
 
 
@@ -286,59 +286,13 @@ def _round_runs(topo, table, limit):
 
 def makespan(codes: list[list[int]], topo: Topology, table: dict[str, list[float]]) -> float:
     """The simulator's makespan (overlap "lockstep": a pair costs both halves) of a compute-only
-    schedule, without its event machinery: ranks in turn run what they can until all are done
-    (about 6x faster)."""
-
-    R = len(codes)
-    prev, nxt, srank = topo.prev_stage, topo.next_stage, topo.stage_rank
+    schedule, without its timeline. Raises _Stuck when it deadlocks."""
     cost = {F: table["F"], I: table["I"], W: table["W"], B: table["B"]}
-    comm = table["comm"]
-    stage_bits = STAGE_MASK << STAGE_SHIFT
-    end: dict[int, float] = {}
-
-    def ready(c, r):
-        """When leaf action c's input is there (0 without one); None if not yet computed."""
-        kind, s = c & 0xF, stage_of(c)
-        q = prev[s] if kind == F else nxt[s] if kind != W else -1  # whose output it needs
-        if q < 0:
-            return 0.0
-        # a gradient comes from the next stage's I or B: both are kept under kind 0xF
-        e = end.get((c & ~stage_bits) | (q << STAGE_SHIFT) | (0 if kind == F else 0xF))
-        if e is not None and srank[q] != r:
-            e += comm[s]
-        return e
-
-    pos, clock = [0] * R, [0.0] * R
-    active = [r for r in range(R) if codes[r]]
-    while active:
-        moved = False
-        for r in active:
-            row, p, t = codes[r], pos[r], clock[r]
-            while p < len(row):
-                c = row[p]
-                kind = c & 0xF
-                if kind == OVERLAP:  # (the single action below without a list of leaves: the hot path)
-                    leaves = leaf_codes(c)
-                    times = [ready(lc, r) for lc in leaves]
-                    if None in times:
-                        break
-                    t = max(t, *times) + sum(cost[lc & 0xF][stage_of(lc)] for lc in leaves)
-                    for lc in leaves:
-                        end[lc | 0xF if lc & 0xF in (I, B) else lc] = t
-                else:
-                    e = ready(c, r)
-                    if e is None:
-                        break
-                    t = max(t, e) + cost[kind][stage_of(c)]
-                    end[c | 0xF if kind in (I, B) else c] = t
-                p += 1
-            if p != pos[r]:
-                moved = True
-                pos[r], clock[r] = p, t
-        if not moved:
-            raise _Stuck("the schedule deadlocks")
-        active = [r for r in active if pos[r] < len(codes[r])]
-    return max(clock, default=0.0)
+    # the candidates are built in a valid same-rank order: only what crosses stages is waited for
+    run = replay(codes, topo, local=False, cost=cost, comm=table["comm"])
+    if run.stuck(codes):
+        raise _Stuck("the schedule deadlocks")
+    return max(run.clock, default=0.0)
 
 
 def _fixed_runs(topo, table, limit, V, fixed_schedules):
