@@ -27,11 +27,11 @@ all: install
 ENV_KEY_CMD = $(PYTHON) -c "import sys, os, hashlib, importlib.metadata as m; \
 	found = [next(iter(m.distributions(name=n)), None) for n in ('torch', 'pipecore')]; \
 	dists = [(d.version, d.read_text('direct_url.json')) if d else None for d in found]; \
-	env = [os.environ.get(v) for v in ('PIPECORE_NO_CUDA', 'PIPECORE_DEBUG_INFO', 'CC', 'CXX')]; \
+	env = [os.environ.get(v) for v in ('PIPECORE_NO_CUDA', 'PIPECORE_DEBUG_INFO', 'PIPECORE_TESTING', 'CC', 'CXX')]; \
 	print(hashlib.sha1(repr((sys.prefix, dists, env)).encode()).hexdigest()[:12])"
 ENV_KEY := $(shell $(ENV_KEY_CMD))
 INSTALLED := build/installed-$(or $(ENV_KEY),unknown)
-BUILD_INPUTS := Makefile setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/* pipecore/_C*.so)
+BUILD_INPUTS := Makefile setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/* csrc/testing/* pipecore/_C*.so)
 
 install: $(INSTALLED)
 	@echo "pipecore is installed for $(PYTHON)"
@@ -68,7 +68,10 @@ $(INSTALLED): $(BUILD_INPUTS)
 	@$(PYTHON) -c "import sys, torch; print(f'Python {sys.version.split()[0]} at {sys.prefix}, torch {torch.__version__}')" \
 		> build/installed-$$($(ENV_KEY_CMD))
 
-install-test: install
+# the test variant of the extension (PIPECORE_TESTING: the executor's test hooks compiled in; its objects
+# have their own build/obj-*-testing folder, so switching back and forth only links)
+install-test:
+	@PIPECORE_TESTING=1 $(MAKE) --no-print-directory install
 	@$(PYTHON) -c "import pytest, hypothesis, nvtx" 2>/dev/null || $(PIP) install -q $(TEST_DEPS)
 
 # pipeline-parallel training of a GPT on 4 CPU processes (torchrun), its timeline and a checkpoint

@@ -5,7 +5,10 @@ The extension is compiled against the torch that is already installed, so instal
 that). pip's default build isolation builds in a new environment without your torch: that fails at
 once below with a sentence saying so.
 
-Objects are kept in ``build/obj-*`` (keyed by Python, torch and CUDA), so a second install
+``PIPECORE_TESTING=1`` builds the test variant (``make test`` does): the executor's test hooks and
+``csrc/testing/`` compiled in; production builds leave them out.
+
+Objects are kept in ``build/obj-*`` (keyed by Python, torch, CUDA and variant), so a second install
 recompiles only what changed, editable installs included (setuptools would otherwise compile in a
 new temporary folder each time); ccache is used where it is installed.
 """
@@ -66,9 +69,17 @@ def _use_cuda(cuda_home):
     return os.path.isfile(nvcc) and os.access(nvcc, os.X_OK)
 
 
+def _testing():
+    """A test build (`make test`): the executor's test hooks and csrc/testing/ compiled in."""
+    return os.environ.get("PIPECORE_TESTING", "0") not in ("", "0")
+
+
 def _extensions(cuda_home, use_cuda):
     sources = _rel_sorted("csrc/*.cpp")
     define_macros = []
+    if _testing():
+        sources += _rel_sorted("csrc/testing/*.cpp")
+        define_macros.append(("PIPECORE_TESTING", "1"))
     include_dirs = []
     # rpath to torch's lib dir so `import pipecore._C` works even before
     # `import torch` (otherwise the loader cannot find libc10.so/libtorch*.so).
@@ -121,7 +132,7 @@ class BuildPipecore(BuildExtension.with_options(use_ninja=True)):
         super().finalize_options()
         # pip install -e sets build_temp to a new temporary folder: every install would compile everything
         key = f"{sysconfig.get_config_var('SOABI') or sys.implementation.cache_tag}-torch{torch.__version__}-" \
-              f"{'cuda' if USE_CUDA else 'cpu'}"
+              f"{'cuda' if USE_CUDA else 'cpu'}{'-testing' if _testing() else ''}"
         self.build_temp = os.path.join(ROOT, "build", f"obj-{key}")
 
     def build_extensions(self):
@@ -141,6 +152,14 @@ class BuildPipecore(BuildExtension.with_options(use_ninja=True)):
         super().build_extensions()
 
 
+def _version():
+    """pipecore/version.py's __version__ (read as text: importing pipecore here would import torch's parts)."""
+    import re
+
+    with open(os.path.join(ROOT, "pipecore", "version.py")) as f:
+        return re.search(r'__version__ = "([^"]+)"', f.read())[1]
+
+
 CUDA_HOME = _cuda_home()
 USE_CUDA = _use_cuda(CUDA_HOME)
 
@@ -156,7 +175,7 @@ if shutil.which("ninja") is None:
 
 setup(
     name="pipecore",
-    version="0.1.0",
+    version=_version(),
     description="Pipeline-parallel training executor for PyTorch",
     packages=find_packages(include=["pipecore", "pipecore.*"]),
     python_requires=">=3.11",

@@ -17,6 +17,7 @@
 #include "collectives.h"
 #include "executor.h"
 #include "grad_reduce.h"
+#include "message_status.h"
 #include "weight_store.h"
 
 #ifndef TORCH_EXTENSION_NAME
@@ -44,6 +45,7 @@ py::dict build_info() {
 #else
   info["torch_version"] = py::str("");
 #endif
+  info["testing"] = pipecore::kTesting;  // a test build (PIPECORE_TESTING): its hooks are bound
   info["compiler"] = py::str(__VERSION__);
 #ifdef __GLIBCXX__
   info["libstdcxx_headers"] = py::int_(__GLIBCXX__);  // the date of the libstdc++ it was compiled against
@@ -116,8 +118,8 @@ void run(pipecore::Executor& self, py::function forward, py::function on_abort, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pipecore native extension: the pipeline executor";
   m.def("build_info", &build_info,
-        "Compile-time configuration of pipecore._C: {'cuda': bool, 'nvtx': bool, 'torch_version': str, 'compiler': "
-        "str, 'libstdcxx_headers': int}.");
+        "Compile-time configuration of pipecore._C: {'cuda': bool, 'nvtx': bool, 'testing': bool, 'torch_version': "
+        "str, 'compiler': str, 'libstdcxx_headers': int}.");
   m.def("_self_check", &self_check, py::arg("n"),
         "raises CommError('pipecore self-check N N/2'); pipecore.tools.build_check runs it in a fresh process");
 
@@ -145,6 +147,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   stage_events["REDUCE_GRAD"] = int64_t{pipecore::kReduceGrad};
   stage_events["LAST_BACKWARD"] = pipecore::kLastBackwardEvent;
   m.attr("STAGE_EVENTS") = stage_events;
+  py::dict message_status;  // what a step's messages say instead of data (message_status.h)
+  message_status["OK"] = int64_t{pipecore::kMessageOk};
+  message_status["ABORTED"] = int64_t{pipecore::kMessageAborted};
+  message_status["REPLAN"] = int64_t{pipecore::kMessageReplan};
+  m.attr("MESSAGE_STATUS") = message_status;
   py::dict spec_answers;  // what Python's discovery answers the executor (SpecFn)
   spec_answers["SET"] = int64_t{pipecore::kSpecsSet};
   spec_answers["ABSENT"] = int64_t{pipecore::kSpecsAbsent};
@@ -200,7 +207,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return out;
       }, "(local stage, bucket, bytes, sent_us, completed_us) per bucket sent in the last step");
 
-  py::class_<pipecore::Executor>(m, "Executor")
+  auto executor = py::class_<pipecore::Executor>(m, "Executor");
+  executor
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, int64_t, int64_t, double>(), py::arg("group"),
            py::arg("num_stages"), py::arg("num_microbatches"), py::arg("timeout"))
       .def("set_program", &pipecore::Executor::set_program, py::arg("instructions"), py::arg("labels"))
@@ -213,7 +221,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("stage"), py::arg("mb"), py::arg("recv_f"), py::arg("send_f"), py::arg("like"))
       .def("run_aborted", &pipecore::Executor::run_aborted, py::arg("status"),
            py::call_guard<py::gil_scoped_release>())
-      .def("set_delays", &pipecore::Executor::set_delays, py::arg("max_us"), py::arg("seed"))
       .def("set_links", &pipecore::Executor::set_links, py::arg("stage"), py::arg("next_local"),
            py::arg("prev_local"))
       .def("set_timeout", &pipecore::Executor::set_timeout, py::arg("seconds"))
@@ -293,19 +300,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_send_budget", &pipecore::Executor::set_send_budget, py::arg("bytes"))
       .def("set_recv_window", &pipecore::Executor::set_recv_window, py::arg("receives"),
            py::arg("past_sends"), py::arg("max_bytes") = pipecore::kRecvWindowBytes)
-      .def("set_large_messages", &pipecore::Executor::set_large_messages, py::arg("min_bytes"))
       .def("set_comm_thread", &pipecore::Executor::set_comm_thread, py::arg("on"))
       .def("set_device_comm", &pipecore::Executor::set_device_comm, py::arg("device"),
            "NCCL groups: batches on a communication stream, events, statuses on the device; False where this "
            "build has no such path for `device`")
       .def_property_readonly("device_comm", &pipecore::Executor::device_comm)
-      .def("_emulate_device_comm", &pipecore::Executor::emulate_device_comm,
-           "test-only: the device path's protocol run by the host on CPU tensors over gloo (host_device_comm.cpp)")
       .def("set_reverse_channel", &pipecore::Executor::set_reverse_channel, py::arg("channel"))
-      .def("recv_posted_at", &pipecore::Executor::recv_posted_at,
-           "per RECV action of the last run, in program order: the program index before which it was posted")
-      .def("batch_ends", &pipecore::Executor::batch_ends,
-           "per program index: for a SEND/RECV, one past the last action of its device batch (else 0)")
       .def("run", &run, py::arg("forward"), py::arg("on_abort"), py::arg("discover") = py::none(),
            "runs the program; `discover(stage, mb, op, may_wait) -> 0 set / 1 absent / 2 timed out` makes it a "
            "discovery run (see SpecFn in executor.h)")
@@ -345,12 +345,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "per local stage: {(node name, why, parameter TensorImpl address or 0): microbatches} whose input "
            "backward (I) computed weight gradients because that node cannot be split")
       .def_property_readonly("rank", &pipecore::Executor::rank)
+      .def_property_readonly("last_comm_failure", &pipecore::Executor::last_comm_failure,
+                             "after a run that rethrew this rank's own error: how communication failed while "
+                             "releasing the peers (empty if it did not)");
+#ifdef PIPECORE_TESTING
+  // hooks and records of test builds only (`make test`; csrc/executor.h)
+  executor.def("set_delays", &pipecore::Executor::set_delays, py::arg("max_us"), py::arg("seed"))
       .def_property_readonly("freed_outputs", &pipecore::Executor::freed_outputs)
       .def_property_readonly("peak_send_bytes", &pipecore::Executor::peak_send_bytes,
                              "largest sum of bytes in flight to one peer during the last run")
-      .def_property_readonly("last_comm_failure", &pipecore::Executor::last_comm_failure,
-                             "after a run that rethrew this rank's own error: how communication failed while "
-                             "releasing the peers (empty if it did not)")
       .def_property_readonly("threaded_posts", &pipecore::Executor::threaded_posts)
+      .def("batch_ends", &pipecore::Executor::batch_ends,
+           "per program index: for a SEND/RECV, one past the last action of its device batch (else 0)")
+      .def("set_large_messages", &pipecore::Executor::set_large_messages, py::arg("min_bytes"))
+      .def("_emulate_device_comm", &pipecore::Executor::emulate_device_comm,
+           "the device path's protocol run by the host on CPU tensors over gloo (testing/host_device_comm.cpp)")
+      .def("recv_posted_at", &pipecore::Executor::recv_posted_at,
+           "per RECV action of the last run, in program order: the program index before which it was posted")
       .def_property_readonly("reverse_posts", &pipecore::Executor::reverse_posts);
+#endif
 }

@@ -51,9 +51,11 @@ class DeviceComm {
 // A DeviceComm for `device`, or null where this build has none (CPU devices; builds without CUDA).
 std::unique_ptr<DeviceComm> make_device_comm(const c10::Device& device);
 
-// The same protocol run by the host on CPU tensors over gloo, for tests on machines without a GPU
-// (host_device_comm.cpp says what differs); `timeout` (the executor's, read at each wait; it must
-// outlive the DeviceComm) bounds each wait for a message.
+#ifdef PIPECORE_TESTING
+// Test builds: the same protocol run by the host on CPU tensors over gloo, for tests on machines
+// without a GPU (testing/host_device_comm.cpp says what differs); `timeout` (the executor's, read at
+// each wait; it must outlive the DeviceComm) bounds each wait for a message.
 std::unique_ptr<DeviceComm> make_host_device_comm(const std::chrono::milliseconds& timeout);
+#endif
 
 }  // namespace pipecore

@@ -222,7 +222,7 @@ void Executor::reset() {
   ahead_bytes_of_.assign(recv_instrs_.size(), 0);
   threaded_posts_ = 0;
   reverse_posts_ = 0;
-  recv_posted_at_.assign(recv_instrs_.size(), -1);
+  if constexpr (kTesting) recv_posted_at_.assign(recv_instrs_.size(), -1);
   for (auto& s : slots_) s = Slot();
   sends_->clear_failure();
   sends_->reset_peak();
@@ -345,7 +345,7 @@ void Executor::post_recvs_until(size_t end, size_t at, bool aborted) {
     // a failed allocation leaves the receive unposted (an aborted step posts it); once posting
     // starts it counts as posted: a posting failure breaks the group, and parts must not go twice
     std::shared_ptr<CommTask> task = make_recv(in, aborted);
-    recv_posted_at_[recvs_posted_] = static_cast<int64_t>(at);
+    if constexpr (kTesting) recv_posted_at_[recvs_posted_] = static_cast<int64_t>(at);
     ++recvs_posted_;
     if (!task) continue;
     maybe_delay();
@@ -389,7 +389,9 @@ bool Executor::set_device_comm(const std::string& device) {
   return device_comm_ != nullptr;
 }
 
+#ifdef PIPECORE_TESTING
 void Executor::emulate_device_comm() { device_comm_ = make_host_device_comm(timeout_); }
+#endif
 
 void Executor::post_batch(size_t index, bool aborted, int64_t status) {
   if (index < posted_through_) return;  // posted with an earlier action of its batch
@@ -402,7 +404,7 @@ void Executor::post_batch(size_t index, bool aborted, int64_t status) {
     std::shared_ptr<CommTask> task;
     if (in.op == kRecvF || in.op == kRecvB) {
       task = make_recv(in, aborted);
-      recv_posted_at_[recvs_through_[j] - 1] = static_cast<int64_t>(index);
+      if constexpr (kTesting) recv_posted_at_[recvs_through_[j] - 1] = static_cast<int64_t>(index);
     } else {
       std::vector<at::Tensor> parts = message_of(in, aborted, status);
       if (parts.empty()) continue;
@@ -487,7 +489,7 @@ void Executor::post_task(const std::shared_ptr<CommTask>& task, const Instr& in)
   task->group = pg_.get();
   if (reverse_ && (task->send ? in.peer < rank_ : in.peer > rank_)) {  // travels to a lower rank
     task->channel = reverse_.get();
-    ++reverse_posts_;
+    if constexpr (kTesting) ++reverse_posts_;
   }
   if (worker_) {
     task->queued = true;
@@ -550,11 +552,13 @@ void Executor::drain_sends() {
   check_sends();
 }
 
+#ifdef PIPECORE_TESTING
 void Executor::maybe_delay() {
   if (delay_us_ <= 0) return;
   std::uniform_int_distribution<int64_t> dist(0, delay_us_);
   std::this_thread::sleep_for(std::chrono::microseconds(dist(rng_)));
 }
+#endif
 
 void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const SpecFn* discover) {
   // A discovery run takes the host-waiting path with no receive posted ahead: a receive's shapes are

@@ -31,6 +31,15 @@ class DeviceComm;
 class SendTracker;
 struct CommTask;
 
+// Test builds (PIPECORE_TESTING, `make test`) add hooks that production builds leave out: random
+// delays before posting, a forced large-message threshold, the device protocol on the host, and
+// records of where receives were posted (bindings.cpp binds the executor's counters there only).
+#ifdef PIPECORE_TESTING
+constexpr bool kTesting = true;
+#else
+constexpr bool kTesting = false;
+#endif
+
 // Instruction opcodes: the schedule's action kinds, plus the bracket of an OVERLAP_F_B container.
 enum Op : int64_t {
   kF = 0, kI = 1, kW = 2, kB = 3,
@@ -141,11 +150,13 @@ class Executor {
   void set_output_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> send_f, at::TensorOptions options);
   // Every message's shapes unknown, to be learnt by a discovery run.
   void forget_specs();
+#ifdef PIPECORE_TESTING
   // Tests: sleep a random 0..max_us before every send and receive.
   void set_delays(int64_t max_us, uint64_t seed) {
     delay_us_ = max_us;
     rng_.seed(seed);
   }
+#endif
   void set_timeout(double seconds);
   // Receives are posted up to `n` RECV actions ahead of the program point (0: each at its own
   // action), holding at most `max_bytes` of buffers ahead (the next receive is always allowed).
@@ -160,9 +171,11 @@ class Executor {
     recv_past_sends_ = past_sends;
     recv_window_bytes_ = max_bytes;
   }
+#ifdef PIPECORE_TESTING
   // Messages of at least `min_bytes` payload go as their tensors plus a trailer (see comm.h). Every
   // rank of the group must use the same value (tests only: the default suits everyone).
   void set_large_messages(int64_t min_bytes) { large_message_bytes_ = min_bytes; }
+#endif
   // CPU groups: post every send and receive from a thread of its own (see comm_worker.h).
   void set_comm_thread(bool on);
   // Accelerator groups (NCCL): communication without host waits (see device_comm.h) for messages on
@@ -170,8 +183,10 @@ class Executor {
   // Batches replace the receive window and the send budget there (device_comm.h says why).
   bool set_device_comm(const std::string& device);
   bool device_comm() const { return device_comm_ != nullptr; }
+#ifdef PIPECORE_TESTING
   // Tests on CPU: the device path's protocol run by the host over gloo (make_host_device_comm).
   void emulate_device_comm();
+#endif
   // gloo: messages travelling to a lower group rank go through `channel`, a second gloo group over
   // the same ranks, so that each pair of ranks has one connection per direction. gloo holds a pair's
   // lock while a send is written into its socket, and its event loop skips a locked pair and polls
@@ -257,8 +272,10 @@ class Executor {
   // Largest number of bytes in flight to one peer during the last run.
   int64_t peak_send_bytes() const;
   int64_t threaded_posts() const { return threaded_posts_; }
+#ifdef PIPECORE_TESTING
   int64_t reverse_posts() const { return reverse_posts_; }
   const std::vector<int64_t>& recv_posted_at() const { return recv_posted_at_; }
+#endif
   // Per program index: for a SEND/RECV, one past the last action of its device batch; else 0.
   const std::vector<size_t>& batch_ends() const { return batch_end_; }
   // Per stage, since construction: microbatches whose I computed weight gradients (or all of its
@@ -295,7 +312,11 @@ class Executor {
   // buffer for all of them, so that a rank out of memory can still release its peers.
   at::Tensor abort_scratch(const at::TensorOptions& options, int64_t bytes);
   void check_message(const std::vector<at::Tensor>& parts, const Instr& in, const char* what);
+#ifdef PIPECORE_TESTING
   void maybe_delay();
+#else
+  void maybe_delay() {}
+#endif
   // RECV_F / RECV_B: its buffers allocated and set in the slot, to be posted (null: nothing to receive)
   std::shared_ptr<CommTask> make_recv(const Instr& in, bool aborted);
   // before program_[at]: posts receives up to ordinal `end` (aborted: into the abort scratch)
@@ -400,8 +421,10 @@ class Executor {
   int64_t freed_outputs_ = 0;
   bool free_outputs_ = true;
   bool trace_on_ = false;
+#ifdef PIPECORE_TESTING
   int64_t delay_us_ = 0;
   std::mt19937_64 rng_;
+#endif
   std::vector<TraceEvent> trace_;
   std::unique_ptr<DeviceTimer> timer_;  // accelerators: trace_ times are event indices until read
   bool trace_resolved_ = true;

@@ -37,6 +37,14 @@ def _tree_state() -> set[str] | None:
 
 def pytest_sessionstart(session):
     session.config._tree_before = _tree_state()
+    try:
+        import pipecore._C as C
+    except ImportError as exc:
+        pytest.exit(f"pipecore._C does not load ({exc}): run `make test`, which builds it", returncode=4)
+    if not C.build_info().get("testing"):
+        pytest.exit("pipecore._C is a production build: the suite drives the executor's test hooks (delays, the "
+                    "device protocol on the host), which only the test variant has. Run `make test` (or "
+                    "`make install-test` and then pytest)", returncode=4)
 
 
 def pytest_sessionfinish(session, exitstatus):

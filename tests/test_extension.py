@@ -11,7 +11,8 @@ import pipecore._C as _C
 def test_build_info_keys_and_types():
     info = _C.build_info()
     assert isinstance(info, dict)
-    assert set(info) == {"cuda", "nvtx", "torch_version", "compiler", "libstdcxx_headers"}
+    assert set(info) == {"cuda", "nvtx", "testing", "torch_version", "compiler", "libstdcxx_headers"}
+    assert info["testing"] is True  # the suite runs on the test variant (make test)
     assert isinstance(info["cuda"], bool)
     assert isinstance(info["nvtx"], bool)
     assert isinstance(info["torch_version"], str)

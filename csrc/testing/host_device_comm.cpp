@@ -18,10 +18,10 @@
 #include <sstream>
 #include <unordered_set>
 
-#include "comm.h"
-#include "device_comm.h"
-#include "executor.h"
-#include "message_status.h"
+#include "../comm.h"
+#include "../device_comm.h"
+#include "../executor.h"
+#include "../message_status.h"
 
 namespace pipecore {
 namespace {
