@@ -19,7 +19,7 @@ import time
 import _harness  # noqa: F401  (puts the repo on sys.path)
 from _harness import bar_plot, median_ms, spawn, table, timed_blocks
 
-from pipecore.runtime.pipeline import DEFAULT_RECV_WINDOW
+from pipecore.executor.native import DEFAULT_RECV_WINDOW
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"]
 TORCH_CLASS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",

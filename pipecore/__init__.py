@@ -9,7 +9,7 @@ from pipecore.errors import CommunicationError, InputError, PeerFailedError, Pip
 from pipecore.schedule import (SCHEDULES, Action, Kind, Schedule, ScheduleError, SimResult, Topology,
                        build_schedule)
 
-__version__ = "0.1.0"
+from pipecore.version import __version__
 
 # torch.distributed.pipelining's schedule names (pipecore.compat), also here at the top level
 _COMPAT = ["get_schedule_class", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",

@@ -54,10 +54,11 @@ def train_gpt(rank: int, world: int, name: str, m: int, options: dict | None = N
 
 def _train_gpt(rank: int, world: int, name: str, m: int, steps: int = 3, max_norm: float = 0.05,
                tokens: bool = False, stages_per_rank: int | None = None, stage_options: dict | None = None,
-               norm_type: float = 2.0) -> dict:
+               norm_type: float = 2.0, accumulate: bool = False) -> dict:
     """`steps` AdamW steps with clipping through the pipeline and in one process. Returns the worst
     relative differences seen on this rank: gradients (after clipping) of every parameter of its
-    stages, the clipping norm, and its losses."""
+    stages, the clipping norm, and its losses. `accumulate`: the optimizer steps every second step,
+    so the odd steps add their gradients to what .grad holds."""
     sched = pc.build_schedule(name, world, m, stages_per_rank)
     stage_options = stage_options or {}
     cfg = small_config(sched)
@@ -103,6 +104,8 @@ def _train_gpt(rank: int, world: int, name: str, m: int, steps: int = 3, max_nor
                 with torch.no_grad(), autocast():
                     want = loss_fn(reference(x[rows]), y[rows])
                 worst["loss"] = max(worst["loss"], abs(float(v) - float(want)) / abs(float(want)))
+        if accumulate and step % 2 == 0:
+            continue
         opt.step()
         opt.zero_grad(set_to_none=True)
         ref_opt.step()

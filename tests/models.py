@@ -93,3 +93,20 @@ def reference_forward(stages: list[nn.Module], x):
 def make_batch(rows: int, width: int = 16, classes: int = 5, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(rows, width, generator=g), torch.randint(0, classes, (rows,), generator=g)
+
+
+def model_stage_count(sched) -> int:
+    """How many model stages `sched` runs (dualpipe's mirrored copies counted once)."""
+    return len(set(sched.topology.model_stage))
+
+
+def rank_stages(sched, rank: int, model: list[nn.Module]) -> list:
+    """This rank's pc.PipelineStages under `sched`: copies of `model`'s stages (a mirror copies its
+    model stage)."""
+    import copy
+
+    import pipecore as pc
+
+    topo = sched.topology
+    return [pc.PipelineStage(copy.deepcopy(model[topo.model_stage[s]]), s, sched.num_stages)
+            for s in sched.rank_stages(rank)]

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipecore as pc
-from models import make_batch, make_stages, reference_forward
+from models import make_batch, make_stages, model_stage_count, rank_stages, reference_forward
 
 
 def _assert_grads_close(got: torch.Tensor | None, want: torch.Tensor | None, what: str, rtol=1e-6):
@@ -31,11 +31,9 @@ def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=
     name, options = (name, {}) if isinstance(name, str) else name
     sched = pc.build_schedule(name, world, m, V, **options)
     topo = sched.topology
-    n_model = world if topo.style == "dualpipe" else topo.num_stages
-    model = make_stages(kind, n_model)
+    model = make_stages(kind, model_stage_count(sched))
     ref = copy.deepcopy(model)
-    mine = [pc.PipelineStage(copy.deepcopy(model[topo.model_stage[s]]), s, sched.num_stages)
-            for s in sched.rank_stages(rank)]
+    mine = rank_stages(sched, rank, model)
     reduction = "mean" if scale_grads else "sum"
     loss_fn = nn.CrossEntropyLoss(reduction=reduction)
     pipe = pc.Pipeline(mine, sched, m, loss_fn=loss_fn, scale_grads=scale_grads, timeout=60,
@@ -286,11 +284,8 @@ def profiler_events(rank, world):
 def eval_matches(rank, world, name):
     V = 1 if name in ("gpipe", "1f1b", "forward_only") else 2
     sched = pc.build_schedule(name, world, 4, V)
-    topo = sched.topology
-    n_model = world if topo.style == "dualpipe" else topo.num_stages
-    model = make_stages("multi", n_model)
-    mine = [pc.PipelineStage(copy.deepcopy(model[topo.model_stage[s]]), s, sched.num_stages)
-            for s in sched.rank_stages(rank)]
+    model = make_stages("multi", model_stage_count(sched))
+    mine = rank_stages(sched, rank, model)
     loss_fn = nn.CrossEntropyLoss()
     pipe = pc.Pipeline(mine, sched, 4, loss_fn=loss_fn)
     x, y = make_batch(10)
@@ -372,11 +367,9 @@ def changing_batch_shapes(rank, world, name, messages="default"):
     V = 1 if name in ("gpipe", "1f1b") else 2
     sched = pc.build_schedule(name, world, 4, V)
     topo = sched.topology
-    n_model = world if topo.style == "dualpipe" else topo.num_stages
-    model = make_stages("multi", n_model)
+    model = make_stages("multi", model_stage_count(sched))
     ref = copy.deepcopy(model)
-    mine = [pc.PipelineStage(copy.deepcopy(model[topo.model_stage[s]]), s, sched.num_stages)
-            for s in sched.rank_stages(rank)]
+    mine = rank_stages(sched, rank, model)
     pipe = pc.Pipeline(mine, sched, 4, loss_fn=nn.CrossEntropyLoss(), timeout=60)
     set_messages(pipe, messages)
     for i, rows in enumerate([12, 12, 9, 9, 12, 16]):
@@ -488,11 +481,9 @@ def output_only_loss(rank, world, name, m, V, rows):
     uneven microbatches still give the gradient of the whole batch's mean."""
     sched = pc.build_schedule(name, world, m, V)
     topo = sched.topology
-    n_model = world if topo.style == "dualpipe" else topo.num_stages
-    model = make_stages("mlp", n_model)
+    model = make_stages("mlp", model_stage_count(sched))
     ref = copy.deepcopy(model)
-    mine = [pc.PipelineStage(copy.deepcopy(model[topo.model_stage[s]]), s, sched.num_stages)
-            for s in sched.rank_stages(rank)]
+    mine = rank_stages(sched, rank, model)
 
     def loss_fn(out):
         return out.float().pow(2).mean()

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipecore as pc
-from models import make_batch, make_stages, reference_forward
+from models import make_batch, make_stages, model_stage_count, rank_stages, reference_forward
 from pipecore.errors import CommunicationError, InputError, PeerFailedError
 from pipeline_cases import set_messages
 
@@ -19,11 +19,8 @@ from pipeline_cases import set_messages
 def _pipe(rank, world, name="1f1b", m=4, kind="mlp", group=None, timeout=30, model=None, **kw):
     V = 1 if name in ("gpipe", "1f1b") else 2
     sched = pc.build_schedule(name, world, m, V)
-    topo = sched.topology
-    n_model = world if topo.style == "dualpipe" else topo.num_stages
-    model = model if model is not None else make_stages(kind, n_model)
-    stages = [pc.PipelineStage(copy.deepcopy(model[topo.model_stage[s]]), s, sched.num_stages)
-              for s in sched.rank_stages(rank)]
+    model = model if model is not None else make_stages(kind, model_stage_count(sched))
+    stages = rank_stages(sched, rank, model)
     return pc.Pipeline(stages, sched, m, loss_fn=nn.CrossEntropyLoss(), group=group, timeout=timeout, **kw), model
 
 

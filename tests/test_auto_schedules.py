@@ -2,7 +2,6 @@
 
 import subprocess
 import sys
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -149,12 +148,12 @@ def test_controllable_memory_bubbles(R, m):
 
 @pytest.mark.parametrize("name, V", [("zb_auto", 1), ("zb_auto", 2), ("zbh2", 1), ("v_half", 2), ("v_min", 2),
                                      ("interleaved_1f1b", 2), ("zbv", 2)])
-def test_builds_fast_at_32_ranks_256_microbatches(name, V):
-    start = time.perf_counter()
+def test_builds_at_32_ranks_256_microbatches(name, V):
+    # the times are bench/schedules.py's business (zb_auto's search is bounded by actions placed,
+    # SEARCH_BUDGET, not by seconds)
     s = pc.build_schedule(name, 32, 256, V)
-    elapsed = time.perf_counter() - start
     assert s.num_stages == 32 * V
-    assert elapsed < 5  # a loose ceiling for a loaded CI machine; bench/schedules.py prints the times
+    s.validate()
 
 
 def test_costs_from_a_trace():

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 import megatron_reference
 import pipecore as pc
+from pipecore.schedule.builders import unsupported
 from torch_schedules import TORCH_CLASSES, torch_order
 
 RANKS = [1, 2, 3, 4, 8]
@@ -18,25 +19,19 @@ COSTS = [
 ]
 
 
-def _supported(name, R, m, V=None):
-    try:
-        return pc.build_schedule(name, R, m, V)
-    except ValueError:
-        return None
-
-
 def _grid():
+    """Every size each schedule runs (those it refuses are in test_unsupported_combinations_say_why;
+    a builder that raises for a size it claims to run fails, never skips)."""
     for name in pc.SCHEDULES:
         for R in RANKS:
             for m in MICROBATCHES:
-                yield name, R, m
+                if unsupported(name, R, m) is None:
+                    yield name, R, m
 
 
 @pytest.mark.parametrize("name, R, m", list(_grid()))
 def test_schedule_is_complete_and_runs(name, R, m):
-    s = _supported(name, R, m)
-    if s is None:
-        pytest.skip("combination not supported (checked in test_unsupported_combinations_say_why)")
+    s = pc.build_schedule(name, R, m)
     assert s.num_ranks == R and s.num_microbatches == m
     assert not s.is_lowered
     s.validate()
@@ -56,14 +51,11 @@ def test_schedule_is_complete_and_runs(name, R, m):
     assert result.makespan > 0 and 0 <= result.bubble_ratio < 1
 
 
-@pytest.mark.parametrize("name", sorted(TORCH_CLASSES))
-@pytest.mark.parametrize("R", [1, 2, 4, 8])
-@pytest.mark.parametrize("m", [1, 2, 4, 6, 8, 16])
+@pytest.mark.parametrize("name, R, m", [(name, R, m) for name in sorted(TORCH_CLASSES) for R in [1, 2, 4, 8]
+                                          for m in [1, 2, 4, 6, 8, 16] if unsupported(name, R, m) is None])
 def test_no_worse_than_torch(name, R, m):
     V = 1 if name in ("gpipe", "1f1b") else 2
-    ours = _supported(name, R, m, V)
-    if ours is None:
-        pytest.skip("not supported")
+    ours = pc.build_schedule(name, R, m, V)
     try:
         reference = torch_order(name, R, m, V)
     except Exception as exc:  # torch refuses the combination too
@@ -119,13 +111,18 @@ def test_unsupported_combinations_say_why(name, args, needle):
     assert needle in str(info.value)
 
 
-def test_names_and_aliases():
+def test_names():
     assert pc.SCHEDULES == ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbh2", "zbv",
                             "v_half", "v_min", "zb_auto", "dualpipe", "dualpipev", "forward_only")
     assert pc.build_schedule("ZB-H2", 2, 4).name == "zbh2" and pc.build_schedule("V-Half", 2, 4).name == "v_half"
     assert pc.build_schedule("ZBAuto", 2, 4).name == "zb_auto"
     assert pc.build_schedule("Interleaved1F1B", 2, 4).name == "interleaved_1f1b"
     assert pc.build_schedule("ScheduleZBVZeroBubble", 2, 4).name == "zbv"
+    # one way to name a schedule: pipecore's name or torch's class name, no other nicknames
+    assert pc.build_schedule("ScheduleInterleavedZeroBubble", 2, 4).name == "interleaved_zb"
+    for nickname in ("auto", "bfs", "zb1p", "inference"):
+        with pytest.raises(ValueError, match="unknown schedule"):
+            pc.build_schedule(nickname, 2, 4)
 
 
 def test_placements():
@@ -156,9 +153,13 @@ def test_dualpipe_runs_both_directions_and_overlaps():
 @settings(max_examples=60, deadline=None)
 @given(name=st.sampled_from(pc.SCHEDULES), R=st.integers(1, 10), m=st.integers(1, 40), V=st.integers(1, 4))
 def test_property_random_configs(name, R, m, V):
-    s = _supported(name, R, m, V)
-    if s is None:
+    why = unsupported(name, R, m, V)
+    if why is not None:  # a refused size is refused saying why, never built
+        with pytest.raises(ValueError) as info:
+            pc.build_schedule(name, R, m, V)
+        assert str(info.value) == why
         return
+    s = pc.build_schedule(name, R, m, V)
     s.validate()
     low = s.lower()
     low.validate()

@@ -33,6 +33,13 @@ def test_gpt_matches_single_process(name, world):
     check(pool(world).run(gpt_cases.train_gpt, name, 2 * world, timeout=300))
 
 
+@pytest.mark.parametrize("name", ["1f1b", "zbv", "dualpipev", "dualpipe"])
+def test_gradients_accumulate_over_steps(name):
+    """Two steps before each optimizer step: the second adds its gradients to .grad, the tied
+    embedding/head and dualpipe's mirrored copies included, as loss.backward() twice would."""
+    check(pool(2).run(gpt_cases.train_gpt, name, 4, {"steps": 4, "accumulate": True}, timeout=300))
+
+
 @pytest.mark.parametrize("name", ["1f1b", "dualpipe"])
 def test_token_normalised_loss_matches_whole_batch_mean(name):
     """loss_fn sums over a microbatch's tokens (padding ignored, different counts per row) and

@@ -10,6 +10,7 @@ except ImportError as exc:  # pragma: no cover - a checkout whose extension was 
 
 OPCODES: dict[str, int] = dict(C.OPCODES)  # instruction opcodes (csrc/executor.h: Op)
 STAGE_EVENTS: dict[str, int] = dict(C.STAGE_EVENTS)  # events told to DDP/FSDP2 stages
+MESSAGE_STATUS: dict[str, int] = dict(C.MESSAGE_STATUS)  # what a message says instead of data (message_status.h)
 SPEC_ANSWERS: dict[str, int] = dict(C.SPEC_ANSWERS)  # discovery's answers to the executor (csrc/executor.h)
 OVERLAP_MODES: dict[str, int] = dict(C.OVERLAP_MODES)  # how OVERLAP_F_B halves run (csrc/overlap.h)
 DEFAULT_RECV_WINDOW: int = C.DEFAULT_RECV_WINDOW  # receives posted ahead of the action that needs them

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from pipecore.errors import CommunicationError, InputError, PeerFailedError
 from pipecore.executor.comm import Comm
-from pipecore.executor.native import DEFAULT_RECV_WINDOW, DEFAULT_SEND_BUDGET, C, CommError, PeerAbort, PeerReplan
+from pipecore.executor.native import (DEFAULT_RECV_WINDOW, DEFAULT_SEND_BUDGET, MESSAGE_STATUS, C, CommError, PeerAbort,
+                                      PeerReplan)
 from pipecore.executor.program import encode, forward_only
 from pipecore.runtime.agreement import Agreement
 from pipecore.runtime.overlap import PairRunner
@@ -169,7 +170,7 @@ class Pipeline:
             raise ValueError(f"send_budget must be an integer >= 0 (bytes in flight per peer), got {send_budget!r}")
         topo = schedule.topology
         for s in self.stages:  # is_first/is_last as this schedule says (dualpipe: two first and two last stages)
-            s._role = (topo.prev_stage[s.stage_index] < 0, topo.next_stage[s.stage_index] < 0)
+            s.place(first=topo.prev_stage[s.stage_index] < 0, last=topo.next_stage[s.stage_index] < 0)
         self.has_first = any(s.is_first for s in self.stages)
         self.has_last = any(s.is_last for s in self.stages)
         device = self.stages[0].device
@@ -263,8 +264,8 @@ class Pipeline:
         is the token count of the whole global batch (every replica's: all-reduce it over the dp
         group) and the replicas' gradients are summed."""
         with _range("pipecore.step"):
-            self.gradients.begin_step()
             try:
+                self.gradients.begin_step()
                 out = self._run(args, kwargs, target, losses, True, return_outputs, loss_kwargs, loss_divisor)
             except BaseException as exc:
                 self.gradients.abandon(exc)  # .grad as before the step, on every failure path
@@ -361,16 +362,16 @@ class Pipeline:
             comm.publish_error(f"{type(problem).__name__}: {problem}", "input checks")
             if agreed is not None:  # release the peers: they get "aborted" messages instead of data
                 plans.ensure_loaded(agreed, training)
-                self._run_aborted(1)
+                self._run_aborted(MESSAGE_STATUS["ABORTED"])
             raise problem
         # 2. shapes crossing every boundary. They are agreed on once per batch shape: a first stage
         #    whose batch changed shape tells its peers by running the step as "shapes changed"
         #    messages, then all ranks agree again; no collective runs while shapes stay the same.
         if agreed is not None and self.has_first and desc != plans.last_desc.get(training):
             plans.ensure_loaded(agreed, training)
-            self._run_aborted(2)
-            if training and self._dp is not None and self.executor.device_comm and self.world > 1:
-                self._dp.discard_round()  # as the ranks that compute on its stand-ins do (data_parallel.py)
+            self._run_aborted(MESSAGE_STATUS["REPLAN"])
+            if training and self.executor.device_comm and self.world > 1:
+                self.gradients.discard_round()  # as the ranks that compute on its stand-ins do
             agreed = None
         if agreed is None:
             self._agree_and_plan(step, desc, rows, training)
@@ -395,8 +396,8 @@ class Pipeline:
                     problem = self._restore_module_state()
                     if problem:  # the peers are agreeing already: run again, and say so
                         warnings.warn(problem, RuntimeWarning, stacklevel=3)
-                    if training and self._dp is not None and on_stand_ins:
-                        self._dp.discard_round()
+                    if training and on_stand_ins:
+                        self.gradients.discard_round()
                     self._agree_and_plan(step, desc, rows, training)
                     run.restart()
         except PeerAbort as exc:
@@ -430,7 +431,10 @@ class Pipeline:
         plans.end_discovery(failed=False)
         self._rollback.finished()
         if training:
-            self.gradients.finish()  # the replicas', mirrors' and ties' sums (pipecore/training/finalise.py)
+            # the replicas', mirrors' and ties' sums (pipecore/training/finalise.py). Once they are in,
+            # the step happened on every rank: what fails below (merging outputs, a warning raised as an
+            # error) leaves .grad with the step's gradients, as on the other ranks
+            self.gradients.finish()
             self._warn_split_fallbacks()
             self._pairs.warn_fallbacks()
         if self.trace_enabled:

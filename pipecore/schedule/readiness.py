@@ -1,6 +1,6 @@
 """The readiness rule: what a compute action waits for and what it marks done, and the one replay of
-the ranks that runs a schedule by it. Lowering, validation, simulation and the zb_auto search use
-these; nothing else decides when an action's input is ready.
+the ranks that runs a schedule by it. Lowering, validation, simulation and zb_auto's pricing use
+these (the builders' list schedulers still decide it their own way while they place actions).
 
 The rule, for microbatch k of stage s:
 
@@ -8,8 +8,8 @@ The rule, for microbatch k of stage s:
 - I or B waits for its own F of k and for the input gradient of the next stage's k (its I or B);
 - W waits for its own I (or B) of k.
 
-An action is done when it ends: F marks its own code; I and B also mark `grad_done(code)` (kind
-bits `GRAD_DONE`), the input gradient that the previous stage and the W wait for. In a lowered
+An action is done when it ends: F marks its own code; I and B also mark their code with the kind bits
+`GRAD_DONE`: the input gradient that the previous stage and the W wait for. In a lowered
 program, data from another rank is ready when the producer's SEND ran (`lowered=True`); the replay
 charges `comm` of the waiting stage for data that crosses ranks.
 """
@@ -26,16 +26,6 @@ SEND_F, RECV_F, SEND_B, RECV_B = int(Kind.SEND_F), int(Kind.RECV_F), int(Kind.SE
 OVERLAP = int(Kind.OVERLAP_F_B)
 GRAD_DONE = 0xF  # the kind bits of "the input gradient of (stage, microbatch) is done"
 _KIND = 0xF
-
-
-def grad_done(code: int) -> int:
-    return (code & ~_KIND) | GRAD_DONE
-
-
-def marks(leaf: int) -> tuple[int, ...]:
-    """What a leaf action marks done when it ends."""
-    kind = leaf & _KIND
-    return (leaf, grad_done(leaf)) if kind == I or kind == B else (leaf,)
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,11 @@ class PipelineStage:
             self._given_out = describe(output_args)
             _shapes(output_args, "output_args")
 
+    def place(self, first: bool, last: bool) -> None:
+        """Whether this stage takes the batch's inputs and computes the loss under the schedule of the
+        Pipeline that holds it (dualpipe has two of each); a Pipeline calls it when built."""
+        self._role = (first, last)
+
     # torch.distributed.pipelining's stage attributes
     @property
     def submod(self) -> nn.Module:

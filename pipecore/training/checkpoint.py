@@ -46,7 +46,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from pipecore import __version__
+from pipecore.version import __version__
 from pipecore.errors import InputError
 
 LAYOUT_FILE = "pipecore.json"

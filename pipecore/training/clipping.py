@@ -90,7 +90,6 @@ def _grads_to_norm(pipe) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     topo = pipe.schedule.topology
     tied = pipe.gradients.ties
     counted_copy = {(key, cs[0].stage) for key, cs in tied.copies.items()} if tied else set()
-    tied_copy = {id(p): (key, stage) for (key, stage), p in (tied._params.items() if tied else ())}
     counted: list[torch.Tensor] = []
     every: list[torch.Tensor] = []
     seen: set[int] = set()
@@ -101,7 +100,7 @@ def _grads_to_norm(pipe) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
                 continue
             seen.add(id(p))
             every.append(p.grad)
-            in_tie = tied_copy.get(id(p))
+            in_tie = tied.copy_of(p) if tied else None
             if primary and (in_tie is None or in_tie in counted_copy):
                 counted.append(p.grad)
     return counted, every

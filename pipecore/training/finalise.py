@@ -18,10 +18,12 @@ The order is fixed, and written here only:
    mirrors, then ties;
 3. `finish()`, once the step ran on this rank: the replicas' sums (PeerFailedError if a replica
    failed), then the mirror sum, then the tie sum (a tied dualpipe copy is already summed with its
-   twin), then the replicas' set-aside gradients added back;
-4. `abandon(error)`, on every failure path, one inside `finish()` included (the Pipeline's step()
-   calls it for any exception): ties, then mirrors, then the replicas put back exactly what `.grad`
-   held before the step.
+   twin), each of this step's gradients only; then what the mirrors and ties set aside is added
+   back, once, and the replicas' set-aside gradients last;
+4. `abandon(error)`, on every failure until `finish()` returned, one inside `finish()` included (the
+   Pipeline's step() calls it for any exception; once per step): ties, then mirrors, then the
+   replicas put back exactly what `.grad` held before the step. After `finish()` the step happened
+   on every rank; a later local error (merging the outputs) leaves the step's gradients in.
 
 A parameter that no copy got a gradient for keeps what it held (None if none), as one process
 leaves a parameter its forward never used: AdamW then skips it.
@@ -58,12 +60,18 @@ class GradFinalisation:
         if self._dp is not None:
             self._dp.begin_step()
 
+    def discard_round(self) -> None:
+        """The device path, a first stage's batch changed shape: the replicas' round of reductions
+        over stand-in messages is discarded and .grad set aside again (DataParallel.discard_round)."""
+        if self._dp is not None:
+            self._dp.discard_round()
+
     def set_aside(self) -> None:
         if self._mirrored:
             self._mirror_stash = {}
             for s in self._stages:
                 for name, p in s.module.named_parameters():
-                    self._mirror_stash[(s.stage_index, name)] = p.grad
+                    self._mirror_stash[(s.stage_index, name)] = (p, p.grad)
                     p.grad = None
         if self.ties:
             self._tie_stash = self.ties.stash()
@@ -74,13 +82,19 @@ class GradFinalisation:
         if self._dp is not None:
             self._dp.finish()
         if self._mirror_stash is not None:
-            self._sum_mirrors(self._mirror_stash)
+            self._sum_mirrors()
         if self._tie_stash is not None:
-            self.ties.sum_grads(self._tie_stash)
+            self.ties.sum_grads()
+        # this step's sums are in .grad: what it held before goes back on top, once (a tied dualpipe
+        # copy was set aside by the mirrors, so its tie stash holds None)
+        for stash in (self._mirror_stash, self._tie_stash):
+            for p, prev in (stash or {}).values():
+                if prev is not None:
+                    p.grad = prev if p.grad is None else prev + p.grad
         self._mirror_stash = self._tie_stash = None
-        self._active = False
         if self._dp is not None:
             self._dp.restore()
+        self._active = False
 
     def abandon(self, error: BaseException) -> None:
         """The step failed, here or on another rank: .grad as before it (once per step)."""
@@ -89,18 +103,15 @@ class GradFinalisation:
         self._active = False
         tie_stash, self._tie_stash = self._tie_stash, None
         mirror_stash, self._mirror_stash = self._mirror_stash, None
-        if tie_stash is not None:
-            self.ties.restore(tie_stash)
-        if mirror_stash is not None:
-            for s in self._stages:
-                for name, p in s.module.named_parameters():
-                    p.grad = mirror_stash.get((s.stage_index, name))
+        for stash in (tie_stash, mirror_stash):  # the reverse of set_aside()
+            for p, prev in (stash or {}).values():
+                p.grad = prev
         if self._dp is not None:
             self._dp.abandon(error)
 
-    def _sum_mirrors(self, stash: dict) -> None:
-        """Each mirrored parameter's .grad := what it held before the step + the two copies' gradients
-        of this step (None where neither copy got one and none was held)."""
+    def _sum_mirrors(self) -> None:
+        """Each mirrored parameter's .grad := the two copies' gradients of this step (None where
+        neither copy got one)."""
         topo = self._topology
         partner = self._comm.world - 1 - self._comm.rank
         params = [(s.stage_index, name, p) for s in sorted(self._stages, key=lambda s: topo.model_stage[s.stage_index])
@@ -114,9 +125,7 @@ class GradFinalisation:
         total = flat + self._comm.exchange(flat, partner, f"summing mirrored dualpipe gradients with rank {partner}")
         anyone_got = total[-len(params):].tolist()
         offset = 0
-        for (stage_index, name, p), got_one in zip(params, anyone_got):
+        for (_, _, p), got_one in zip(params, anyone_got):
             n = p.numel()
-            g = total[offset:offset + n].view_as(p).clone()
+            p.grad = total[offset:offset + n].view_as(p).clone() if got_one else None
             offset += n
-            prev = stash.get((stage_index, name))
-            p.grad = prev if not got_one else g if prev is None else prev + g

@@ -47,6 +47,7 @@ class TiedWeights:
                          str(p.dtype)) for s in stages for key, p in s.tied.items()]
         self._params: dict[tuple[str, int], nn.Parameter] = {
             (key, s.stage_index): p for s in stages for key, p in s.tied.items()}
+        self._by_id = {id(p): k for k, p in self._params.items()}
         everyone = comm.gather_objects(mine, "learning every rank's tied weights (a Pipeline is built on every rank)")
         copies: dict[str, list[TiedCopy]] = {}
         for c in (c for row in everyone for c in row):
@@ -96,22 +97,23 @@ class TiedWeights:
                         p.copy_(value)
 
     # -- after a step: each copy's gradient becomes the sum of the step's gradients -------------
-    def stash(self) -> dict[tuple[str, int], torch.Tensor | None]:
-        """The gradients the tied copies hold before a step (set aside: the sum covers one step)."""
+    def stash(self) -> dict[tuple[str, int], tuple[nn.Parameter, torch.Tensor | None]]:
+        """Each tied copy and the gradient it holds before a step, set aside (the sum covers one step;
+        the gradient finalisation puts them back)."""
         stash = {}
         for k, p in self._params.items():
-            stash[k] = p.grad
+            stash[k] = (p, p.grad)
             p.grad = None
         return stash
 
-    def restore(self, stash: dict) -> None:
-        for k, p in self._params.items():
-            p.grad = stash[k]
+    def copy_of(self, param: nn.Parameter) -> tuple[str, int] | None:
+        """(key, stage) of a tied copy held on this rank, or None for an untied parameter."""
+        return self._by_id.get(id(param))
 
-    def sum_grads(self, stash: dict) -> None:
-        """Every copy's .grad := what it held before the step + the sum over model stages of this
-        step's gradients (a dualpipe mirror's, already summed with its twin, is counted once). A
-        weight no copy got a gradient for keeps what it held (None if none), as in one process."""
+    def sum_grads(self) -> None:
+        """Every copy's .grad := the sum over model stages of this step's gradients (a dualpipe
+        mirror's, already summed with its twin, is counted once); None where no copy got one. What
+        .grad held before the step is added back by the gradient finalisation (finalise.py)."""
         rank = self._comm.rank
         for key, copies in self.copies.items():
             holders = sorted({c.rank for c in copies})
@@ -134,9 +136,7 @@ class TiedWeights:
                 if not here:
                     continue
             for c in here:
-                prev = stash.get((key, c.stage))
-                p = self._params[(key, c.stage)]
-                p.grad = prev if not got else total.clone() if prev is None else prev + total
+                self._params[(key, c.stage)].grad = total.clone() if got else None
 
     def _got(self, key: str, copies: list[TiedCopy]) -> bool:
         """Whether any of these copies got a gradient this step."""

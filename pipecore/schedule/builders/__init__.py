@@ -9,7 +9,7 @@ from pipecore.schedule.lowering import gc_paused
 from pipecore.schedule.schedule import Schedule
 from pipecore.schedule.builders.auto import build_zb_auto, build_zbh2
 from pipecore.schedule.builders.controllable_memory import build_v_half, build_v_min
-from pipecore.schedule.builders.dualpipe import build_dualpipe, build_dualpipev
+from pipecore.schedule.builders.dualpipe import build_dualpipe, build_dualpipev, dualpipe_sizes, dualpipev_sizes
 from pipecore.schedule.builders.gpipe import build_forward_only, build_gpipe
 from pipecore.schedule.builders.interleaved import build_interleaved_1f1b, build_interleaved_zb, build_looped_bfs
 from pipecore.schedule.builders.one_f_one_b import build_1f1b
@@ -23,6 +23,7 @@ class _Spec:
     allowed_stages_per_rank: tuple[int, ...] | None  # None: any >= 1
     summary: str
     options: tuple[str, ...] = ()  # keyword options of build_schedule this schedule takes
+    sizes: Callable[[int, int], str | None] | None = None  # why (ranks, microbatches) do not fit, or None
 
 
 _SPECS: dict[str, _Spec] = {
@@ -39,31 +40,37 @@ _SPECS: dict[str, _Spec] = {
     "v_min": _Spec(build_v_min, 2, (2,), "V-Min (controllable memory): a third of 1F1B's activations"),
     "zb_auto": _Spec(lambda *args, **options: build_zb_auto(*args, **options, fixed_schedules=_fixed_candidates), 1, (1, 2), "zero bubble built for given costs and memory limit (1 stage or a V)",
                      ("costs", "memory_limit")),
-    "dualpipe": _Spec(build_dualpipe, 2, (2,), "DeepSeek's bidirectional DualPipe: mirrored stages r and R-1-r"),
-    "dualpipev": _Spec(build_dualpipev, 2, (2,), "DualPipe folded into a V: overlapped F&B pairs"),
+    "dualpipe": _Spec(build_dualpipe, 2, (2,), "DeepSeek's bidirectional DualPipe: mirrored stages r and R-1-r",
+                      sizes=dualpipe_sizes),
+    "dualpipev": _Spec(build_dualpipev, 2, (2,), "DualPipe folded into a V: overlapped F&B pairs", sizes=dualpipev_sizes),
     "forward_only": _Spec(build_forward_only, 1, None, "inference: forwards only"),
 }
 
 SCHEDULES: tuple[str, ...] = tuple(_SPECS)
 
-_ALIASES = {
-    "gpipe": "gpipe", "1f1b": "1f1b", "interleaved1f1b": "interleaved_1f1b", "loopedbfs": "looped_bfs",
-    "bfs": "looped_bfs", "interleavedzb": "interleaved_zb", "interleavedzerobubble": "interleaved_zb",
-    "zb1p": "interleaved_zb", "zbh1": "interleaved_zb", "zbv": "zbv", "zbvzerobubble": "zbv",
-    "dualpipe": "dualpipe", "dualpipev": "dualpipev", "forwardonly": "forward_only", "inference": "forward_only",
-    "zbh2": "zbh2", "vhalf": "v_half", "vmin": "v_min", "zbauto": "zb_auto", "auto": "zb_auto",
-}
+# torch.distributed.pipelining's class names (pipecore.compat's ScheduleDualPipe too) for its schedules
+TORCH_NAMES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+               "looped_bfs": "ScheduleLoopedBFS", "interleaved_zb": "ScheduleInterleavedZeroBubble",
+               "zbv": "ScheduleZBVZeroBubble", "dualpipe": "ScheduleDualPipe", "dualpipev": "ScheduleDualPipeV"}
+
+
+def _key(name: str) -> str:
+    return name.lower().replace("_", "").replace("-", "").replace(" ", "").removeprefix("schedule")
+
+
+# the one way to name a schedule: its name in SCHEDULES or torch's class name, in any case, with or without
+# "_", "-", spaces or torch's "Schedule" prefix
+_NAMES = {**{_key(n): n for n in SCHEDULES}, **{_key(t): n for n, t in TORCH_NAMES.items()}}
 
 
 def canonical_name(name: str) -> str:
-    """The schedule name in `SCHEDULES` for `name` (also accepts torch's class names)."""
+    """The schedule name in `SCHEDULES` for `name`: one of those, or torch's class name
+    ("ScheduleInterleaved1F1B"), in any case, with or without "_", "-" and spaces."""
     if not isinstance(name, str):
         raise ValueError(f"schedule name must be a string, one of {', '.join(SCHEDULES)}; got {name!r}")
-    key = name.lower().replace("_", "").replace("-", "").replace(" ", "")
-    key = key.removeprefix("schedule")
-    if key not in _ALIASES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)}")
-    return _ALIASES[key]
+    if _key(name) not in _NAMES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)} (or torch's class name)")
+    return _NAMES[_key(name)]
 
 
 def build_schedule(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int | None = None, *,
@@ -94,18 +101,30 @@ def build_schedule(name: str, num_ranks: int, num_microbatches: int, stages_per_
         stages_per_rank = spec.default_stages_per_rank
     if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1:
         raise ValueError(f"stages_per_rank must be a positive integer, got {stages_per_rank!r}")
+    problem = unsupported(canon, num_ranks, num_microbatches, stages_per_rank)
+    if problem is not None:
+        raise ValueError(problem)
+    with gc_paused():
+        return spec.build(num_ranks, num_microbatches, stages_per_rank, **options)
+
+
+def unsupported(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int | None = None) -> str | None:
+    """Why schedule `name` does not run these sizes (None: it does): what build_schedule raises
+    before building, so that a ValueError from a builder itself is a bug, never a refusal."""
+    canon = canonical_name(name)
+    spec = _SPECS[canon]
+    if stages_per_rank is None:
+        stages_per_rank = spec.default_stages_per_rank
     allowed = spec.allowed_stages_per_rank
     if allowed is not None and stages_per_rank not in allowed:
         hint = "interleaved_1f1b, looped_bfs or interleaved_zb" if allowed == (1,) else "the default"
-        raise ValueError(
-            f"{canon} runs {' or '.join(map(str, allowed))} stage(s) per rank, got stages_per_rank={stages_per_rank}"
-            f" (for several stages per rank use {hint})")
+        return (f"{canon} runs {' or '.join(map(str, allowed))} stage(s) per rank, got "
+                f"stages_per_rank={stages_per_rank} (for several stages per rank use {hint})")
     if num_ranks * stages_per_rank >= 1 << 16:
-        raise ValueError(f"at most {(1 << 16) - 1} stages are supported")
+        return f"at most {(1 << 16) - 1} stages are supported"
     if num_microbatches >= 1 << 31:
-        raise ValueError("at most 2**31 - 1 microbatches are supported")
-    with gc_paused():
-        return spec.build(num_ranks, num_microbatches, stages_per_rank, **options)
+        return "at most 2**31 - 1 microbatches are supported"
+    return spec.sizes(num_ranks, num_microbatches) if spec.sizes is not None else None
 
 
 def takes_stages_per_rank(name: str, stages_per_rank: int) -> bool:

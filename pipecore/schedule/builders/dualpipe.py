@@ -76,22 +76,31 @@ def _dual_rank(n, hr, chunks, stage_of, mb_base):
     return row
 
 
+def dualpipev_sizes(R: int, m: int) -> str | None:
+    """Why dualpipev does not run R ranks and m microbatches (None: it does)."""
+    if m < 2 * R:
+        return f"dualpipev needs at least 2 * ranks = {2 * R} microbatches (one per stage), got {m}"
+    return None
+
+
+def dualpipe_sizes(R: int, m: int) -> str | None:
+    """Why dualpipe does not run R ranks and m microbatches (None: it does)."""
+    if R % 2:
+        return f"dualpipe needs an even number of ranks (two mirrored halves), got {R}"
+    if m % 2 or m < 2 * R:
+        return (f"dualpipe needs an even number of microbatches, at least 2 * ranks = {2 * R} (each direction takes "
+                f"half), got {m}")
+    return None
+
+
 def build_dualpipev(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> Schedule:
     R, m = num_ranks, num_microbatches
-    if m < 2 * R:
-        raise ValueError(f"dualpipev needs at least 2 * ranks = {2 * R} microbatches (one per stage), got {m}")
     codes = [_dual_rank(R, r, m, (r, 2 * R - 1 - r), (0, 0)) for r in range(R)]
     return Schedule._from_codes(codes, Topology.v(R, 2 * R, m), "dualpipev")
 
 
 def build_dualpipe(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> Schedule:
     R, m = num_ranks, num_microbatches
-    if R % 2:
-        raise ValueError(f"dualpipe needs an even number of ranks (two mirrored halves), got {R}")
-    if m % 2 or m < 2 * R:
-        raise ValueError(
-            f"dualpipe needs an even number of microbatches, at least 2 * ranks = {2 * R} (each direction "
-            f"takes half), got {m}")
     half = m // 2
     codes = []
     for r in range(R):
