@@ -67,12 +67,13 @@ class GradFinalisation:
             self._dp.discard_round()
 
     def set_aside(self) -> None:
-        if self._mirrored:
+        if self._mirrored:  # each parameter once, also one that two of this rank's stages share
             self._mirror_stash = {}
             for s in self._stages:
-                for name, p in s.module.named_parameters():
-                    self._mirror_stash[(s.stage_index, name)] = (p, p.grad)
-                    p.grad = None
+                for p in s.module.parameters():
+                    if id(p) not in self._mirror_stash:
+                        self._mirror_stash[id(p)] = (p, p.grad)
+                        p.grad = None
         if self.ties:
             self._tie_stash = self.ties.stash()
 
@@ -114,8 +115,9 @@ class GradFinalisation:
         neither copy got one)."""
         topo = self._topology
         partner = self._comm.world - 1 - self._comm.rank
-        params = [(s.stage_index, name, p) for s in sorted(self._stages, key=lambda s: topo.model_stage[s.stage_index])
-                  for name, p in s.module.named_parameters() if p.requires_grad]
+        params = list({id(p): (s.stage_index, name, p)
+                       for s in sorted(self._stages, key=lambda s: topo.model_stage[s.stage_index])
+                       for name, p in s.module.named_parameters() if p.requires_grad}.values())
         if not params:  # the partner holds the same model stages: it has none either
             return
         mine = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, _, p in params]
