@@ -3,6 +3,7 @@
 import torch.nn as nn
 
 import pipecore as pc
+from models import pipeline_step
 from pipeline_cases import make_batch, make_stages
 
 
@@ -15,7 +16,7 @@ def traced_zbv_step(rank, world, path):
     mine = [pc.PipelineStage(model[s], s, sched.num_stages) for s in sched.rank_stages(rank)]
     pipe = pc.Pipeline(mine, sched, 8, loss_fn=nn.CrossEntropyLoss(), trace=True, timeout=60)
     x, y = make_batch(16)
-    pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
+    pipeline_step(pipe, x, y)
     events = gather_trace(pipe)
     if rank == 0:
         to_chrome_trace(events, path)

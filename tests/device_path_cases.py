@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 import pipecore as pc
+from models import pipeline_step
 from pipeline_cases import set_messages
-from planning_cases import DropoutStage, _compare, _per_microbatch_reference, _stages, _step
+from planning_cases import DropoutStage, _compare, _per_microbatch_reference, _stages
 from reliability_cases import _outcome
 
 ROWS = [16, 16, 12, 12, None, 17]  # None: rank 0's third forward fails (a step at 12 rows, a known shape)
@@ -48,7 +49,7 @@ def module_state_after_steps_that_do_not_count(rank, world, name, messages):
         x, y = _batch(rows or 12, step)
         losses: list = []
         before = torch.get_rng_state()
-        outcome = _outcome(lambda: _step(pipe, x, y, losses))
+        outcome = _outcome(lambda: pipeline_step(pipe, x, y, losses=losses))
         outcomes.append(outcome[0])
         if messages == "device" and rows is None:  # the failure met the device path, not a step learning shapes
             assert pipe.executor.threaded_posts == 0 and pipe.executor.reverse_posts == 0, "not the device path"

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
 import pipecore as pc  # noqa: E402
+from models import pipeline_step  # noqa: E402
 from gpt import (GPTConfig, build_gpt, get_batch, lm_loss, pipeline_stages, relative_difference,  # noqa: E402
                  stdlib_bytes)
 
@@ -88,7 +89,7 @@ def _train_gpt(rank: int, world: int, name: str, m: int, steps: int = 3, max_nor
         # the pipeline
         losses: list = []
         extra = {"loss_divisor": (y != -100).sum()} if tokens else {}
-        pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None, losses=losses, **extra)
+        pipeline_step(pipe, x, y, losses=losses, **extra)
         norm = pc.clip_grad_norm_(pipe, max_norm, norm_type=norm_type)
         worst["norm"] = max(worst["norm"], relative_difference(norm, ref_norm))
         for s in stages:
@@ -142,7 +143,7 @@ def tie_mismatch(rank: int, world: int, what: str) -> str:
     errors = []
     for _ in range(2):  # and every later step says it again
         try:
-            pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
+            pipeline_step(pipe, x, y)
             errors.append("no error")
         except pc.errors.InputError as exc:
             errors.append(str(exc))

@@ -11,8 +11,8 @@ from torch import nn
 
 import pipecore as pc
 from memory_probe import probe
-from models import make_batch, make_stages, reference_forward
-from reliability_cases import _outcome, _pipe, _step
+from models import make_batch, make_stages, reference_forward, pipeline_step
+from reliability_cases import _outcome, _pipe
 from pipeline_cases import _assert_grads_close, set_messages
 
 WIDTH = 128
@@ -42,17 +42,17 @@ def first_stage_memory(rank, world, m, budget_units):
     pipe = pc.Pipeline(stage, sched, m, loss_fn=nn.MSELoss(), recv_window=0, send_budget=budget_units * UNIT)
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(m * ROWS_PER_MB, WIDTH, generator=g), torch.randn(m * ROWS_PER_MB, WIDTH, generator=g)
-    _step(pipe, x, y)  # plans shapes
+    pipeline_step(pipe, x, y)  # plans shapes
     for q in stage.module.parameters():
         q.grad = torch.zeros_like(q)  # accumulate in place: gradients are not step memory
     base = p.live_bytes()
     p.reset_peak()
-    _step(pipe, x, y)
+    pipeline_step(pipe, x, y)
     held = p.peak_bytes() - base
     sent_peak = pipe.executor.peak_send_bytes
     for q in stage.module.parameters():
         q.grad = None
-    _step(pipe, x, y)
+    pipeline_step(pipe, x, y)
     nn.MSELoss()(reference_forward(ref, x), y).backward()
     _check_grads(pipe.stages, ref, sched.topology, "gpipe")
     return held, sent_peak
@@ -75,7 +75,7 @@ def last_stage_memory(rank, world, m, return_outputs):
     weight = torch.rand(WIDTH, generator=g)
 
     def step(losses=None):
-        return pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None, losses=losses,
+        return pipeline_step(pipe, x, y, losses=losses,
                          return_outputs=return_outputs, loss_kwargs={"weight": weight})
 
     step()
@@ -115,9 +115,9 @@ def out_of_memory_anywhere(rank, world, name, bad_rank, messages, min_bytes):
     pipe, model = _pipe(rank, world, name, group=group, timeout=20)
     set_messages(pipe, messages)
     x, y = make_batch(8)
-    _step(pipe, x, y)  # plans shapes
+    pipeline_step(pipe, x, y)  # plans shapes
     p.watch(min_bytes if rank == bad_rank else -1, -1)
-    _step(pipe, x, y)
+    pipeline_step(pipe, x, y)
     count = torch.tensor([p.watched_count()])
     dist.all_reduce(count, group=group)
     results = []
@@ -126,11 +126,11 @@ def out_of_memory_anywhere(rank, world, name, bad_rank, messages, min_bytes):
     topo = pipe.schedule.topology
     for k in range(int(count)):
         p.watch(min_bytes if rank == bad_rank else -1, k)
-        first = _outcome(lambda: _step(pipe, x, y))
+        first = _outcome(lambda: pipeline_step(pipe, x, y))
         p.watch(-1, -1)
         for s in pipe.stages:
             s.module.zero_grad(set_to_none=True)
-        second = _outcome(lambda: _step(pipe, x, y))
+        second = _outcome(lambda: pipeline_step(pipe, x, y))
         if second[0] == "ok":
             _check_grads(pipe.stages, ref, topo, f"after failure {k}")
         results.append((k, first, second))
@@ -151,18 +151,18 @@ def capped_rank_releases_its_peers(rank, world, m):
     pipe = pc.Pipeline(stage, sched, m, loss_fn=nn.MSELoss(), recv_window=0, send_budget=0, timeout=20)
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(m * ROWS_PER_MB, WIDTH, generator=g), torch.randn(m * ROWS_PER_MB, WIDTH, generator=g)
-    _step(pipe, x, y)
+    pipeline_step(pipe, x, y)
     for q in stage.module.parameters():
         q.grad = torch.zeros_like(q)
     if rank == 0:  # the step needs about m + 2 units here; the cap allows 4.5
         p.set_cap(p.live_bytes() + 9 * UNIT // 2)
     refused = p.refused_count()
-    capped = _outcome(lambda: _step(pipe, x, y))
+    capped = _outcome(lambda: pipeline_step(pipe, x, y))
     refused = p.refused_count() - refused
     p.set_cap(-1)
     for q in stage.module.parameters():
         q.grad = None
-    after = _outcome(lambda: _step(pipe, x, y))
+    after = _outcome(lambda: pipeline_step(pipe, x, y))
     nn.MSELoss()(reference_forward(ref, x), y).backward()
     if after[0] == "ok":
         _check_grads(pipe.stages, ref, sched.topology, "after the capped step")
@@ -177,11 +177,11 @@ def stray_message_puts_the_channel_out_of_step(rank, world, messages="default"):
     pipe, _ = _pipe(rank, world, "1f1b", group=group, timeout=5)
     set_messages(pipe, messages)
     x, y = make_batch(8)
-    _step(pipe, x, y)
+    pipeline_step(pipe, x, y)
     if rank == 0:  # the size of the first activation message: 2 rows x 16 floats, packed, + trailer
         dist.send(torch.zeros(2 * 16 * 4 + 16, dtype=torch.uint8), dist.get_global_rank(group, 1), group=group)
-    first = _outcome(lambda: _step(pipe, x, y))
-    after = _outcome(lambda: _step(pipe, x, y))
+    first = _outcome(lambda: pipeline_step(pipe, x, y))
+    after = _outcome(lambda: pipeline_step(pipe, x, y))
     dist.destroy_process_group(group)
     return first, after
 
@@ -200,9 +200,9 @@ def pipelines_created_unevenly(rank, world):
                 raise RuntimeError("boom on rank 1")
         pipe.stages[0].module.register_forward_pre_hook(hook)
     x, y = make_batch(8)
-    first = _outcome(lambda: _step(pipe, x, y))
+    first = _outcome(lambda: pipeline_step(pipe, x, y))
     fail["on"] = True
-    second = _outcome(lambda: _step(pipe, x, y))
+    second = _outcome(lambda: pipeline_step(pipe, x, y))
     dist.destroy_process_group(group)
     return first, second
 
@@ -213,7 +213,7 @@ def combined_backend_string(rank, world):
     group = dist.new_group(backend="cpu:gloo,cuda:gloo")
     pipe, model = _pipe(rank, world, "1f1b", group=group)
     x, y = make_batch(8)
-    _step(pipe, x, y)
+    pipeline_step(pipe, x, y)
     ref = copy.deepcopy(model)
     nn.CrossEntropyLoss()(reference_forward(ref, x), y).backward()
     _check_grads(pipe.stages, ref, pipe.schedule.topology, "combined backend")
@@ -229,6 +229,6 @@ def bad_step_options(rank, world):
                                                           target=y if pipe.has_last else None, return_outputs="no")),
            "loss_kwargs": _outcome(lambda: pipe.step(*((x,) if pipe.has_first else ()),
                                                        target=y if pipe.has_last else None, loss_kwargs=[1]))}
-    out["then"] = _outcome(lambda: _step(pipe, x, y))
+    out["then"] = _outcome(lambda: pipeline_step(pipe, x, y))
     return out
 

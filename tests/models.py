@@ -110,3 +110,9 @@ def rank_stages(sched, rank: int, model: list[nn.Module]) -> list:
     topo = sched.topology
     return [pc.PipelineStage(copy.deepcopy(model[topo.model_stage[s]]), s, sched.num_stages)
             for s in sched.rank_stages(rank)]
+
+
+def pipeline_step(pipe, x, y, **kwargs):
+    """`pipe.step` with the batch's inputs where this rank holds a first stage and its targets where
+    it holds a last stage, as every rank of a test calls it."""
+    return pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None, **kwargs)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipecore as pc
-from models import make_batch, make_stages, reference_forward
+from models import make_batch, make_stages, reference_forward, pipeline_step
 from pipeline_cases import _assert_grads_close, set_messages
 
 MODES = ("sequential", "concurrent", "lockstep")
@@ -31,10 +31,6 @@ def _build(rank, world, name, m, model, overlap_f_b, **kw):
               for s in sched.rank_stages(rank)]
     pipe = pc.Pipeline(stages, sched, m, loss_fn=nn.CrossEntropyLoss(), timeout=60, overlap_f_b=overlap_f_b, **kw)
     return pipe, topo
-
-
-def _step(pipe, x, y, losses=None):
-    return pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None, losses=losses)
 
 
 def _pairs_of(pipe) -> list[str]:
@@ -62,7 +58,7 @@ def modes_match(rank, world, name, m, kind, steps=3, messages="default"):
         x, y = make_batch(rows, seed=step + 1)
         losses = {mode: [] for mode in MODES}
         for mode, (pipe, _) in pipes.items():
-            _step(pipe, x, y, losses[mode])
+            pipeline_step(pipe, x, y, losses=losses[mode])
         nn.CrossEntropyLoss()(reference_forward(ref, x), y).backward()
         seq = pipes["sequential"][0]
         for mode in ("concurrent", "lockstep"):
@@ -177,14 +173,14 @@ def halves_run_at_once(rank, world, name, m, mode):
             b = [s for s in a.sub_actions if s.kind is not pc.Kind.F]
             shared.partner_of[(f[0].stage, f[0].microbatch)] = (b[0].stage, b[0].microbatch)
     x, y = make_batch(4 * m, width=8)
-    _step(pipe, x, y)  # shapes
+    pipeline_step(pipe, x, y)  # shapes
     shared.armed["on"] = True
     shared.log.clear()
     for _ in range(2):
         shared.started.clear()
         for s in pipe.stages:
             s.module.calls = 0
-        _step(pipe, x, y)
+        pipeline_step(pipe, x, y)
     main = threading.get_ident()
     forwards = {t for k, *_, t in shared.log if k == "F"}
     paired = set(shared.partner_of.values())
@@ -202,7 +198,7 @@ def failing_half(rank, world, name, where):
     m = 2 * world
     pipe, topo = _build(rank, world, name, m, model, "concurrent")
     x, y = make_batch(3 * m + 1)
-    _step(pipe, x, y)
+    pipeline_step(pipe, x, y)
     fail = {"on": False}
     if rank == 0:
         pair = pc.Action.parse(_pairs_of(pipe)[0])
@@ -237,7 +233,7 @@ def failing_half(rank, world, name, where):
         s.module.zero_grad(set_to_none=True)
     before = pipe.overlapped_pairs
     try:
-        _step(pipe, x, y)
+        pipeline_step(pipe, x, y)
         first = ("ok", "")
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         first = (type(exc).__name__, str(exc))
@@ -252,7 +248,7 @@ def _step_matches_one_process(pipe, topo, model, x, y, steps):
     for _ in range(steps):
         for s in pipe.stages:
             s.module.zero_grad(set_to_none=True)
-        _step(pipe, x, y)
+        pipeline_step(pipe, x, y)
     ref = copy.deepcopy(model)
     nn.CrossEntropyLoss()(reference_forward(ref, x), y).backward()
     for s in pipe.stages:
@@ -340,9 +336,9 @@ def bad_hooks(rank, world, name, how):
 
     pipe, _ = _build(rank, world, name, 4, model, hook)
     x, y = make_batch(13)
-    _step(pipe, x, y)
+    pipeline_step(pipe, x, y)
     try:
-        _step(pipe, x, y)
+        pipeline_step(pipe, x, y)
         outcome = ("ok", "")
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         outcome = (type(exc).__name__, str(exc))
@@ -386,7 +382,7 @@ def checkpoints_run_in_sequence(rank, world, name):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(3):
-                _step(pipe, x, y)
+                pipeline_step(pipe, x, y)
         grads = [p.grad.clone() for s in pipe.stages for p in s.module.parameters()]
         out[mode] = (grads, pipe.overlap_fallbacks, pipe.overlapped_pairs,
                      [str(w.message) for w in caught if "OVERLAP_F_B" in str(w.message)])
@@ -414,7 +410,7 @@ def some_checkpoints_and_dropout(rank, world, name):
                 warnings.simplefilter("ignore")
                 for step in range(3):
                     x, y = make_batch(25, seed=step)
-                    _step(pipe, x, y)
+                    pipeline_step(pipe, x, y)
             out[every, mode] = ([p.grad.clone() for s in pipe.stages for p in s.module.parameters()],
                                 pipe.overlapped_pairs, pipe.overlap_fallbacks)
         for mode in modes[1:]:
@@ -474,7 +470,7 @@ def collectives_in_both_halves(rank, world, mode):
         pipe = pc.Pipeline(stages, sched, 4, loss_fn=nn.CrossEntropyLoss(), group=own, timeout=60, overlap_f_b=how)
         for step in range(3):
             x, y = make_batch(13, seed=step)
-            _step(pipe, x, y)
+            pipeline_step(pipe, x, y)
         grads[how] = [p.grad.clone() for s in pipe.stages for p in s.module.parameters()]
     for g, h in zip(grads["sequential"], grads[mode]):
         assert torch.equal(g, h)
@@ -494,7 +490,7 @@ def hooked_pipelines_are_freed(rank, world, how):
         pipe, _ = _build(rank, world, "dualpipev", 4, model, lambda pair: pair.run())
     x, y = make_batch(13)
     for _ in range(2):
-        _step(pipe, x, y)
+        pipeline_step(pipe, x, y)
     ref = weakref.ref(pipe)
     del pipe
     gc.collect()
@@ -507,7 +503,7 @@ def traced_lanes(rank, world, name):
     pipe, _ = _build(rank, world, name, 4, _model("mlp", name, world), "concurrent", trace=True)
     x, y = make_batch(13)
     for _ in range(2):
-        _step(pipe, x, y)
+        pipeline_step(pipe, x, y)
     events = pipe.trace()
     backs = {f"PP:{s}" for t in _pairs_of(pipe) for s in pc.Action.parse(t).sub_actions if s.kind is not pc.Kind.F}
     lane1 = [e["name"] for e in events if e["lane"] == 1]

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipecore as pc
-from models import make_batch
+from models import make_batch, pipeline_step
 from pipecore.stage.boundary import as_call
 from pipeline_cases import _assert_grads_close
 from reliability_cases import _outcome
@@ -102,10 +102,6 @@ def _compare(pipe, ref, losses, ref_losses, what, rtol=1e-6):
             torch.testing.assert_close(a, b, rtol=rtol, atol=1e-7, msg=f"{what} loss of microbatch {mb}")
 
 
-def _step(pipe, x, y, losses=None):
-    return pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None, losses=losses)
-
-
 def values_reach_the_next_stage(rank, world, name, V, m):
     """Ints, floats, bools and None returned by a stage reach the next one as returned, per
     microbatch and per step (the counts grow every forward); training equals one process."""
@@ -117,7 +113,7 @@ def values_reach_the_next_stage(rank, world, name, V, m):
     for step in range(3):
         x, y = make_batch(2 * m, seed=step)
         losses: list = []
-        _step(pipe, x, y, losses)
+        pipeline_step(pipe, x, y, losses=losses)
         ref_losses = _per_microbatch_reference(ref, x, y, m)
         _compare(pipe, ref, losses, ref_losses, f"rank {rank} step {step}")
         for p in [p for s in mine for p in s.module.parameters()] + [p for s in ref for p in s.parameters()]:
@@ -136,7 +132,7 @@ def autocast_bf16(rank, world, name, V, m):
     x, y = make_batch(2 * m)
     losses: list = []
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = _step(pipe, x, y, losses)
+        out = pipeline_step(pipe, x, y, losses=losses)
         ref_losses = _per_microbatch_reference(ref, x, y, m)
     _compare(pipe, ref, losses, ref_losses, f"rank {rank}", rtol=1e-2)
     sent = {str(b.tensors[0].dtype) for p in pipe.plans.kept() for st in p.values() for b in st.outputs.values()}
@@ -156,7 +152,7 @@ def state_and_rng(rank, world, name, m):
     torch.manual_seed(1000 + rank)
     x, y = make_batch(4 * m)
     losses: list = []
-    _step(pipe, x, y, losses)
+    pipeline_step(pipe, x, y, losses=losses)
     after = torch.get_rng_state()
     ref_losses = _per_microbatch_reference(ref, x, y, m, rng_states=rng)
     _compare(pipe, ref, losses, ref_losses, f"rank {rank}")
@@ -182,7 +178,7 @@ def fsdp2_stages(rank, world, m):
     pipe = pc.Pipeline([pc.PipelineStage(module, rank, world)], sched, m, loss_fn=nn.CrossEntropyLoss(), timeout=60)
     x, y = make_batch(2 * m)
     losses: list = []
-    _step(pipe, x, y, losses)
+    pipeline_step(pipe, x, y, losses=losses)
     ref_losses = _per_microbatch_reference(ref, x, y, m)
     for (n, p), q in zip(module.named_parameters(), ref[rank].parameters()):
         assert type(p).__name__ == "DTensor", (n, type(p))
@@ -225,7 +221,7 @@ def compiled_stage(rank, world, m, workdir):
     try:
         x, y = make_batch(2 * m)
         losses: list = []
-        _step(pipe, x, y, losses)
+        pipeline_step(pipe, x, y, losses=losses)
     finally:
         os.chdir(cwd)
     ref_losses = _per_microbatch_reference(ref, x, y, m)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipecore as pc
-from models import make_batch, make_stages, model_stage_count, rank_stages, reference_forward
+from models import make_batch, make_stages, model_stage_count, rank_stages, reference_forward, pipeline_step
 from pipecore.errors import CommunicationError, InputError, PeerFailedError
 from pipeline_cases import set_messages
 
@@ -22,10 +22,6 @@ def _pipe(rank, world, name="1f1b", m=4, kind="mlp", group=None, timeout=30, mod
     model = model if model is not None else make_stages(kind, model_stage_count(sched))
     stages = rank_stages(sched, rank, model)
     return pc.Pipeline(stages, sched, m, loss_fn=nn.CrossEntropyLoss(), group=group, timeout=timeout, **kw), model
-
-
-def _step(pipe, x, y):
-    return pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
 
 
 def _outcome(fn):
@@ -67,17 +63,17 @@ def failing_stage(rank, world, name, bad_rank, where, messages="default"):
     x, y = make_batch(8)
     if messages == "device":  # a first step learns the shapes (host-waiting path); the failing one is the device path's
         fail["on"] = False
-        _step(pipe, x, y)
+        pipeline_step(pipe, x, y)
         fail["on"] = True
         for s in pipe.stages:
             s.module.zero_grad(set_to_none=True)
-    first = _outcome(lambda: _step(pipe, x, y))
+    first = _outcome(lambda: pipeline_step(pipe, x, y))
     if messages == "device":
         assert pipe.executor.threaded_posts == 0 and pipe.executor.reverse_posts == 0, "not the device path"
     fail["on"] = False
     for s in pipe.stages:
         s.module.zero_grad(set_to_none=True)
-    second = _outcome(lambda: _step(pipe, x, y))
+    second = _outcome(lambda: pipeline_step(pipe, x, y))
     # the recovered step equals single-process training
     ref = copy.deepcopy(model)
     nn.CrossEntropyLoss()(reference_forward(ref, x), y).backward()
@@ -106,17 +102,17 @@ def hanging_rank(rank, world, bad_rank, warm=False, messages="default"):
     pipe = _faulty_pipe(rank, world, bad_rank, lambda: time.sleep(6) if hang["on"] else None, 2, messages)
     x, y = make_batch(8)
     if warm:
-        _step(pipe, x, y)
+        pipeline_step(pipe, x, y)
         hang["on"] = True
-    result = _outcome(lambda: _step(pipe, x, y))
-    after = _outcome(lambda: _step(pipe, x, y))
+    result = _outcome(lambda: pipeline_step(pipe, x, y))
+    after = _outcome(lambda: pipeline_step(pipe, x, y))
     return result, after
 
 
 def dying_rank(rank, world, bad_rank):
     pipe = _faulty_pipe(rank, world, bad_rank, lambda: os._exit(3), timeout=20)
     x, y = make_batch(8)
-    return _outcome(lambda: _step(pipe, x, y))
+    return _outcome(lambda: pipeline_step(pipe, x, y))
 
 
 def bad_input(rank, world, case):
@@ -137,8 +133,8 @@ def bad_input(rank, world, case):
             calls["n"] += 1
             return torch.cat([out, out[:1]]) if rank == 0 and calls["n"] > 6 else out
         mod.register_forward_hook(grow)
-        pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
-    first = _outcome(lambda: pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None))
+        pipeline_step(pipe, x, y)
+    first = _outcome(lambda: pipeline_step(pipe, x, y))
     return first
 
 
@@ -154,7 +150,7 @@ def mismatched_stage(rank, world, name, bad_stage):
     for _ in range(2):
         t0 = time.monotonic()
         try:
-            _step(pipe, x, y)
+            pipeline_step(pipe, x, y)
             outcomes.append(("ok", "", time.monotonic() - t0, ""))
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             notes = "\n".join(getattr(exc, "__notes__", []))
@@ -167,7 +163,7 @@ def no_loss_fn(rank, world):
     model = make_stages("mlp", world)
     pipe = pc.Pipeline(pc.PipelineStage(model[rank], rank, world), sched, 2, loss_fn=None, timeout=20)
     x, y = make_batch(4)
-    return _outcome(lambda: _step(pipe, x, y))
+    return _outcome(lambda: pipeline_step(pipe, x, y))
 
 
 def construction_errors(rank, world):
@@ -196,7 +192,7 @@ def stress(rank, world, name, steps, max_delay_us, seed):
     topo = pipe.schedule.topology
     for step in range(steps):
         x, y = make_batch(10, seed=step)
-        _step(pipe, x, y)
+        pipeline_step(pipe, x, y)
         nn.CrossEntropyLoss()(reference_forward(ref, x), y).backward()
         for s in pipe.stages:
             for p, q in zip(s.module.parameters(), ref[topo.model_stage[s.stage_index]].parameters()):
@@ -217,10 +213,10 @@ def memory_is_flat(rank, world, steps):
             return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
     for _ in range(5):
-        _step(pipe, x, y)
+        pipeline_step(pipe, x, y)
     before = rss()
     for _ in range(steps):
-        _step(pipe, x, y)
+        pipeline_step(pipe, x, y)
     return rss() - before
 
 
@@ -236,10 +232,10 @@ def reverse_channel(rank, world):
     pipe, _ = _pipe(rank, world, "1f1b", group=group)
     assert pipe.reverse_channel is None
     x, y = make_batch(8)
-    _step(pipe, x, y)
+    pipeline_step(pipe, x, y)
     channel = pipe.reverse_channel
     assert channel is not None and channel.size() == world and channel.rank() == rank
-    _step(pipe, x, y)
+    pipeline_step(pipe, x, y)
     assert pipe.reverse_channel is channel
     assert loop_threads() == before
     assert pipe.executor.reverse_posts > 0
@@ -253,7 +249,7 @@ def own_error_then_peer_hangs(rank, world):
     group = dist.new_group(backend="gloo")
     pipe, _ = _pipe(rank, world, "1f1b", group=group, timeout=2)
     x, y = make_batch(8)
-    _step(pipe, x, y)
+    pipeline_step(pipe, x, y)
     calls = {"n": 0}
 
     def fault(mod, args):
@@ -265,12 +261,12 @@ def own_error_then_peer_hangs(rank, world):
     pipe.stages[0].module.register_forward_pre_hook(fault)
     t0 = time.monotonic()
     try:
-        _step(pipe, x, y)
+        pipeline_step(pipe, x, y)
         first = ("ok", "", None)
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         first = (type(exc).__name__, str(exc), type(exc.__cause__).__name__)
     seconds = time.monotonic() - t0
-    after = _outcome(lambda: _step(pipe, x, y))
+    after = _outcome(lambda: pipeline_step(pipe, x, y))
     return first, seconds, after
 
 
@@ -284,11 +280,11 @@ def comm_error_keeps_gradients_held_before(rank, world, bad_rank):
     if rank == bad_rank:
         pipe.stages[0].module.register_forward_pre_hook(lambda mod, args: time.sleep(6) if hang["on"] else None)
     x, y = make_batch(8)
-    _step(pipe, x, y)
+    pipeline_step(pipe, x, y)
     params = [p for s in pipe.stages for p in s.module.parameters()]
     held = [None if p.grad is None else p.grad.clone() for p in params]
     hang["on"] = True
-    outcome = _outcome(lambda: _step(pipe, x, y))
+    outcome = _outcome(lambda: pipeline_step(pipe, x, y))
     kept = all((h is None and p.grad is None) or (h is not None and p.grad is not None and torch.equal(h, p.grad))
                for h, p in zip(held, params))
     return outcome, kept, sum(h is not None for h in held)

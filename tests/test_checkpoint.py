@@ -18,7 +18,7 @@ from torch import nn
 
 import pipecore as pc
 from dist_pool import pool
-from models import Head, make_batch, make_stages
+from models import Head, make_batch, make_stages, pipeline_step
 from pipecore.errors import InputError
 
 WORLD, MICROBATCHES, ROWS = 2, 4, 10
@@ -61,7 +61,7 @@ def build(rank, name, seed, dropout=False, width=16):
 def train(pipe, optimizer, scheduler, step):
     x, y = make_batch(ROWS, seed=step + 1)
     losses: list = []
-    pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None, losses=losses)
+    pipeline_step(pipe, x, y, losses=losses)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()

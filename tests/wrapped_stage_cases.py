@@ -11,8 +11,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import pipecore as pc
+from models import pipeline_step
 from pipecore.errors import InputError, PipelineError
 from pipecore.training.wrapped_stages import WrappedStage
+from gpt_cases import relative_difference  # examples/gpt.py's, the tests' one measure
 
 WIDTH = 16
 
@@ -79,10 +81,6 @@ def compute_order(name: str, m: int, num_ranks: int = 2) -> tuple[int, list[tupl
                 progressed = True
         assert progressed, f"{name}: no action can run"
     return sched.num_stages, order
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -237,12 +235,12 @@ def train(rank: int, world: int, kind: str, name: str, m: int = 4, options: dict
             tags.append([mod.tag.item() for mod in plain])
 
             for mb in range(m):
-                worst["loss"] = max(worst["loss"], _rel(losses[mb].detach(), ref_mb_losses[mb]))
+                worst["loss"] = max(worst["loss"], relative_difference(losses[mb].detach(), ref_mb_losses[mb]))
             grad = 0.0
             for w, r in zip(wrapped, reference):
                 for (pname, p), q in zip(w.named_parameters(), r.parameters()):
                     assert p.grad is not None, f"{pname} has no gradient"
-                    grad = max(grad, _rel(_full(p.grad), q.grad))
+                    grad = max(grad, relative_difference(_full(p.grad), q.grad))
             worst["grad"] = max(worst["grad"], grad)
             grad_by_step.append(grad)
             if options.get("accumulate"):  # the next step adds to .grad, as loss.backward() twice
@@ -253,7 +251,7 @@ def train(rank: int, world: int, kind: str, name: str, m: int = 4, options: dict
             ref_opt.zero_grad()
             for w, r in zip(wrapped, reference):
                 for p, q in zip(w.parameters(), r.parameters()):
-                    worst["weight"] = max(worst["weight"], _rel(_full(p.detach()), q.detach()))
+                    worst["weight"] = max(worst["weight"], relative_difference(_full(p.detach()), q.detach()))
     finally:
         counter.close()
     # the module still works outside the pipeline: a plain forward/backward reduces as usual
@@ -424,7 +422,7 @@ def pipeline_train(rank: int, world: int, kind: str, name: str, m: int = 4, opti
         Y = torch.randn(dp * m * 2, WIDTH, generator=g)
         x, y = X.chunk(dp)[replica], Y.chunk(dp)[replica]
         losses: list = []
-        pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None, losses=losses)
+        pipeline_step(pipe, x, y, losses=losses)
         h = X
         for mod in reference:
             h = mod(h)
@@ -434,7 +432,7 @@ def pipeline_train(rank: int, world: int, kind: str, name: str, m: int = 4, opti
             ref_norm = torch.nn.utils.clip_grad_norm_([p for r in reference for p in r.parameters()],
                                                       options["max_norm"])
             assert ref_norm > options["max_norm"], ref_norm
-            result.setdefault("norm", []).append(_rel(norm, ref_norm))
+            result.setdefault("norm", []).append(relative_difference(norm, ref_norm))
         loss = 0.0
         if pipe.has_last:
             with torch.no_grad():
@@ -442,16 +440,16 @@ def pipeline_train(rank: int, world: int, kind: str, name: str, m: int = 4, opti
                     h = xm
                     for mod in reference:
                         h = mod(h)
-                    loss = max(loss, _rel(losses[mb].detach(), F.mse_loss(h, ym)))
+                    loss = max(loss, relative_difference(losses[mb].detach(), F.mse_loss(h, ym)))
         grad = 0.0
         for s, w in wrapped.items():
             for p, q in zip(w.parameters(), reference[topo.model_stage[s]].parameters()):
-                grad = max(grad, _rel(_full(p.grad), q.grad))
+                grad = max(grad, relative_difference(_full(p.grad), q.grad))
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-        weight = max(_rel(_full(p.detach()), q.detach()) for s, w in wrapped.items()
+        weight = max(relative_difference(_full(p.detach()), q.detach()) for s, w in wrapped.items()
                      for p, q in zip(w.parameters(), reference[topo.model_stage[s]].parameters()))
         result["grad"].append(grad)
         result["loss"].append(loss)
@@ -496,7 +494,7 @@ def ddp_armed_late(rank: int, world: int) -> dict:
     stage.reduce_grad(True)
     stage.end_step(failed=False)
     reference(torch.cat(xs)).sum().mul(2 / world).backward()
-    grad = max(_rel(p.grad, q.grad) for p, q in zip(module.parameters(), reference.parameters()))
+    grad = max(relative_difference(p.grad, q.grad) for p, q in zip(module.parameters(), reference.parameters()))
     return {"message": message, "grad": grad, "early": early}
 
 
