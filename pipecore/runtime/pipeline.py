@@ -105,6 +105,13 @@ class Pipeline:
     On a gloo `group`, the first step also opens a second gloo connection between the group's
     ranks (on the group's own gloo device): messages to a lower rank travel on it, so that a rank's
     sends never share a connection with the data it receives.
+
+    Besides the configuration given, a Pipeline shows what it built, for tools, benchmarks and tests:
+    `comm` (its communication service, pipecore/executor/comm.py), `gradients` (the gradient
+    finalisation: `.dp` the data-parallel replicas, `.ties` the tied weights), `programs` ({True:
+    training, False: eval} the executor's program of this rank), `plans` (what crosses each stage
+    boundary, per batch shape), `executor` (this rank's `pipecore._C.Executor`) and
+    `reverse_channel` (gloo's second connection, once opened).
     """
 
     def __init__(self, stages: PipelineStage | Sequence[PipelineStage], schedule: str | Schedule,
