@@ -137,12 +137,15 @@ class StepRun:
         self._wrapped = wrapped
         self._dp_size = dp_size
         self._before_forward = before_forward
+        self._rows: tuple[list[int], int] | None = None  # (rows per microbatch, their sum), once known
         self.outputs: dict[int, Any] = {}  # last stages: microbatch -> output (detached), if asked
         self.losses: dict[int, torch.Tensor] = {}  # last stages: microbatch -> loss (detached)
 
     def restart(self) -> None:
-        """The step runs again (a peer's batch changed shape): what it kept goes."""
+        """The step runs again (a peer's batch changed shape): what it kept goes, and the batch rows
+        (agreed again) are read again."""
         self.outputs, self.losses = {}, {}
+        self._rows = None
 
     def forward(self, local: int, mb: int, received: list[torch.Tensor]):
         pipe = self._pipe
@@ -241,8 +244,11 @@ class StepRun:
         1 / loss_divisor. Divided by the replicas, whose gradients are summed."""
         if self._loss_divisor is not None:
             return 1.0 / self._loss_divisor
-        rows = self._batch.rows or split_sizes(self._plans.batch_rows.get(self._training, 0),
-                                               self._pipe.num_microbatches)
+        if self._rows is None:  # once per run, not per microbatch: m microbatches, O(m) each
+            rows = self._batch.rows or split_sizes(self._plans.batch_rows.get(self._training, 0),
+                                                   self._pipe.num_microbatches)
+            self._rows = (rows or [], sum(rows or []))
+        rows, total = self._rows
         if rows:
-            return rows[mb] / sum(rows) / self._dp_size
+            return rows[mb] / total / self._dp_size
         return 1.0 / self._pipe.num_microbatches / self._dp_size
