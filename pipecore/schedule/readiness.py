@@ -1,6 +1,7 @@
 """The readiness rule: what a compute action waits for and what it marks done, and the one replay of
-the ranks that runs a schedule by it. Lowering, validation, simulation and zb_auto's pricing use
-these (the builders' list schedulers still decide it their own way while they place actions).
+the ranks that runs a schedule by it. Lowering, validation, simulation, zb_auto's pricing and the
+builders that place actions one by one (zb_auto's list scheduler, v_rounds, v_half/v_min) all read
+the rule from here; `inputs()` states it, and everything else here is derived from it.
 
 The rule, for microbatch k of stage s:
 
@@ -28,6 +29,32 @@ GRAD_DONE = 0xF  # the kind bits of "the input gradient of (stage, microbatch) i
 _KIND = 0xF
 
 
+def inputs(c: int, topo, grad: int = GRAD_DONE) -> tuple[int, ...]:
+    """The codes compute action `c` (F, I, B or W) waits for: the rule, stated once. The input
+    gradient a stage's I/B and W wait for is named by `grad`: the `GRAD_DONE` marker that I and B
+    both set (replay, lowering), or the kind a builder places (I, when it places no B)."""
+    kind, s = c & _KIND, (c >> STAGE_SHIFT) & STAGE_MASK
+    base = c & ~_KIND
+    if kind == F:
+        p = topo.prev_stage[s]
+        return () if p < 0 else ((base + ((p - s) << STAGE_SHIFT)) | F,)
+    if kind == W:
+        return (base | grad,)
+    n = topo.next_stage[s]
+    return (base | F,) if n < 0 else (base | F, (base + ((n - s) << STAGE_SHIFT)) | grad)
+
+
+def feeders(topo) -> tuple[list[int], list[int]]:
+    """Per stage s: the stage whose F output s's F waits for, and the stage whose input gradient s's
+    I/B waits for (-1: none). `inputs()` for list schedulers that keep their times in flat arrays."""
+    forward, backward = [], []
+    for s in range(topo.num_stages):
+        for kind, out in ((F, forward), (I, backward)):
+            others = [d for d in inputs((s << STAGE_SHIFT) | kind, topo) if (d >> STAGE_SHIFT) & STAGE_MASK != s]
+            out.append((others[0] >> STAGE_SHIFT) & STAGE_MASK if others else -1)
+    return forward, backward
+
+
 @dataclass(frozen=True)
 class Links:
     """Per stage, the rule as code offsets (one addition per dependency on the hot paths)."""
@@ -42,11 +69,12 @@ class Links:
     @classmethod
     def of(cls, topo) -> Links:
         stage_rank = topo.stage_rank
+        deps = _dependencies(topo, lowered=False, local=False)
         fields: dict[str, list] = {k: [] for k in cls.__dataclass_fields__}
         for s, r in enumerate(stage_rank):
             p, n = topo.prev_stage[s], topo.next_stage[s]
-            fields["fwd_need"].append(None if p < 0 else (p - s) << STAGE_SHIFT)
-            fields["bwd_need"].append(None if n < 0 else ((n - s) << STAGE_SHIFT) + GRAD_DONE)
+            fields["fwd_need"].append(deps[F][s][0][0] if deps[F][s] else None)
+            fields["bwd_need"].append(deps[I][s][0][0] + GRAD_DONE if deps[I][s] else None)
             cross_next = n >= 0 and stage_rank[n] != r
             fields["fwd_peer"].append(stage_rank[n] if cross_next else -1)
             fields["fwd_recv"].append(((n - s) << STAGE_SHIFT) + RECV_F if cross_next else 0)
@@ -57,25 +85,24 @@ class Links:
 
 
 def _dependencies(topo, lowered: bool, local: bool) -> dict[int, list[tuple]]:
-    """Per compute kind, per stage: ((offset, kind bits of the awaited code, crosses ranks)...).
+    """`inputs()` as a table, per compute kind, per stage: ((offset from the action's code, kind bits
+    of the awaited code, crosses ranks)...); `lowered`: data from another rank is awaited at its SEND.
     `local=False` leaves out what the same rank's earlier actions provide (a schedule whose
     same-rank order is known to be right)."""
-    rank, prev, nxt = topo.stage_rank, topo.prev_stage, topo.next_stage
+    rank = topo.stage_rank
+    sent = {F: SEND_F, GRAD_DONE: SEND_B}
     deps: dict[int, list[tuple]] = {F: [], I: [], B: [], W: []}
-    for s in range(len(rank)):
-        p, n = prev[s], nxt[s]
-        f = []
-        if p >= 0:
-            cross = rank[p] != rank[s]
-            f.append(((p - s) << STAGE_SHIFT, SEND_F if cross and lowered else F, cross))
-        back = [(0, F, False)] if local else []
-        if n >= 0:
-            cross = rank[n] != rank[s]
-            back.append(((n - s) << STAGE_SHIFT, SEND_B if cross and lowered else GRAD_DONE, cross))
-        deps[F].append(tuple(f))
-        deps[I].append(tuple(back))
-        deps[B].append(tuple(back))
-        deps[W].append(((0, GRAD_DONE, False),) if local else ())
+    for kind, table in deps.items():
+        for s in range(len(rank)):
+            c = (s << STAGE_SHIFT) | kind  # microbatch bits cancel out in the offsets
+            row = []
+            for d in inputs(c, topo):
+                d_stage, awaited = (d >> STAGE_SHIFT) & STAGE_MASK, d & _KIND
+                cross = rank[d_stage] != rank[s]
+                if d_stage == s and not local:
+                    continue
+                row.append(((d & ~_KIND) - (c & ~_KIND), sent[awaited] if cross and lowered else awaited, cross))
+            table.append(tuple(row))
     return deps
 
 

@@ -34,7 +34,7 @@ from pipecore.schedule.schedule import Schedule
 from pipecore.schedule.topology import Topology
 from pipecore.schedule.builders._codes import B, F, I, W, code
 from pipecore.schedule.builders.v_rounds import _Stuck, build_rounds
-from pipecore.schedule.readiness import replay
+from pipecore.schedule.readiness import feeders, replay
 from pipecore.schedule.simulate import cost_table, peak_activations
 
 
@@ -73,7 +73,8 @@ def generate(topo: Topology, costs: dict[str, list[float]], memory_limit: int, p
     the most idle rank by that much)."""
     R, S, m = topo.num_ranks, topo.num_stages, topo.num_microbatches
     cf, ci, cw, comm = costs["F"], costs["I"], costs["W"], costs["comm"]
-    prev, nxt, srank = topo.prev_stage, topo.next_stage, topo.stage_rank
+    prev, nxt = feeders(topo)  # whose output a stage's F and I wait for (the readiness rule)
+    srank = topo.stage_rank
     local = [sorted(topo.rank_stages(r), reverse=policy.pick != "shallower") for r in range(R)]
     balanced = policy.pick == "balanced"
     # a V's first-leg forward keeps room for the second leg's

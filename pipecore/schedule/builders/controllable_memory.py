@@ -18,6 +18,7 @@ from pipecore.schedule.schedule import Schedule
 from pipecore.schedule.topology import Topology
 from pipecore.schedule.action import MB_SHIFT, stage_of
 from pipecore.schedule.simulate import peak_activations
+from pipecore.schedule.readiness import inputs
 from pipecore.schedule.builders._codes import F, I, W, code
 
 PERIOD = 6
@@ -69,7 +70,7 @@ def _reorder(ranks: list[dict[int, int]], topo: Topology, m: int) -> None:
     """Move warm-up and cool-down actions to the earliest free slot after their inputs that keeps
     each rank's memory (F: +1, W: -1) within the highest peak of any rank."""
     R = len(ranks)
-    prev, nxt, srank = topo.prev_stage, topo.next_stage, topo.stage_rank
+    srank = topo.stage_rank
     at: dict[int, int] = {c: t for slots in ranks for t, c in slots.items()}
     horizon = max(at.values()) + 2
     memory = []
@@ -84,18 +85,9 @@ def _reorder(ranks: list[dict[int, int]], topo: Topology, m: int) -> None:
     peak = max(max(row) for row in memory)
     one = 1 << MB_SHIFT
 
-    def inputs(c):
-        kind, s, k = c & 0xF, stage_of(c), (c >> MB_SHIFT) - 1
-        deps = [c - one] if k > 0 else []  # the stage's previous microbatch of this kind
-        if kind == F and prev[s] >= 0:
-            deps.append(code(prev[s], F, k))
-        elif kind == I:
-            deps.append(code(s, F, k))
-            if nxt[s] >= 0:
-                deps.append(code(nxt[s], I, k))
-        elif kind == W:
-            deps.append(code(s, I, k))
-        return deps
+    def after(c):  # the rule's inputs, and the stage's previous microbatch of the same kind
+        k = (c >> MB_SHIFT) - 1
+        return inputs(c, topo, grad=I) + ((c - one,) if k > 0 else ())
 
     warmup_end = at[code(0, I, 0)]  # rank 0's first backward of stage 0
     cooldown_start = _cooldown_start(at, R, m)
@@ -103,7 +95,7 @@ def _reorder(ranks: list[dict[int, int]], topo: Topology, m: int) -> None:
     for c, old in sorted(moving, key=lambda item: (item[1], srank[stage_of(item[0])])):
         r = srank[stage_of(c)]
         slots, row = ranks[r], memory[r]
-        earliest = max((at[d] for d in inputs(c)), default=-1) + 1
+        earliest = max((at[d] for d in after(c)), default=-1) + 1
         for t in range(earliest, old):
             if t in slots:
                 continue
@@ -122,7 +114,7 @@ def _squeeze_cooldown_backwards(ranks: list[dict[int, int]], topo: Topology, m: 
     """The paper's second pass: the cool-down's W out, each of its I to the earliest free slot
     after its inputs where the W, put back in the first free slots after their I, keep the rank
     within the highest peak; then the W back in."""
-    nxt, srank = topo.next_stage, topo.stage_rank
+    srank = topo.stage_rank
     at = {c: t for slots in ranks for t, c in slots.items()}
     cooldown_start = _cooldown_start(at, topo.num_ranks, m)
     peak = max(peak_activations([[slots[t] for t in sorted(slots)] for slots in ranks]))
@@ -139,7 +131,7 @@ def _squeeze_cooldown_backwards(ranks: list[dict[int, int]], topo: Topology, m: 
     moving = [(c, t) for c, t in at.items() if t > cooldown_start and c & 0xF == I]
     for c, old in sorted(moving, key=lambda item: (item[1], srank[stage_of(item[0])])):
         s, k = stage_of(c), (c >> MB_SHIFT) - 1
-        deps = [code(s, F, k)] + ([c - one] if k > 0 else []) + ([code(nxt[s], I, k)] if nxt[s] >= 0 else [])
+        deps = inputs(c, topo, grad=I) + ((c - one,) if k > 0 else ())
         r = srank[s]
         slots = ranks[r]
         for t in range(max(max(at[d] for d in deps) + 1, cooldown_start + 1), old):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 
 from pipecore.schedule.action import stage_of
+from pipecore.schedule.readiness import inputs
 from pipecore.schedule.topology import Topology
 from pipecore.schedule.builders._codes import F, I, W, code
 
@@ -49,22 +50,19 @@ def build_rounds(topo: Topology, costs: dict[str, list[float]], memory_limit: in
     def n(kind, s):
         return count.get((kind, s), 0)
 
+    # the readiness rule per (kind, stage): (offset to an input's code, whether it crosses ranks)
+    needs = {(kind, s): [(d - code(s, kind, 0), topo.stage_rank[stage_of(d)] != topo.stage_rank[s])
+                         for d in inputs(code(s, kind, 0), topo, grad=I)] for kind in (F, I) for s in range(S)}
+
     def ready(kind, s, k):
-        """When (kind, stage s, microbatch k)'s input is there; None if its producer is not placed."""
-        r = topo.stage_rank[s]
-        if kind == F:
-            p = topo.prev_stage[s]
-            if p < 0:
-                return 0.0
-            key = code(p, F, k)
-        else:
-            nx = topo.next_stage[s]
-            key = code(s, F, k) if nx < 0 else code(nx, I, k)
-            p = s if nx < 0 else nx
-        if key not in end:
-            return None
-        t = end[key] + (comm[s] if topo.stage_rank[p] != r else 0.0)
-        return max(t, end.get(code(s, F, k), t)) if kind == I else t
+        """When (kind, stage s, microbatch k)'s inputs are there; None if a producer is not placed."""
+        c, t = code(s, kind, k), 0.0
+        for offset, cross in needs[(kind, s)]:
+            e = end.get(c + offset)
+            if e is None:
+                return None
+            t = max(t, e + comm[s] if cross else e)
+        return t
 
     def put(r, kind, s):
         k = n(kind, s)
