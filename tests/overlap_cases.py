@@ -257,8 +257,9 @@ def _step_matches_one_process(pipe, topo, model, x, y, steps):
 
 
 def hooks_get_their_pairs(rank, world, name, how):
-    """A Pipeline hook or a stage module's overlapped_forward_backward is called once per pair, in
-    program order, with the pair's microbatches; running the backward half first changes nothing."""
+    """A Pipeline hook is called once per pair, in program order, with the pair's microbatches;
+    running the backward half first changes nothing. A stage module's own `overlapped_forward_backward`
+    (DualPipe's name) is never called."""
     model = _model("transformer", name, world)
     seen: list = []
 
@@ -278,11 +279,14 @@ def hooks_get_their_pairs(rank, world, name, how):
         else:
             pair.run("lockstep")
 
-    if how == "module":
-        model = [_HookedModule(m_, hook) for m_ in model]
+    if how == "module":  # DualPipe's method name, with its own signature: overlap_f_b decides, not the module
+        model = [_DualPipeModule(m_) for m_ in model]
         pipe, topo = _build(rank, world, name, 4, model, "concurrent")
-    else:
-        pipe, topo = _build(rank, world, name, 4, model, hook)
+        x, y = make_batch(13)
+        _step_matches_one_process(pipe, topo, model, x, y, steps=2)
+        assert seen == [] and pipe.overlapped_pairs > 0, (seen, pipe.overlapped_pairs)
+        return pipe.overlapped_pairs
+    pipe, topo = _build(rank, world, name, 4, model, hook)
     x, y = make_batch(13)
     _step_matches_one_process(pipe, topo, model, x, y, steps=2)
     want = []
@@ -296,17 +300,20 @@ def hooks_get_their_pairs(rank, world, name, how):
     return len(seen)
 
 
-class _HookedModule(nn.Module):
-    def __init__(self, inner, hook):
+class _DualPipeModule(nn.Module):
+    """A module written for DualPipe, with its overlap method."""
+
+    def __init__(self, inner):
         super().__init__()
         self.inner = inner
-        self._hook = hook
 
     def forward(self, *args, **kwargs):
         return self.inner(*args, **kwargs)
 
-    def overlapped_forward_backward(self, pair):
-        self._hook(pair)
+    @classmethod
+    def overlapped_forward_backward(cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1,
+                                    output_grads1):  # DualPipe's signature
+        raise AssertionError("pipecore called a module's overlapped_forward_backward")
 
 
 def bad_hooks(rank, world, name, how):
@@ -477,17 +484,13 @@ def collectives_in_both_halves(rank, world, mode):
     return True
 
 
-def hooked_pipelines_are_freed(rank, world, how):
-    """A Pipeline with an overlap hook (its own or a module's) is freed once dropped."""
+def hooked_pipelines_are_freed(rank, world):
+    """A Pipeline with an overlap hook is freed once dropped."""
     import gc
     import weakref
 
     model = _model("mlp", "dualpipev", world)
-    if how == "module":
-        model = [_HookedModule(m_, lambda pair: pair.run()) for m_ in model]
-        pipe, _ = _build(rank, world, "dualpipev", 4, model, "lockstep")
-    else:
-        pipe, _ = _build(rank, world, "dualpipev", 4, model, lambda pair: pair.run())
+    pipe, _ = _build(rank, world, "dualpipev", 4, model, lambda pair: pair.run())
     x, y = make_batch(13)
     for _ in range(2):
         pipeline_step(pipe, x, y)

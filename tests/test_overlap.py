@@ -82,9 +82,8 @@ def test_lockstep_keeps_collectives_in_one_order_on_every_rank():
     assert all(pool(2).run(collectives_in_both_halves, "lockstep"))
 
 
-@pytest.mark.parametrize("how", ["hook", "module"])
-def test_pipelines_with_hooks_are_freed(how):
-    assert all(pool(2).run(hooked_pipelines_are_freed, how))
+def test_pipelines_with_hooks_are_freed():
+    assert all(pool(2).run(hooked_pipelines_are_freed))
 
 
 def test_backward_halves_have_a_trace_row_of_their_own():

@@ -21,9 +21,7 @@ stream). How the halves share the time is `Pipeline(overlap_f_b=...)`:
   happen to run, so a group used by both (tensor or expert parallel) would match one rank's forward
   all-reduce with another's backward one -- wrong sums, or a hang.
 - "sequential": the halves one after the other, as torch.distributed.pipelining runs them.
-- a callable `hook(pair)`, or a stage module's `overlapped_forward_backward(pair)` method
-  (DualPipe's name; here it gets the pair, not the modules and tensors; "sequential" ignores such
-  methods): it decides how the pair runs with `pair.run(mode)` or `pair.run_forward()` /
+- a callable `hook(pair)`: it decides how the pair runs with `pair.run(mode)` or `pair.run_forward()` /
   `pair.run_backward()`, each once, on any thread, before the hook returns (pipecore waits for
   halves still running when it returns). `pair.run(mode)` keeps pipecore's rules below; a hook
   that runs the halves at once itself should ask `pair.sequential_reason` first.
@@ -137,11 +135,10 @@ class PairRunner:
         else:
             raise TypeError("overlap_f_b must be 'lockstep', 'concurrent', 'sequential' or a callable(pair), got "
                             f"{type(overlap_f_b).__name__}")
-        self._module_hooks = {} if self.mode == "sequential" and self._user_hook is None else {
-            s.stage_index: s.module.overlapped_forward_backward for s in stages
-            if callable(getattr(s.module, "overlapped_forward_backward", None))}
+        # `overlap_f_b` is the one way to decide: a module's own method (DualPipe's
+        # `overlapped_forward_backward`, with its own signature) is not looked for
         hook = None
-        if self._user_hook is not None or self._module_hooks:
+        if self._user_hook is not None:
             # the executor holds the hook: a weak reference back, or the Pipeline would never be freed
             me = weakref.ref(self)
 
@@ -157,16 +154,7 @@ class PairRunner:
             label = self._labels[bracket]
             action = self._pairs[bracket] = Action.parse(label.removeprefix("PP:"))
         modules = {a.stage: self._modules[a.stage] for a in action.sub_actions}
-        pair = OverlappedPair(self._executor, bracket, action, modules)
-        if self._user_hook is not None:
-            self._user_hook(pair)
-            return
-        first = (pair.forward or pair.backward)[0].stage
-        hook = self._module_hooks.get(first)
-        if hook is not None:
-            hook(pair)
-        else:
-            pair.run(self.mode)
+        self._user_hook(OverlappedPair(self._executor, bracket, action, modules))
 
     @property
     def fallbacks(self) -> dict[str, int]:
