@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -300,6 +301,10 @@ def eval_matches(rank, world, name):
         torch.testing.assert_close(out, torch.cat([chunks[mb] for mb in computed]), rtol=1e-6, atol=1e-7)
         for mb, yc in zip(computed, [torch.tensor_split(y, 4)[mb] for mb in computed]):
             torch.testing.assert_close(losses[mb], loss_fn(chunks[mb], yc), rtol=1e-6, atol=1e-7)
+    if name == "forward_only":  # eval() is its one use: step() would compute no gradient
+        with pytest.raises(pc.InputError, match="has no backward: call pipe.eval"):
+            pipeline_step(pipe, x, y)
+        assert all(p.grad is None for s in mine for p in s.module.parameters())
     return True
 
 
@@ -499,3 +504,20 @@ def output_only_loss(rank, world, name, m, V, rows):
             s.module.zero_grad()
         for r in ref:
             r.zero_grad()
+
+
+def loss_divisor_over_scale_grads(rank, world, name, scale_grads):
+    """A step's loss_divisor decides the weight whatever scale_grads says: .grad = sum loss / N."""
+    sched = pc.build_schedule(name, world, 4)
+    model = make_stages("mlp", model_stage_count(sched))
+    ref = copy.deepcopy(model)
+    mine = rank_stages(sched, rank, model)
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    pipe = pc.Pipeline(mine, sched, 4, loss_fn=loss_fn, scale_grads=scale_grads)
+    x, y = make_batch(10)
+    pipeline_step(pipe, x, y, loss_divisor=7.0)
+    (loss_fn(reference_forward(ref, x), y) / 7.0).backward()
+    for s in mine:
+        for p, q in zip(s.module.parameters(), ref[sched.topology.model_stage[s.stage_index]].parameters()):
+            _assert_grads_close(p.grad, q.grad, f"rank {rank} stage {s.stage_index}")
+    return True

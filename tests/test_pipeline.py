@@ -5,7 +5,7 @@ import torch
 
 import pipecore as pc
 from dist_pool import pool
-from pipeline_cases import (changing_batch_shapes, output_only_loss, eval_matches, given_shapes, pipelines_on_subgroups, profiler_events,
+from pipeline_cases import (changing_batch_shapes, loss_divisor_over_scale_grads, output_only_loss, eval_matches, given_shapes, pipelines_on_subgroups, profiler_events,
                             sent_outputs_freed, split_backward_defers_weight_grads, train_and_compare,
                             view_outputs_are_copied)
 
@@ -65,6 +65,12 @@ def test_gradients_accumulate_across_steps(name):
 
 def test_sum_reduction_without_scaling():
     pool(2).run(train_and_compare, "1f1b", 4, 1, "mlp", 10, 1, False)
+
+
+@pytest.mark.parametrize("scale_grads", [True, False])
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_loss_divisor_decides_the_weight_whatever_scale_grads_says(name, scale_grads):
+    assert all(pool(2).run(loss_divisor_over_scale_grads, name, scale_grads))
 
 
 @pytest.mark.parametrize("V", [1, 3])

@@ -18,14 +18,14 @@ from pipecore.errors import CommunicationError, InputError, PeerFailedError
 from pipecore.executor.comm import Comm
 from pipecore.executor.native import (DEFAULT_RECV_WINDOW, DEFAULT_SEND_BUDGET, MESSAGE_STATUS, C, CommError, PeerAbort,
                                       PeerReplan)
-from pipecore.executor.program import encode, forward_only
+from pipecore.executor.program import encode, forward_only, trains
 from pipecore.runtime.agreement import Agreement
 from pipecore.runtime.overlap import PairRunner
 from pipecore.runtime.plans import Plans
 from pipecore.runtime.rollback import Rollback
 from pipecore.runtime.split_backward import fallback_message, name_parameter
 from pipecore.runtime.step import StepRun, check_inputs, check_step_options, split_batch
-from pipecore.schedule import Schedule, build_schedule
+from pipecore.schedule import SCHEDULES, Schedule, build_schedule
 from pipecore.schedule.lowering import add_unshard_reshard
 from pipecore.stage import boundary as wire
 from pipecore.stage.microbatch import batch_size, merge, merge_by_spec
@@ -189,6 +189,7 @@ class Pipeline:
                 WrappedStage.of(s.module, None)
         self.gradients = GradFinalisation(self.comm, self.stages, topo, self._dp)
         lowered = {True: schedule.lower(), False: forward_only(schedule).lower()}
+        self._trains = trains(schedule)  # a forward-only schedule serves eval() only
         # FSDP2 stages get UNSHARD/RESHARD in this rank's row only, after lowering: they do not communicate
         # within the pipeline, and the sends and receives must be placed alike on every rank (lowering
         # with them places those differently). The ranks agree below on the program without them.
@@ -270,6 +271,10 @@ class Pipeline:
         `scale_grads`. `losses` still holds what `loss_fn` returned. With `dp_group`, `loss_divisor`
         is the token count of the whole global batch (every replica's: all-reduce it over the dp
         group) and the replicas' gradients are summed."""
+        if not self._trains:  # every rank has this schedule: each raises here
+            raise InputError(f"step() trains, but schedule {self.schedule.name!r} has no backward: call "
+                             "pipe.eval(...) for forward-only runs, or build the Pipeline with a training schedule "
+                             f"(one of {[n for n in SCHEDULES if n != 'forward_only']})")
         with _range("pipecore.step"):
             try:
                 self.gradients.begin_step()
