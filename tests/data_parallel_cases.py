@@ -18,7 +18,7 @@ from torch import nn
 
 import pipecore as pc
 from gpt_cases import relative_difference  # examples/gpt.py's, the tests' measure
-from models import make_batch, make_stages, reference_forward
+from models import NEVER, make_batch, make_stages, reference_forward
 from pipeline_cases import set_messages
 from reliability_cases import _outcome
 
@@ -81,7 +81,7 @@ class Replica:
         # sum: token-style loss, padding (-100) ignored, divided by the global count (loss_divisor)
         self.loss_fn = nn.CrossEntropyLoss(reduction="sum" if tokens else "mean", ignore_index=-100)
         self.pipe = pc.Pipeline(self.stages, sched, m, self.loss_fn, group=self.mesh.get_group("pp"),
-                                dp_group=self.mesh.get_group("dp"), timeout=60, trace=trace,
+                                dp_group=self.mesh.get_group("dp"), timeout=NEVER, trace=trace,
                                 **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
         assert self.pipe.rank == self.position and self.pipe.world == self.pp, (self.pipe.rank, self.pipe.world)
         self.params = [p for s in self.stages for p in s.module.parameters()]
@@ -269,7 +269,7 @@ def bad_meshes(rank, world):
         place = dist.get_rank(group) if group is not None else rank
         model = make_stages("mlp", s.num_stages)
         stages = [pc.PipelineStage(model[i], i, s.num_stages) for i in s.rank_stages(place)]
-        return pc.Pipeline(stages, s, 2, nn.CrossEntropyLoss(), group=group, dp_group=dp_group, timeout=20)
+        return pc.Pipeline(stages, s, 2, nn.CrossEntropyLoss(), group=group, dp_group=dp_group, timeout=NEVER)
 
     pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
     # the dp group's ranks must hold the same pipeline position
@@ -364,7 +364,7 @@ def deferred_shared_weight(rank, world, name):
     stages = [pc.PipelineStage(copy.deepcopy(model[topo.model_stage[s]]), s, sched.num_stages)
               for s in sched.rank_stages(position)]
     pipe = pc.Pipeline(stages, sched, m, nn.functional.mse_loss, group=mesh.get_group("pp"),
-                       dp_group=mesh.get_group("dp"), timeout=60)
+                       dp_group=mesh.get_group("dp"), timeout=NEVER)
     worst = 0.0
     for step in range(2):
         g = torch.Generator().manual_seed(step)
@@ -394,7 +394,7 @@ def replicas_differ(rank, world):
     torch.manual_seed(0)
     stage = pc.PipelineStage(nn.Linear(width, width), position, pp)
     pipe = pc.Pipeline(stage, sched, 2, nn.functional.mse_loss, group=mesh.get_group("pp"),
-                       dp_group=mesh.get_group("dp"), timeout=30)
+                       dp_group=mesh.get_group("dp"), timeout=NEVER)
     return _outcome(lambda: pipe.step(*((torch.randn(4, width),) if pipe.has_first else ()),
                                       target=torch.randn(4, width) if pipe.has_last else None))
 
@@ -496,7 +496,7 @@ def scalar_parameters(rank, world):
     model = [ScaledLinear(width).double() for _ in range(pp)]
     stage = pc.PipelineStage(copy.deepcopy(model[position]), position, pp)
     pipe = pc.Pipeline(stage, sched, m, nn.functional.mse_loss, group=mesh.get_group("pp"),
-                       dp_group=mesh.get_group("dp"), timeout=60, bucket_bytes=64)
+                       dp_group=mesh.get_group("dp"), timeout=NEVER, bucket_bytes=64)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(dp * m * 2, width, generator=g, dtype=torch.float64)
     y = torch.randn(dp * m * 2, width, generator=g, dtype=torch.float64)
@@ -530,7 +530,7 @@ def unfrozen_after_building(rank, world):
     frozen = next(r.stages[0].module.parameters())
     frozen.requires_grad_(False)
     pipe = pc.Pipeline(r.stages, r.pipe.schedule, 2, r.loss_fn, group=r.mesh.get_group("pp"),
-                       dp_group=r.mesh.get_group("dp"), timeout=60)
+                       dp_group=r.mesh.get_group("dp"), timeout=NEVER)
     frozen.requires_grad_(True)
     x, y = r.global_batch(0, 4)
     r.pipe = pipe
@@ -568,7 +568,7 @@ def gpt_tied(rank, world, name, m):
     reference = copy.deepcopy(model)
     stages = pipeline_stages(model, sched, position)
     pipe = pc.Pipeline(stages, sched, m, loss_fn=lm_loss, group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"),
-                       timeout=60)
+                       timeout=NEVER)
     worst = 0.0
     for step in range(2):
         x, y = get_batch(text(), step, 2 * m * dp, cfg.seq_len, seed=7)
@@ -596,7 +596,7 @@ def dualpipe_mirrors(rank, world, bucket_bytes=None):
               for s in sched.rank_stages(position)]
     loss_fn = nn.CrossEntropyLoss()
     pipe = pc.Pipeline(stages, sched, m, loss_fn, group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"),
-                       timeout=60, **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}))
+                       timeout=NEVER, **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}))
     worst = 0.0
     for step in range(2):
         x, y = make_batch(dp * 3 * m, width=16, seed=step + 1)

@@ -11,12 +11,12 @@ import torch.distributed as dist
 from torch import nn
 
 import pipecore as pc
-from models import make_batch, make_stages, model_stage_count, rank_stages, reference_forward, pipeline_step
+from models import NEVER, make_batch, make_stages, model_stage_count, rank_stages, reference_forward, pipeline_step
 from pipecore.errors import CommunicationError, InputError, PeerFailedError
 from pipeline_cases import set_messages
 
 
-def _pipe(rank, world, name="1f1b", m=4, kind="mlp", group=None, timeout=30, model=None, **kw):
+def _pipe(rank, world, name="1f1b", m=4, kind="mlp", group=None, timeout=NEVER, model=None, **kw):
     V = 1 if name in ("gpipe", "1f1b") else 2
     sched = pc.build_schedule(name, world, m, V)
     model = model if model is not None else make_stages(kind, model_stage_count(sched))
@@ -110,13 +110,13 @@ def hanging_rank(rank, world, bad_rank, warm=False, messages="default"):
 
 
 def dying_rank(rank, world, bad_rank):
-    pipe = _faulty_pipe(rank, world, bad_rank, lambda: os._exit(3), timeout=20)
+    pipe = _faulty_pipe(rank, world, bad_rank, lambda: os._exit(3), timeout=NEVER)
     x, y = make_batch(8)
     return _outcome(lambda: pipeline_step(pipe, x, y))
 
 
 def bad_input(rank, world, case):
-    pipe, _ = _pipe(rank, world, "1f1b", m=4, timeout=20, check_finite=(case == "nan"))
+    pipe, _ = _pipe(rank, world, "1f1b", m=4, check_finite=(case == "nan"))
     x, y = make_batch(8)
     if case == "unsplittable" and rank == 0:
         x = x[:3]
@@ -144,7 +144,7 @@ def mismatched_stage(rank, world, name, bad_stage):
     V = 1 if name in ("gpipe", "1f1b") else 2
     model = make_stages("mlp", world * V)
     model[bad_stage].fc = nn.Linear(7, 16)
-    pipe, _ = _pipe(rank, world, name, m=4, timeout=30, model=model)
+    pipe, _ = _pipe(rank, world, name, m=4, model=model)
     x, y = make_batch(8)
     outcomes = []
     for _ in range(2):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +17,7 @@ from torch import nn
 
 import pipecore as pc
 from dist_pool import pool
-from models import Head, make_batch, make_stages, pipeline_step
+from models import NEVER, Head, make_batch, make_stages, pipeline_step
 from pipecore.errors import InputError
 
 WORLD, MICROBATCHES, ROWS = 2, 4, 10
@@ -52,7 +51,7 @@ def build(rank, name, seed, dropout=False, width=16):
     # dualpipe's mirrored stage holds a copy of its model stage
     stages = [pc.PipelineStage(copy.deepcopy(model[topo.model_stage[s]]), s, sched.num_stages)
               for s in sched.rank_stages(rank)]
-    pipe = pc.Pipeline(stages, sched, MICROBATCHES, loss_fn=nn.CrossEntropyLoss(), timeout=60)
+    pipe = pc.Pipeline(stages, sched, MICROBATCHES, loss_fn=nn.CrossEntropyLoss(), timeout=NEVER)
     optimizer = torch.optim.AdamW([p for s in stages for p in s.module.parameters()], lr=0.02, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     return pipe, optimizer, scheduler
@@ -140,10 +139,8 @@ def layout_mismatch(rank, world, root):
     for name, width in (("interleaved_1f1b", 16), ("1f1b", 8)):  # 4 model stages; 2 narrower ones
         other, other_optimizer, _ = build(rank, name, seed=1, width=width)
         before = weights(other)
-        started = time.monotonic()
-        with pytest.raises(InputError) as caught:
+        with pytest.raises(InputError) as caught:  # the Pipelines' timeout is NEVER: no rank waited one out
             pc.load_checkpoint(path, other, other_optimizer)
-        assert time.monotonic() - started < 10, "the mismatch was not found at once"
         after = weights(other)
         assert all(torch.equal(after[k], v) for k, v in before.items()), f"rank {rank}: the model changed"
         assert not other_optimizer.state, f"rank {rank}: the optimizer changed"

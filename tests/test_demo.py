@@ -65,10 +65,8 @@ def test_demo_trains_writes_its_files_and_resumes(tmp_path):
 
 def test_one_rank_failing_is_named_on_every_rank(tmp_path):
     """Rank 0 alone fails after the last step (its timeline's folder cannot be made): every rank says
-    so, instead of gloo's "Connection closed by peer" tracebacks, and nobody waits out a timeout."""
-    import time
-
-    started = time.monotonic()
+    so, instead of gloo's "Connection closed by peer" tracebacks, and nobody waits out a timeout (the
+    example's is 300 s, longer than this run may take)."""
     out = run([sys.executable, SCRIPT, "--ranks", "4", "--cpu", "--steps", "1", "--width", "32", "--heads", "2",
                "--seq-len", "16", "--rows", "8", "--sample-tokens", "0", "--check-steps", "0",
                "--timeline", "/dev/null/timeline.png"], tmp_path, timeout=120)
@@ -79,7 +77,6 @@ def test_one_rank_failing_is_named_on_every_rank(tmp_path):
     # the ranks that stopped because of it print one line each, not a traceback, and said so in time
     assert out.stderr.count("Traceback (most recent call last)") <= 2, out.stderr[-4000:]  # rank 0's and torchrun's
     assert "not every rank said it stopped" not in out.stderr, out.stderr[-4000:]
-    assert time.monotonic() - started < 60
 
 
 QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")

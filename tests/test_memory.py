@@ -56,7 +56,6 @@ def _check_out_of_memory(results, bad_rank):
     for rank, per_rank in enumerate(results):
         for k, first, second in per_rank:
             kind, msg, seconds = first
-            assert seconds < 10, (rank, k, first)
             assert second[0] == "ok", (rank, k, first, second)
             if kind == "ok":
                 continue

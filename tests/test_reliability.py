@@ -1,4 +1,6 @@
-"""No hang, no silent corruption, a clear error for every fault (multi-rank gloo, bounded time)."""
+"""No hang, no silent corruption, a clear error for every fault (multi-rank gloo). A failure reaches the
+other ranks by message, not by a timeout: their Pipelines have one no test waits out (models.NEVER);
+only the tests of timeouts themselves bound how long an error took."""
 
 import pytest
 
@@ -15,9 +17,8 @@ from reliability_cases import (bad_input, comm_error_keeps_gradients_held_before
 @pytest.mark.parametrize("messages", ["default", "large", "direct", "device"])
 def test_a_failing_rank_ends_the_step_everywhere_and_the_next_step_works(name, world, bad_rank, where, messages):
     results = pool(world).run(failing_stage, name, bad_rank, where, messages, timeout=60)
-    for rank, (first, second) in enumerate(results):
+    for rank, (first, second) in enumerate(results):  # the Pipeline's timeout is NEVER: what arrived was sent
         kind, msg, seconds = first
-        assert seconds < 10, (rank, first)
         if rank == bad_rank or (where == "loss" and kind == "RuntimeError"):
             assert kind == "RuntimeError" and f"boom in {where}" in msg, (rank, first)
         else:
@@ -61,7 +62,7 @@ def test_a_dead_rank_is_noticed():
     assert results[1] is None
     kind, msg, seconds = results[0]
     assert kind == "CommunicationError" and "rank 0" in msg and "rank 1" in msg, results[0]
-    assert seconds < 20
+    assert "within" not in msg, msg  # the lost connection was noticed, not a timeout (NEVER) waited out
 
 
 @pytest.mark.parametrize("case, bad_rank, bad_kind, needle", [
@@ -77,7 +78,6 @@ def test_bad_input_gets_a_specific_error_on_every_rank(case, bad_rank, bad_kind,
     assert kind == bad_kind and needle in msg, results[bad_rank]
     other = results[1 - bad_rank]
     assert other[0] in ("InputError", "PeerFailedError") and f"rank {bad_rank}" in other[1], other
-    assert max(r[2] for r in results) < 10
 
 
 def test_missing_loss_fn():
@@ -115,8 +115,7 @@ def test_repeated_steps_do_not_grow_memory():
 def test_a_stage_that_cannot_take_its_inputs_fails_every_rank_at_once(name, world, bad_stage):
     bad_rank = bad_stage % world
     for rank, outcomes in enumerate(pool(world).run(mismatched_stage, name, bad_stage, timeout=60)):
-        for kind, msg, seconds, notes in outcomes:
-            assert seconds < 10, (rank, kind, msg, seconds)
+        for kind, msg, seconds, notes in outcomes:  # the Pipeline's timeout is NEVER: what arrived was sent
             if rank == bad_rank:  # the module's own error, with a note saying where it ran
                 assert kind == "RuntimeError" and "mat1" in msg, msg
                 assert f"stage {bad_stage}'s forward of microbatch 0 on rank {bad_rank}" in notes, notes
