@@ -110,7 +110,7 @@ class Pipeline:
     `comm` (its communication service, pipecore/executor/comm.py), `gradients` (the gradient
     finalisation: `.dp` the data-parallel replicas, `.ties` the tied weights), `programs` ({True:
     training, False: eval} the executor's program of this rank), `plans` (what crosses each stage
-    boundary, per batch shape), `executor` (this rank's `pipecore._C.Executor`) and
+    boundary, per batch shape), `executor` (this rank's `pipecore._C.Executor`: not a stable API) and
     `reverse_channel` (gloo's second connection, once opened).
     """
 
