@@ -120,6 +120,11 @@ def takes_two_args(fn) -> bool:
     return len(required) >= 2
 
 
+def _viewless(t: torch.Tensor) -> torch.Tensor:
+    """A view would keep its base alive after the send: a viewless copy goes instead."""
+    return t.clone() if t._is_view() else t
+
+
 class StepRun:
     """One step (or eval) as the executor runs it: `forward` is its callback for every F."""
 
@@ -211,6 +216,12 @@ class StepRun:
         pipe = self._pipe
         stage = pipe.stages[local]
         s = stage.stage_index
+        discovery = self._plans.discovery
+        if discovery is None:
+            boundary = self._plans.in_use[s].outputs[mb]
+            if boundary.single and isinstance(out, torch.Tensor) and boundary.fits(out):
+                # the steady path's common case: one tensor, as the first step of this shape had it
+                return [_viewless(out)]
         nxt = pipe.schedule.topology.next_stage[s]
         what = f"rank {pipe.rank}: stage {s}'s output for microbatch {mb}"
         if out is None:
@@ -218,7 +229,6 @@ class StepRun:
                              "stage takes (a tensor, or a tuple, list or dict of tensors and other values). Does its "
                              "forward miss a `return`?")
         leaves, spec = tree_flatten(out)
-        discovery = self._plans.discovery
         if discovery is not None:
             problem = declared_mismatch(stage, args, kwargs, out)
             if problem is not None:
@@ -227,15 +237,13 @@ class StepRun:
             tensors = boundary.encode(leaves, stage.device, what)
             discovery.learnt_output(local, mb, boundary)
         else:
-            boundary = self._plans.in_use[s].outputs[mb]
             problem = boundary.mismatch(leaves, spec)
             if problem is not None:
                 raise InputError(f"{what} has {problem}: stage {nxt} receives what the first step with this batch "
                                  "shape returned (a stage's output may change its shapes, dtypes, gradient flags or "
                                  "structure only with the batch's shapes)")
             tensors = boundary.encode(leaves, stage.device, what)
-        # a view would keep its base alive after the send: send a viewless copy instead
-        return [t.clone() if t._is_view() else t for t in tensors]
+        return [_viewless(t) for t in tensors]
 
     def _loss_weight(self, mb: int) -> float:
         """This microbatch's share of the batch rows, n_mb / N: the target's rows, else the rows of

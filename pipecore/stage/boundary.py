@@ -78,12 +78,21 @@ class Boundary:
     # the tree flattened once: its leaves and structure, compared and rebuilt every step
     _leaves: tuple = field(init=False, repr=False, compare=False)
     _spec: Any = field(init=False, repr=False, compare=False)
+    single: bool = field(init=False, repr=False, compare=False)  # the output is one tensor, in no container
 
     def __post_init__(self):
         leaves, spec = tree_flatten(self.tree)
         object.__setattr__(self, "_leaves", tuple(leaves))
         object.__setattr__(self, "_spec", spec)
         object.__setattr__(self, "tensors", tuple(x for x in leaves if isinstance(x, TensorMeta)))
+        object.__setattr__(self, "single", isinstance(self.tree, TensorMeta))
+
+    def fits(self, t: torch.Tensor) -> bool:
+        """Whether tensor `t`, a stage's whole output, fits a `single` boundary: the steady path's
+        check, without flattening (`mismatch` says what differs)."""
+        m = self.tree
+        return t.dtype == m.dtype and t.shape == m.shape and (t.requires_grad and t.is_floating_point()) == \
+            m.requires_grad
 
     @staticmethod
     def of(out: Any, what: str) -> "Boundary":
@@ -134,6 +143,8 @@ class Boundary:
 
     def decode(self, received: list[torch.Tensor]) -> Any:
         """The output a message carried: its tensors, and its values as sent this step."""
+        if self.single:
+            return received[0]
         tensors = iter(received)
         values = None
         if self.value_bytes:
