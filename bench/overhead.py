@@ -1,9 +1,10 @@
 """Executor overhead per action: host time pipecore adds around the module's own compute.
 
 One rank runs a schedule whose stages all live on it (so there is no wire), with tiny Linear
-stages. The same forwards and backwards are also run as plain PyTorch (module call, loss,
-torch.autograd.backward) in the same process; the difference, divided by the number of actions
-the executor ran, is its cost per action (dispatch, bookkeeping, freeing, callbacks, split/merge).
+stages. The same forwards and backwards, in the schedule's order, are also run as plain PyTorch
+(module call, loss, torch.autograd.backward) in the same process; the difference, divided by the
+number of actions the executor ran, is its cost per action (dispatch, bookkeeping, freeing,
+callbacks, split/merge).
 
     python bench/overhead.py [--stages 4] [--microbatches 64] [--width 8]
 """
@@ -37,20 +38,25 @@ def _measure(rank, world, name, V, m, width, repeats):
         pipe.step(x, target=y)
 
     xs, ys = torch.tensor_split(x, m), torch.tensor_split(y, m)
+    last = sched.num_stages - 1
+    # the schedule's compute actions in its order; W has nothing to do in the plain loop, whose
+    # backward (at B or I) computes the weight gradients too
+    order = [(leaf.kind is pc.Kind.F, leaf.stage, leaf.microbatch) for a in sched.actions[0] for leaf in a.leaves()
+             if leaf.kind in (pc.Kind.F, pc.Kind.B, pc.Kind.I)]
 
     def run_plain():
-        # what the schedule computes, as a plain loop: per microbatch and stage a forward with a
-        # fresh leaf input, then the backwards in reverse with the received gradient
-        for xc, yc in zip(xs, ys):
-            saved = []
-            h = xc
-            for i, mod in enumerate(modules):
-                inp = h.detach().requires_grad_(i > 0)
-                h = mod(inp)
-                saved.append((inp, h))
-            loss_fn(h, yc).backward()
-            for i in range(len(saved) - 2, -1, -1):
-                torch.autograd.backward(saved[i][1], saved[i + 1][0].grad)
+        # what the schedule computes, in the schedule's order, as plain PyTorch: a forward with a
+        # fresh leaf input per stage and microbatch, a backward with the next stage's input gradient
+        held = {}  # (stage, microbatch) -> (input, output or loss)
+        for forward, s, k in order:
+            if forward:
+                inp = (xs[k] if s == 0 else held[(s - 1, k)][1]).detach().requires_grad_(s > 0)
+                out = modules[s](inp)
+                held[(s, k)] = (inp, loss_fn(out, ys[k]) if s == last else out)
+            else:
+                inp, out = held[(s, k)]
+                torch.autograd.backward(out, None if s == last else held.pop((s + 1, k))[0].grad)
+        held.clear()
 
     times = {"pipecore": [], "plain": []}
     for fn in (run_pipecore, run_plain):
