@@ -58,11 +58,6 @@ def encode(lowered: Schedule, rank: int, local_index: dict[int, int]) -> Program
     return Program(flat, labels)
 
 
-def trains(schedule: Schedule) -> bool:
-    """Whether the schedule computes gradients (has a backward): what step() needs."""
-    return any(leaf.kind in (Kind.B, Kind.I) for row in schedule.actions for a in row for leaf in a.leaves())
-
-
 def forward_only(schedule: Schedule) -> Schedule:
     """The schedule's forwards, in its order (same placement): what eval() runs."""
     rows = [[leaf for a in row for leaf in a.leaves() if leaf.kind is Kind.F] for row in schedule.compute_only().actions]

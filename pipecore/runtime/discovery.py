@@ -32,8 +32,6 @@ from pipecore.stage.boundary import Boundary, StagePlan, describe, tensor_leaves
 
 ABSENT = b"pipecore: no output (the step failed before this forward)"
 
-# executor answers (csrc/executor.h SpecAnswer) and opcodes
-
 
 class Discovery:
     """One step learning the boundaries of its batch shape (train or eval)."""

@@ -18,7 +18,7 @@ from pipecore.errors import CommunicationError, InputError, PeerFailedError
 from pipecore.executor.comm import Comm
 from pipecore.executor.native import (DEFAULT_RECV_WINDOW, DEFAULT_SEND_BUDGET, MESSAGE_STATUS, C, CommError, PeerAbort,
                                       PeerReplan)
-from pipecore.executor.program import encode, forward_only, trains
+from pipecore.executor.program import encode, forward_only
 from pipecore.runtime.agreement import Agreement
 from pipecore.runtime.overlap import PairRunner
 from pipecore.runtime.plans import Plans
@@ -189,7 +189,7 @@ class Pipeline:
                 WrappedStage.of(s.module, None)
         self.gradients = GradFinalisation(self.comm, self.stages, topo, self._dp)
         lowered = {True: schedule.lower(), False: forward_only(schedule).lower()}
-        self._trains = trains(schedule)  # a forward-only schedule serves eval() only
+        self._trains = schedule.has_backward  # a forward-only schedule serves eval() only
         # FSDP2 stages get UNSHARD/RESHARD in this rank's row only, after lowering: they do not communicate
         # within the pipeline, and the sends and receives must be placed alike on every rank (lowering
         # with them places those differently). The ranks agree below on the program without them.
