@@ -321,6 +321,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("stage"), py::arg("mb"), py::arg("send_f"), py::arg("like"))
       .def("forget_specs", &pipecore::Executor::forget_specs)
       .def("set_trace", &pipecore::Executor::set_trace, py::arg("on"), py::arg("device") = "cpu")
+      .def("set_profile", &pipecore::Executor::set_profile, py::arg("on"))
+      .def("profile",
+           [](const pipecore::Executor& self) {  // microseconds of the last profiled run, by part
+             using pipecore::Spent;
+             const auto& p = self.profile();
+             py::dict out;
+             out["loop"] = p.us(Spent::kLoop);
+             out["forward"] = p.us(Spent::kForward);
+             out["backward"] = p.us(Spent::kBackward);
+             out["post"] = p.us(Spent::kPost);
+             out["wait"] = p.us(Spent::kWait);
+             out["run"] = p.total_us();
+             return out;
+           })
       .def("trace",
            [](pipecore::Executor& self) {
              py::list out;

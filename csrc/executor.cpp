@@ -240,6 +240,7 @@ void Executor::wait_recv(Inbox& inbox, const Instr& in, const char* what) {
 const std::vector<at::Tensor>& Executor::receive(Inbox& inbox, const Instr& in, const char* what) {
   if (device_comm_) {
     try {
+      SpentOn spent(profile_, Spent::kWait);
       device_comm_->consume(*inbox.task);  // the status is checked on the device, read at the step's end
     } catch (const CommError& e) {  // a consume that waits on the host (host_device_comm.cpp)
       throw CommError(wait_failure(in, what, inbox.task->peer, e.what()));
@@ -252,6 +253,7 @@ const std::vector<at::Tensor>& Executor::receive(Inbox& inbox, const Instr& in, 
 }
 
 void Executor::wait_task(CommTask& task, const Instr& in, const char* what) {
+  SpentOn spent(profile_, Spent::kWait);
   if (task.queued) await_posted(task, in);
   for (auto& work : task.works) {
     if (!work) continue;
@@ -340,6 +342,8 @@ std::shared_ptr<CommTask> Executor::make_recv(const Instr& in, bool aborted) {
 }
 
 void Executor::post_recvs_until(size_t end, size_t at, bool aborted) {
+  if (recvs_posted_ >= end) return;
+  SpentOn spent(profile_, Spent::kPost);
   while (recvs_posted_ < end) {
     const Instr& in = program_[recv_instrs_[recvs_posted_]];
     // a failed allocation leaves the receive unposted (an aborted step posts it); once posting
@@ -397,6 +401,7 @@ void Executor::post_batch(size_t index, bool aborted, int64_t status) {
   if (index < posted_through_) return;  // posted with an earlier action of its batch
   const size_t end = batch_end_[index];
   TORCH_CHECK(end > index, "pipecore: action ", index, " is not a send or receive");
+  SpentOn spent(profile_, Spent::kPost);
   std::vector<std::shared_ptr<CommTask>> tasks;
   std::vector<size_t> task_index;  // tasks[k] is program_[task_index[k]]'s message
   for (size_t j = index; j < end; ++j) {
@@ -523,7 +528,12 @@ void Executor::await_posted(CommTask& task, const Instr& in) {
 void Executor::send(std::vector<at::Tensor> parts, size_t index, bool budgeted, bool aborted) {
   const Instr& in = program_[index];
   const int64_t bytes = message_bytes(parts);
-  if (budgeted && !sends_->reserve(static_cast<int>(in.peer), bytes, send_budget_, timeout_)) {
+  bool reserved = true;
+  if (budgeted) {
+    SpentOn spent(profile_, Spent::kWait);
+    reserved = sends_->reserve(static_cast<int>(in.peer), bytes, send_budget_, timeout_);
+  }
+  if (!reserved) {
     std::ostringstream os;
     os << where(in) << ": earlier sends to rank " << in.peer << " did not complete within "
        << timeout_.count() / 1000.0 << " s (the peer stopped receiving)";
@@ -543,6 +553,7 @@ void Executor::check_sends() {
 }
 
 void Executor::drain_sends() {
+  SpentOn spent(profile_, Spent::kWait);
   if (!sends_->drain(timeout_)) {
     std::ostringstream os;
     os << "pipecore rank " << rank_ << ": sends of this step did not complete within " << timeout_.count() / 1000.0
@@ -578,6 +589,11 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const Spec
     spec_source_ = discover;
   }
   reset();
+  struct Profiled {  // the run's time, however it ends
+    StepProfile& profile;
+    ~Profiled() { profile.end(); }
+  } profiled{profile_};
+  profile_.begin(profile_on_);
   comm_failure_.clear();
   freed_outputs_ = 0;
   trace_.clear();
@@ -836,6 +852,7 @@ void Executor::exec(size_t index, const ForwardFn& forward) {
         post_batch(index, /*aborted=*/false);
         break;
       }
+      SpentOn spent(profile_, Spent::kPost);
       std::vector<at::Tensor> parts = message_of(in, /*aborted=*/false);
       if (!parts.empty()) send(std::move(parts), index);
       break;
@@ -870,7 +887,10 @@ void Executor::do_forward(const Instr& in, const ForwardFn& forward) {
   at::Tensor loss;
   double seed = 1.0;
   s.outputs.clear();
-  forward(in.stage, in.mb, s.inputs, s.outputs, loss, seed);
+  {
+    SpentOn spent(profile_, Spent::kForward);
+    forward(in.stage, in.mb, s.inputs, s.outputs, loss, seed);
+  }
   s.out_edges.clear();
   for (const auto& t : s.outputs) {
     if (t.defined() && t.requires_grad()) s.out_edges.push_back(torch::autograd::impl::gradient_edge(t));
@@ -922,6 +942,7 @@ void Executor::do_backward(const Instr& in, bool split) {
     grads = s.out_grads;
   }
   const bool own_weight_grads = builds_weight(in.stage);
+  SpentOn spent(profile_, Spent::kBackward);
   if (split && !evented(in.stage) && !own_weight_grads) {
     std::vector<SplitFallback> fallbacks;
     s.input_grads = backward_input(roots, grads, s.inputs, s.weight, fallbacks);
@@ -944,6 +965,7 @@ void Executor::do_backward(const Instr& in, bool split) {
 }
 
 void Executor::do_weight(const Instr& in) {
+  SpentOn spent(profile_, Spent::kBackward);
   backward_weight(slot(in.stage, in.mb).weight);
 }
 

@@ -7,6 +7,7 @@
 
 #include "backward.h"
 #include "overlap.h"
+#include "step_profile.h"
 
 #include <chrono>
 #include <condition_variable>
@@ -246,6 +247,9 @@ class Executor {
     int64_t lane = 0;  // 1: the backward half of an OVERLAP_F_B pair that ran beside its forward half
   };
   const std::vector<TraceEvent>& trace();
+  // Where the last run's host time went, by part (step_profile.h), when enabled.
+  void set_profile(bool on) { profile_on_ = on; }
+  const StepProfile& profile() const { return profile_; }
   const std::string& label(int64_t i) const { return labels_[i]; }
   // Stages that hand their data over on this rank, without communication (-1: none).
   void set_links(int64_t stage, int64_t next_local, int64_t prev_local);
@@ -421,6 +425,8 @@ class Executor {
   int64_t freed_outputs_ = 0;
   bool free_outputs_ = true;
   bool trace_on_ = false;
+  bool profile_on_ = false;
+  StepProfile profile_;
 #ifdef PIPECORE_TESTING
   int64_t delay_us_ = 0;
   std::mt19937_64 rng_;

@@ -366,6 +366,57 @@ def traced_step(rank, world, out_dir):
     return events
 
 
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: time the profile must charge to the autograd engine."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class _Sleepy(nn.Module):
+    """Linear whose forward sleeps `forward_s` and whose backward sleeps `backward_s`."""
+
+    def __init__(self, forward_s, backward_s):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.forward_s, self.backward_s = forward_s, backward_s
+
+    def forward(self, x):
+        time.sleep(self.forward_s)
+        return _SlowBackward.apply(self.lin(x), self.backward_s)
+
+
+def profiled_steps(rank, world):
+    """Pipeline.profile() of a step and an eval where rank 0's forwards sleep 5 ms and rank 1's
+    backwards sleep 3 ms (2 ranks, 1f1b, 4 microbatches); and whether profile() refuses untraced."""
+    sched = pc.build_schedule("1f1b", world, 4)
+    torch.manual_seed(0)
+    module = _Sleepy(0.005, 0.0) if rank == 0 else _Sleepy(0.0, 0.003)
+    stage = pc.PipelineStage(module, rank, world)
+    pipe = pc.Pipeline(stage, sched, 4, loss_fn=nn.MSELoss(), trace=True)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    call = {"x": (x,) if rank == 0 else (), "target": y if rank == world - 1 else None}
+    pipe.step(*call["x"], target=call["target"])  # learns the shapes
+    pipe.step(*call["x"], target=call["target"])
+    stepped = pipe.profile()
+    pipe.eval(*call["x"], target=call["target"])
+    evaluated = pipe.profile()
+    untraced = pc.Pipeline(pc.PipelineStage(copy.deepcopy(module), rank, world), sched, 4, loss_fn=nn.MSELoss())
+    try:
+        untraced.profile()
+        refused = ""
+    except RuntimeError as exc:
+        refused = str(exc)
+    return stepped, evaluated, len(pipe.programs[True].labels), refused
+
+
 def changing_batch_shapes(rank, world, name, messages="default"):
     """Batches of different sizes step after step (and eval in between): each step equals
     single-process training; shapes are agreed on again only when they change."""

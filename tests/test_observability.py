@@ -11,7 +11,7 @@ import pytest
 
 import pipecore as pc
 from dist_pool import RankPool, pool
-from pipeline_cases import nvtx_step, traced_step
+from pipeline_cases import nvtx_step, profiled_steps, traced_step
 
 
 def _nvtx_include():
@@ -105,6 +105,25 @@ def test_trace_and_chrome_export(tmp_path):
     assert {e["pid"] for e in xs} == {0, 1} and len(xs) == len(events)
     assert os.path.getsize(tmp_path / "timeline.png") > 1000
     assert os.path.getsize(tmp_path / "timeline.svg") > 1000
+
+
+def test_profile_charges_each_moment_of_a_step_to_one_part():
+    """Rank 0's forwards sleep 5 ms, rank 1's backwards 3 ms (4 microbatches): the sleeps show in
+    the parts that ran them, rank 1 waits for rank 0's activations, and the parts add up."""
+    results = pool(2).run(profiled_steps)
+    for rank, (stepped, evaluated, actions, refused) in enumerate(results):
+        assert "trace=True" in refused
+        for p in (stepped, evaluated):
+            inside = p["loop"] + p["forward"] + p["backward"] + p["post"] + p["wait"]
+            assert inside == pytest.approx(p["run"], rel=1e-6)
+            assert p["before_run"] + p["run"] + p["after_run"] == pytest.approx(p["step"], rel=1e-9)
+            assert min(p.values()) >= 0 and p["model"] <= p["forward"]
+        assert stepped["actions"] == actions
+    (r0, r0_eval, _, _), (r1, r1_eval, _, _) = results
+    assert r0["model"] >= 4 * 5e3 and r0_eval["model"] >= 4 * 5e3  # microseconds
+    assert r1["backward"] >= 4 * 3e3 and r1_eval["backward"] == 0
+    assert r1["wait"] >= 5e3 and r1_eval["wait"] >= 5e3  # at least the first microbatch's forward
+    assert r1["model"] < 4 * 5e3 and r0["backward"] < 4 * 3e3
 
 
 def test_picture_of_a_simulated_schedule(tmp_path):

@@ -6,6 +6,7 @@ finalise.py's; every word to another rank goes through pipecore/executor/comm.py
 
 from __future__ import annotations
 
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -216,6 +217,7 @@ class Pipeline:
                 local_index[prv] if prv >= 0 and topo.stage_rank[prv] == self.rank else -1)
         # on an accelerator, action times come from events on its stream (one device wait per traced step)
         self.executor.set_trace(bool(trace), str(device))
+        self.executor.set_profile(bool(trace))
         # gloo runs every operation on its own; NCCL runs a peer pair's operations in posting order
         gloo = self.comm.p2p_is_gloo()
         self.executor.set_recv_window(recv_window, gloo)
@@ -234,6 +236,8 @@ class Pipeline:
         self.reverse_channel = None  # gloo: opened at the first agreement
         self._wants_reverse_channel = gloo and self.world > 1
         self._trace: list[dict] = []
+        self._profile: dict[str, float] = {}  # the last step's, with trace (profile())
+        self._step_started = 0.0
         self._warned_fallbacks: set[tuple[int, tuple]] = set()
         self._step_count = 0
         # building a Pipeline is no collective (ranks may build different numbers of them): the ties are
@@ -275,6 +279,7 @@ class Pipeline:
             raise InputError(f"step() trains, but schedule {self.schedule.name!r} has no backward: call "
                              "pipe.eval(...) for forward-only runs, or build the Pipeline with a training schedule "
                              f"(one of {[n for n in SCHEDULES if n != 'forward_only']})")
+        self._step_started = time.perf_counter()
         with _range("pipecore.step"):
             try:
                 self.gradients.begin_step()
@@ -282,13 +287,17 @@ class Pipeline:
             except BaseException as exc:
                 self.gradients.abandon(exc)  # .grad as before the step, on every failure path
                 raise
+            self._end_profile()
             return out
 
     def eval(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
              loss_kwargs: dict | None = None, **kwargs):
         """Forward only (no gradients); losses are computed when a target and loss_fn are given."""
+        self._step_started = time.perf_counter()
         with _range("pipecore.eval"), torch.no_grad():
-            return self._run(args, kwargs, target, losses, False, return_outputs, loss_kwargs)
+            out = self._run(args, kwargs, target, losses, False, return_outputs, loss_kwargs)
+        self._end_profile()
+        return out
 
     def trace(self) -> list[dict]:
         """This rank's actions of the last step: name ("PP:1F0"), start_us and end_us on the
@@ -298,6 +307,26 @@ class Pipeline:
         if not self.trace_enabled:
             raise RuntimeError("tracing is off: create the Pipeline with trace=True")
         return list(self._trace)
+
+    def profile(self) -> dict[str, float]:
+        """Where this rank's host time went in the last step (or eval), in microseconds. Needs
+        trace=True. `step`: the whole call; `before_run`: Python before the executor runs (input
+        checks, microbatch split, plans, gradients set aside); `run`: the executor, split into `loop`
+        (its own dispatch and bookkeeping), `forward` (the forward callbacks, of which `model` is
+        the stages' forwards and loss_fn), `backward` (the autograd engine), `post` (framing and
+        posting messages) and `wait` (for messages, sends in flight); `after_run`: Python after it
+        (gradient finalisation, outputs); `actions`: the program's actions. The other half of an
+        OVERLAP_F_B pair runs on a thread of its own: its time shows as `wait` or `loop`. `tracing`:
+        making this step's trace(), which steps without trace=True do not pay."""
+        if not self.trace_enabled:
+            raise RuntimeError("profiling is off: create the Pipeline with trace=True")
+        return dict(self._profile)
+
+    def _end_profile(self) -> None:
+        if self.trace_enabled and self._profile:
+            p = self._profile
+            p["step"] = (time.perf_counter() - self._step_started) * 1e6
+            p["after_run"] = p["step"] - p["before_run"] - p["run"] - p["tracing"]
 
     @property
     def split_backward_fallbacks(self) -> dict[int, dict[tuple[str, str], int]]:
@@ -395,6 +424,8 @@ class Pipeline:
                       self._dp.size if self._dp is not None else 1, self._rollback.before_forward)
         if training:
             self.gradients.set_aside()
+        self._profile = {}
+        run_started = time.perf_counter()
         try:
             while True:
                 # RNG states and buffers go back if this run does not count (pipecore/runtime/rollback.py)
@@ -450,10 +481,15 @@ class Pipeline:
             self._warn_split_fallbacks()
             self._pairs.warn_fallbacks()
         if self.trace_enabled:
+            tracing = time.perf_counter()
             self._trace = [{"rank": self.rank, "step": step, "name": name, "start_us": t0, "end_us": t1, "lane": lane}
                            for name, t0, t1, lane in self.executor.trace()]
             if training and self._dp is not None:
                 self._trace += [dict(e, step=step) for e in self._dp.trace()]
+            self._profile = {**self.executor.profile(), "model": run.model_seconds * 1e6,
+                             "actions": float(len(self.programs[training].labels)),
+                             "before_run": (run_started - self._step_started) * 1e6,
+                             "tracing": (time.perf_counter() - tracing) * 1e6}
         if losses is not None and run.losses:  # replaced, as torch does
             losses[:] = [run.losses.get(mb) for mb in range(self.num_microbatches)]
         if not run.outputs:

@@ -1,0 +1,86 @@
+// Where a run's host time went (Executor::set_profile): each moment of the run is charged to one
+// part, so the parts add up to the run. Off, a part's scope costs one branch.
+//
+// Only the thread that runs the program is counted: the other half of an OVERLAP_F_B pair runs on
+// a thread of its own, and its time shows as the time the running thread waited for it.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <thread>
+
+namespace pipecore {
+
+enum class Spent : int {
+  kLoop = 0,   // the executor's own work: dispatch, bookkeeping, unframing, freeing
+  kForward,    // the forward callback: the stage's forward and loss, and the Python around them
+  kBackward,   // the autograd engine: backward of a B, I or W (the stage's own kernels included)
+  kPost,       // framing and posting sends and receives
+  kWait,       // waiting: for a receive, a posting, the send budget, the step's last sends
+  kParts,
+};
+
+class StepProfile {
+ public:
+  void begin(bool on) {
+    on_ = on;
+    if (!on) return;
+    spent_.fill(Clock::duration::zero());
+    owner_ = std::this_thread::get_id();
+    current_ = Spent::kLoop;
+    start_ = last_ = Clock::now();
+  }
+  void end() {
+    if (!on_) return;
+    charge();
+    total_ = last_ - start_;
+    on_ = false;
+  }
+  // Charges the time so far to the current part and makes `part` current; returns the part to go
+  // back to (kParts: nothing to do on leaving).
+  Spent enter(Spent part) {
+    if (!on_ || std::this_thread::get_id() != owner_) return Spent::kParts;
+    charge();
+    const Spent previous = current_;
+    current_ = part;
+    return previous;
+  }
+  void leave(Spent previous) {
+    if (previous == Spent::kParts) return;
+    charge();
+    current_ = previous;
+  }
+  double us(Spent part) const { return micro(spent_[static_cast<int>(part)]); }
+  double total_us() const { return micro(total_); }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  static double micro(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
+  void charge() {
+    const auto now = Clock::now();
+    spent_[static_cast<int>(current_)] += now - last_;
+    last_ = now;
+  }
+  bool on_ = false;
+  std::thread::id owner_;
+  Spent current_ = Spent::kLoop;
+  Clock::time_point start_, last_;
+  Clock::duration total_{};
+  std::array<Clock::duration, static_cast<int>(Spent::kParts)> spent_{};
+};
+
+// Charges the scope's time to `part` (exclusive of the parts of scopes inside it).
+class SpentOn {
+ public:
+  SpentOn(StepProfile& profile, Spent part) : profile_(profile), previous_(profile.enter(part)) {}
+  ~SpentOn() { profile_.leave(previous_); }
+  SpentOn(const SpentOn&) = delete;
+  SpentOn& operator=(const SpentOn&) = delete;
+
+ private:
+  StepProfile& profile_;
+  Spent previous_;
+};
+
+}  // namespace pipecore
