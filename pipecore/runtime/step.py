@@ -10,6 +10,7 @@ a batch shape, checking it after), or the loss and the weight its backward is se
 from __future__ import annotations
 
 import inspect
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -145,6 +146,9 @@ class StepRun:
         self._rows: tuple[list[int], int] | None = None  # (rows per microbatch, their sum), once known
         self.outputs: dict[int, Any] = {}  # last stages: microbatch -> output (detached), if asked
         self.losses: dict[int, torch.Tensor] = {}  # last stages: microbatch -> loss (detached)
+        # traced steps: seconds in the stages' forwards and loss_fn (Pipeline.profile's `model`)
+        self._clock = time.perf_counter if pipe.trace_enabled else None
+        self.model_seconds = 0.0
 
     def restart(self) -> None:
         """The step runs again (a peer's batch changed shape): what it kept goes, and the batch rows
@@ -169,6 +173,8 @@ class StepRun:
                     raise InputError(f"rank {pipe.rank}: stage {s} receives keyword inputs {clash} from stage "
                                      f"{topo.prev_stage[s]} and from step()'s keyword arguments: rename one")
                 kwargs = {**kwargs, **extra[mb]}
+        clock = self._clock
+        started = clock() if clock else 0.0
         try:
             wrapper = self._wrapped.get(local) if self._training else None
             with wrapper.forward_context() if wrapper is not None else nullcontext():
@@ -182,19 +188,25 @@ class StepRun:
                 exc.add_note("pipecore: a stage's received inputs are leaves that need a gradient, so they cannot "
                              "be changed in place: write `h = h + x` instead of `h += x` (or clone the input first)")
             raise
+        if clock:
+            self.model_seconds += clock() - started
         if topo.next_stage[s] >= 0:
             return self._message(local, mb, args, kwargs, out), None, 1.0
         if self._return_outputs:
-            self.outputs[mb] = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
+            self.outputs[mb] = (out.detach() if isinstance(out, torch.Tensor)
+                                else tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out))
         loss = None
         seed = 1.0
         targets = self._batch.targets
         if pipe.loss_fn is not None and (self._training or targets is not None):
+            started = clock() if clock else 0.0
             with stage.autocast_context():
                 if targets is not None:
                     loss = pipe.loss_fn(out, targets[mb], **self._loss_kwargs)
                 else:
                     loss = pipe.loss_fn(out, **self._loss_kwargs)
+            if clock:
+                self.model_seconds += clock() - started
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
                                 f"{' of shape ' + str(tuple(loss.shape)) if isinstance(loss, torch.Tensor) else ''}")

@@ -19,6 +19,8 @@ class SplitError(ValueError):
 
 def batch_size(tree: Any) -> int | None:
     """Rows along dim 0 of the first tensor in `tree` (None when it holds no tensor)."""
+    if isinstance(tree, torch.Tensor):  # the common case, without a walk of the tree
+        return tree.shape[0] if tree.dim() > 0 else None
     for leaf in tree_flatten(tree)[0]:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             return leaf.shape[0]
@@ -37,7 +39,10 @@ def split(tree: Any, n: int, what: str = "input") -> list[Any]:
     """`n` microbatches of `tree`. Raises SplitError saying why when it cannot be split."""
     if n < 1:
         raise SplitError(f"cannot split into {n} microbatches: need at least one")
-    leaves, spec = tree_flatten(tree)
+    # the common cases, a tensor, a tuple of tensors or nothing, without walking or rebuilding trees
+    plain = type(tree) is torch.Tensor or (type(tree) in (tuple, dict) and
+                                           all(type(v) is torch.Tensor for v in _values(tree)))
+    leaves, spec = ([tree] if type(tree) is torch.Tensor else list(_values(tree)), None) if plain else tree_flatten(tree)
     rows = None
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):
@@ -53,6 +58,13 @@ def split(tree: Any, n: int, what: str = "input") -> list[Any]:
     if rows is not None and rows < n:
         raise SplitError(f"cannot split a batch of {rows} rows into {n} microbatches: every microbatch needs at "
                          f"least one row (use at most {rows} microbatches or a larger batch)")
+    if plain:
+        parts = [torch.tensor_split(leaf, n, dim=0) for leaf in leaves]
+        if type(tree) is torch.Tensor:
+            return list(parts[0])
+        if type(tree) is tuple:
+            return [tuple(p[i] for p in parts) for i in range(n)]
+        return [dict(zip(tree, (p[i] for p in parts))) for i in range(n)]
     chunks = [[] for _ in range(n)]
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
@@ -64,10 +76,16 @@ def split(tree: Any, n: int, what: str = "input") -> list[Any]:
     return [tree_unflatten(c, spec) for c in chunks]
 
 
+def _values(tree: tuple | dict):
+    return tree.values() if type(tree) is dict else tree
+
+
 def merge(chunks: list[Any]) -> Any:
     """Concatenate per-microbatch outputs along dim 0 (non-tensors: the first microbatch's)."""
     if not chunks:
         return None
+    if all(type(c) is torch.Tensor and c.dim() > 0 for c in chunks):  # the common case, without a walk
+        return torch.cat(chunks, dim=0)
     flat = [tree_flatten(c) for c in chunks]
     spec = flat[0][1]
     out = []
