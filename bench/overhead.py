@@ -6,7 +6,10 @@ stages. The same forwards and backwards, in the schedule's order, are also run a
 number of actions the executor ran, is its cost per action (dispatch, bookkeeping, freeing,
 callbacks, split/merge).
 
-    python bench/overhead.py [--stages 4] [--microbatches 64] [--width 8]
+Each of `--runs` runs is a fresh process timing `--repeats` alternating steps of each side; the
+table gives the median run and the spread (lowest-highest) of the runs.
+
+    python bench/overhead.py [--stages 4] [--microbatches 64] [--width 8] [--runs 3]
 """
 
 from __future__ import annotations
@@ -76,15 +79,26 @@ def main(argv=None):
     ap.add_argument("--microbatches", type=int, default=64)
     ap.add_argument("--width", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=21)
+    ap.add_argument("--runs", type=int, default=3, help="fresh processes; the table gives their median and spread")
     ap.add_argument("--plot", default=None)
     a = ap.parse_args(argv)
+    names = ("interleaved_1f1b", "interleaved_zb", "looped_bfs")
+    runs = {name: [] for name in names}
+    for _ in range(a.runs):  # schedules in turn, so that a slow moment of the machine hits all of them
+        for name in names:
+            runs[name].append(spawn(_measure, 1, name, a.stages, a.microbatches, a.width, a.repeats)[0])
     rows = []
-    for name in ("interleaved_1f1b", "interleaved_zb", "looped_bfs"):
-        ours, plain, n = spawn(_measure, 1, name, a.stages, a.microbatches, a.width, a.repeats)[0]
-        rows.append([name, n, ours * 1e3, plain * 1e3, (ours - plain) / n * 1e6])
-    title = (f"1 rank, {a.stages} stages of Linear({a.width}), {a.microbatches} microbatches; "
-             f"median of {a.repeats} steps")
-    print(table(["schedule", "actions/step", "pipecore ms", "plain torch ms", "overhead us/action"], rows, title))
+    for name in names:
+        ours = statistics.median(r[0] for r in runs[name])
+        plain = statistics.median(r[1] for r in runs[name])
+        n = runs[name][0][2]
+        per_action = sorted((o - p) / n * 1e6 for o, p, _ in runs[name])
+        rows.append([name, n, ours * 1e3, plain * 1e3, statistics.median(per_action),
+                     f"{per_action[0]:.2f} to {per_action[-1]:.2f}"])
+    title = (f"1 rank, {a.stages} stages of Linear({a.width}), {a.microbatches} microbatches; each run the "
+             f"median of {a.repeats} steps; median and spread of {a.runs} runs")
+    print(table(["schedule", "actions/step", "pipecore ms", "plain torch ms", "overhead us/action", "spread"],
+                rows, title))
     if a.plot:
         bar_plot(a.plot, [r[0] for r in rows], {"plain PyTorch": [r[3] for r in rows], "pipecore": [r[2] for r in rows]},
                  "ms / step", title)
