@@ -22,7 +22,10 @@ global gradient norms and the clipped gradients of every parameter are compared 
 table), so the two sides compute the same thing. After `--warmup` more steps each, pipecore and
 torch alternate in timed blocks of `--steps` steps (A B A B ..., a barrier around each block);
 the step time is the median over blocks of block time / steps (the slowest rank's median), and
-tokens/s = rows * seq_len / step time.
+tokens/s = rows * seq_len / step time. "CPU ms" is the CPU time of a step summed over the ranks'
+processes (all their threads, `time.process_time`): where the ranks outnumber the cores, as in the
+default run on a 2-core machine, throughput is bounded by it, so torch/pipecore CPU is the most
+tokens/s that cutting pipecore's own work could give over torch there.
 
 Memory (CPU, /proc/self/status): glibc is told to serve blocks >= 64 KiB by mmap and to trim on
 free (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_, as bench/memory.py does), so freed tensors
@@ -223,6 +226,7 @@ def _bench_rank(rank, world, name, cfg_kw, m, rows, steps, warmup, blocks, torch
     gc.collect()
     rss_before = _status_mib("VmRSS")
     times = {k: [] for k in runners}
+    cpu = {k: [] for k in runners}  # this process's CPU time (all its threads) per step
     peak = {k: 0.0 for k in runners}
     growth = {k: 0.0 for k in runners}
     for b in range(blocks):
@@ -231,20 +235,22 @@ def _bench_rank(rank, world, name, cfg_kw, m, rows, steps, warmup, blocks, torch
             dist.barrier()
             base = _status_mib("VmRSS")
             _reset_peak()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             failed = _run_steps(label, run, steps, dist, world)
             if failed is not None:
                 torch_error = f"in timed block {b}: {failed}"
                 runners.pop("torch")
                 times.pop("torch")
+                cpu.pop("torch")
                 continue
             dist.barrier()
             times[label].append((time.perf_counter() - t0) / steps)
+            cpu[label].append((time.process_time() - c0) / steps)
             hwm = _status_mib("VmHWM")
             peak[label] = max(peak[label], hwm)
             growth[label] = max(growth[label], hwm - base)
         _say(rank, f"  {name}: block {b + 1}/{blocks} done")
-    return {"times": times, "peak": peak, "growth": growth, "rss before": rss_before, "check": check,
+    return {"times": times, "cpu": cpu, "peak": peak, "growth": growth, "rss before": rss_before, "check": check,
             "torch error": torch_error, "params": sum(p.numel() for p in model.parameters())}
 
 
@@ -314,11 +320,15 @@ def main(argv=None):
         ms = {k: max(statistics.median(x["times"][k]) for x in res) * 1e3 if k in res[0]["times"] else None
               for k in SIDES}
         tps = {k: tokens / (v / 1e3) if v else None for k, v in ms.items()}
+        # CPU time per step, summed over the ranks (each rank's median over blocks)
+        cpu = {k: sum(statistics.median(x["cpu"][k]) for x in res) * 1e3 if k in res[0]["cpu"] else None
+               for k in SIDES}
         row = [name, ms["pipecore"], tps["pipecore"]]
         if ms["torch"] is not None:
-            row += [ms["torch"], tps["torch"], f"{tps['pipecore'] / tps['torch']:.2f}x"]
+            row += [ms["torch"], tps["torch"], f"{tps['pipecore'] / tps['torch']:.2f}x", cpu["pipecore"], cpu["torch"],
+                    f"{cpu['torch'] / cpu['pipecore']:.2f}x"]
         else:
-            row += ["failed", "-", "-"]
+            row += ["failed", "-", "-", cpu["pipecore"], "-", "-"]
         row += [_per_rank(x["peak"]["pipecore"] for x in res),
                 _per_rank(x["peak"]["torch"] for x in res) if ms["torch"] is not None else "-",
                 _per_rank(x["growth"]["pipecore"] for x in res),
@@ -344,7 +354,7 @@ def main(argv=None):
              f"pipeline + tie + clip + AdamW; median of {a.blocks} alternating blocks of {a.steps} steps; "
              f"MiB per rank r0/r1/..")
     print(table(["schedule", "pipecore ms", "pipecore tok/s", "torch ms", "torch tok/s", "pipecore/torch",
-                 "pipecore peak MiB", "torch peak MiB", "pipecore step +MiB", "torch step +MiB"], rows, title))
+                 "pipecore CPU ms", "torch CPU ms", "torch/pipecore CPU", "pipecore peak MiB", "torch peak MiB", "pipecore step +MiB", "torch step +MiB"], rows, title))
     for line in checks + errors:
         print(line)
     print(f"wall time {wall:.0f} s")
