@@ -113,6 +113,22 @@ void run(pipecore::Executor& self, py::function forward, py::function on_abort, 
   self.run(fn, abort_fn, spec_fn ? &spec_fn : nullptr);
 }
 
+
+// Python's deleter of an Executor: its threads are joined with the GIL released (a tensor they free
+// may need the GIL, which the thread deleting the executor holds), then the rest, which may hold
+// Python callbacks, is destroyed with the GIL held.
+struct ExecutorDeleter {
+  void operator()(pipecore::Executor* executor) const {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release no_gil;
+      executor->stop_threads();
+    } else {
+      executor->stop_threads();
+    }
+    delete executor;
+  }
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -207,7 +223,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return out;
       }, "(local stage, bucket, bytes, sent_us, completed_us) per bucket sent in the last step");
 
-  auto executor = py::class_<pipecore::Executor>(m, "Executor");
+  auto executor = py::class_<pipecore::Executor, std::unique_ptr<pipecore::Executor, ExecutorDeleter>>(m, "Executor");
   executor
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, int64_t, int64_t, double>(), py::arg("group"),
            py::arg("num_stages"), py::arg("num_microbatches"), py::arg("timeout"))
@@ -374,6 +390,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_large_messages", &pipecore::Executor::set_large_messages, py::arg("min_bytes"))
       .def("_emulate_device_comm", &pipecore::Executor::emulate_device_comm,
            "the device path's protocol run by the host on CPU tensors over gloo (testing/host_device_comm.cpp)")
+      .def("_stream_violations", &pipecore::Executor::stream_violations,
+           "what the emulated device path's stream-contract checker refused (testing/stream_ledger.h)")
       .def("recv_posted_at", &pipecore::Executor::recv_posted_at,
            "per RECV action of the last run, in program order: the program index before which it was posted")
       .def_property_readonly("reverse_posts", &pipecore::Executor::reverse_posts);

@@ -5,19 +5,21 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <c10/core/Event.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 
 namespace pipecore {
+
+struct StreamMarker;  // stream_contract.h
 
 // One message: its parts (sent or received in order), where they are posted, and once posted their
 // Works or the error posting raised.
@@ -31,7 +33,16 @@ struct CommTask {
   bool queued = false;                  // posted by the comm worker (else by the thread that made it)
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::exception_ptr error;
-  std::shared_ptr<c10::Event> ready;  // device receives: recorded on the comm stream once the data is in
+  // device receives (stream_contract.h): the event after their batch, whether the compute stream
+  // read them, and what dropping them must do first
+  std::shared_ptr<StreamMarker> ready;
+  bool consumed = false;
+  std::function<void(CommTask&)> release;
+
+  CommTask() = default;
+  CommTask(const CommTask&) = delete;
+  CommTask& operator=(const CommTask&) = delete;
+  ~CommTask();
 
   // Once the parts are posted (or posting failed): `works` or `error` are set and may be read.
   void mark_posted(std::exception_ptr failure);

@@ -3,10 +3,11 @@
 // The host only queues work there; it never waits for a transfer inside a step:
 // - A batch of sends and receives (a run of consecutive SEND/RECV actions, see
 //   pipecore/schedule/p2p_order.py for why that order cannot deadlock) is posted as one group on a
-//   communication stream. If it sends, that stream first waits on an event recorded on the compute
-//   stream after the forward or backward that produced the data.
+//   communication stream, which first waits on the compute stream (stream_contract.h: when each
+//   stream may touch a message buffer, and what makes its free safe).
 // - A receive's data is ready at an event recorded on the communication stream after its group;
-//   the compute stream waits on that event when an action consumes the message.
+//   the compute stream waits on that event when an action consumes the message, or when the
+//   executor drops it unconsumed.
 // - Message statuses (a peer's step aborted, shapes changed, channel out of step) are checked on
 //   the device: each received trailer folds into a step status on the device, each sent trailer
 //   carries that status on, and a last stage's loss seed is zero unless it is ok, so a failed step
@@ -20,6 +21,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "comm_worker.h"
@@ -38,7 +40,9 @@ class DeviceComm {
   virtual void post_batch(c10d::ProcessGroup& group, const std::vector<std::shared_ptr<CommTask>>& tasks) = 0;
   // Before the compute stream reads received `task`: waits (on the device) for its data and folds its
   // trailer into the step status.
-  virtual void consume(const CommTask& task) = 0;
+  virtual void consume(CommTask& task) = 0;
+  // A discovery run reads messages on the host (Executor::run): `task`'s Works were waited for there.
+  virtual void waited_on_host(const CommTask& /*task*/) {}
   // Writes the step status (ok, or the first bad status a message brought) into a 16-byte trailer.
   virtual void write_trailer(at::Tensor& trailer) = 0;
   // `seed` (one element) = value if the step status is ok, else 0.
@@ -46,6 +50,8 @@ class DeviceComm {
   // End of step: the step status (a MessageStatus; kMessageUnknown if a trailer was not pipecore's),
   // read once the compute stream's work is done. False if that took longer than `timeout`.
   virtual bool finish_step(std::chrono::milliseconds timeout, int64_t& status) = 0;
+  // The stream contract's violations seen so far (the host emulation's checker; none elsewhere).
+  virtual std::vector<std::string> contract_violations() const { return {}; }
 };
 
 // A DeviceComm for `device`, or null where this build has none (CPU devices; builds without CUDA).

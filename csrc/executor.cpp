@@ -55,6 +55,11 @@ Executor::Executor(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t num_stages
 
 Executor::~Executor() = default;
 
+void Executor::stop_threads() {
+  worker_.reset();
+  sends_.reset();
+}
+
 void Executor::set_links(int64_t stage, int64_t next_local, int64_t prev_local) {
   TORCH_CHECK(stage >= 0 && stage < num_stages_, "pipecore: bad stage index ", stage);
   next_local_[stage] = next_local;
@@ -178,7 +183,11 @@ bool Executor::learn_specs(const Instr& in, bool aborted) {
   auto& known = input ? input_known_ : output_known_;
   if (known[key]) return true;
   TORCH_CHECK(spec_source_ != nullptr, where(in), ": no shapes known for this message");
-  const int64_t answer = (*spec_source_)(in.stage, in.mb, input ? kRecvF : kSendF, !aborted || abort_may_wait_);
+  int64_t answer;
+  {
+    SpentOn spent(profile_, Spent::kWait);  // for the peer's forward that makes them known
+    answer = (*spec_source_)(in.stage, in.mb, input ? kRecvF : kSendF, !aborted || abort_may_wait_);
+  }
   if (answer == kSpecsTimedOut) {
     abort_may_wait_ = false;  // the rest of an aborted run does not wait a timeout per receive
     std::ostringstream os;
@@ -234,11 +243,11 @@ void Executor::reset() {
 int64_t Executor::peak_send_bytes() const { return sends_->peak_bytes(); }
 
 void Executor::wait_recv(Inbox& inbox, const Instr& in, const char* what) {
-  if (inbox.task && !device_comm_) wait_task(*inbox.task, in, what);  // the device waits on its own
+  if (inbox.task && (!device_comm_ || host_reads_)) wait_task(*inbox.task, in, what);  // the device waits on its own
 }
 
 const std::vector<at::Tensor>& Executor::receive(Inbox& inbox, const Instr& in, const char* what) {
-  if (device_comm_) {
+  if (device_comm_ && !host_reads_) {
     try {
       SpentOn spent(profile_, Spent::kWait);
       device_comm_->consume(*inbox.task);  // the status is checked on the device, read at the step's end
@@ -255,6 +264,7 @@ const std::vector<at::Tensor>& Executor::receive(Inbox& inbox, const Instr& in, 
 void Executor::wait_task(CommTask& task, const Instr& in, const char* what) {
   SpentOn spent(profile_, Spent::kWait);
   if (task.queued) await_posted(task, in);
+  if (device_comm_) device_comm_->waited_on_host(task);  // (only a discovery run waits here on that path)
   for (auto& work : task.works) {
     if (!work) continue;
     try {
@@ -395,11 +405,25 @@ bool Executor::set_device_comm(const std::string& device) {
 
 #ifdef PIPECORE_TESTING
 void Executor::emulate_device_comm() { device_comm_ = make_host_device_comm(timeout_); }
+std::vector<std::string> Executor::stream_violations() const {
+  return device_comm_ ? device_comm_->contract_violations() : std::vector<std::string>();
+}
 #endif
 
 void Executor::post_batch(size_t index, bool aborted, int64_t status) {
   if (index < posted_through_) return;  // posted with an earlier action of its batch
-  const size_t end = batch_end_[index];
+  size_t end = batch_end_[index];
+  if (host_reads_) {
+    // A discovery run: a new group before each later receive of activations, whose shapes may come
+    // from the forward of a message this group sends (p2p_order.py: learning batches, replayed
+    // without deadlock on every schedule)
+    for (size_t j = index + 1; j < end; ++j) {
+      if (program_[j].op == kRecvF) {
+        end = j;
+        break;
+      }
+    }
+  }
   TORCH_CHECK(end > index, "pipecore: action ", index, " is not a send or receive");
   SpentOn spent(profile_, Spent::kPost);
   std::vector<std::shared_ptr<CommTask>> tasks;
@@ -572,21 +596,25 @@ void Executor::maybe_delay() {
 #endif
 
 void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const SpecFn* discover) {
-  // A discovery run takes the host-waiting path with no receive posted ahead: a receive's shapes are
-  // known only once its sender's forward ran. Everything is put back however the run ends.
+  // A discovery run posts no receive ahead: a receive's shapes are known only once its sender's
+  // forward ran. On the device path its batches still go as one group each, at their first action
+  // (NCCL may serialise a group's operations: posted one by one, a send and a receive that cross
+  // between two ranks would wait for each other), their receives' shapes learnt first; the host
+  // reads each message (its trailer says whether the peer's step was aborted or its shapes
+  // changed) and waits for it. Everything is put back however the run ends.
   struct Discovering {
     Executor& ex;
-    std::unique_ptr<DeviceComm> parked;
     int64_t window;
     ~Discovering() {
-      if (parked) ex.device_comm_ = std::move(parked);
+      ex.host_reads_ = false;
       ex.recv_window_ = window;
       ex.spec_source_ = nullptr;
     }
-  } discovering{*this, discover ? std::move(device_comm_) : nullptr, recv_window_};
+  } discovering{*this, recv_window_};
   if (discover) {
     recv_window_ = 0;
     spec_source_ = discover;
+    host_reads_ = device_comm_ != nullptr;
   }
   reset();
   struct Profiled {  // the run's time, however it ends

@@ -139,6 +139,10 @@ using ForwardFn = std::function<void(int64_t stage, int64_t mb, std::vector<at::
 class Executor {
  public:
   ~Executor();
+  // Joins the threads it owns (the comm worker, the send tracker's lanes, aborting sends still in
+  // flight) before it is destroyed. Python's deleter calls it with the GIL released: a tensor those
+  // threads free may need the GIL. Nothing may use the executor afterwards.
+  void stop_threads();
   Executor(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t num_stages, int64_t num_microbatches,
            double timeout_s);
 
@@ -187,6 +191,8 @@ class Executor {
 #ifdef PIPECORE_TESTING
   // Tests on CPU: the device path's protocol run by the host over gloo (make_host_device_comm).
   void emulate_device_comm();
+  // What the emulation's stream-contract checker refused so far (testing/stream_ledger.h).
+  std::vector<std::string> stream_violations() const;
 #endif
   // gloo: messages travelling to a lower group rank go through `channel`, a second gloo group over
   // the same ranks, so that each pair of ranks has one connection per direction. gloo holds a pair's
@@ -260,8 +266,9 @@ class Executor {
   // error is rethrown and communication failed too while releasing the peers, last_comm_failure()
   // says how (the group cannot be trusted then).
   // With `discover` (a discovery step, see SpecFn): the shapes not set are asked for as the step
-  // reaches them; the step takes the host-waiting path, each receive posted at its own action
-  // (its sender's forward may not have run before).
+  // reaches them; no receive is posted ahead (its sender's forward may not have run before) and
+  // the host waits for and reads each message. On the device path its batches still go as groups,
+  // each receive of activations after a batch's first action opening a new one (p2p_order.py, rule 5).
   void run(const ForwardFn& forward, const AbortFn& on_abort, const SpecFn* discover = nullptr);
   // Runs the whole program without compute, sending "aborted" (status 1) or "shapes changed"
   // (status 2) messages: how a rank that cannot start its step releases its peers.
@@ -404,6 +411,7 @@ class Executor {
   at::Tensor abort_scratch_;
   std::unique_ptr<CommWorker> worker_;
   std::unique_ptr<DeviceComm> device_comm_;
+  bool host_reads_ = false;  // a discovery run on the device path: the host waits for and reads each message
   std::vector<size_t> batch_end_;  // [i] for a SEND/RECV: one past the last action of its batch
   size_t posted_through_ = 0;      // device path: every SEND/RECV before this index is posted
   int64_t large_message_bytes_ = kLargeMessageBytes;

@@ -638,3 +638,12 @@ def shape_changes_on_the_device_path(rank, world, name, m, rows):
         r.worst["grad"] = 0.0
         r.zero_grad()
     return seen
+
+
+def executed_program(rank, world, name, m, dp):
+    """A dp x pp step, then the program this rank's executor ran (REDUCE_GRAD placed for its
+    buckets), as (replica, pipeline position, action labels)."""
+    r = Replica(rank, world, name, m, dp)
+    x, y = r.global_batch(0, 3 * m - 1)
+    r.pipeline_step(x, y, [])
+    return r.replica, r.position, list(r.pipe.programs[True].labels)

@@ -79,3 +79,21 @@ def module_state_after_steps_that_do_not_count(rank, world, name, messages):
 def _batch(rows, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(rows, 16, generator=g), torch.randint(0, 5, (rows,), generator=g)
+
+
+def device_path_without_cuda_part(rank, world):
+    """What use_device_path says on this build for gloo, a CPU device and NCCL on CUDA."""
+    import torch.distributed as dist
+
+    from pipecore.errors import InputError
+    from pipecore.executor.native import C
+    from pipecore.runtime.pipeline import use_device_path
+
+    executor = C.Executor(dist.group.WORLD, 1, 2, 10.0)
+    use_device_path(executor, True, torch.device("cuda"), rank)  # gloo: the host path, nothing asked
+    use_device_path(executor, False, torch.device("cpu"), rank)
+    try:
+        use_device_path(executor, False, torch.device("cuda"), rank)
+    except InputError as exc:
+        return str(exc), executor.device_comm
+    return None, executor.device_comm

@@ -77,9 +77,10 @@ def train_and_compare(rank, world, name, m, V, kind, rows, steps=1, scale_grads=
         if recv_window is not None and step > 0:  # the first step posts each receive at its action
             _check_recv_posting(pipe, *recv_window)
         _check_program(pipe, sched)
-        if messages == "device" and step > 0:  # (the first step learns shapes on the host-waiting path)
+        if messages == "device":  # (a first step, which learns shapes, posts its batches this way too)
             # every message went in a batch on the pipeline's group, posted by the compute thread
             assert pipe.executor.reverse_posts == 0 and pipe.executor.threaded_posts == 0
+            assert pipe.executor._stream_violations() == []  # (tests/stream_contract_cases.py)
         else:
             _check_reverse_channel(pipe)
             if messages == "direct":
@@ -252,7 +253,7 @@ def sent_outputs_freed(rank, world, name, messages="default"):
     pipe = pc.Pipeline(mine, sched, 4, loss_fn=nn.CrossEntropyLoss())
     set_messages(pipe, messages)
     x, y = make_batch(8)
-    if messages == "device":  # the first step learns the shapes on the host-waiting path; watch the next
+    if messages == "device":  # the first step learns the shapes, the host reading each message; watch the next
         pipeline_step(pipe, x, y)
         watching["on"] = True
     pipeline_step(pipe, x, y)
@@ -406,6 +407,7 @@ def profiled_steps(rank, world):
     pipe.step(*call["x"], target=call["target"])  # learns the shapes
     pipe.step(*call["x"], target=call["target"])
     stepped = pipe.profile()
+    pipe.eval(*call["x"], target=call["target"])  # learns the shapes of eval
     pipe.eval(*call["x"], target=call["target"])
     evaluated = pipe.profile()
     untraced = pc.Pipeline(pc.PipelineStage(copy.deepcopy(module), rank, world), sched, 4, loss_fn=nn.MSELoss())

@@ -61,7 +61,7 @@ def failing_stage(rank, world, name, bad_rank, where, messages="default"):
             return inner(out, y)
         pipe.loss_fn = loss
     x, y = make_batch(8)
-    if messages == "device":  # a first step learns the shapes (host-waiting path); the failing one is the device path's
+    if messages == "device":  # a first step learns the shapes (the host reads each message); the failing one is the device path's
         fail["on"] = False
         pipeline_step(pipe, x, y)
         fail["on"] = True
@@ -107,6 +107,22 @@ def hanging_rank(rank, world, bad_rank, warm=False, messages="default"):
     result = _outcome(lambda: pipeline_step(pipe, x, y))
     after = _outcome(lambda: pipeline_step(pipe, x, y))
     return result, after
+
+
+def comm_error_aborts_an_nccl_group(rank, world):
+    """hanging_rank (rank 0 hangs) with the Pipeline's group taken for an NCCL one: the abort of its
+    communicator is asked for that group (recorded here: this gloo group has none), and the error
+    says so. Returns the step's outcome and the groups the abort was asked for (True: the Pipeline's)."""
+    pipe = _faulty_pipe(rank, world, 0, lambda: time.sleep(6), 2, "device")
+    pipe.comm.p2p_is_nccl = lambda: True
+    asked = []
+    real = dist.distributed_c10d._abort_process_group
+    dist.distributed_c10d._abort_process_group = lambda group=None: asked.append(group is pipe.group)
+    try:
+        x, y = make_batch(8)
+        return _outcome(lambda: pipeline_step(pipe, x, y)), asked
+    finally:
+        dist.distributed_c10d._abort_process_group = real
 
 
 def dying_rank(rank, world, bad_rank):

@@ -35,11 +35,11 @@ def nccl_world():
     dist.destroy_process_group()
 
 
-def _build(name, V, dev, width=32, m=8, loopback=False, loss_fn=None):
+def _build(name, V, dev, width=32, m=8, loopback=False, loss_fn=None, timeout=60, **options):
     model = make_stages("multi", V, width=width)
     ref = [copy.deepcopy(mod).to(dev) for mod in model]
     stages = [pc.PipelineStage(copy.deepcopy(mod).to(dev), i, V, device=dev) for i, mod in enumerate(model)]
-    pipe = pc.Pipeline(stages, name, m, loss_fn=loss_fn or nn.CrossEntropyLoss(), timeout=60)
+    pipe = pc.Pipeline(stages, name, m, loss_fn=loss_fn or nn.CrossEntropyLoss(), timeout=timeout, **options)
     if loopback:
         make_loopback(pipe)
     return pipe, stages, ref
@@ -82,7 +82,7 @@ def test_step_never_synchronizes_the_host(nccl_world, loopback):
     dev = nccl_world
     pipe, stages, ref = _build("interleaved_1f1b", 4, dev, loopback=loopback)
     x, y = (t.to(dev) for t in make_batch(32, width=32))
-    pipe.step(x, target=y)  # the first step learns the shapes (host-waiting path)
+    pipe.step(x, target=y)  # the first step learns the shapes (the host reads each message)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -139,3 +139,99 @@ def test_device_trace_and_profiler_ranges(nccl_world):
     assert all(t["start_us"] <= t["end_us"] for t in trace)
     starts = [t["start_us"] for t in trace]
     assert starts == sorted(starts)  # one compute stream: device times follow program order
+
+
+def test_allocator_reuse_on_one_stream_does_not_protect_another_stream(nccl_world):
+    """Why the stream contract (csrc/stream_contract.h) has rule 1: a block freed on the compute
+    stream while a queued kernel still reads it is handed out again at once; a side stream that
+    writes the new tensor without waiting on compute races that kernel. With the wait, it does not."""
+    dev = nccl_world
+    n = 1 << 20
+    side = torch.cuda.Stream(device=dev)
+    seen = {}
+    for wait in (False, True):
+        torch.cuda.synchronize()
+        old = torch.full((n,), 2.0, device=dev)
+        total = torch.zeros((), device=dev)
+        torch.cuda._sleep(200_000_000)  # the compute stream is busy; old's read below is queued
+        total += old.sum()
+        address = old.data_ptr()
+        del old  # freed on the compute stream, with the read still queued
+        new = torch.empty(n, device=dev)  # the same block, from the compute stream's pool
+        reused = new.data_ptr() == address
+        if wait:  # rule 1: the side stream waits on an event recorded on compute after the allocation
+            side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            new.fill_(-1.0)  # what a transfer into a receive buffer does
+        new.record_stream(side)
+        torch.cuda.synchronize()
+        seen[wait] = (reused, total.item())
+    print(f"without the wait: block reused {seen[False][0]}, sum {seen[False][1]}; with it: {seen[True]}")
+    assert seen[True][1] == 2.0 * n
+    if seen[False][0]:  # the allocator handed out the same block: the race is real
+        assert seen[False][1] != 2.0 * n
+
+
+def test_a_stuck_device_times_out_and_a_rebuilt_group_steps_again(nccl_world):
+    """A stage whose kernels run longer than the timeout: the step's status is not read in time, so
+    CommunicationError (within two timeouts); then the README's recipe (destroy the group, make a
+    new one, a new Pipeline) steps again."""
+    import time
+
+    dev = nccl_world
+    pipe, stages, ref = _build("interleaved_1f1b", 2, dev, loopback=True, timeout=2.0)
+    x, y = (t.to(dev) for t in make_batch(32, width=32))
+    pipe.step(x, target=y)
+    stuck = {"on": True}
+
+    def slow(mod, args):
+        if stuck["on"]:
+            torch.cuda._sleep(10_000_000_000)  # several seconds of GPU time
+    handle = stages[0].module.register_forward_pre_hook(slow)
+    t0 = time.monotonic()
+    with pytest.raises(pc.CommunicationError):
+        pipe.step(x, target=y)
+    assert time.monotonic() - t0 < 4.0
+    handle.remove()
+    torch.cuda.synchronize()
+    del pipe
+    dist.destroy_process_group()
+    dist.init_process_group("nccl", rank=0, world_size=1, store=dist.HashStore(), device_id=dev)
+    again, stages, ref = _build("interleaved_1f1b", 2, dev, loopback=True)
+    again.step(x, target=y)
+    again.step(x, target=y)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("mode", ["lockstep", "concurrent", "sequential"])
+def test_overlap_modes_never_synchronize_the_host(nccl_world, mode):
+    dev = nccl_world
+    pipe, stages, ref = _build("dualpipev", 2, dev, loopback=True, overlap_f_b=mode)
+    x, y = (t.to(dev) for t in make_batch(32, width=32))
+    pipe.step(x, target=y)  # the first step learns the shapes (the host reads each message)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pipe.step(x, target=y, return_outputs=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_data_parallel_step_never_synchronizes_the_host(nccl_world):
+    """dp_group (one replica here: its buckets are all-reduced over a one-rank NCCL group) adds no
+    host synchronisation to a step."""
+    dev = nccl_world
+    model = make_stages("multi", 2, width=32)
+    stages = [pc.PipelineStage(m.to(dev), i, 2, device=dev) for i, m in enumerate(model)]
+    dp = dist.new_group([0])
+    pipe = pc.Pipeline(stages, "interleaved_1f1b", 4, loss_fn=nn.CrossEntropyLoss(), timeout=60, dp_group=dp)
+    make_loopback(pipe)
+    assert pipe.gradients.dp is not None
+    x, y = (t.to(dev) for t in make_batch(16, width=32))
+    pipe.step(x, target=y)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pipe.step(x, target=y, return_outputs=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -6,7 +6,7 @@ test_overlap under messages="device"; tests/test_cuda.py runs the CUDA code itse
 
 import pytest
 
-from device_path_cases import ROWS, module_state_after_steps_that_do_not_count
+from device_path_cases import ROWS, device_path_without_cuda_part, module_state_after_steps_that_do_not_count
 from dist_pool import pool
 
 
@@ -19,3 +19,13 @@ def test_steps_that_do_not_count_leave_rng_and_buffers_as_they_were(name, world,
         want = ["ok"] * len(ROWS)
         want[failed] = "RuntimeError" if rank == 0 else "PeerFailedError"
         assert seen == want, (rank, seen)
+
+
+def test_a_build_without_its_cuda_part_refuses_nccl_messages():
+    from pipecore import _C
+
+    if _C.build_info()["cuda"]:
+        pytest.skip("this build has its CUDA part")
+    error, device_comm = pool(1).run(device_path_without_cuda_part)[0]
+    assert error is not None and "built without its CUDA part" in error and "gloo group" in error, error
+    assert not device_comm

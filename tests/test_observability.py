@@ -116,7 +116,7 @@ def test_profile_charges_each_moment_of_a_step_to_one_part():
         for p in (stepped, evaluated):
             inside = p["loop"] + p["forward"] + p["backward"] + p["post"] + p["wait"]
             assert inside == pytest.approx(p["run"], rel=1e-6)
-            assert p["before_run"] + p["run"] + p["after_run"] == pytest.approx(p["step"], rel=1e-9)
+            assert p["before_run"] + p["run"] + p["tracing"] + p["after_run"] == pytest.approx(p["step"], rel=1e-9)
             assert min(p.values()) >= 0 and p["model"] <= p["forward"]
         assert stepped["actions"] == actions
     (r0, r0_eval, _, _), (r1, r1_eval, _, _) = results

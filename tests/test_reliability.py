@@ -5,7 +5,8 @@ only the tests of timeouts themselves bound how long an error took."""
 import pytest
 
 from dist_pool import pool
-from reliability_cases import (bad_input, comm_error_keeps_gradients_held_before, construction_errors, dying_rank,
+from reliability_cases import (bad_input, comm_error_aborts_an_nccl_group, comm_error_keeps_gradients_held_before,
+                               construction_errors, dying_rank,
                                failing_stage, hanging_rank, memory_is_flat, mismatched_stage, no_loss_fn,
                                own_error_then_peer_hangs, reverse_channel, stress)
 
@@ -43,6 +44,17 @@ def test_a_hanging_rank_times_out_with_a_clear_error(warm, messages, needle):
     for rank in (0, 1):  # afterwards the Pipeline says the group must be rebuilt
         after = results[rank][1]
         assert after[0] == "CommunicationError" and "rebuild" in after[1], (rank, after)
+
+
+def test_a_communication_error_on_nccl_aborts_the_groups_communicator():
+    # a broken step's transfers never complete on NCCL and the compute stream waits on their events:
+    # the communicator is aborted so that they end (issue 35, hazard 4; the abort itself needs GPUs)
+    p = pool(2)
+    results = p.run(comm_error_aborts_an_nccl_group, timeout=90)
+    p.broken = True
+    (kind, msg, _), asked = results[1]
+    assert kind == "CommunicationError" and "aborted the group's NCCL communicator" in msg, (kind, msg)
+    assert asked == [True], asked
 
 
 def test_a_ranks_own_error_does_not_hide_that_releasing_its_peers_failed():

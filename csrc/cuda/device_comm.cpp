@@ -1,5 +1,6 @@
 // DeviceComm on CUDA: a communication stream per executor, events between it and the compute
-// stream, one NCCL group per batch, message statuses on the device (see ../device_comm.h).
+// stream as ../stream_contract.h says, one NCCL group per batch, message statuses on the device
+// (see ../device_comm.h).
 #include "../device_comm.h"
 
 #include <ATen/ops/empty.h>
@@ -13,10 +14,39 @@
 #include <thread>
 
 #include "../message_status.h"
+#include "../stream_contract.h"
 #include "status_kernels.h"
 
 namespace pipecore {
 namespace {
+
+struct CudaMarker final : StreamMarker {
+  c10::Event event{c10::DeviceType::CUDA};
+};
+
+// The contract's two lanes: the compute stream is the current stream of the thread that asks (the
+// step's, or a pair's half that runs on it), the communication stream the executor's own.
+class CudaStreams final : public StreamSync {
+ public:
+  CudaStreams(const c10::Device& device, c10::cuda::CUDAStream comm) : device_(device), comm_(comm) {}
+  std::shared_ptr<StreamMarker> record(Lane lane) override {
+    c10::cuda::CUDAGuard device_guard(device_);
+    auto marker = std::make_shared<CudaMarker>();
+    marker->event.record(stream(lane));
+    return marker;
+  }
+  void wait(Lane lane, const StreamMarker& marker) override {
+    c10::cuda::CUDAGuard device_guard(device_);
+    static_cast<const CudaMarker&>(marker).event.block(stream(lane));
+  }
+
+ private:
+  c10::cuda::CUDAStream stream(Lane lane) const {
+    return lane == Lane::kComm ? comm_ : c10::cuda::getCurrentCUDAStream(device_.index());
+  }
+  c10::Device device_;
+  c10::cuda::CUDAStream comm_;
+};
 
 class CudaComm final : public DeviceComm {
  public:
@@ -24,6 +54,7 @@ class CudaComm final : public DeviceComm {
       : device_(device),
         // high priority: a transfer's wait never queues behind compute kernels
         comm_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index())),
+        streams_(std::make_shared<CudaStreams>(device, comm_)),
         status_(at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(device))),
         host_status_(at::empty({1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true))),
         status_read_(c10::DeviceType::CUDA) {}
@@ -34,13 +65,8 @@ class CudaComm final : public DeviceComm {
 
   void post_batch(c10d::ProcessGroup& group, const std::vector<std::shared_ptr<CommTask>>& tasks) override {
     c10::cuda::CUDAGuard device_guard(device_);
-    const bool sends = std::any_of(tasks.begin(), tasks.end(), [](const auto& t) { return t->send; });
     const bool recvs = std::any_of(tasks.begin(), tasks.end(), [](const auto& t) { return !t->send; });
-    if (sends) {  // the data to send was produced by compute queued before this point
-      c10::Event produced(c10::DeviceType::CUDA);
-      produced.record(compute_stream());
-      produced.block(comm_);
-    }
+    before_batch(*streams_, tasks);  // the communication stream waits on compute, whatever the batch holds
     c10::intrusive_ptr<c10d::Work> work;
     {
       // c10d's NCCL stream waits on the current stream at posting: our communication stream
@@ -57,27 +83,18 @@ class CudaComm final : public DeviceComm {
       }
       work = group.endCoalescing(c10::DeviceType::CUDA);
       TORCH_CHECK(work, "pipecore: the group returned no Work for a batch of sends and receives");
-      std::shared_ptr<c10::Event> ready;
-      if (recvs) {
-        work->wait();  // no timeout: the communication stream waits for the group; the host does not
-        ready = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
-        ready->record(comm_);
-      }
-      for (const auto& task : tasks) {
-        task->works.assign(1, work);  // coalesced operations have no Work of their own
-        if (!task->send) task->ready = ready;
-      }
+      if (recvs) work->wait();  // no timeout: the communication stream waits for the group; the host does not
+      after_batch(streams_, tasks);  // the receives' ready event, on the communication stream
+      for (const auto& task : tasks) task->works.assign(1, work);  // coalesced operations have no Work of their own
     }
     for (const auto& task : tasks) task->mark_posted(nullptr);
   }
 
-  void consume(const CommTask& task) override {
-    TORCH_CHECK(task.ready, "pipecore: a device receive without its ready event");
+  void consume(CommTask& task) override {
     c10::cuda::CUDAGuard device_guard(device_);
-    auto stream = compute_stream();
-    task.ready->block(stream);
+    before_read(*streams_, task);
     const at::Tensor& last = task.parts.back();
-    cuda::fold_trailer(last.narrow(0, last.numel() - 16, 16), status_, stream.stream());
+    cuda::fold_trailer(last.narrow(0, last.numel() - 16, 16), status_, compute_stream().stream());
   }
 
   void write_trailer(at::Tensor& trailer) override {
@@ -111,6 +128,7 @@ class CudaComm final : public DeviceComm {
 
   c10::Device device_;
   c10::cuda::CUDAStream comm_;
+  std::shared_ptr<CudaStreams> streams_;
   at::Tensor status_;       // int64[1] on the device: the largest status code seen this step
   at::Tensor host_status_;  // pinned: where the status lands at the end of a step
   c10::Event status_read_;

@@ -9,6 +9,8 @@
 // serialise a group's operations). Receives an aborted step drained without consuming are waited
 // for when the next step begins (gloo writes into a receive's buffer until its Work completes);
 // an executor destroyed before that drops them, as the host path drops receives posted ahead.
+// The streams are a ledger (stream_ledger.h): the same contract code as CUDA's (../stream_contract.h)
+// runs on it, and it refuses any use or free that a GPU's streams would not order.
 // Selected only by tests (Executor._emulate_device_comm).
 #include <c10/util/Exception.h>
 
@@ -22,6 +24,8 @@
 #include "../device_comm.h"
 #include "../executor.h"
 #include "../message_status.h"
+#include "../stream_contract.h"
+#include "stream_ledger.h"
 
 namespace pipecore {
 namespace {
@@ -45,6 +49,7 @@ class HostDeviceComm final : public DeviceComm {
   }
 
   void post_batch(c10d::ProcessGroup& group, const std::vector<std::shared_ptr<CommTask>>& tasks) override {
+    before_batch(*ledger_, tasks);
     for (const auto& task : tasks) {
       post_parts(*task);
       if (!task->send) {
@@ -52,10 +57,12 @@ class HostDeviceComm final : public DeviceComm {
         receives_.insert(receives_.end(), task->works.begin(), task->works.end());
       }
     }
+    after_batch(ledger_, tasks);
     for (const auto& task : tasks) task->mark_posted(nullptr);
   }
 
-  void consume(const CommTask& task) override {
+  void consume(CommTask& task) override {
+    before_read(*ledger_, task);
     for (const auto& work : task.works) {
       if (!work || !first_wait(*work)) continue;
       bool done = false;
@@ -69,6 +76,13 @@ class HostDeviceComm final : public DeviceComm {
     }
     const int64_t code = message_status(task.parts);
     fold(code == kMessageUnknown ? kStatusNotOurs : code);
+  }
+
+  void waited_on_host(const CommTask& task) override {
+    std::lock_guard<std::mutex> lock(mu_);  // not to be waited for again (first_wait)
+    for (const auto& work : task.works) {
+      if (work) waited_.insert(work.get());
+    }
   }
 
   void write_trailer(at::Tensor& trailer) override {
@@ -98,6 +112,8 @@ class HostDeviceComm final : public DeviceComm {
     status = code == kStatusNotOurs ? kMessageUnknown : code;
     return true;
   }
+
+  std::vector<std::string> contract_violations() const override { return ledger_->violations(); }
 
  private:
   // Waits for this step's receives, consumed or not, within `timeout`: gloo writes into a receive's
@@ -137,6 +153,7 @@ class HostDeviceComm final : public DeviceComm {
   }
 
   const std::chrono::milliseconds& timeout_;
+  std::shared_ptr<StreamLedger> ledger_ = std::make_shared<StreamLedger>();
   std::atomic<int64_t> status_{kMessageOk};
   std::mutex mu_;
   std::vector<c10::intrusive_ptr<c10d::Work>> receives_;  // this step's, until it ends

@@ -84,9 +84,29 @@ class Comm:
         return torch.device("cpu") if backend_of(group, torch.device("cpu")) else self.device
 
     def broke(self, exc: Exception) -> CommunicationError:
-        """The executor's wait timed out or a connection broke: no later step may run on this group."""
+        """The executor's wait timed out or a connection broke: no later step may run on this group.
+        On NCCL its communicator is aborted first (`abort_nccl`)."""
         self.broken = str(exc)
-        return CommunicationError(f"{exc}. A peer hung or died: rebuild the process group and the Pipeline.")
+        return CommunicationError(f"{exc}. A peer hung or died: {self.abort_nccl()}rebuild the process group and the "
+                                  "Pipeline (README: after a CommunicationError).")
+
+    def abort_nccl(self) -> str:
+        """NCCL: the broken step's transfers never complete, and the compute stream waits on their
+        events, so everything queued on it after them would wait until c10d's watchdog ends the process.
+        Aborting the group's communicator ends them. Says what it did, for the error."""
+        if not self.p2p_is_nccl():
+            return ""
+        try:
+            dist.distributed_c10d._abort_process_group(self.group)
+        except Exception as exc:  # noqa: BLE001 - the error says what happened
+            return f"aborting the group's NCCL communicator failed ({type(exc).__name__}: {exc}); "
+        return "pipecore aborted the group's NCCL communicator (its stuck transfers ended); "
+
+    def p2p_is_nccl(self) -> bool:
+        """Do the stages' messages go through NCCL?"""
+        backend = backend_of(self.group, self.device)
+        backend = getattr(backend, "wrapped_pg", backend)
+        return dist.is_nccl_available() and isinstance(backend, dist.ProcessGroupNCCL)
 
     # -- failures left in the store -----------------------------------------------------------
     def error_key(self, step: int | None = None) -> str | None:

@@ -12,8 +12,9 @@ draws, no module state moved). Instead that step runs as any other, and:
 - a rank whose step failed before a forward publishes ABSENT for it: the receiver then knows no
   message comes and that the sender's step was aborted.
 
-The executor takes its host-waiting path in that step, each receive posted at its own action
-(csrc/executor.h, SpecFn). The descriptions become the plan of that batch shape once every rank
+In that step the executor posts no receive ahead and the host waits for and reads each message; on
+the device path its batches still go as groups, each receive of activations opening a new one
+(csrc/executor.h, SpecFn; pipecore/schedule/p2p_order.py, rule 5). The descriptions become the plan of that batch shape once every rank
 ran the step: later steps post receives ahead and check each output against its boundary.
 """
 

@@ -227,8 +227,7 @@ class Pipeline:
         self.executor.set_comm_thread(gloo)
         # NCCL: batches on a communication stream, events, message statuses on the device: no host
         # wait inside a step (csrc/device_comm.h; posting order in pipecore/schedule/p2p_order.py)
-        if not gloo and device.type == "cuda":
-            self.executor.set_device_comm(str(device))  # False (host-waiting path) in builds without CUDA
+        use_device_path(self.executor, gloo, device, self.rank)
         self._rollback = Rollback([s.module for s in self.stages], [s.device for s in self.stages])
         # how OVERLAP_F_B pairs run (pipecore/runtime/overlap.py)
         self._pairs = PairRunner(self.executor, self.stages, self.programs[True].labels, overlap_f_b)
@@ -526,6 +525,19 @@ class Pipeline:
     def __repr__(self) -> str:
         return (f"Pipeline(rank={self.rank}/{self.world}, stages={[s.stage_index for s in self.stages]}, "
                 f"schedule={self.schedule.name!r}, microbatches={self.num_microbatches})")
+
+
+def use_device_path(executor, gloo: bool, device: torch.device, rank: int) -> None:
+    """NCCL on CUDA: messages go the device path (csrc/device_comm.h). A build without the
+    extension's CUDA part has none, and its host path is not safe there: NCCL runs a group's sends
+    and receives in posting order on one stream, where a receive posted ahead of a send to another
+    peer can deadlock. Refused, on every rank (they share the build), saying what to do."""
+    if gloo or device.type != "cuda" or executor.set_device_comm(str(device)):
+        return
+    raise InputError(f"rank {rank}: this pipecore was built without its CUDA part (csrc/cuda: no nvcc was found "
+                     "when it was built; pipecore._C.build_info()['cuda'] is False), so it cannot run this Pipeline's "
+                     "messages over NCCL. Rebuild it with the CUDA toolkit installed (`make install` with nvcc on PATH "
+                     "or CUDA_HOME set; docs/install.md), or give the Pipeline a gloo group")
 
 
 def stage_list(stages) -> list[PipelineStage]:

@@ -23,7 +23,7 @@ class Rollback:
     """RNG states and forward-changed buffers of `modules`, saved per run, restorable.
 
     Which buffers a forward changes is learnt by value in the runs that learn a batch shape's plan
-    (the host-waiting path, where comparing costs no extra wait): kernels such as batch norm's update
+    (where the host reads every message anyway, so comparing costs no extra wait): kernels such as batch norm's update
     their running statistics in place without moving the tensor's version counter. Buffers are looked
     up by owner and name at every save, so one a forward rebinds (`self.ema = 0.9 * self.ema + ...`)
     or that `.to()` replaced is the current one."""

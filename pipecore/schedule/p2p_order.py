@@ -14,10 +14,18 @@ The rules (the CUDA executor, csrc/cuda/device_comm.cpp, follows them):
 3. **Per pair, one order.** The sends from rank a to rank b, in a's program order, match b's
    receives from a in b's program order (NCCL matches point-to-point operations by order, not by
    tag). Lowering guarantees it; `replay_serialized` checks it.
-4. **Dependencies on the device.** A batch with a send starts on the device after the compute the
-   program ran before it (an event recorded on the compute stream at posting). A compute action
-   starts after the batches that hold the receives it consumes completed (the compute stream
-   waits on an event recorded after them). Nothing waits on the host.
+4. **Dependencies on the device.** Every batch starts on the device after the compute the program
+   ran before it (an event recorded on the compute stream at posting: a send's data is made there,
+   and a receive's buffer may reuse memory that compute queued before it still reads; the stream
+   contract, csrc/stream_contract.h). A compute action starts after the batches that hold the
+   receives it consumes completed (the compute stream waits on an event recorded after them).
+   Nothing waits on the host.
+
+5. **A step that learns shapes** (the first of each batch shape) posts a batch in parts: a receive
+   of activations that is not first in its batch starts a new group, since its buffer's shapes
+   may come from the peer's forward of a message the batch sends. A group led by such a receive
+   is posted once its shapes are known: once the sender ran the forward (``p2p_batches(...,
+   learning=True)``; the replay models that wait too).
 
 `replay_serialized` replays a lowered schedule under the strictest model of such a backend: every
 rank has one FIFO of batches, a batch runs only at the head of its rank's FIFO, and a batch
@@ -40,14 +48,15 @@ __all__ = ["p2p_batches", "replay_serialized", "SerializedReplay"]
 _RECEIVES = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B, Kind.I: Kind.RECV_B}
 
 
-def p2p_batches(lowered: Schedule, rank: int) -> list[list[int]]:
-    """Rule 1: the positions (in `lowered.actions[rank]`) of each batch's SEND/RECV actions."""
+def p2p_batches(lowered: Schedule, rank: int, learning: bool = False) -> list[list[int]]:
+    """Rule 1 (with `learning`, rule 5): the positions (in `lowered.actions[rank]`) of each batch's
+    SEND/RECV actions."""
     batches: list[list[int]] = []
     previous_comm = False
     for i, a in enumerate(lowered.actions[rank]):
         comm = a.kind.is_comm
         if comm:
-            if not previous_comm:
+            if not previous_comm or (learning and a.kind is Kind.RECV_F):
                 batches.append([])
             batches[-1].append(i)
         previous_comm = comm
@@ -80,9 +89,9 @@ class SerializedReplay:
     rounds: int
 
 
-def replay_serialized(lowered: Schedule) -> SerializedReplay:
-    """Replays `lowered` with every rank's P2P operations in one FIFO of batches (rules 1-4, under
-    rendezvous). Raises ScheduleError naming each stuck rank's next batch and compute action if
+def replay_serialized(lowered: Schedule, learning: bool = False) -> SerializedReplay:
+    """Replays `lowered` with every rank's P2P operations in one FIFO of batches (rules 1-4, and
+    with `learning` rule 5, under rendezvous). Raises ScheduleError naming each stuck rank's next batch and compute action if
     the ranks would wait for each other forever, or if a pair of ranks disagrees on the order of
     its messages."""
     if not lowered.is_lowered and lowered.num_ranks > 1:
@@ -90,7 +99,7 @@ def replay_serialized(lowered: Schedule) -> SerializedReplay:
     R = lowered.num_ranks
     actions = lowered.actions
     # per rank: batches (lists of positions) and compute positions, in program order
-    batches = [p2p_batches(lowered, r) for r in range(R)]
+    batches = [p2p_batches(lowered, r, learning) for r in range(R)]
     computes = [[i for i, a in enumerate(actions[r]) if a.kind.is_compute] for r in range(R)]
     # rule 3: per ordered pair, the same message order on both sides
     sent: dict[tuple[int, int], list] = {}
@@ -112,7 +121,6 @@ def replay_serialized(lowered: Schedule) -> SerializedReplay:
                                 "messages by order")
     # what each batch and compute action waits for
     partners: list[list[list[tuple[int, int]]]] = [[[] for _ in batches[r]] for r in range(R)]
-    has_send = [[False] * len(batches[r]) for r in range(R)]
     computes_before = [[0] * len(batches[r]) for r in range(R)]
     for r in range(R):
         for b, batch in enumerate(batches[r]):
@@ -120,8 +128,17 @@ def replay_serialized(lowered: Schedule) -> SerializedReplay:
             for i in batch:
                 a = actions[r][i]
                 sending = a.kind in (Kind.SEND_F, Kind.SEND_B)
-                has_send[r][b] = has_send[r][b] or sending
                 partners[r][b].append(where[(_message_key(lowered, a), not sending)])
+    # rule 5: a learning batch led by a receive of activations is posted once its shapes are known,
+    # i.e. once the sender ran the computes before the batch that sends it
+    shapes_from: list[list[tuple[int, int] | None]] = [[None] * len(batches[r]) for r in range(R)]
+    if learning:
+        for r in range(R):
+            for b, batch in enumerate(batches[r]):
+                a = actions[r][batch[0]]
+                if a.kind is Kind.RECV_F:
+                    pr, pb = where[(_message_key(lowered, a), True)]
+                    shapes_from[r][b] = (pr, computes_before[pr][pb])
     needs: list[list[list[int]]] = [[] for _ in range(R)]  # per compute action: batches it consumes
     for r in range(R):
         for i in computes[r]:
@@ -146,10 +163,12 @@ def replay_serialized(lowered: Schedule) -> SerializedReplay:
             while done_computes[r] < len(computes[r]) and all(b < head[r] for b in needs[r][done_computes[r]]):
                 done_computes[r] += 1
                 progress = True
-        # batches start at the head of their FIFO once the compute before them ran (if they send)
+        # batches start at the head of their FIFO once the compute before them ran (rule 4)
         for r in range(R):
             if head[r] < len(batches[r]) and not running[r]:
-                if not has_send[r][head[r]] or done_computes[r] >= computes_before[r][head[r]]:
+                known = shapes_from[r][head[r]]
+                if done_computes[r] >= computes_before[r][head[r]] and (known is None or
+                                                                      done_computes[known[0]] >= known[1]):
                     running[r] = True
                     progress = True
         # a running batch completes when every partner's batch is running (or already completed)

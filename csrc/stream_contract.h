@@ -1,0 +1,59 @@
+// The device path's stream contract, in one place (DeepEP writes its own the same way): which
+// stream may touch a message buffer when, and what makes its free safe. CUDA (cuda/device_comm.cpp)
+// keeps it with events; the host emulation of tests (testing/host_device_comm.cpp) keeps it with a
+// ledger that checks every use and free against it (testing/stream_ledger.h).
+//
+// The executor allocates every message buffer (a send's frame, a receive's buffer, trailers
+// included) with the compute stream current, so the caching allocator gives each one to the compute
+// stream: it may hand out a block whose earlier tensors are still read by compute kernels queued
+// before the allocation, since it orders reuse on the owning stream only. The communication stream
+// writes receives and reads sends. Hence:
+//  1. Before a batch is posted, the communication stream waits on an event recorded on the compute
+//     stream after the batch's buffers were allocated and its sends written. Receive-only batches
+//     too: without that wait a transfer could write into a block that queued compute still reads.
+//  2. A receive's buffer is read on the compute stream only after that stream waited on the
+//     receive's ready event, recorded on the communication stream after its batch.
+//  3. A receive dropped without being read (an aborted step) first makes the compute stream wait on
+//     its ready event: freed, its block returns to the compute stream's pool, which must not hand
+//     it out while the transfer may still write it.
+//  4. A send's buffers are released only once its Work completed (SendTracker polls it), so no
+//     stream uses them any more.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <vector>
+
+#include "comm_worker.h"
+
+namespace pipecore {
+
+enum class Lane : int { kCompute = 0, kComm = 1 };
+
+// A point on one lane's timeline (an event).
+struct StreamMarker {
+  virtual ~StreamMarker() = default;
+};
+
+// What a device does with its two streams. The buffer notes are for the checker; a device ignores them.
+class StreamSync {
+ public:
+  virtual ~StreamSync() = default;
+  virtual std::shared_ptr<StreamMarker> record(Lane lane) = 0;
+  virtual void wait(Lane lane, const StreamMarker& marker) = 0;
+  virtual void allocated(const at::Tensor&, Lane) {}
+  virtual void used(const at::Tensor&, Lane, bool /*writes*/) {}
+  virtual void freed(const at::Tensor&) {}
+};
+
+// Rule 1 for a batch about to be posted (its tasks in program order), then its buffers as the
+// communication stream will use them.
+void before_batch(StreamSync& sync, const std::vector<std::shared_ptr<CommTask>>& tasks);
+// Once the batch's group is queued on the communication stream: the receives' ready event (rules
+// 2 and 3) and each receive's release (rule 3, run when the executor drops the task).
+void after_batch(const std::shared_ptr<StreamSync>& sync, const std::vector<std::shared_ptr<CommTask>>& tasks);
+// Rule 2, before the compute stream reads a received task.
+void before_read(StreamSync& sync, CommTask& task);
+
+}  // namespace pipecore

@@ -1,0 +1,102 @@
+#include "stream_ledger.h"
+
+#include <algorithm>
+#include <sstream>
+#include <stdexcept>
+
+namespace pipecore {
+namespace {
+
+struct LedgerMarker final : StreamMarker {
+  std::array<int64_t, 2> clock{};
+};
+
+const char* name(int lane) { return lane == static_cast<int>(Lane::kComm) ? "communication" : "compute"; }
+
+const void* key(const at::Tensor& t) { return t.storage().unsafeGetStorageImpl(); }
+
+}  // namespace
+
+int64_t StreamLedger::tick(int lane) { return ++clocks_[lane][lane]; }
+
+void StreamLedger::refuse(std::string what) {
+  violations_.push_back("pipecore stream contract: " + what);
+  throw std::logic_error(violations_.back());
+}
+
+std::shared_ptr<StreamMarker> StreamLedger::record(Lane lane) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto marker = std::make_shared<LedgerMarker>();
+  marker->clock = clocks_[static_cast<int>(lane)];
+  return marker;
+}
+
+void StreamLedger::wait(Lane lane, const StreamMarker& marker) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto& seen = static_cast<const LedgerMarker&>(marker).clock;
+  Clock& mine = clocks_[static_cast<int>(lane)];
+  for (int l = 0; l < kLanes; ++l) mine[l] = std::max(mine[l], seen[l]);
+}
+
+void StreamLedger::allocated(const at::Tensor& t, Lane lane) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int owner = static_cast<int>(lane);
+  Buffer b;
+  b.owner = owner;
+  b.allocated_at = tick(owner);  // the owner's work queued before this point may still use the block
+  buffers_[key(t)] = b;
+}
+
+void StreamLedger::used(const at::Tensor& t, Lane lane, bool writes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = buffers_.find(key(t));
+  if (it == buffers_.end()) return;  // not a message buffer
+  Buffer& b = it->second;
+  const int l = static_cast<int>(lane);
+  const Clock& mine = clocks_[l];
+  if (l != b.owner && mine[b.owner] < b.allocated_at) {
+    std::ostringstream os;
+    os << "the " << name(l) << " stream uses a message buffer of " << t.nbytes() << " bytes allocated on the "
+       << name(b.owner) << " stream at its operation " << b.allocated_at << ", but has waited for that stream "
+       << "only up to operation " << mine[b.owner] << ": the caching allocator may have handed out a block that "
+       << "work queued there still reads";
+    refuse(os.str());
+  }
+  if (b.writer >= 0 && b.writer != l && mine[b.writer] < b.written_at) {
+    std::ostringstream os;
+    os << "the " << name(l) << " stream uses a message buffer of " << t.nbytes() << " bytes before waiting for "
+       << "the " << name(b.writer) << " stream's write of it (its operation " << b.written_at << "; waited up to "
+       << mine[b.writer] << ")";
+    refuse(os.str());
+  }
+  const int64_t at = tick(l);
+  b.last_use[l] = at;
+  if (writes) {
+    b.writer = l;
+    b.written_at = at;
+  }
+}
+
+void StreamLedger::freed(const at::Tensor& t) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = buffers_.find(key(t));
+  if (it == buffers_.end()) return;
+  const Buffer b = it->second;
+  buffers_.erase(it);
+  const Clock& owner = clocks_[b.owner];
+  for (int l = 0; l < kLanes; ++l) {
+    if (l == b.owner || b.last_use[l] == 0 || owner[l] >= b.last_use[l]) continue;
+    std::ostringstream os;
+    os << "a message buffer of " << t.nbytes() << " bytes is freed to the " << name(b.owner) << " stream's pool "
+       << "while the " << name(l) << " stream may still use it (its operation " << b.last_use[l] << "; the "
+       << name(b.owner) << " stream waited up to " << owner[l] << ")";
+    refuse(os.str());
+  }
+}
+
+std::vector<std::string> StreamLedger::violations() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return violations_;
+}
+
+}  // namespace pipecore
