@@ -4,7 +4,6 @@ no GPU, no NCCL, or the extension was built without CUDA sources. Multi-rank NCC
 its posting order is proven on CPU (tests/test_p2p_order.py)."""
 
 import copy
-import os
 
 import pytest
 import torch
@@ -52,6 +51,18 @@ def _worst_grad_error(stages, ref):
     return worst
 
 
+def _steady_step_never_synchronizes(pipe, x, y):
+    """A first step (it learns the shapes: the host reads each message), then one under
+    set_sync_debug_mode("error"): any host synchronisation in it raises."""
+    pipe.step(x, target=y)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pipe.step(x, target=y, return_outputs=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 CASES = [("interleaved_1f1b", 4), ("zbv", 2), ("dualpipev", 2), ("looped_bfs", 3), ("interleaved_zb", 2)]
 
 
@@ -82,13 +93,7 @@ def test_step_never_synchronizes_the_host(nccl_world, loopback):
     dev = nccl_world
     pipe, stages, ref = _build("interleaved_1f1b", 4, dev, loopback=loopback)
     x, y = (t.to(dev) for t in make_batch(32, width=32))
-    pipe.step(x, target=y)  # the first step learns the shapes (the host reads each message)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        pipe.step(x, target=y, return_outputs=False)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    _steady_step_never_synchronizes(pipe, x, y)
 
 
 def test_sent_outputs_freed_on_gpu(nccl_world):
@@ -208,13 +213,7 @@ def test_overlap_modes_never_synchronize_the_host(nccl_world, mode):
     dev = nccl_world
     pipe, stages, ref = _build("dualpipev", 2, dev, loopback=True, overlap_f_b=mode)
     x, y = (t.to(dev) for t in make_batch(32, width=32))
-    pipe.step(x, target=y)  # the first step learns the shapes (the host reads each message)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        pipe.step(x, target=y, return_outputs=False)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    _steady_step_never_synchronizes(pipe, x, y)
 
 
 def test_data_parallel_step_never_synchronizes_the_host(nccl_world):
@@ -228,10 +227,4 @@ def test_data_parallel_step_never_synchronizes_the_host(nccl_world):
     make_loopback(pipe)
     assert pipe.gradients.dp is not None
     x, y = (t.to(dev) for t in make_batch(16, width=32))
-    pipe.step(x, target=y)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        pipe.step(x, target=y, return_outputs=False)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    _steady_step_never_synchronizes(pipe, x, y)
