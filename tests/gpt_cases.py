@@ -127,10 +127,15 @@ def _train_gpt(rank: int, world: int, name: str, m: int, steps: int = 3, max_nor
 
 def tie_mismatch(rank: int, world: int, what: str) -> str:
     """Builds a Pipeline whose tied declarations are wrong; returns the error every rank raises."""
-    sched = pc.build_schedule("1f1b", world, 2)
+    sched = pc.build_schedule("zbv" if what == "two_keys" else "1f1b", world, 2)
     cfg = small_config(sched)
     model = build_gpt(cfg)
     stages = pipeline_stages(model, sched, rank)
+    if what == "two_keys" and rank == 0:  # rank 0 holds both ends, not copied: one Parameter under two keys
+        parts = pc.partition(model, sched.num_stages, method="parameters", verbose=False)
+        weight = parts[0].embed.tok.weight  # the head's too (build_gpt ties them)
+        stages = [pc.PipelineStage(parts[s], s, sched.num_stages, tied={"embedding" if s == 0 else "head": weight})
+                  for s in sched.rank_stages(rank)]
     if what == "shape" and rank == world - 1:
         module = stages[0].module
         module.extra = torch.nn.Linear(3, 5, bias=False)
@@ -164,3 +169,43 @@ def tied_start_equal(rank: int, world: int, name: str) -> list:
     x, y = get_batch(text(), 0, 8, cfg.seq_len)
     pipe.eval(*((x,) if pipe.has_first else ()))  # the first agreement makes the copies equal, before any forward
     return [(s.stage_index, torch.equal(p, model.embed.tok.weight)) for s in stages for p in s.tied.values()]
+
+
+def tied_as_one_parameter(rank: int, world: int, name: str) -> dict:
+    """The README's tie, as users write it: the model's head *is* its embedding (one Parameter),
+    split with pc.partition without copying, both ends declared tied. Under a V placement both ends
+    are on rank 0 and one Parameter there. Two AdamW steps with clipping against one process: the
+    worst relative gradient and norm differences, and whether rank 0's ends were one Parameter."""
+    m = 2 * world
+    sched = pc.build_schedule(name, world, m)
+    topo = sched.topology
+    cfg = small_config(sched)
+    model = build_gpt(cfg, seed=1)
+    reference = copy.deepcopy(model)
+    parts = pc.partition(model, len(set(topo.model_stage)), method="parameters", verbose=False)
+    stages = []
+    for s in sched.rank_stages(rank):
+        module = parts[topo.model_stage[s]]
+        embed, head = getattr(module, "embed", None), getattr(module, "head", None)
+        tied = {"embedding": embed.tok.weight} if embed is not None else {"embedding": head.lm.weight} if head else {}
+        stages.append(pc.PipelineStage(module, s, sched.num_stages, tied=tied))
+    ends = [s.tied["embedding"] for s in stages if s.tied]
+    pipe = pc.Pipeline(stages, sched, m, loss_fn=lm_loss, timeout=60)
+    params = list({id(p): p for s in stages for p in s.module.parameters()}.values())
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    worst = {"grad": 0.0, "norm": 0.0, "one_parameter": len(ends) == 2 and ends[0] is ends[1]}
+    for step in range(2):
+        x, y = get_batch(text(), step, 2 * m, cfg.seq_len, seed=7)
+        lm_loss(reference(x), y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        pipeline_step(pipe, x, y)
+        norm = pc.clip_grad_norm_(pipe, 0.05)
+        worst["norm"] = max(worst["norm"], relative_difference(norm, ref_norm))
+        for s in stages:
+            for pname, p in s.module.named_parameters():
+                worst["grad"] = max(worst["grad"], relative_difference(p.grad, reference.get_parameter(pname).grad))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad(set_to_none=True)
+    return worst

@@ -11,7 +11,9 @@ training step, gives each copy the sum of the copies' gradients of that step (fi
 when), so that the copies stay equal under any optimizer and `.grad` equals what single-process
 training of the tied model gives. Where every stage holding a key is on one rank (the V placements
 put the first and last stages on rank 0) the sum is local; two ranks exchange their sums once;
-more ranks all-reduce.
+more ranks all-reduce. Copies that are one Parameter on a rank (a model whose head *is* its
+embedding, split without copying, under a V placement) are one copy there: autograd already sums
+their uses into its `.grad`, so it is counted, set aside and added back once.
 """
 
 from __future__ import annotations
@@ -47,15 +49,20 @@ class TiedWeights:
                          str(p.dtype)) for s in stages for key, p in s.tied.items()]
         self._params: dict[tuple[str, int], nn.Parameter] = {
             (key, s.stage_index): p for s in stages for key, p in s.tied.items()}
-        self._by_id = {id(p): k for k, p in self._params.items()}
-        everyone = comm.gather_objects(mine, "learning every rank's tied weights (a Pipeline is built on every rank)")
+        self._by_id: dict[int, tuple[str, int]] = {}  # a Parameter under several stages: its lowest one
+        for k, p in sorted(self._params.items(), key=lambda kv: kv[0][1]):
+            self._by_id.setdefault(id(p), k)
+        # a problem only this rank can see travels with its copies: every rank raises it
+        everyone = comm.gather_objects((mine, self._local_problem()),
+                                       "learning every rank's tied weights (a Pipeline is built on every rank)")
         copies: dict[str, list[TiedCopy]] = {}
-        for c in (c for row in everyone for c in row):
+        for c in (c for row, _ in everyone for c in row):
             copies.setdefault(c.key, []).append(c)
         self.copies = {k: sorted(v, key=lambda c: c.stage) for k, v in sorted(copies.items())}
-        problem = self._problem()
+        problem = next((f"rank {r}: {p}" for r, (_, p) in enumerate(everyone) if p is not None), None) or self._problem()
         if problem is not None:
-            raise InputError(f"rank {comm.rank}: {problem}")
+            raise InputError(f"rank {comm.rank}: the Pipeline's tied weights: {problem}" if problem.startswith("rank ")
+                             else f"rank {comm.rank}: {problem}")
         self._sync_values()
 
     def __bool__(self) -> bool:
@@ -70,14 +77,28 @@ class TiedWeights:
                 held = ", ".join(f"stage {c.stage} (rank {c.rank}) {list(c.shape)} {c.dtype}" for c in copies)
                 return (f"tied weight {key!r} has different shapes or dtypes on the stages that declare it: {held}. "
                         "A tie joins copies of one weight: declare the same parameter shape under one key")
-        local = [(key, c.stage) for key, cs in self.copies.items() for c in cs if c.rank == self._comm.rank]
-        seen: dict[int, tuple[str, int]] = {}
-        for key, stage in local:
-            other = seen.setdefault(id(self._params[(key, stage)]), (key, stage))
-            if other != (key, stage):
-                return (f"stages {other[1]} and {stage} of rank {self._comm.rank} declare the same Parameter object "
-                        f"as tied {other[0]!r}/{key!r}: stages of one rank sharing one Parameter need no tie")
         return None
+
+    def _local_problem(self) -> str | None:
+        """One Parameter declared under two keys on this rank: its gradient would be summed twice."""
+        seen: dict[int, str] = {}
+        for (key, stage), p in self._params.items():
+            other = seen.setdefault(id(p), key)
+            if other != key:
+                return (f"stage {stage} declares one Parameter object as tied {key!r} that another stage of this rank "
+                        f"declares as tied {other!r}: one weight is tied under one key")
+        return None
+
+    def _distinct(self, key: str, copies: list[TiedCopy]) -> list[TiedCopy]:
+        """`copies` with each Parameter object once (copies that are one Parameter are one copy)."""
+        seen: set[int] = set()
+        out = []
+        for c in copies:
+            p = self._params[(key, c.stage)]
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(c)
+        return out
 
     # -- the copies' owner is the lowest stage: every copy starts as its value -------------------
     def _sync_values(self) -> None:
@@ -101,7 +122,11 @@ class TiedWeights:
         """Each tied copy and the gradient it holds before a step, set aside (the sum covers one step;
         the gradient finalisation puts them back)."""
         stash = {}
+        seen: set[int] = set()
         for k, p in self._params.items():
+            if id(p) in seen:  # one Parameter under several stages: set aside once
+                continue
+            seen.add(id(p))
             stash[k] = (p, p.grad)
             p.grad = None
         return stash
@@ -122,12 +147,12 @@ class TiedWeights:
             if all({c.model_stage for c in copies if c.rank == r} == models for r in holders):
                 if not here:  # every holder has a copy of each model stage: no communication
                     continue
-                counted = _one_per_model_stage(here)
+                counted = self._distinct(key, _one_per_model_stage(here))
                 total, got = self._sum([self._grad(key, c) for c in counted]), self._got(key, counted)
             elif not here and len(holders) <= 2:
                 continue
             else:  # each model stage counted once, on the rank of its primary copy (stage == model stage)
-                counted = [c for c in here if c.stage == c.model_stage]
+                counted = self._distinct(key, [c for c in here if c.stage == c.model_stage])
                 mine = self._sum([self._grad(key, c) for c in counted]) if counted else self._zeros(key)
                 # one more element: 1 where a counted copy here got a gradient (summed: how many ranks did)
                 flat = torch.cat([mine.reshape(-1), mine.new_tensor([float(self._got(key, counted))])])
