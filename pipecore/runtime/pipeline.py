@@ -310,7 +310,8 @@ class Pipeline:
     def profile(self) -> dict[str, float]:
         """Where this rank's host time went in the last step (or eval), in microseconds. Needs
         trace=True. `step`: the whole call; `before_run`: Python before the executor runs (input
-        checks, microbatch split, plans, gradients set aside); `run`: the executor, split into `loop`
+        checks, microbatch split, plans, gradients set aside; where a batch changed shape, also the
+        run that told the ranks and their agreement); `run`: the executor, split into `loop`
         (its own dispatch and bookkeeping), `forward` (the forward callbacks, of which `model` is
         the stages' forwards and loss_fn), `backward` (the autograd engine), `post` (framing and
         posting messages) and `wait` (for messages, sends in flight); `after_run`: Python after it
@@ -424,12 +425,12 @@ class Pipeline:
         if training:
             self.gradients.set_aside()
         self._profile = {}
-        run_started = time.perf_counter()
         try:
             while True:
                 # RNG states and buffers go back if this run does not count (pipecore/runtime/rollback.py)
                 self._rollback.arm(learn=plans.discovery is not None)
                 on_stand_ins = self.executor.device_comm and plans.discovery is None  # (device_comm.h)
+                run_started = time.perf_counter()  # profile(): a run that did not count is before the run
                 try:
                     self.executor.run(run.forward, lambda error, action: comm.publish_error(error, action),
                                       plans.discovery.answer if plans.discovery is not None else None)
