@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -121,3 +123,28 @@ def pipeline_step(pipe, x, y, **kwargs):
     """`pipe.step` with the batch's inputs where this rank holds a first stage and its targets where
     it holds a last stage, as every rank of a test calls it."""
     return pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None, **kwargs)
+
+
+class _SleepFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, backward_s):
+        ctx.backward_s = backward_s
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_s)
+        return grad, None
+
+
+class Sleepy(nn.Module):
+    """A layer whose forward and backward take known times."""
+
+    def __init__(self, forward_ms, backward_ms=0.0):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+        self.forward_s, self.backward_s = forward_ms / 1e3, backward_ms / 1e3
+
+    def forward(self, x):
+        time.sleep(self.forward_s)
+        return _SleepFn.apply(x * self.scale, self.backward_s)

@@ -12,7 +12,7 @@ from torch import nn
 
 import pipecore as pc
 from gpt_cases import relative_difference  # examples/gpt.py's, the tests' one measure
-from models import make_batch, make_stages, model_stage_count, rank_stages, reference_forward, pipeline_step
+from models import Sleepy, make_batch, make_stages, model_stage_count, rank_stages, reference_forward, pipeline_step
 
 
 def _assert_grads_close(got: torch.Tensor | None, want: torch.Tensor | None, what: str, rtol=1e-6):
@@ -367,39 +367,12 @@ def traced_step(rank, world, out_dir):
     return events
 
 
-class _SlowBackward(torch.autograd.Function):
-    """Identity whose backward sleeps: time the profile must charge to the autograd engine."""
-
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.seconds)
-        return grad, None
-
-
-class _Sleepy(nn.Module):
-    """Linear whose forward sleeps `forward_s` and whose backward sleeps `backward_s`."""
-
-    def __init__(self, forward_s, backward_s):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-        self.forward_s, self.backward_s = forward_s, backward_s
-
-    def forward(self, x):
-        time.sleep(self.forward_s)
-        return _SlowBackward.apply(self.lin(x), self.backward_s)
-
-
 def profiled_steps(rank, world):
     """Pipeline.profile() of a step and an eval where rank 0's forwards sleep 5 ms and rank 1's
     backwards sleep 3 ms (2 ranks, 1f1b, 4 microbatches); and whether profile() refuses untraced."""
     sched = pc.build_schedule("1f1b", world, 4)
     torch.manual_seed(0)
-    module = _Sleepy(0.005, 0.0) if rank == 0 else _Sleepy(0.0, 0.003)
+    module = Sleepy(5.0) if rank == 0 else Sleepy(0.0, 3.0)
     stage = pc.PipelineStage(module, rank, world)
     pipe = pc.Pipeline(stage, sched, 4, loss_fn=nn.MSELoss(), trace=True)
     x, y = torch.randn(8, 8), torch.randn(8, 8)

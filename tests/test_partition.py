@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from torch import nn
 import pipecore as pc
 from pipecore.stage.partitioning import StageModule
 from pipecore.stage.boundary import as_call
+from models import Sleepy
 
 WIDTH = 8
 
@@ -225,31 +225,6 @@ def test_parameters_counts_a_tied_weight_once_per_stage_and_frozen_parameters():
 
 
 # -- "time" ---------------------------------------------------------------------------------------
-class _SleepFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, backward_s):
-        ctx.backward_s = backward_s
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.backward_s)
-        return grad, None
-
-
-class Sleepy(nn.Module):
-    """A layer whose forward and backward take known times."""
-
-    def __init__(self, forward_ms, backward_ms=0.0):
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(()))
-        self.forward_s, self.backward_s = forward_ms / 1e3, backward_ms / 1e3
-
-    def forward(self, x):
-        time.sleep(self.forward_s)
-        return _SleepFn.apply(x * self.scale, self.backward_s)
-
-
 def test_time_balances_measured_forward_and_backward():
     # costs (ms, forward + backward): 40 | 5 x 6 | 40 ; only the split [1, 6, 1] keeps every stage <= 40
     layers = [Sleepy(20, 20)] + [Sleepy(5) for _ in range(3)] + [Sleepy(0, 5) for _ in range(3)] + [Sleepy(40)]
