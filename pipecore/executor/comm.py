@@ -104,9 +104,12 @@ class Comm:
 
     def p2p_is_nccl(self) -> bool:
         """Do the stages' messages go through NCCL?"""
+        return dist.is_nccl_available() and isinstance(self._p2p_backend(), dist.ProcessGroupNCCL)
+
+    def _p2p_backend(self):
+        """The backend that serves the stages' device on the group (None if none does)."""
         backend = backend_of(self.group, self.device)
-        backend = getattr(backend, "wrapped_pg", backend)
-        return dist.is_nccl_available() and isinstance(backend, dist.ProcessGroupNCCL)
+        return getattr(backend, "wrapped_pg", backend)  # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps it
 
     # -- failures left in the store -----------------------------------------------------------
     def error_key(self, step: int | None = None) -> str | None:
@@ -137,10 +140,9 @@ class Comm:
     def p2p_is_gloo(self) -> bool:
         """Do the stages' messages go through gloo? Asked of the backend that serves the stages'
         device: a group made with "cpu:gloo,cuda:nccl" is gloo on CPU and NCCL on CUDA."""
-        backend = backend_of(self.group, self.device)
+        backend = self._p2p_backend()
         if backend is None:
             return dist.get_backend(self.group) == "gloo"
-        backend = getattr(backend, "wrapped_pg", backend)  # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps it
         return dist.is_gloo_available() and isinstance(backend, dist.ProcessGroupGloo)
 
     def open_reverse_channel(self):

@@ -39,10 +39,16 @@ def split(tree: Any, n: int, what: str = "input") -> list[Any]:
     """`n` microbatches of `tree`. Raises SplitError saying why when it cannot be split."""
     if n < 1:
         raise SplitError(f"cannot split into {n} microbatches: need at least one")
-    # the common cases, a tensor, a tuple of tensors or nothing, without walking or rebuilding trees
-    plain = type(tree) is torch.Tensor or (type(tree) in (tuple, dict) and
-                                           all(type(v) is torch.Tensor for v in _values(tree)))
-    leaves, spec = ([tree] if type(tree) is torch.Tensor else list(_values(tree)), None) if plain else tree_flatten(tree)
+    # the common cases, a tensor or a tuple or dict of tensors (or nothing), without walking or
+    # rebuilding trees
+    plain = True
+    if type(tree) is torch.Tensor:
+        leaves, spec = [tree], None
+    elif type(tree) in (tuple, dict) and all(type(v) is torch.Tensor for v in _values(tree)):
+        leaves, spec = list(_values(tree)), None
+    else:
+        plain = False
+        leaves, spec = tree_flatten(tree)
     rows = None
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):
