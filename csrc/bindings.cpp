@@ -385,8 +385,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("peak_send_bytes", &pipecore::Executor::peak_send_bytes,
                              "largest sum of bytes in flight to one peer during the last run")
       .def_property_readonly("threaded_posts", &pipecore::Executor::threaded_posts)
-      .def("batch_ends", &pipecore::Executor::batch_ends,
-           "per program index: for a SEND/RECV, one past the last action of its device batch (else 0)")
+      .def("batch_ends", &pipecore::Executor::batch_ends, py::arg("learning") = false,
+           "per program index: for a SEND/RECV, one past the last action of its device batch, as a step that "
+           "learns shapes posts them with learning=True (else 0)")
       .def("set_large_messages", &pipecore::Executor::set_large_messages, py::arg("min_bytes"))
       .def("_emulate_device_comm", &pipecore::Executor::emulate_device_comm,
            "the device path's protocol run by the host on CPU tensors over gloo (testing/host_device_comm.cpp)")

@@ -133,11 +133,16 @@ void Executor::set_program(std::vector<int64_t> flat, std::vector<std::string> l
   }
   TORCH_CHECK(open == kNone, "pipecore: the OVERLAP_F_B pair opened at instruction ", open, " is never closed");
   mark_last_backwards();
-  batch_end_.assign(program_.size(), 0);  // a batch: a run of consecutive SEND/RECV actions
+  // a batch: a run of consecutive SEND/RECV actions; in a discovery run, also cut before each
+  // receive of activations (p2p_order.py, rules 1 and 5)
+  batch_end_.assign(program_.size(), 0);
+  learning_end_.assign(program_.size(), 0);
   for (size_t i = program_.size(); i-- > 0;) {
     const int64_t op = program_[i].op;
     if (op >= kSendF && op <= kRecvB) {
-      batch_end_[i] = i + 1 < program_.size() && batch_end_[i + 1] != 0 ? batch_end_[i + 1] : i + 1;
+      const bool next_comm = i + 1 < program_.size() && batch_end_[i + 1] != 0;
+      batch_end_[i] = next_comm ? batch_end_[i + 1] : i + 1;
+      learning_end_[i] = next_comm && program_[i + 1].op != kRecvF ? learning_end_[i + 1] : i + 1;
     }
   }
 }
@@ -412,18 +417,9 @@ std::vector<std::string> Executor::stream_violations() const {
 
 void Executor::post_batch(size_t index, bool aborted, int64_t status) {
   if (index < posted_through_) return;  // posted with an earlier action of its batch
-  size_t end = batch_end_[index];
-  if (host_reads_) {
-    // A discovery run: a new group before each later receive of activations, whose shapes may come
-    // from the forward of a message this group sends (p2p_order.py: learning batches, replayed
-    // without deadlock on every schedule)
-    for (size_t j = index + 1; j < end; ++j) {
-      if (program_[j].op == kRecvF) {
-        end = j;
-        break;
-      }
-    }
-  }
+  // a discovery run cuts before each later receive of activations, whose shapes may come from the
+  // forward of a message the group sends (p2p_order.py, rule 5)
+  const size_t end = (host_reads_ ? learning_end_ : batch_end_)[index];
   TORCH_CHECK(end > index, "pipecore: action ", index, " is not a send or receive");
   SpentOn spent(profile_, Spent::kPost);
   std::vector<std::shared_ptr<CommTask>> tasks;

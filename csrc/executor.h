@@ -287,8 +287,9 @@ class Executor {
   int64_t reverse_posts() const { return reverse_posts_; }
   const std::vector<int64_t>& recv_posted_at() const { return recv_posted_at_; }
 #endif
-  // Per program index: for a SEND/RECV, one past the last action of its device batch; else 0.
-  const std::vector<size_t>& batch_ends() const { return batch_end_; }
+  // Per program index: for a SEND/RECV, one past the last action of its device batch (`learning`:
+  // as a discovery run posts them); else 0.
+  const std::vector<size_t>& batch_ends(bool learning) const { return learning ? learning_end_ : batch_end_; }
   // Per stage, since construction: microbatches whose I computed weight gradients (or all of its
   // backward) because of a node that cannot be split, by (node, why).
   const std::vector<std::map<SplitFallback, int64_t>>& split_fallbacks() const { return split_fallbacks_; }
@@ -413,6 +414,7 @@ class Executor {
   std::unique_ptr<DeviceComm> device_comm_;
   bool host_reads_ = false;  // a discovery run on the device path: the host waits for and reads each message
   std::vector<size_t> batch_end_;  // [i] for a SEND/RECV: one past the last action of its batch
+  std::vector<size_t> learning_end_;  // the same in a discovery run (cut before each later RECV_F)
   size_t posted_through_ = 0;      // device path: every SEND/RECV before this index is posted
   int64_t large_message_bytes_ = kLargeMessageBytes;
   int64_t threaded_posts_ = 0;  // messages posted by the comm worker in the last run

@@ -71,8 +71,9 @@ def test_message_order_disagreement_is_named():
         replay_serialized(swapped)
 
 
-def executor_batches(rank, world, name, R):
-    """On a one-rank gloo group: the executor's batches of each rank's program, as action names."""
+def executor_batches(rank, world, name, R, learning=False):
+    """On a one-rank gloo group: the executor's batches of each rank's program, as action names
+    (`learning`: as a step that learns shapes posts them)."""
     import torch.distributed as dist
     from pipecore._C import Executor
     from pipecore.executor.program import encode
@@ -84,7 +85,7 @@ def executor_batches(rank, world, name, R):
         flat, labels = program.instructions, program.labels
         ex = Executor(dist.group.WORLD, len(mine), 2 * R, 10.0)
         ex.set_program(flat, labels)
-        ends = ex.batch_ends()
+        ends = ex.batch_ends(learning)
         groups: dict[int, list[str]] = {}
         for j, end in enumerate(ends):
             if end:
@@ -93,13 +94,15 @@ def executor_batches(rank, world, name, R):
     return out
 
 
+@pytest.mark.parametrize("learning", [False, True], ids=["steady", "learning"])
 @pytest.mark.parametrize("name, R", [("interleaved_1f1b", 4), ("zbv", 2), ("dualpipev", 4), ("1f1b", 3)])
-def test_executor_batches_are_the_replayed_batches(name, R):
-    """The C++ executor's batches (csrc/executor.cpp, set_program) are p2p_batches' for every rank."""
+def test_executor_batches_are_the_replayed_batches(name, R, learning):
+    """The C++ executor's batches (csrc/executor.cpp, set_program) are p2p_batches' for every rank,
+    in steady steps and in steps that learn shapes."""
     from dist_pool import pool
-    got = pool(1).run(executor_batches, name, R)[0]
+    got = pool(1).run(executor_batches, name, R, learning)[0]
     lowered = pc.build_schedule(name, R, 2 * R).lower()
-    want = [[[str(lowered.actions[r][i]) for i in b] for b in p2p_batches(lowered, r)] for r in range(R)]
+    want = [[[str(lowered.actions[r][i]) for i in b] for b in p2p_batches(lowered, r, learning)] for r in range(R)]
     assert got == want
 
 
