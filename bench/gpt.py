@@ -3,7 +3,7 @@ torch.distributed.pipelining, with each side's peak memory per rank.
 
 Every rank builds the same GPT (seed 0) and splits it with `pc.partition` into the schedule's
 model stages. pipecore runs this rank's stages from `pipeline_stages` (the LM head tied to the
-token embedding with `tied={"embedding": ...}`); torch runs deep copies of the same partition's
+token embedding, a tie pc.partition finds); torch runs deep copies of the same partition's
 stages as `torch.distributed.pipelining.PipelineStage`s under the matching torch schedule class
 (Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble, ScheduleGPipe), same microbatches,
 same loss (`lm_loss`), same batches. One training step is, on both sides:

@@ -4,9 +4,9 @@
     logits = model(ids)                                     # single process: the reference
     stages = pipeline_stages(model, schedule, rank)         # this rank's pc.PipelineStage's
 
-The LM head is tied to the token embedding. In one process they are one Parameter; split over
-stages, the stage holding the embedding and the one holding the head each get a copy, declared
-with `tied={"embedding": ...}` so that pipecore keeps them equal (pipecore/training/ties.py).
+The LM head is tied to the token embedding. In one process they are one Parameter; `pc.partition`
+finds that the stage holding the embedding and the one holding the head share it and declares the
+tie, so that pipecore keeps their copies equal (pipecore/training/ties.py).
 
 The text is Python's own standard library source (it ships with every Python), read as bytes: a
 vocabulary of 256 tokens and no tokenizer to install.
@@ -114,21 +114,14 @@ def pipeline_stages(model: nn.Sequential, schedule: pc.Schedule, rank: int, *, m
                     device: torch.device | str | None = None, verbose: bool = False,
                     **stage_options) -> list[pc.PipelineStage]:
     """This rank's stages of `model` under `schedule`: the model is split into the schedule's model
-    stages (`pc.partition`), each stage of this rank gets its own copy (dualpipe's mirrored stages
-    hold copies of one model stage), and the stages holding the embedding and the head tie them."""
+    stages (`pc.partition`, which finds that the embedding's stage and the head's share the
+    embedding), and each stage of this rank gets its own copy (dualpipe's mirrored stages hold
+    copies of one model stage); the copies' tie is declared as partition found it."""
     topo = schedule.topology
     parts = pc.partition(model, len(set(topo.model_stage)), method=method, verbose=verbose)
-    stages = []
-    for s in schedule.rank_stages(rank):
-        module = copy.deepcopy(parts[topo.model_stage[s]]).to(device or "cpu")
-        embed, head = getattr(module, "embed", None), getattr(module, "head", None)
-        tied = {}
-        if embed is not None and head is None:
-            tied = {"embedding": embed.tok.weight}
-        elif head is not None and embed is None:
-            tied = {"embedding": head.lm.weight}
-        stages.append(pc.PipelineStage(module, s, schedule.num_stages, device, tied=tied, **stage_options))
-    return stages
+    return [pc.PipelineStage(copy.deepcopy(parts[topo.model_stage[s]]).to(device or "cpu"), s, schedule.num_stages,
+                             device, **stage_options)
+            for s in schedule.rank_stages(rank)]
 
 
 def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:

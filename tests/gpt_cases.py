@@ -120,14 +120,14 @@ def _train_gpt(rank: int, world: int, name: str, m: int, steps: int = 3, max_nor
                 worst["tied_drift"] = max(worst.get("tied_drift", 0.0), drift)
                 worst["tied_equal"] &= drift < bound
     worst["losses"] = losses_by_step
-    worst["tied_values"] = [s.tied["embedding"].detach().clone() for s in stages if "embedding" in s.tied]
+    worst["tied_values"] = [p.detach().clone() for s in stages for p in s.tied.values()]
     worst["warnings"] = sorted({why for per in pipe.split_backward_fallbacks.values() for (_, why) in per})
     return worst
 
 
 def tie_mismatch(rank: int, world: int, what: str) -> str:
     """Builds a Pipeline whose tied declarations are wrong; returns the error every rank raises."""
-    sched = pc.build_schedule("zbv" if what == "two_keys" else "1f1b", world, 2)
+    sched = pc.build_schedule("zbv" if what in ("two_keys", "undeclared") else "1f1b", world, 2)
     cfg = small_config(sched)
     model = build_gpt(cfg)
     stages = pipeline_stages(model, sched, rank)
@@ -136,14 +136,20 @@ def tie_mismatch(rank: int, world: int, what: str) -> str:
         weight = parts[0].embed.tok.weight  # the head's too (build_gpt ties them)
         stages = [pc.PipelineStage(parts[s], s, sched.num_stages, tied={"embedding" if s == 0 else "head": weight})
                   for s in sched.rank_stages(rank)]
+    if what == "undeclared" and rank == 0:  # the same, declaring nothing (tied={}: not even what partition found)
+        parts = pc.partition(model, sched.num_stages, method="parameters", verbose=False)
+        stages = [pc.PipelineStage(parts[s], s, sched.num_stages, tied={}) for s in sched.rank_stages(rank)]
     if what == "shape" and rank == world - 1:
         module = stages[0].module
         module.extra = torch.nn.Linear(3, 5, bias=False)
         stages = [pc.PipelineStage(module, stages[0].stage_index, sched.num_stages,
-                                   tied={"embedding": module.extra.weight})]
+                                   tied={key: module.extra.weight for key in stages[0].tied})]
     if what == "alone" and rank == world - 1:
-        stages = [pc.PipelineStage(stages[0].module, stages[0].stage_index, sched.num_stages)]
-    pipe = pc.Pipeline(stages, sched, 2, loss_fn=lm_loss)  # not a collective: ties are learnt at the first step
+        stages = [pc.PipelineStage(stages[0].module, stages[0].stage_index, sched.num_stages, tied={})]
+    try:
+        pipe = pc.Pipeline(stages, sched, 2, loss_fn=lm_loss)  # not a collective: ties are learnt at the first step
+    except pc.errors.InputError as exc:  # what this rank alone can see: it tells the others at their first step
+        return [str(exc)]
     x, y = get_batch(text(), 0, 4, cfg.seq_len)
     errors = []
     for _ in range(2):  # and every later step says it again
@@ -171,11 +177,12 @@ def tied_start_equal(rank: int, world: int, name: str) -> list:
     return [(s.stage_index, torch.equal(p, model.embed.tok.weight)) for s in stages for p in s.tied.values()]
 
 
-def tied_as_one_parameter(rank: int, world: int, name: str) -> dict:
-    """The README's tie, as users write it: the model's head *is* its embedding (one Parameter),
-    split with pc.partition without copying, both ends declared tied. Under a V placement both ends
-    are on rank 0 and one Parameter there. Two AdamW steps with clipping against one process: the
-    worst relative gradient and norm differences, and whether rank 0's ends were one Parameter."""
+def tied_as_one_parameter(rank: int, world: int, name: str, declared: bool) -> dict:
+    """The model's head *is* its embedding (one Parameter), split with pc.partition without copying;
+    both ends declared tied by hand (`declared`) or as partition found them. Under a V placement
+    both ends are on rank 0 and one Parameter there. Two AdamW steps with clipping against one
+    process: the worst relative gradient and norm differences, and whether rank 0's ends were one
+    Parameter."""
     m = 2 * world
     sched = pc.build_schedule(name, world, m)
     topo = sched.topology
@@ -188,8 +195,8 @@ def tied_as_one_parameter(rank: int, world: int, name: str) -> dict:
         module = parts[topo.model_stage[s]]
         embed, head = getattr(module, "embed", None), getattr(module, "head", None)
         tied = {"embedding": embed.tok.weight} if embed is not None else {"embedding": head.lm.weight} if head else {}
-        stages.append(pc.PipelineStage(module, s, sched.num_stages, tied=tied))
-    ends = [s.tied["embedding"] for s in stages if s.tied]
+        stages.append(pc.PipelineStage(module, s, sched.num_stages, tied=tied if declared else None))
+    ends = [p for s in stages for p in s.tied.values()]
     pipe = pc.Pipeline(stages, sched, m, loss_fn=lm_loss, timeout=60)
     params = list({id(p): p for s in stages for p in s.module.parameters()}.values())
     opt = torch.optim.AdamW(params, lr=1e-3)

@@ -73,8 +73,10 @@ def test_bf16_autocast_through_the_pipeline():
 @pytest.mark.parametrize("what, message", [
     ("shape", "different shapes or dtypes"),
     ("alone", "is declared on stage 0 only"),
-    ("two_keys", "rank 0: stage 3 declares one Parameter object as tied 'head' that another stage of this rank "
-                 "declares as tied 'embedding'"),
+    ("two_keys", "stage 0 (tied 'embedding'), stage 3 (tied 'head') hold one Parameter object (embed.tok.weight) "
+                 "that they do not declare as one tied weight"),
+    ("undeclared", "stage 0, stage 3 hold one Parameter object (embed.tok.weight) that they do not declare as one "
+                   "tied weight"),
 ])
 def test_tie_errors_on_every_rank(what, message):
     results = pool(2).run(gpt_cases.tie_mismatch, what)
@@ -107,10 +109,12 @@ def test_example_script_with_data_parallel_replicas():
     assert found and float(found.group(1)) <= 1e-5, out.stdout
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zbv", "dualpipev"])
-def test_a_head_that_is_the_embedding_ties_on_every_schedule(name):
-    # V placements put both ends on rank 0 as one Parameter: one copy there, counted once
-    results = pool(2).run(gpt_cases.tied_as_one_parameter, name, timeout=120)
+@pytest.mark.parametrize("name, declared", [("1f1b", True), ("zbv", True), ("dualpipev", True),
+                                            ("1f1b", False), ("zbv", False), ("dualpipe", False)])
+def test_a_head_that_is_the_embedding_ties_on_every_schedule(name, declared):
+    # declared by hand or found by pc.partition; V placements put both ends on rank 0 as one
+    # Parameter: one copy there, counted once
+    results = pool(2).run(gpt_cases.tied_as_one_parameter, name, declared, timeout=120)
     for rank, r in enumerate(results):
         assert r["grad"] < 1e-5 and r["norm"] < 1e-5, (rank, r)
     assert results[0]["one_parameter"] == (name != "1f1b")

@@ -224,6 +224,22 @@ def test_parameters_counts_a_tied_weight_once_per_stage_and_frozen_parameters():
     assert [len(s) for s in stages] == [1, 4]
 
 
+def test_parameters_shared_across_stages_become_ties(capsys):
+    """ALBERT-style sharing: one Linear's weight in layers 0, 2 and 3. Stages that hold it each list
+    it under one key (its name in the first); a stage holding it twice lists it once; none elsewhere."""
+    shared = nn.Linear(6, 6)
+    layers = [nn.Linear(6, 6) for _ in range(5)]
+    for i in (0, 2, 3):
+        layers[i].weight = shared.weight
+    stages = pc.partition(layers, 3, [1, 1, 3])
+    assert [s.tied for s in stages] == [{"0.weight": "0.weight"}, {}, {"0.weight": "2.weight"}]
+    assert "tied: 0.weight [6, 6], one weight in stage 0 (0.weight), stage 2 (2.weight)" in capsys.readouterr().out
+    first = pc.PipelineStage(stages[0], 0, 3)
+    assert first.tied == {"0.weight": shared.weight}
+    assert pc.PipelineStage(stages[2], 2, 3, tied={}).tied == {}  # tied= given: exactly those
+    assert pc.partition(layers, 1, verbose=False)[0].tied == {}   # within one stage: one parameter
+
+
 # -- "time" ---------------------------------------------------------------------------------------
 def test_time_balances_measured_forward_and_backward():
     # costs (ms, forward + backward): 40 | 5 x 6 | 40 ; only the split [1, 6, 1] keeps every stage <= 40

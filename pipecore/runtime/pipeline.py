@@ -33,7 +33,7 @@ from pipecore.stage.microbatch import batch_size, merge, merge_by_spec
 from pipecore.stage.pipeline_stage import PipelineStage, from_torch_stage, is_torch_stage
 from pipecore.training.data_parallel import DEFAULT_BUCKET_BYTES, DataParallel
 from pipecore.training.finalise import GradFinalisation
-from pipecore.training.ties import TiedWeights
+from pipecore.training.ties import TiedWeights, check_shared_parameters
 from pipecore.training.wrapped_stages import WrappedStage
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -158,6 +158,7 @@ class Pipeline:
         self.schedule = schedule
         self.stages = sorted(stages, key=lambda s: s.stage_index)
         self.stage_by_index = {s.stage_index: s for s in self.stages}
+        check_shared_parameters(self.stages)
         local_index = {s.stage_index: i for i, s in enumerate(self.stages)}
         self.loss_fn = loss_fn
         self.scale_grads = scale_grads

@@ -9,6 +9,11 @@
   nn.Sequential               its children, names kept ("0", "1", ... or the names given)
   nn.ModuleList, list, tuple  of modules, named "0", "1", ...
   list/tuple of (name, module)
+  a Hugging Face causal LM    (Llama, Qwen2/3, Mistral, GPT-2 and models built alike) its embedding,
+                              decoder layers and head (norm + LM head), read by pipecore/stage/hf.py,
+                              which checks that they compute the model's logits; "uniform" spreads
+                              the decoder layers evenly and adds the embedding to the first stage
+                              and the head to the last
   any other nn.Module         its children in order (named_children), with nn.Sequential and
                               nn.ModuleList children expanded into their items ("blocks.0", ...).
                               Its forward must be these layers composed in that order: the layer
@@ -56,6 +61,13 @@ for dualpipe, stage R+j mirrors model stage j, so there are R model stages:
     stages = [pc.PipelineStage(parts[topo.model_stage[s]], s, sched.num_stages) for s in sched.rank_stages(rank)]
     pipe = pc.Pipeline(stages, sched, num_microbatches, loss_fn=loss_fn)
 
+Parameters that layers in different stages share (an LM head that is the embedding, ALBERT-style
+shared layers) are ties: each stage holding one lists it in its `tied` under the parameter's name in
+the first stage that holds it ("tok.weight"), the printout names them, and `PipelineStage`
+declares them as tied weights (training/ties.py: the copies start equal and their gradients are
+summed after each step, also when the stages are on different ranks). Within one stage a shared
+parameter is simply one parameter.
+
 Every rank builds the whole model (seeded alike, or on the meta device for "uniform" and
 "parameters") and keeps its own parts; a dualpipe mirror is then already a copy (the one in this
 rank's model), and no rank holds a model stage twice (dualpipe rank r: model stages r and R-1-r,
@@ -74,6 +86,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from pipecore.stage import hf
 from pipecore.stage.boundary import as_call
 
 METHODS = ("uniform", "parameters", "time")
@@ -82,7 +95,17 @@ _WARMUP, _REPS = 1, 3
 
 class StageModule(nn.Sequential):
     """An nn.Sequential whose layers may take several arguments: each layer's output feeds the
-    next as a Pipeline boundary does (tuple/list -> positional args, dict -> keyword args)."""
+    next as a Pipeline boundary does (tuple/list -> positional args, dict -> keyword args).
+
+    `tied` ({key: the parameter's name in this stage}) names the parameters this stage shares with
+    other stages of the same `partition` call; `PipelineStage` declares them as tied weights unless
+    given `tied=` (which then says all of this stage's ties)."""
+
+    tied: dict[str, str]
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.tied = {}
 
     def forward(self, *args, **kwargs):
         if not len(self):
@@ -108,7 +131,10 @@ def partition(layers: Any, num_stages: int, method: str | Sequence[int] = "unifo
     if method == "time" and example is None:
         raise ValueError("method='time' measures each layer on an example input: pass example=<the first layer's "
                          "input: a tensor, a tuple of arguments or a dict of keyword arguments>")
-    named = _named_layers(layers)
+    lm = hf.is_causal_lm(layers)
+    named = _named_layers(hf.causal_lm_layers(layers) if lm else layers)
+    if lm:
+        hf.check_layers(layers, named)
     n = len(named)
     if n < num_stages:
         raise ValueError(f"cannot give every one of {num_stages} stages a layer: the model has {n} "
@@ -120,7 +146,8 @@ def partition(layers: Any, num_stages: int, method: str | Sequence[int] = "unifo
             raise ValueError(f"the layer counts {list(counts)} add up to {sum(counts)}, the model has {n} layers")
         bounds = _bounds_from_counts(counts)
     elif method == "uniform":
-        bounds = _uniform_bounds(n, num_stages)
+        lm_counts = hf.decoder_layer_counts(n - 2, num_stages) if lm else None
+        bounds = _bounds_from_counts(lm_counts) if lm_counts else _uniform_bounds(n, num_stages)
     elif method == "parameters":
         bounds = _balanced_bounds(_parameter_costs(modules), num_stages)
     else:
@@ -128,9 +155,27 @@ def partition(layers: Any, num_stages: int, method: str | Sequence[int] = "unifo
         bounds = _balanced_bounds(_additive_costs(layer_ms), num_stages)
     stages = [StageModule(OrderedDict((_child_name(name), m) for name, m in named[a:b]))
               for a, b in zip(bounds, bounds[1:])]
+    ties = _find_ties(stages)
+    for key, (_, holders) in ties.items():
+        for s, name in holders:
+            stages[s].tied[key] = name
     if verbose and _is_printing_rank():
-        _print_balance(named, bounds, layer_ms, method if counts is None else "explicit layer counts")
+        _print_balance(named, bounds, layer_ms, method if counts is None else "explicit layer counts", ties)
     return stages
+
+
+def _find_ties(stages: list[StageModule]) -> dict[str, tuple[nn.Parameter, list[tuple[int, str]]]]:
+    """Parameters that several stages hold (an LM head that is the embedding, ALBERT-style shared
+    layers): {its name in the first stage holding it: (the parameter, [(stage, its name there)])}.
+    The names come from the model's layer names, so every rank that builds the model alike finds
+    the same keys."""
+    holders: dict[int, list[tuple[int, str]]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for s, stage in enumerate(stages):
+        for name, p in stage.named_parameters():  # each parameter once per stage
+            params[id(p)] = p
+            holders.setdefault(id(p), []).append((s, name))
+    return {held[0][1]: (params[i], held) for i, held in holders.items() if len(held) > 1}
 
 
 # -- the layer list -------------------------------------------------------------------------------
@@ -372,7 +417,7 @@ def _is_printing_rank() -> bool:
 
 
 def _print_balance(named: list[tuple[str, nn.Module]], bounds: list[int], layer_ms: list[float] | None,
-                   method: Any) -> None:
+                   method: Any, ties: dict[str, tuple[nn.Parameter, list[tuple[int, str]]]]) -> None:
     rows = []
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         span = named[a][0] if b - a == 1 else f"{named[a][0]} .. {named[b - 1][0]}"
@@ -387,3 +432,7 @@ def _print_balance(named: list[tuple[str, nn.Module]], bounds: list[int], layer_
     print(line(header))
     for r in rows:
         print(line(r))
+    for key, (param, holders) in ties.items():
+        where = ", ".join(f"stage {s} ({name})" for s, name in holders)
+        print(f"tied: {key} {list(param.shape)}, one weight in {where}: declared tied (copies start equal, "
+              "gradients summed)")

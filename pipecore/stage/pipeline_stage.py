@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
@@ -32,7 +33,8 @@ class PipelineStage:
     the module returns for them, real or meta; only shapes and dtypes count): a forward on inputs
     shaped like `input_args` that returns other shapes fails with an error that names both.
 
-    `tied={"embedding": module.tok.weight}` on one stage and `tied={"embedding": module.head.weight}`
+    `tied` defaults to the ties `pc.partition` found (a StageModule's `tied`: parameters its layers
+    share with other stages'); `tied={"embedding": module.tok.weight}` on one stage and `tied={"embedding": module.head.weight}`
     on another declare one weight shared by stages (DeepSpeed's TiedLayerSpec, Megatron's embedding
     group): the Pipeline makes the copies equal at its first step, before any forward (the lowest stage's value wins), and
     sums their gradients after every training step, so an optimizer step keeps them equal
@@ -171,9 +173,9 @@ def _shapes(tree: Any, what: str) -> list[tuple]:
 
 
 def _tied_parameters(module: nn.Module, tied: Any, stage_index: int) -> dict[str, nn.Parameter]:
-    """`tied` checked: {key: a parameter of `module`}."""
+    """`tied` checked, {key: a parameter of `module`}; None: the ties `pc.partition` found."""
     if tied is None:
-        return {}
+        return _found_ties(module)
     if not isinstance(tied, dict):
         raise TypeError(f"tied must be a dict {{key: parameter of this stage's module}}, got {type(tied).__name__}")
     own = {id(p) for p in module.parameters()}
@@ -189,3 +191,14 @@ def _tied_parameters(module: nn.Module, tied: Any, stage_index: int) -> dict[str
         raise ValueError(f"stage {stage_index} declares one parameter under several tied keys {sorted(tied)}: "
                          "use one key per shared weight")
     return dict(tied)
+
+
+def _found_ties(module: nn.Module) -> dict[str, nn.Parameter]:
+    """The ties pc.partition found for `module` (a StageModule, or one wrapped in DDP or FSDP2),
+    looked up by name: the parameters it holds now."""
+    from pipecore.stage.partitioning import StageModule
+
+    inner = module.module if isinstance(module, DistributedDataParallel) else module
+    if not isinstance(inner, StageModule):
+        return {}
+    return {key: inner.get_parameter(name) for key, name in inner.tied.items()}

@@ -52,17 +52,14 @@ class TiedWeights:
         self._by_id: dict[int, tuple[str, int]] = {}  # a Parameter under several stages: its lowest one
         for k, p in sorted(self._params.items(), key=lambda kv: kv[0][1]):
             self._by_id.setdefault(id(p), k)
-        # a problem only this rank can see travels with its copies: every rank raises it
-        everyone = comm.gather_objects((mine, self._local_problem()),
-                                       "learning every rank's tied weights (a Pipeline is built on every rank)")
+        everyone = comm.gather_objects(mine, "learning every rank's tied weights (a Pipeline is built on every rank)")
         copies: dict[str, list[TiedCopy]] = {}
-        for c in (c for row, _ in everyone for c in row):
+        for c in (c for row in everyone for c in row):
             copies.setdefault(c.key, []).append(c)
         self.copies = {k: sorted(v, key=lambda c: c.stage) for k, v in sorted(copies.items())}
-        problem = next((f"rank {r}: {p}" for r, (_, p) in enumerate(everyone) if p is not None), None) or self._problem()
+        problem = self._problem()
         if problem is not None:
-            raise InputError(f"rank {comm.rank}: the Pipeline's tied weights: {problem}" if problem.startswith("rank ")
-                             else f"rank {comm.rank}: {problem}")
+            raise InputError(f"rank {comm.rank}: {problem}")
         self._sync_values()
 
     def __bool__(self) -> bool:
@@ -77,16 +74,6 @@ class TiedWeights:
                 held = ", ".join(f"stage {c.stage} (rank {c.rank}) {list(c.shape)} {c.dtype}" for c in copies)
                 return (f"tied weight {key!r} has different shapes or dtypes on the stages that declare it: {held}. "
                         "A tie joins copies of one weight: declare the same parameter shape under one key")
-        return None
-
-    def _local_problem(self) -> str | None:
-        """One Parameter declared under two keys on this rank: its gradient would be summed twice."""
-        seen: dict[int, str] = {}
-        for (key, stage), p in self._params.items():
-            other = seen.setdefault(id(p), key)
-            if other != key:
-                return (f"stage {stage} declares one Parameter object as tied {key!r} that another stage of this rank "
-                        f"declares as tied {other!r}: one weight is tied under one key")
         return None
 
     def _distinct(self, key: str, copies: list[TiedCopy]) -> list[TiedCopy]:
@@ -196,6 +183,28 @@ class TiedWeights:
             theirs = self._comm.exchange(mine.detach(), peer, f"{what} {key!r} with rank {peer}")
             return mine + theirs  # the same on both ranks: a + b == b + a
         return self._comm.all_reduce_tensor(mine.detach(), "sum", f"{what} {key!r}")
+
+
+def check_shared_parameters(stages: list) -> None:
+    """Raises InputError where stages of this rank hold one Parameter object that they do not all
+    declare tied under one key: each stage's gradient finalisation would count its gradient, and a
+    copy on another rank would not be summed with it."""
+    holders: dict[int, list] = {}
+    names: dict[int, str] = {}
+    for s in stages:
+        for name, p in s.module.named_parameters():
+            holders.setdefault(id(p), []).append(s)
+            names.setdefault(id(p), name)
+    for pid, held in holders.items():
+        if len(held) < 2:
+            continue
+        keys = [next((k for k, p in s.tied.items() if id(p) == pid), None) for s in held]
+        if None in keys or len(set(keys)) > 1:
+            where = ", ".join(f"stage {s.stage_index}" + (f" (tied {k!r})" if k else "") for s, k in zip(held, keys))
+            raise InputError(
+                f"{where} hold one Parameter object ({names[pid]}) that they do not declare as one tied weight: "
+                "declare it on each of them under one key (PipelineStage(..., tied={'<key>': <the parameter>})), "
+                "or build the stages with pc.partition, which finds such ties itself")
 
 
 def _one_per_model_stage(copies: list[TiedCopy]) -> list[TiedCopy]:
