@@ -13,7 +13,10 @@ DEMO_DIR ?= build/demo
 # cannot build an editable install without build isolation.
 BUILD_DEPS := "setuptools>=70.1" wheel ninja
 DEMO_DEPS := numpy matplotlib
-TEST_DEPS := pytest hypothesis nvtx
+# transformers: the Hugging Face causal LMs that tests/test_hf.py trains (built from configs, never downloaded);
+# a range pip resolves without touching torch (transformers does not require it)
+HF_SPEC := "transformers>=5.0,<6"
+TEST_DEPS := pytest hypothesis nvtx $(HF_SPEC)
 
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
@@ -72,7 +75,8 @@ $(INSTALLED): $(BUILD_INPUTS)
 # have their own build/obj-*-testing folder, so switching back and forth only links)
 install-test:
 	@PIPECORE_TESTING=1 $(MAKE) --no-print-directory install
-	@$(PYTHON) -c "import pytest, hypothesis, nvtx" 2>/dev/null || $(PIP) install -q $(TEST_DEPS)
+	@$(PYTHON) -c "import pytest, hypothesis, nvtx, transformers; assert transformers.__version__.startswith('5.')" \
+		2>/dev/null || $(PIP) install -q $(TEST_DEPS)
 
 # pipeline-parallel training of a GPT on 4 CPU processes (torchrun), its timeline and a checkpoint
 demo: install

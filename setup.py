@@ -180,6 +180,7 @@ setup(
     packages=find_packages(include=["pipecore", "pipecore.*"]),
     python_requires=">=3.11",
     install_requires=[TORCH_REQUIREMENT],
+    extras_require={"hf": ["transformers>=5.0,<6"]},  # pipecore.hf: the versions its tests train
     ext_modules=_extensions(CUDA_HOME, USE_CUDA),
     cmdclass={"build_ext": BuildPipecore},
     zip_safe=False,

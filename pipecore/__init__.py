@@ -29,7 +29,7 @@ _LAZY = {"Pipeline": ("runtime.pipeline", "Pipeline"), "PipelineStage": ("stage.
          "load_checkpoint": ("training.checkpoint", "load_checkpoint"), "init_mesh": ("training.mesh", "init_mesh"),
          "overlap_handoff": ("runtime.overlap", "overlap_handoff"),
          "OverlappedPair": ("runtime.overlap", "OverlappedPair"),
-         "compat": ("compat", None), **{name: ("compat.schedules", name) for name in _COMPAT}}
+         "compat": ("compat", None), "hf": ("stage.hf", None), **{name: ("compat.schedules", name) for name in _COMPAT}}
 
 
 def __dir__():

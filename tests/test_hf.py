@@ -1,0 +1,99 @@
+"""Hugging Face causal LMs through `pc.partition` (pipecore/stage/hf.py): tiny models built from
+configs, trained on 2 and 4 gloo ranks against the whole model in one process."""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from dist_pool import pool  # noqa: E402
+from hf_cases import train_hf  # noqa: E402
+
+
+@pytest.mark.parametrize("family, name, world, left", [
+    ("llama", "1f1b", 2, False), ("qwen2", "interleaved_1f1b", 2, True), ("mistral", "zbv", 2, False),
+    ("gpt2", "dualpipev", 2, True), ("qwen3", "1f1b", 4, True), ("llama", "interleaved_1f1b", 4, False),
+    ("gpt2", "zbv", 4, False), ("llama", "dualpipev", 4, True),
+])
+def test_a_causal_lm_trains_as_in_one_process(family, name, world, left):
+    """3 AdamW steps on padded batches (right or left padding, lengths new every step), the loss
+    summed and divided by the batch's target tokens (loss_divisor): every gradient within 1e-5 of
+    one process accumulating the same microbatches, the first step's also of the whole batch at
+    once; the LM head tied to the embedding where the config ties them."""
+    results = pool(world).run(train_hf, family, name, 3, left, timeout=300)
+    for rank, r in enumerate(results):
+        assert r["grad"] < 1e-5 and r["whole_batch_grad"] < 1e-5, (rank, r)
+        assert r["loss"] < 1e-5, (rank, r)
+    tied = sorted({k for r in results for k in r["tied"]})
+    assert tied == (["embed.embed_tokens.weight"] if family in ("llama", "gpt2") else []), tied
+
+
+def test_partition_reads_the_model_and_finds_the_tied_head(capsys):
+    """Embedding, decoder layers and head, the layers spread evenly; the stages compose to the
+    model's own logits; the tied LM head is declared and printed."""
+    import torch
+
+    import pipecore as pc
+    from hf_cases import tiny_model
+
+    model = tiny_model("llama", layers=5)
+    parts = pc.partition(model, 3)
+    assert [list(p._modules) for p in parts] == [["embed", "layers_0", "layers_1"], ["layers_2", "layers_3"],
+                                                 ["layers_4", "head"]]
+    assert parts[0].tied == {"embed.embed_tokens.weight": "embed.embed_tokens.weight"}
+    assert parts[2].tied == {"embed.embed_tokens.weight": "head.lm_head.weight"} and parts[1].tied == {}
+    assert "tied: embed.embed_tokens.weight [61, 32], one weight in stage 0" in capsys.readouterr().out
+    ids = torch.randint(3, 61, (2, 9))
+    value = {"input_ids": ids}
+    for p in parts:
+        value = p(**value) if isinstance(value, dict) else p(value)
+    assert torch.equal(value, model(input_ids=ids).logits)
+    stage = pc.PipelineStage(parts[2], 2, 3)
+    assert stage.tied == {"embed.embed_tokens.weight": model.lm_head.weight}
+
+
+def test_a_family_whose_layers_compute_something_else_is_refused():
+    """Gemma 2 caps its logits (a step the layers do not repeat): refused, not trained wrong."""
+    import transformers as t
+
+    import pipecore as pc
+
+    torch_model = t.AutoModelForCausalLM.from_config(t.Gemma2Config(
+        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, pad_token_id=0, final_logit_softcapping=0.5))
+    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM \('gemma2'\) into embedding, decoder layers and head, "
+                                         r"but they do not compute what the model computes"):
+        pc.partition(torch_model, 2, verbose=False)
+
+
+def test_a_model_on_the_meta_device_is_split_only_for_a_family_the_tests_train():
+    import torch
+    import transformers as t
+
+    import pipecore as pc
+    from hf_cases import tiny_config
+
+    with torch.device("meta"):
+        llama = t.AutoModelForCausalLM.from_config(tiny_config("llama", 4))
+        olmo = t.AutoModelForCausalLM.from_config(t.Olmo2Config(
+            vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+            pad_token_id=0))
+    assert len(pc.partition(llama, 2, verbose=False)) == 2
+    with pytest.raises(ValueError, match="'olmo2' model correctly while the model is on the meta device"):
+        pc.partition(olmo, 2, verbose=False)
+
+
+def test_the_example_trains_a_causal_lm():
+    """examples/train_hf.py (torchrun, 2 ranks, zbv): it trains, its first step's gradients equal one
+    process's on the whole batch."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "train_hf.py")
+    out = subprocess.run([sys.executable, script, "--ranks", "2", "--schedule", "zbv", "--steps", "5",
+                          "--family", "qwen3", "--seq-len", "24"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    found = re.search(r"step 0's gradients within ([0-9.e+-]+)", out.stdout)
+    assert found and float(found.group(1)) <= 1e-5, out.stdout
+    assert "step 5: loss" in out.stdout, out.stdout
