@@ -502,3 +502,50 @@ def dw_builder_data_parallel(rank, world):
             for (n, p), q in zip(mods[s].named_parameters(), ref[s].parameters()):
                 worst = max(worst, relative_difference(p.grad, q.grad))
     return worst
+
+
+def fsdp2_stages(rank, world, schedule_name, steps=2, m=4):
+    """A TorchTitan-style loop with FSDP2 stage modules (dp=2 x pp=world/2), written against torch's
+    names and run as it is and with the imports switched to pipecore.compat (no dp_group anywhere:
+    the stages' FSDP2 mesh says it). Each side's full gradients per step, per stage."""
+    import importlib
+
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard
+
+    from wrapped_stage_cases import WIDTH as W, _full, _mesh, stage_modules
+
+    dp, pp = 2, world // 2
+    mesh = _mesh(dp, pp)
+    replica, position = divmod(rank, pp)
+    results = {}
+    for api in ("torch", "pipecore"):
+        package = "torch.distributed.pipelining" if api == "torch" else "pipecore.compat"
+        PipelineStage = importlib.import_module(package).PipelineStage
+        get_schedule_class = importlib.import_module(f"{package}.schedules").get_schedule_class
+        cls = get_schedule_class(schedule_name)
+        per_rank = 1 if schedule_name in ("1F1B", "GPipe") else 2
+        n = pp * per_rank
+        model = stage_modules(n)
+        ids = [position + k * pp for k in range(per_rank)]
+        modules = {s: fully_shard(copy.deepcopy(model[s]), mesh=mesh["dp"]) for s in ids}
+        stages = [PipelineStage(modules[s], s, n, torch.device("cpu"), group=mesh.get_group("pp")) for s in ids]
+        schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=m, loss_fn=F.mse_loss)
+        opt = torch.optim.SGD([p for mod in modules.values() for p in mod.parameters()], lr=0.1)
+        grads = []
+        for step in range(steps):
+            g = torch.Generator().manual_seed(100 + step)
+            X, Y = torch.randn(dp * m * 2, W, generator=g), torch.randn(dp * m * 2, W, generator=g)
+            x, y = X.chunk(dp)[replica], Y.chunk(dp)[replica]
+            first, last = 0 in ids, n - 1 in ids
+            schedule.step(*((x,) if first else ()), target=y if last else None)
+            grads.append({s: [_full(p.grad).clone() for p in modules[s].parameters()] for s in ids})
+            opt.step()
+            opt.zero_grad()
+        results[api] = grads
+        dist.barrier()
+    worst = 0.0
+    for a, b in zip(results["torch"], results["pipecore"]):
+        for s in a:
+            worst = max([worst] + [relative_difference(q, p) for p, q in zip(a[s], b[s])])
+    return worst

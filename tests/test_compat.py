@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import pipecore as pc
-from compat_cases import (chunk_specs, dw_builder_data_parallel, dw_builder_run, dw_reference, misuse,
+from compat_cases import (chunk_specs, dw_builder_data_parallel, dw_builder_run, dw_reference, fsdp2_stages, misuse,
                           torch_and_pipecore, torch_stage_objects, traced_pipeline)
 from dist_pool import pool
 from pipeline_cases import _assert_grads_close
@@ -224,3 +224,11 @@ def test_misuse_and_options_say_what_to_do(case, tmp_path):
         elif case in ("no_loss_fn", "losses_replaced", "torch_csv", "builder_cycle_freed", "dualpipe_roles",
                       "options"):
             assert kind == "ok", msg
+
+
+@pytest.mark.parametrize("schedule_name", ["1F1B", "Interleaved1F1B"])
+def test_a_loop_with_fsdp2_stages_switches_by_import(schedule_name):
+    """A loop written for torch.distributed.pipelining with FSDP2 stage modules (4 ranks, dp=2 x pp=2)
+    runs on pipecore.compat by changing its imports, with torch's gradients."""
+    for rank, worst in enumerate(pool(4).run(fsdp2_stages, schedule_name, timeout=180)):
+        assert worst <= 1e-6, f"rank {rank}: gradients differ from torch's by {worst:.2e}"

@@ -86,7 +86,7 @@ def test_failed_step_leaves_grads_and_wrapper_as_before(kind, where):
 
 
 @pytest.mark.parametrize("what, message", [
-    ("no_dp_group", "has no dp_group"),
+    ("no_dp_group", "no dp_group was given"),
     ("ddp_other_group", "process_group=mesh.get_group('dp')"),
     ("fsdp_other_mesh", "fully_shard(module, mesh=mesh['dp'])"),
     ("find_unused", "find_unused_parameters=False"),
@@ -97,6 +97,12 @@ def test_failed_step_leaves_grads_and_wrapper_as_before(kind, where):
 def test_misconfigured_wrapper(what, message):
     for rank, text in enumerate(pool(2).run(cases.misconfigured, what, timeout=60)):
         assert message in text, f"rank {rank}: {text!r}"
+
+
+def test_wrapped_stages_over_different_groups_need_a_dp_group():
+    for rank, text in enumerate(pool(4).run(cases.different_dp_groups, timeout=60)):
+        assert "wrapped stage modules reduce over different groups (ranks [0, 1] and [0, 2])" in text or rank, text
+        assert "pass Pipeline(..., dp_group=)" in text, f"rank {rank}: {text!r}"
 
 
 def test_plain_module_has_no_adapter():
@@ -135,6 +141,14 @@ def test_through_the_pipeline_matches_single_process(kind, name):
         steps = len(r["grad"])
         assert r["overlapped"] == 0 and r["overlap_fallbacks"] == (
             {"stage_events": r["pairs"] * (steps - 1)} if r["pairs"] else {}), r["overlap_fallbacks"]
+
+
+@pytest.mark.parametrize("kind, name", [("ddp", "1f1b"), ("fsdp", "zbv")])
+def test_the_wrappers_group_is_the_data_parallel_group_when_none_is_given(kind, name):
+    """As torch's schedules: pc.Pipeline(...) without dp_group takes the group DDP/FSDP2 reduce over."""
+    for rank, r in enumerate(pool(4).run(cases.pipeline_train, kind, name, 4, {"infer_dp_group": True},
+                                         timeout=180)):
+        assert max(r["grad"]) <= 1e-6 and max(r["weight"]) <= 1e-6, (rank, r)
 
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])

@@ -329,6 +329,19 @@ def misconfigured(rank: int, world: int, what: str) -> str:
     return ""
 
 
+def different_dp_groups(rank: int, world: int) -> str:
+    """The InputError for two DDP stage modules of one rank over different groups, or ''."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    pairs = [dist.new_group(list(r)) for r in ((0, 1), (2, 3))], [dist.new_group(list(r)) for r in ((0, 2), (1, 3))]
+    groups = [pairs[0][rank // 2], pairs[1][rank % 2]]
+    modules = [DDP(m, process_group=g) for m, g in zip(stage_modules(2), groups)]
+    try:
+        WrappedStage.common_group(modules)
+    except InputError as exc:
+        return str(exc)
+    return ""
+
+
 def plain_is_none(rank: int, world: int) -> bool:
     return WrappedStage.of(stage_modules(1)[0], dist.group.WORLD) is None and \
         WrappedStage.of(stage_modules(1)[0], None) is None
@@ -412,7 +425,7 @@ def pipeline_train(rank: int, world: int, kind: str, name: str, m: int = 4, opti
         wrapped[s] = module
     stages = [pc.PipelineStage(wrapped[s], s, sched.num_stages) for s in sched.rank_stages(position)]
     pipe = pc.Pipeline(stages, sched, m, loss_fn=torch.nn.MSELoss(), group=mesh.get_group("pp"),
-                       dp_group=mesh.get_group("dp"), timeout=60)
+                       dp_group=None if options.get("infer_dp_group") else mesh.get_group("dp"), timeout=60)
     opt = torch.optim.SGD([p for w in wrapped.values() for p in w.parameters()], lr=0.1)
     ref_opt = torch.optim.SGD([p for r in reference for p in r.parameters()], lr=0.1)
     result = {"grad": [], "loss": [], "weight": []}

@@ -81,7 +81,8 @@ class Pipeline:
     `dp_group`: data-parallel replicas of this pipeline (`pc.init_mesh(dp, pp).get_group("dp")`; see
     pipecore/training/data_parallel.py). Each replica steps its share of the global batch and `.grad` becomes
     the mean over replicas, reduced in buckets of `bucket_bytes` while the step's other backwards run;
-    stages wrapped in torch DDP or FSDP2 reduce through their wrapper. A failure on any replica fails
+    stages wrapped in torch DDP or FSDP2 reduce through their wrapper, and without `dp_group` the
+    group their wrapper reduces over is taken (as torch's schedules do). A failure on any replica fails
     the step on all of them and leaves `.grad` as it was before the step.
 
     `overlap_f_b`: how the two halves of dualpipe's OVERLAP_F_B pairs run, the backward on a second
@@ -185,6 +186,8 @@ class Pipeline:
         device = self.stages[0].device
         self.comm = Comm(self.group, self.timeout, device)  # talks to the other ranks (pipecore/executor/comm.py)
         # data-parallel replicas (pipecore/training/data_parallel.py): checked here, before any communication
+        if dp_group is None:  # DDP/FSDP2 stages know the group they reduce over
+            dp_group = WrappedStage.common_group([s.module for s in self.stages])
         self._dp = DataParallel(self.comm, self.stages, dp_group, bucket_bytes) if dp_group is not None else None
         if dp_group is None:
             for s in self.stages:  # a DDP/FSDP2 stage reduces over a group this Pipeline must know

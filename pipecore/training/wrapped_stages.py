@@ -99,12 +99,41 @@ class WrappedStage:
                 "process_group=dp_group), or fully_shard(stage_module, mesh=dp_mesh) after fully_shard on its layers")
         return None
 
+    @staticmethod
+    def common_group(modules: list[torch.nn.Module]):
+        """The data-parallel group that the DDP/FSDP2-wrapped modules among `modules` reduce over
+        (DDP's process_group, FSDP2's 1-D mesh); None when none is wrapped or each reduces over this
+        rank alone. Raises InputError when they reduce over different groups, or over a mesh of more
+        dimensions (HSDP), where the Pipeline needs dp_group."""
+        found: dict[tuple[int, ...], object] = {}
+        FSDPModule = _fsdp_module()
+        for module in modules:
+            if isinstance(module, DistributedDataParallel):
+                groups = [module.process_group]
+            elif isinstance(module, FSDPModule):
+                meshes = {id(g.mesh_info.mesh): g.mesh_info.mesh for m in module.modules() if isinstance(m, FSDPModule)
+                          for g in m._get_fsdp_state()._fsdp_param_groups}.values()
+                if any(mesh.ndim != 1 for mesh in meshes):
+                    raise InputError("the stage module is wrapped in fully_shard over a mesh of several dimensions: "
+                                     "pass Pipeline(..., dp_group=) the group of the data-parallel replicas")
+                groups = [mesh.get_group() for mesh in meshes]
+            else:
+                continue
+            for group in groups:
+                found.setdefault(tuple(_ranks(group)), group)
+        found = {ranks: g for ranks, g in found.items() if len(ranks) > 1}
+        if len(found) > 1:
+            raise InputError(f"this rank's wrapped stage modules reduce over different groups (ranks "
+                             f"{' and '.join(str(list(r)) for r in found)}): wrap every stage over the one "
+                             "data-parallel group, or pass Pipeline(..., dp_group=)")
+        return next(iter(found.values()), None)
+
     def _check_group(self, wrapper: str, ranks: list[int] | None, dp_group, fix: str) -> None:
         if dp_group is None and ranks is not None and len(ranks) == 1:
             return  # a wrapper over this rank alone has nothing to reduce (e.g. FSDP2 for DTensor parameters)
-        if dp_group is None:
-            raise InputError(f"the stage module is wrapped in {wrapper}, but the Pipeline has no dp_group: pass "
-                             "Pipeline(..., dp_group=mesh.get_group('dp')), the group the wrapper reduces over")
+        if dp_group is None:  # a Pipeline takes the wrapper's group (common_group): only a direct call gets here
+            raise InputError(f"the stage module is wrapped in {wrapper}, but no dp_group was given: pass "
+                             "dp_group=mesh.get_group('dp'), the group the wrapper reduces over")
         if ranks != _ranks(dp_group):
             raise InputError(f"the stage module's {wrapper} reduces over ranks {ranks}, but the Pipeline's dp_group "
                              f"is ranks {_ranks(dp_group)}: {fix}")
