@@ -161,6 +161,30 @@ def tie_mismatch(rank: int, world: int, what: str) -> str:
     return errors
 
 
+def tied_copies_parted(rank: int, world: int, name: str) -> list:
+    """The last stage's rank leaves its copy of the tied embedding out of its optimizer, so the copies
+    part at the first optimizer step. Each step's outcome: the step after the one that finds it
+    fails on every rank."""
+    sched = pc.build_schedule(name, world, 2 * world)
+    cfg = small_config(sched)
+    stages = pipeline_stages(build_gpt(cfg), sched, rank)
+    pipe = pc.Pipeline(stages, sched, sched.num_microbatches, loss_fn=lm_loss, timeout=60)
+    last = {id(p) for s in stages if s.stage_index == sched.num_stages - 1 for p in s.tied.values()}
+    params = [p for s in stages for p in s.module.parameters() if id(p) not in last]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    outcomes = []
+    for step in range(4):
+        x, y = get_batch(text(), step, 4 * world, cfg.seq_len)
+        try:
+            pipeline_step(pipe, x, y)
+            outcomes.append("ok")
+        except (pc.errors.InputError, pc.PeerFailedError) as exc:
+            outcomes.append(str(exc))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return outcomes
+
+
 def tied_start_equal(rank: int, world: int, name: str) -> list:
     """A Pipeline built from copies whose tied weights differ: the lowest stage's value wins."""
     sched = pc.build_schedule(name, world, 4)

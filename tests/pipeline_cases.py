@@ -547,3 +547,43 @@ def loss_divisor_over_scale_grads(rank, world, name, scale_grads):
         for p, q in zip(s.module.parameters(), ref[sched.topology.model_stage[s.stage_index]].parameters()):
             _assert_grads_close(p.grad, q.grad, f"rank {rank} stage {s.stage_index}")
     return True
+
+
+def shared_by_three_ranks(rank, world, part):
+    """ALBERT-style sharing: one weight in layers 0, 2 and 3 of a 4-layer model, split by pc.partition
+    over 4 ranks (1f1b): three ranks hold a copy, summed by an all-reduce. Returns the worst relative
+    gradient difference from one process over two steps, and (`part`: rank 2 leaves its copy out of
+    the optimizer) each step's outcome."""
+    torch.manual_seed(0)
+    shared = nn.Linear(8, 8)
+    layers = [nn.Linear(8, 8) for _ in range(4)]
+    for i in (0, 2, 3):
+        layers[i].weight = shared.weight
+    model = nn.Sequential(*layers)
+    reference = copy.deepcopy(model)
+    sched = pc.build_schedule("1f1b", world, 4)
+    parts = pc.partition(model, world, verbose=False)
+    stage = pc.PipelineStage(copy.deepcopy(parts[rank]), rank, world)
+    pipe = pc.Pipeline(stage, sched, 4, loss_fn=nn.functional.mse_loss, timeout=60)
+    left_out = {id(p) for p in stage.tied.values()} if part and rank == 2 else set()
+    own = [p for p in stage.module.parameters() if id(p) not in left_out]
+    opt, ref_opt = torch.optim.SGD(own, lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    worst, outcomes = 0.0, []
+    for step in range(3 if part else 2):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+        try:
+            pipeline_step(pipe, x, y)
+            outcomes.append("ok")
+        except (pc.errors.InputError, pc.PeerFailedError) as exc:
+            outcomes.append(str(exc))
+        nn.functional.mse_loss(reference(x), y).backward()
+        if not part:
+            name_of = {id(p): n for n, p in parts[rank].named_parameters()}
+            for n, p in stage.module.named_parameters():
+                want = reference.get_parameter(name_of[id(parts[rank].get_parameter(n))].replace("_", "."))
+                worst = max(worst, relative_difference(p.grad, want.grad))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    return worst, outcomes, sorted(stage.tied)

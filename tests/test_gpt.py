@@ -84,6 +84,17 @@ def test_tie_errors_on_every_rank(what, message):
         assert all(message in text for text in texts), f"rank {rank}: {texts}"
 
 
+@pytest.mark.parametrize("name, world", [("1f1b", 2), ("zbv", 2), ("interleaved_1f1b", 4)])
+def test_tied_copies_that_part_fail_the_next_step_on_every_rank(name, world):
+    """An optimizer that leaves one copy of the tied embedding out: the copies part at the first
+    optimizer step, the second step's gradient sum finds it (exchange between two ranks, or on one
+    rank under zbv), and the third step fails on every rank, naming the tie and what to do."""
+    for rank, outcomes in enumerate(pool(world).run(gpt_cases.tied_copies_parted, name, timeout=120)):
+        assert outcomes[:2] == ["ok", "ok"], (rank, outcomes)
+        assert "tied weight 'embed.tok.weight':" in outcomes[2] and "differ" in outcomes[2], (rank, outcomes)
+        assert "give every copy to the optimizer with the same settings" in outcomes[2], (rank, outcomes)
+
+
 @pytest.mark.parametrize("name, world", [("1f1b", 2), ("zbv", 2), ("dualpipe", 2), ("interleaved_1f1b", 4)])
 def test_tied_copies_start_equal(name, world):
     for rank, rows in enumerate(pool(world).run(gpt_cases.tied_start_equal, name)):

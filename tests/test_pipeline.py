@@ -157,3 +157,19 @@ def test_unused_parameters_keep_no_gradient(name, world, tie):
 def test_loss_without_target_weights_uneven_microbatches_by_rows(name, world, V):
     m = 2 * world
     pool(world).run(output_only_loss, name, m, V, 3 * m + 1)
+
+
+@pytest.mark.parametrize("part", [False, True])
+def test_a_weight_shared_by_three_ranks(part):
+    """pc.partition finds a weight that layers on three ranks share: its gradient is the sum of the
+    three (all-reduced), as in one process; copies an optimizer moves apart fail the step after
+    the one that finds it, on every rank."""
+    from pipeline_cases import shared_by_three_ranks
+    results = pool(4).run(shared_by_three_ranks, part, timeout=120)
+    for rank, (worst, outcomes, tied) in enumerate(results):
+        assert tied == ([] if rank == 1 else ["0.weight"]), (rank, tied)
+        if not part:
+            assert worst <= 1e-6 and outcomes == ["ok", "ok"], (rank, worst, outcomes)
+        else:
+            assert outcomes[:2] == ["ok", "ok"], (rank, outcomes)
+            assert "tied weight '0.weight': the copies on 3 ranks differ" in outcomes[2], (rank, outcomes)

@@ -391,6 +391,9 @@ class Pipeline:
         desc = rows = 0
         try:
             check_inputs(self, args, kwargs, target, training)
+            parted = self.gradients.ties.take_parted() if self.gradients.ties else None
+            if parted is not None:  # found at the last step's gradient sum: every rank fails this step
+                raise InputError(f"rank {self.rank}: {parted}")
             loss_divisor = check_step_options(self, return_outputs, loss_kwargs, loss_divisor)
             with _range("pipecore.split"):
                 batch = split_batch(self, args, kwargs, target)

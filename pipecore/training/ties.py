@@ -27,6 +27,9 @@ from pipecore.errors import InputError
 from pipecore.executor.comm import Comm
 
 
+SAMPLE = 64  # entries of a tied weight compared between its copies after each step
+
+
 @dataclass(frozen=True)
 class TiedCopy:
     """One stage's copy of a tied weight."""
@@ -60,6 +63,7 @@ class TiedWeights:
         problem = self._problem()
         if problem is not None:
             raise InputError(f"rank {comm.rank}: {problem}")
+        self.parted: str | None = None  # see take_parted
         self._sync_values()
 
     def __bool__(self) -> bool:
@@ -141,14 +145,54 @@ class TiedWeights:
             else:  # each model stage counted once, on the rank of its primary copy (stage == model stage)
                 counted = self._distinct(key, [c for c in here if c.stage == c.model_stage])
                 mine = self._sum([self._grad(key, c) for c in counted]) if counted else self._zeros(key)
-                # one more element: 1 where a counted copy here got a gradient (summed: how many ranks did)
-                flat = torch.cat([mine.reshape(-1), mine.new_tensor([float(self._got(key, counted))])])
+                # after the gradient: 1 where a counted copy here got one (summed: how many ranks did),
+                # then a sample of this rank's copy and 1 (summed: the samples and how many ranks gave one)
+                sample = self._sample(key, counted[0]) if counted else None
+                flat = torch.cat([mine.reshape(-1), mine.new_tensor([float(self._got(key, counted))]),
+                                  torch.zeros(SAMPLE, dtype=mine.dtype, device=mine.device) if sample is None
+                                  else sample.to(mine.dtype), mine.new_tensor([float(sample is not None)])])
                 flat = self._reduce(key, holders, flat, "summing tied weight gradients")
-                total, got = flat[:-1].view_as(mine), bool(flat[-1].item())
+                n = mine.numel()
+                got, sampled = flat[[n, -1]].tolist()
+                total, got = flat[:n].view_as(mine), bool(got)
+                if sample is not None:
+                    self._compare(key, sample.to(mine.dtype), flat[n + 1:-1], int(sampled))
                 if not here:
                     continue
+            self._compare_here(key, here)
             for c in here:
                 self._params[(key, c.stage)].grad = total.clone() if got else None
+
+    # -- copies that parted: an optimizer that treats them differently ----------------------------
+    def _sample(self, key: str, copy: TiedCopy) -> torch.Tensor:
+        """SAMPLE entries of a copy, spread over it, in float32 (the same entries on every rank)."""
+        flat = self._params[(key, copy.stage)].detach().reshape(-1)
+        index = torch.linspace(0, flat.numel() - 1, SAMPLE, device=flat.device).long()
+        return flat.index_select(0, index).float()
+
+    def _compare(self, key: str, mine: torch.Tensor, summed: torch.Tensor, ranks: int) -> None:
+        """The ranks' samples summed (in the gradient's dtype): equal copies sum to `ranks` times this
+        rank's, exactly for two ranks, up to the sum's rounding for more."""
+        rtol = torch.finfo(mine.dtype).eps * (ranks - 1)
+        if ranks > 1 and not torch.allclose(summed.double(), mine.double() * ranks, rtol=rtol, atol=0.0):
+            self._parted(key, f"the copies on {ranks} ranks")
+
+    def _compare_here(self, key: str, here: list[TiedCopy]) -> None:
+        distinct = self._distinct(key, here)
+        first = self._sample(key, distinct[0]) if len(distinct) > 1 else None
+        if first is not None and any(not torch.equal(first, self._sample(key, c)) for c in distinct[1:]):
+            self._parted(key, f"the copies of stages {', '.join(str(c.stage) for c in distinct)} on this rank")
+
+    def _parted(self, key: str, where: str) -> None:
+        self.parted = self.parted or (
+            f"tied weight {key!r}: {where} differ (entries compared after a step; a tie's copies start equal and get "
+            "the same gradient, so something else changed them): give every copy to the optimizer with the same "
+            "settings (learning rate, weight decay, parameter group), and load or change a tied weight in every copy")
+
+    def take_parted(self) -> str | None:
+        """Why the copies of a tie differ (found at the last step's gradient sum), once; None if equal."""
+        parted, self.parted = self.parted, None
+        return parted
 
     def _got(self, key: str, copies: list[TiedCopy]) -> bool:
         """Whether any of these copies got a gradient this step."""
