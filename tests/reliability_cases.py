@@ -304,3 +304,69 @@ def comm_error_keeps_gradients_held_before(rank, world, bad_rank):
     kept = all((h is None and p.grad is None) or (h is not None and p.grad is not None and torch.equal(h, p.grad))
                for h, p in zip(held, params))
     return outcome, kept, sum(h is not None for h in held)
+
+
+# -- an error on one rank, at building or at the first step: every rank raises it at once -------------
+BUILD_ERRORS = ("wrong_stages", "microbatches", "world_size", "bad_keyword")
+STEP_ERRORS = ("bad_input", "forward_raises", "returns_none", "cannot_take_inputs")
+
+
+def one_rank_fails(rank, world, kind, name, bad_rank, dp=1, steps=1, local=0):
+    """`kind` goes wrong on `bad_rank` only: building its Pipeline (BUILD_ERRORS), or its first
+    `steps` steps (STEP_ERRORS; a stage's fault is in its `local`-th stage). With dp=2, pipelines of
+    world/2 ranks over pc.init_mesh(dp=2, pp=world/2). Returns this rank's outcome of building, then of
+    each step that ran: (what, kind, message, seconds since that began on this rank)."""
+    pp = world // dp
+    V = 1 if name in ("gpipe", "1f1b") else 2
+    m = 4
+    sched = pc.build_schedule(name, pp, m, V)
+    group = dp_group = None
+    if dp > 1:
+        from data_parallel_cases import data_parallel_mesh
+
+        mesh = data_parallel_mesh(dp, pp)
+        group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+    position = rank % pp
+    model = make_stages("mlp", model_stage_count(sched))
+    stages = rank_stages(sched, position, model)
+    args = [stages, sched, m]
+    options = {}
+    bad = rank == bad_rank
+    if bad and kind == "wrong_stages":
+        args[0] = rank_stages(sched, (position + 1) % pp, model)
+    if bad and kind == "microbatches":
+        args[2] = 2 * m
+    if bad and kind == "world_size":
+        args[1] = pc.build_schedule(name, pp + 1, 2 * m, V)
+    if bad and kind == "bad_keyword":
+        options["recv_windw"] = 0
+    outcomes = []
+    t0 = time.monotonic()
+    try:
+        pipe = pc.Pipeline(*args, loss_fn=nn.CrossEntropyLoss(), group=group, dp_group=dp_group, timeout=NEVER,
+                           **options)
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return [("build", type(exc).__name__, str(exc), time.monotonic() - t0)]
+    stage = pipe.stages[local]
+    if bad and kind == "forward_raises":
+        def boom(*a, **k):
+            raise RuntimeError(f"boom in forward of stage {stage.stage_index}")
+        stage.module.forward = boom
+    if bad and kind == "returns_none":
+        stage.module.forward = lambda *a, **k: None  # a forgotten `return`
+    if bad and kind == "cannot_take_inputs":
+        narrow = nn.Linear(7, 16)
+        stage.module.forward = lambda x, *rest, **k: narrow(x)
+    x, y = make_batch(8 * dp)
+    x, y = x.chunk(dp)[rank // pp], y.chunk(dp)[rank // pp]
+    for _ in range(steps):
+        inputs, extra = ((x,) if pipe.has_first else ()), {}
+        if bad and kind == "bad_input":  # a batch that does not split; keyword inputs where no stage takes them
+            inputs, extra = ((x[:3],), {}) if pipe.has_first else ((), {"mask": x})
+        t0 = time.monotonic()
+        try:
+            pipe.step(*inputs, target=y if pipe.has_last else None, **extra)
+            outcomes.append(("step", "ok", "", time.monotonic() - t0))
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            outcomes.append(("step", type(exc).__name__, str(exc), time.monotonic() - t0))
+    return [("build", "ok", "", 0.0)] + outcomes

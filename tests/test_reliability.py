@@ -2,12 +2,14 @@
 other ranks by message, not by a timeout: their Pipelines have one no test waits out (models.NEVER);
 only the tests of timeouts themselves bound how long an error took."""
 
+import re
+
 import pytest
 
 from dist_pool import pool
-from reliability_cases import (bad_input, comm_error_aborts_an_nccl_group, comm_error_keeps_gradients_held_before,
-                               construction_errors, dying_rank,
-                               failing_stage, hanging_rank, memory_is_flat, mismatched_stage, no_loss_fn,
+from reliability_cases import (BUILD_ERRORS, bad_input, comm_error_aborts_an_nccl_group,
+                               comm_error_keeps_gradients_held_before, construction_errors, dying_rank, failing_stage,
+                               hanging_rank, memory_is_flat, mismatched_stage, no_loss_fn, one_rank_fails,
                                own_error_then_peer_hangs, reverse_channel, stress)
 
 
@@ -145,3 +147,67 @@ def test_a_broken_group_keeps_the_gradients_held_before_the_step():
     for rank, (outcome, kept, held) in enumerate(results):
         assert outcome[0] != "ok" and held > 0, (rank, outcome, held)
         assert kept, f"rank {rank} ({outcome[0]}): the gradients held before the step were lost"
+
+
+# kind -> (what the failing rank raises, words of its error that every other rank's error carries)
+NOT_SPLIT = ("SplitError", "cannot split a batch of 3 rows into 4 microbatches")
+NO_FIRST_STAGE = ("InputError", "step()'s keyword arguments ['mask'] would reach no stage")
+ONE_RANK = {
+    "wrong_stages": ("ValueError", "must hold stages"),
+    "microbatches": ("ValueError", "the schedule has 4 microbatches, Pipeline was given num_microbatches=8"),
+    "world_size": ("ValueError", "the schedule is for 3 ranks but the group has 2"),
+    "bad_keyword": ("TypeError", "got an unexpected keyword argument 'recv_windw'"),
+    "forward_raises": ("RuntimeError", "boom in forward of stage"),
+    "returns_none": ("InputError", "is None, but"),
+    "cannot_take_inputs": ("RuntimeError", "mat1 and mat2 shapes cannot be multiplied"),
+}
+
+
+@pytest.mark.parametrize("name, world, bad_rank, kind", [
+    ("1f1b", 2, 0, "wrong_stages"), ("1f1b", 2, 1, "microbatches"), ("1f1b", 2, 1, "bad_keyword"),
+    ("1f1b", 2, 0, "bad_input"), ("1f1b", 2, 1, "forward_raises"), ("1f1b", 2, 0, "returns_none"),
+    ("zbv", 2, 1, "world_size"), ("zbv", 2, 1, "wrong_stages"), ("zbv", 2, 1, "bad_input"),
+    ("zbv", 2, 0, "forward_raises"), ("zbv", 2, 1, "returns_none"), ("zbv", 2, 0, "cannot_take_inputs"),
+    ("dualpipev", 2, 0, "microbatches"), ("dualpipev", 2, 0, "bad_keyword"), ("dualpipev", 2, 0, "world_size"),
+    ("dualpipev", 2, 1, "forward_raises"), ("dualpipev", 2, 1, "cannot_take_inputs"),
+    ("1f1b", 4, 0, "wrong_stages"), ("1f1b", 4, 3, "microbatches"), ("zbv", 4, 2, "bad_keyword"),
+    ("1f1b", 4, 1, "world_size"), ("1f1b", 4, 3, "bad_input"), ("1f1b", 4, 2, "forward_raises"),
+    ("1f1b", 4, 1, "returns_none"), ("zbv", 4, 0, "cannot_take_inputs"),
+])
+def test_an_error_on_one_rank_reaches_every_rank_within_seconds(name, world, bad_rank, kind):
+    """Building the Pipeline, or its first step, goes wrong on one rank only (4 ranks: dp=2 x pp=2):
+    every rank raises at once, the failing one its own error, the others an error that names it and
+    carries its words, though no Pipeline's timeout (NEVER) ran out: a wait-out would show."""
+    dp = 2 if world == 4 else 1
+    pp = world // dp
+    results = pool(world).run(one_rank_fails, kind, name, bad_rank, dp, timeout=60)
+    if kind == "bad_input":  # stage 0 is on each pipeline's rank 0: a batch that does not split, else keywords
+        own, words = NOT_SPLIT if bad_rank % pp == 0 else NO_FIRST_STAGE
+    else:
+        own, words = ONE_RANK[kind]
+    name_of_bad = f"rank {bad_rank}" + (f" (pp rank {bad_rank % pp})" if bad_rank % pp != bad_rank else "")
+    for rank, outcomes in enumerate(results):
+        what, raised, message, seconds = outcomes[-1]
+        assert words in message and seconds < 5, (rank, outcomes)
+        if rank == bad_rank:  # its own error, as it was raised
+            assert what == ("build" if kind in BUILD_ERRORS else "step") and raised == own, (rank, outcomes)
+            continue
+        assert what == "step" and outcomes[0][1] == "ok" and raised in ("InputError", "PeerFailedError"), outcomes
+        assert re.search(rf"(?<!pp )rank {bad_rank}\b", message), (rank, message)  # its global rank
+        if kind in BUILD_ERRORS:
+            assert raised == "InputError" and f"{name_of_bad} could not build its Pipeline" in message, message
+
+
+@pytest.mark.parametrize("name, world, bad_rank, local", [("1f1b", 2, 0, 0), ("zbv", 2, 1, 0), ("dualpipev", 2, 0, 1),
+                                                          ("1f1b", 4, 2, 0)])
+def test_a_stage_returning_none_is_named_on_every_rank_at_every_step(name, world, bad_rank, local):
+    """A stage whose forward returns None (a forgotten `return`; dualpipev's local 1 is a last stage, whose
+    output goes to loss_fn), two steps in a row: every rank's error names that stage and the None both times."""
+    results = pool(world).run(one_rank_fails, "returns_none", name, bad_rank, 2 if world == 4 else 1, 2, local,
+                              timeout=60)
+    stage = {("1f1b", 0): 0, ("zbv", 0): 1, ("dualpipev", 1): 3}[(name, local)]
+    for rank, outcomes in enumerate(results):
+        assert [o[1] != "ok" for o in outcomes] == [False, True, True], (rank, outcomes)
+        for what, raised, message, seconds in outcomes[1:]:
+            assert f"stage {stage}'s output for microbatch 0 is None" in message and seconds < 5, (rank, message)
+            assert "did not arrive" not in message, (rank, message)

@@ -124,8 +124,14 @@ class Comm:
         key = self.error_key()
         if self.world == 1 or key is None:
             return
-        text = f"rank {self.rank} failed in {action}: {error.strip().splitlines()[0] if error.strip() else error}"
+        text = f"{self.who()} failed in {action}: {error.strip().splitlines()[0] if error.strip() else error}"
         leave_first(self.store, [key], text)
+
+    def who(self) -> str:
+        """This rank as the other ranks' errors name it: its rank in the group, and where that differs
+        (data parallel), its global rank first."""
+        me = dist.get_rank()
+        return f"rank {me}" if me == self.rank else f"rank {me} (pp rank {self.rank})"
 
     def peer_error(self) -> str:
         """The error the first failing rank of this step left (waiting briefly for it)."""

@@ -20,7 +20,7 @@ from pipecore.executor.comm import Comm
 from pipecore.executor.native import (DEFAULT_RECV_WINDOW, DEFAULT_SEND_BUDGET, MESSAGE_STATUS, C, CommError, PeerAbort,
                                       PeerReplan)
 from pipecore.executor.program import encode, forward_only
-from pipecore.runtime.agreement import Agreement
+from pipecore.runtime.agreement import Agreement, shares_build_failure
 from pipecore.runtime.overlap import PairRunner
 from pipecore.runtime.plans import Plans
 from pipecore.runtime.rollback import Rollback
@@ -116,6 +116,7 @@ class Pipeline:
     `reverse_channel` (gloo's second connection, once opened).
     """
 
+    @shares_build_failure(lambda **arguments: _where_built(**arguments))  # its error reaches the other ranks
     def __init__(self, stages: PipelineStage | Sequence[PipelineStage], schedule: str | Schedule,
                  num_microbatches: int, loss_fn: Callable | None = None, group=None, scale_grads: bool = True,
                  timeout: float | None = None, trace: bool = False, *, check_finite: bool = False,
@@ -246,7 +247,7 @@ class Pipeline:
         # building a Pipeline is no collective (ranks may build different numbers of them): the ties are
         # learnt at the first agreement; alone, now
         ties = sum(len(s.tied) for s in self.stages)
-        self._agreement = Agreement(self.comm, summary, ties, self._learn_ties)
+        self._agreement = Agreement(self.comm, summary, ties, self._learn_ties, self._dp)
         self.plans = Plans(self._agreement, self.executor, self.stages, topo, self.programs)
         if self.world == 1:
             self._learn_ties(ties > 0)
@@ -381,8 +382,6 @@ class Pipeline:
         if comm.broken is not None:
             raise CommunicationError(f"rank {self.rank}: this Pipeline's process group broke in an earlier step "
                                      f"({comm.broken}); rebuild the group and the Pipeline before stepping again")
-        if training and self._dp is not None and not self._dp.agreed:
-            self._dp.agree()  # eval() exchanges nothing over dp: it may run on some replicas only
         step = comm.step = self._step_count
         self._step_count += 1
         # 1. everything that can be checked before communicating
@@ -580,3 +579,15 @@ def _pipeline_group(group, stages: list[PipelineStage]):
         raise ValueError("Pipeline(group=...) differs from the group its stages were given: pass one of them, or "
                          "the same group to both")
     return group
+
+
+def _where_built(stages=(), group=None, timeout=None, **_) -> tuple:
+    """A Pipeline that could not be built: the group, device and timeout its arguments say (raises
+    where they name no one group), for its error to reach that group's other ranks."""
+    try:
+        stages = stage_list(stages)
+    except TypeError:  # those that are stages still name the group
+        stages = [s for s in stages if isinstance(s, PipelineStage)] if isinstance(stages, (list, tuple)) else []
+    good = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
+    return (_pipeline_group(group, stages), stages[0].device if stages else torch.device("cpu"),
+            float(timeout) if good else DEFAULT_TIMEOUT_S)

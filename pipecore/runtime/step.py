@@ -199,6 +199,9 @@ class StepRun:
         seed = 1.0
         targets = self._batch.targets
         if pipe.loss_fn is not None and (self._training or targets is not None):
+            if out is None:
+                raise InputError(f"rank {pipe.rank}: stage {s}'s output for microbatch {mb} is None, but loss_fn takes "
+                                 "it: a last stage returns what loss_fn takes. Does its forward miss a `return`?")
             started = clock() if clock else 0.0
             with stage.autocast_context():
                 if targets is not None:

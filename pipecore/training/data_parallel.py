@@ -20,7 +20,9 @@ wrapper (pipecore/training/wrapped_stages.py), driven by the schedule's UNSHARD,
 
 A failed step anywhere fails the step on every rank of every replica (each bucket carries a
 "failed" flag; one small all-reduce over the pipeline group at the step's end tells the rest of the
-pipeline), and with plain stages every rank's `.grad` is put back as it was before the step.
+pipeline), and with plain stages every rank's `.grad` is put back as it was before the step. A
+pipeline that cannot run at all (a rank could not build its Pipeline, its ranks built different
+ones) tells its replicas at the replicas' agreement, which follows its first training agreement.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from pipecore.executor.program import Program
 from pipecore.training.wrapped_stages import WrappedStage
 
 DEFAULT_BUCKET_BYTES = 25 << 20  # torch DDP's bucket_cap_mb
+AGREEING = "data-parallel replicas agreeing on their pipelines"
 
 
 class DataParallel:
@@ -61,6 +64,7 @@ class DataParallel:
         self.sharded = frozenset(stages[local].stage_index for local, a in self.wrapped.items() if a.sharded)
         self._bucket_bytes = bucket_bytes
         self.agreed = False
+        self.refused: str | None = None  # the replicas cannot agree: every later step says it again
         self._uid: str | None = None
         self._store = dist.distributed_c10d._get_default_store()
         # rounds of reductions (a step's, or a discarded one): what pairs with the other replicas
@@ -256,31 +260,48 @@ class DataParallel:
                 return "its error message did not arrive"
             time.sleep(0.01)
 
-    def agree(self) -> None:
-        """At the first training step: the replicas hold the same pipeline position, the same program
-        and the same bucket layout; otherwise every rank of the dp group says what differs."""
+    def agree(self, failure: str | None = None) -> None:
+        """After the pipeline's first training agreement (pipecore/runtime/agreement.py): the replicas
+        hold the same pipeline position, the same program and the same bucket layout; otherwise every
+        rank of every replica says what differs, at this step and every later one. `failure`: why this
+        pipeline cannot run (its ranks' agreement found it and raise it): the replicas learn it here."""
         comm = self._comm
+        if self.refused is not None:
+            raise InputError(self.refused)
+        if failure is not None:
+            tell_replicas(comm, self.group, failure)
+            return
         mine = {"pp rank": comm.rank, "pp size": comm.world, "program": self._summary, "buckets": self.layout,
                 "wrapped": sorted((self._stages[k].stage_index, a.kind) for k, a in self.wrapped.items()),
                 "nonce": int.from_bytes(os.urandom(7), "little")}
-        rows = comm.gather_objects(mine, "data-parallel replicas agreeing on their pipelines", group=self.group)
-        # names this dp group's store keys alike on every replica (a failed step's first error)
-        self._uid = f"{dist.distributed_c10d._get_process_group_name(self.group)}/{rows[0]['nonce']:x}"
-        problem = None
+        rows = comm.gather_objects(mine, AGREEING, group=self.group)
+        problem = next((f"a data-parallel replica of this pipeline cannot run: {r['failed']}" for r in rows
+                        if "failed" in r), None)
+        if problem is None:
+            # names this dp group's store keys alike on every replica (a failed step's first error)
+            self._uid = f"{dist.distributed_c10d._get_process_group_name(self.group)}/{rows[0]['nonce']:x}"
         for field in ("pp rank", "pp size", "program", "buckets", "wrapped"):
-            values = [r[field] for r in rows]
+            values = [r.get(field) for r in rows]
             if problem is None and any(v != values[0] for v in values):
                 problem = (f"the data-parallel replicas differ in their {field} ({_describe(field, values)}). dp_group "
                            "must join ranks that hold the same stages of the same model in the same pipeline position: "
                            "build the groups with pc.init_mesh(dp=..., pp=...)")
         # the pipeline's other positions learn it too (theirs may agree)
-        anywhere = self._anywhere_in_pipeline(problem is not None, "agreeing whether the data-parallel replicas match")
-        if anywhere and problem is None:
-            problem = ("the data-parallel replicas of another rank of this pipeline differ (its error says how); "
-                       "build the groups with pc.init_mesh(dp=..., pp=...) and the same model on every replica")
-        if problem is not None:
-            raise InputError(f"rank {dist.get_rank()} (pp rank {comm.rank}, dp rank {self.rank}): {problem}")
+        said = [(r, p) for r, p in enumerate(comm.gather_objects(problem, "agreeing whether the data-parallel replicas "
+                                                                  "match")) if p]
+        if said:
+            self.refused = (f"rank {dist.get_rank()} (pp rank {comm.rank}, dp rank {self.rank}): "
+                            f"{problem or f'pp rank {said[0][0]} of this pipeline says: {said[0][1]}'}")
+            raise InputError(self.refused)
         self.agreed = True  # until then no bucket goes: replicas that disagree must not exchange them
+
+
+def tell_replicas(comm: Comm, dp_group, failure: str) -> None:
+    """This rank's pipeline cannot run (`failure` says why; a rank of it could not build its
+    Pipeline, or its ranks built different ones): its data-parallel replicas, which wait at their
+    agreement (DataParallel.agree), learn it. Joins only their gather: the replicas' own pipelines
+    exchange the rest."""
+    comm.gather_objects({"failed": failure}, AGREEING, group=dp_group)
 
 
 def check_groups(group, dp_group) -> None:
@@ -326,4 +347,4 @@ def _describe(field: str, values: list) -> str:
     return f"dp ranks {differ} differ from dp rank 0"
 
 
-__all__ = ["DataParallel", "DEFAULT_BUCKET_BYTES", "check_groups"]
+__all__ = ["DataParallel", "DEFAULT_BUCKET_BYTES", "check_groups", "tell_replicas"]
