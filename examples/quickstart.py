@@ -19,7 +19,7 @@ sched = pc.build_schedule("zbv", world, num_microbatches=8)  # zero-bubble V: 2 
 parts = pc.partition(model, sched.num_stages)          # the 8 blocks split evenly over the stages
 stages = [pc.PipelineStage(parts[s], s, sched.num_stages) for s in sched.rank_stages(rank)]
 pipe = pc.Pipeline(stages, sched, 8, loss_fn=nn.functional.mse_loss)
-opt = torch.optim.AdamW([p for s in stages for p in s.module.parameters()], lr=1e-3)
+opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)    # each parameter once
 for step in range(100):
     x, losses = torch.randn(32, 64), []                # the batch: 8 microbatches of 4 rows
     pipe.step(*((x,) if pipe.has_first else ()), target=teacher(x) if pipe.has_last else None, losses=losses)

@@ -99,7 +99,7 @@ def main() -> None:
     parts = pc.partition(model, len(set(topo.model_stage)))  # rank 0 prints the split and the ties
     stages = [pc.PipelineStage(parts[topo.model_stage[s]], s, sched.num_stages) for s in sched.rank_stages(rank)]
     pipe = pc.Pipeline(stages, sched, args.microbatches, loss_fn=pc.hf.causal_lm_loss)
-    params = list({id(p): p for s in stages for p in s.module.parameters()}.values())
+    params = pipe.parameters()  # each once: zbv puts the embedding and the tied head on rank 0
     opt = torch.optim.AdamW(params, lr=args.lr)
     text = stdlib_bytes(500_000)
     if rank == 0:

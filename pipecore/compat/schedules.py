@@ -104,6 +104,17 @@ class _PipelineSchedule:
         return self._pipeline().eval(*args, target=target, losses=losses, return_outputs=return_outputs,
                                      loss_kwargs=loss_kwargs, **kwargs)
 
+    def _step_microbatches(self, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
+                           target_mbs: list | None = None, losses: list | None = None, return_outputs: bool = True,
+                           loss_kwargs: dict | None = None):
+        """torch's: one iteration over microbatches the caller split (`Pipeline.step_microbatches`:
+        each microbatch may have its own shapes, at every step); returns the last stage's outputs as
+        a list (torch's returns None and keeps them on its stage)."""
+        pipe = self._pipeline()
+        run = pipe.step_microbatches if self._has_backward else pipe.eval_microbatches
+        return run(arg_mbs, kwarg_mbs, target_mbs, losses=losses, return_outputs=return_outputs,
+                   loss_kwargs=loss_kwargs)
+
     def _pipeline(self):
         if self.pipeline is None:
             how = ("load one with _load_csv(path), or use" if isinstance(self, PipelineScheduleMulti)
@@ -305,7 +316,7 @@ def get_schedule_class(schedule_name: str) -> type:
 
 def _pipecore_stages(stages, schedule: str) -> list[PipelineStage]:
     """A multi-stage schedule's list of this rank's stages, as the Pipeline takes them (torch's converted)."""
-    from pipecore.runtime.pipeline import stage_list
+    from pipecore.stage.pipeline_stage import stage_list
 
     if isinstance(stages, PipelineStage) or is_torch_stage(stages):
         raise TypeError(f"{schedule} takes a list of this rank's stages, got one {type(stages).__name__}: pass "

@@ -24,13 +24,13 @@ from pipecore.runtime.agreement import Agreement, shares_build_failure
 from pipecore.runtime.overlap import PairRunner
 from pipecore.runtime.plans import Plans
 from pipecore.runtime.rollback import Rollback
-from pipecore.runtime.split_backward import fallback_message, name_parameter
-from pipecore.runtime.step import StepRun, check_inputs, check_step_options, split_batch
+from pipecore.runtime.split_backward import fallbacks, warn_new_fallbacks
+from pipecore.runtime.step import StepRun, check_inputs, check_step_options, microbatches_as_call, split_batch
 from pipecore.schedule import SCHEDULES, Schedule, build_schedule
 from pipecore.schedule.lowering import add_unshard_reshard
 from pipecore.stage import boundary as wire
 from pipecore.stage.microbatch import batch_size, merge, merge_by_spec
-from pipecore.stage.pipeline_stage import PipelineStage, from_torch_stage, is_torch_stage
+from pipecore.stage.pipeline_stage import PipelineStage, pipeline_group, stage_list
 from pipecore.training.data_parallel import DEFAULT_BUCKET_BYTES, DataParallel
 from pipecore.training.finalise import GradFinalisation
 from pipecore.training.ties import TiedWeights, check_shared_parameters
@@ -132,7 +132,7 @@ class Pipeline:
             raise ValueError(f"stages {wrapped} have a dw_builder and a DDP/FSDP2-wrapped module: the wrapper reduces "
                              "the gradients its autograd hooks see, not those a dw_builder's runner computes. Drop the "
                              "dw_builder (pipecore splits the backward itself) or the wrapper")
-        self.group = _pipeline_group(group, stages)
+        self.group = pipeline_group(group, stages)
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
@@ -279,6 +279,19 @@ class Pipeline:
         `scale_grads`. `losses` still holds what `loss_fn` returned. With `dp_group`, `loss_divisor`
         is the token count of the whole global batch (every replica's: all-reduce it over the dp
         group) and the replicas' gradients are summed."""
+        return self._train(args, kwargs, target, losses, return_outputs, loss_kwargs, loss_divisor)
+
+    def step_microbatches(self, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
+                          target_mbs: list | None = None, losses: list | None = None, return_outputs: bool = True,
+                          loss_kwargs: dict | None = None, loss_divisor: float | torch.Tensor | None = None):
+        """One training step over microbatches split by the caller, as torch's `_step_microbatches`:
+        `arg_mbs` (ranks with a first stage) a list of `num_microbatches` tuples of positional
+        inputs, `kwarg_mbs` their keyword inputs, `target_mbs` (ranks with a last stage) their
+        targets; each microbatch may have its own shapes, which may change at every step. The other
+        options as in `step`. Returns the last stage's outputs as a list, one per microbatch."""
+        return self._train((), {}, target_mbs, losses, return_outputs, loss_kwargs, loss_divisor, (arg_mbs, kwarg_mbs))
+
+    def _train(self, args, kwargs, target, losses, return_outputs, loss_kwargs, loss_divisor, microbatches=None):
         if not self._trains:  # every rank has this schedule: each raises here
             raise InputError(f"step() trains, but schedule {self.schedule.name!r} has no backward: call "
                              "pipe.eval(...) for forward-only runs, or build the Pipeline with a training schedule "
@@ -287,7 +300,8 @@ class Pipeline:
         with _range("pipecore.step"):
             try:
                 self.gradients.begin_step()
-                out = self._run(args, kwargs, target, losses, True, return_outputs, loss_kwargs, loss_divisor)
+                out = self._run(args, kwargs, target, losses, True, return_outputs, loss_kwargs, loss_divisor,
+                                microbatches)
             except BaseException as exc:
                 self.gradients.abandon(exc)  # .grad as before the step, on every failure path
                 raise
@@ -297,11 +311,25 @@ class Pipeline:
     def eval(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
              loss_kwargs: dict | None = None, **kwargs):
         """Forward only (no gradients); losses are computed when a target and loss_fn are given."""
+        return self._forward_only(args, kwargs, target, losses, return_outputs, loss_kwargs)
+
+    def eval_microbatches(self, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
+                          target_mbs: list | None = None, losses: list | None = None, return_outputs: bool = True,
+                          loss_kwargs: dict | None = None):
+        """Forward only over microbatches split by the caller (see `step_microbatches`)."""
+        return self._forward_only((), {}, target_mbs, losses, return_outputs, loss_kwargs, (arg_mbs, kwarg_mbs))
+
+    def _forward_only(self, args, kwargs, target, losses, return_outputs, loss_kwargs, microbatches=None):
         self._step_started = time.perf_counter()
         with _range("pipecore.eval"), torch.no_grad():
-            out = self._run(args, kwargs, target, losses, False, return_outputs, loss_kwargs)
+            out = self._run(args, kwargs, target, losses, False, return_outputs, loss_kwargs, None, microbatches)
         self._end_profile()
         return out
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """This rank's stages' parameters, each once (two stages of a rank may hold one, e.g. a tied
+        embedding under zbv): what the optimizer takes, as `model.parameters()` in one process."""
+        return list({id(p): p for s in self.stages for p in s.module.parameters()}.values())
 
     def trace(self) -> list[dict]:
         """This rank's actions of the last step: name ("PP:1F0"), start_us and end_us on the
@@ -340,8 +368,7 @@ class Pipeline:
         (see pipecore.runtime.split_backward); a shared parameter is named as "parameter fc.weight (shape
         [8, 8])". Stages whose backward split cleanly are absent, and so are microbatches the
         program runs as one B (where no other rank waits for the I)."""
-        return {self.stages[local].stage_index: {self._fallback_key(local, key): n for key, n in stats.items()}
-                for local, stats in enumerate(self.executor.split_fallbacks()) if stats}
+        return fallbacks(self.executor, self.stages)
 
     @property
     def overlap_fallbacks(self) -> dict[str, int]:
@@ -357,25 +384,9 @@ class Pipeline:
         step of each batch shape, which runs them in sequence)."""
         return self.executor.overlapped_pairs
 
-    def _fallback_key(self, local: int, key: tuple[str, str, int]) -> tuple[str, str]:
-        node, why, param = key
-        return (name_parameter(self.stages[local].module, param, node) if param else node), why
-
-    def _warn_split_fallbacks(self) -> None:
-        new: dict[tuple[int, str], list[str]] = {}  # (stage, why) -> nodes not warned about yet
-        for local, stats in enumerate(self.executor.split_fallbacks()):
-            stage_index = self.stages[local].stage_index
-            for key in stats:
-                if (stage_index, key) not in self._warned_fallbacks:
-                    self._warned_fallbacks.add((stage_index, key))
-                    node, why = self._fallback_key(local, key)
-                    new.setdefault((stage_index, why), []).append(node)
-        for (stage_index, why), nodes in new.items():
-            warnings.warn(fallback_message(stage_index, why, sorted(nodes)), stacklevel=4)
-
     # -- step ---------------------------------------------------------------------------
     def _run(self, args, kwargs, target, losses, training: bool, return_outputs: bool, loss_kwargs,
-             loss_divisor=None):
+             loss_divisor=None, microbatches: tuple | None = None):
         comm, plans = self.comm, self.plans
         if self._agreement.misbuilt is not None:
             raise InputError(self._agreement.misbuilt)
@@ -389,17 +400,19 @@ class Pipeline:
         batch = None
         desc = rows = 0
         try:
+            if microbatches is not None:  # the caller's own microbatches: (arg_mbs, kwarg_mbs)
+                args, kwargs = microbatches_as_call(self, *microbatches)
             check_inputs(self, args, kwargs, target, training)
             parted = self.gradients.ties.take_parted() if self.gradients.ties else None
             if parted is not None:  # found at the last step's gradient sum: every rank fails this step
                 raise InputError(f"rank {self.rank}: {parted}")
             loss_divisor = check_step_options(self, return_outputs, loss_kwargs, loss_divisor)
             with _range("pipecore.split"):
-                batch = split_batch(self, args, kwargs, target)
+                batch = split_batch(self, args, kwargs, target, given=microbatches is not None)
             if self.has_first:
                 desc = wire.signature((wire.describe(args), wire.describe(kwargs), training))
-                if self.args_chunk_spec is None and self.kwargs_chunk_spec is None:  # split along dim 0
-                    rows = batch_size((args, kwargs)) or 0
+                if microbatches is None and self.args_chunk_spec is None and self.kwargs_chunk_spec is None:
+                    rows = batch_size((args, kwargs)) or 0  # split along dim 0
         except (ValueError, TypeError) as exc:
             problem = exc
         agreed = plans.agreed.get(training)
@@ -484,7 +497,7 @@ class Pipeline:
             # the step happened on every rank: what fails below (merging outputs, a warning raised as an
             # error) leaves .grad with the step's gradients, as on the other ranks
             self.gradients.finish()
-            self._warn_split_fallbacks()
+            warn_new_fallbacks(self.executor, self.stages, self._warned_fallbacks)
             self._pairs.warn_fallbacks()
         if self.trace_enabled:
             tracing = time.perf_counter()
@@ -502,6 +515,8 @@ class Pipeline:
             return None
         with _range("pipecore.merge"):
             chunks = [run.outputs[mb] for mb in sorted(run.outputs)]
+            if microbatches is not None:
+                return chunks
             return merge(chunks) if self.output_merge_spec is None else merge_by_spec(chunks, self.output_merge_spec)
 
     def _agree_and_plan(self, step: int, desc: int, rows: int, training: bool) -> None:
@@ -547,40 +562,6 @@ def use_device_path(executor, gloo: bool, device: torch.device, rank: int) -> No
                      "or CUDA_HOME set; docs/install.md), or give the Pipeline a gloo group")
 
 
-def stage_list(stages) -> list[PipelineStage]:
-    """The Pipeline's stages argument as a list of pipecore stages (torch.distributed.pipelining's
-    stage objects converted: pipecore.stage.pipeline_stage.from_torch_stage), or a TypeError that says what was given."""
-    if isinstance(stages, PipelineStage) or is_torch_stage(stages):
-        stages = [stages]
-    kind = type(stages)
-    try:
-        stages = list(stages)
-    except TypeError:
-        raise TypeError(f"stages must be a pipecore.PipelineStage (or torch.distributed.pipelining's) or a "
-                        f"non-empty list of them, got {kind.__name__}") from None
-    stages = [from_torch_stage(s) if is_torch_stage(s) else s for s in stages]
-    wrong = [type(s).__name__ for s in stages if not isinstance(s, PipelineStage)]
-    if not stages or wrong:
-        raise TypeError(f"stages must be a pipecore.PipelineStage or a non-empty list of them, got "
-                        f"{'an empty list' if not stages else 'a list holding ' + ', '.join(sorted(set(wrong)))}")
-    return stages
-
-
-def _pipeline_group(group, stages: list[PipelineStage]):
-    """The pipeline's process group: `group`, or the one its stages were given (torch's way), or the
-    default group."""
-    given = {id(s.group): s.group for s in stages if s.group is not None}
-    if len(given) > 1:
-        raise ValueError(f"this rank's stages were given different process groups (stages "
-                         f"{[s.stage_index for s in stages if s.group is not None]}): a pipeline runs over one group")
-    if group is None:
-        return next(iter(given.values()), dist.group.WORLD)
-    if given and next(iter(given.values())) is not group:
-        raise ValueError("Pipeline(group=...) differs from the group its stages were given: pass one of them, or "
-                         "the same group to both")
-    return group
-
-
 def _where_built(stages=(), group=None, timeout=None, **_) -> tuple:
     """A Pipeline that could not be built: the group, device and timeout its arguments say (raises
     where they name no one group), for its error to reach that group's other ranks."""
@@ -589,5 +570,5 @@ def _where_built(stages=(), group=None, timeout=None, **_) -> tuple:
     except TypeError:  # those that are stages still name the group
         stages = [s for s in stages if isinstance(s, PipelineStage)] if isinstance(stages, (list, tuple)) else []
     good = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
-    return (_pipeline_group(group, stages), stages[0].device if stages else torch.device("cpu"),
+    return (pipeline_group(group, stages), stages[0].device if stages else torch.device("cpu"),
             float(timeout) if good else DEFAULT_TIMEOUT_S)

@@ -74,3 +74,30 @@ def name_parameter(module, impl_address: int, description: str) -> str:
         if p._cdata == impl_address:
             return f"parameter {name} (shape {list(p.shape)})"
     return description
+
+
+def fallbacks(executor, stages: list) -> dict[int, dict[tuple[str, str], int]]:
+    """Per stage index: {(node or parameter named, why): microbatches} that the executor counted."""
+    return {stages[local].stage_index: {_named(stages[local], key): n for key, n in stats.items()}
+            for local, stats in enumerate(executor.split_fallbacks()) if stats}
+
+
+def warn_new_fallbacks(executor, stages: list, warned: set) -> None:
+    """One warning per stage and reason for the nodes not warned about yet (`warned` remembers them)."""
+    import warnings
+
+    new: dict[tuple[int, str], list[str]] = {}  # (stage, why) -> nodes not warned about yet
+    for local, stats in enumerate(executor.split_fallbacks()):
+        stage_index = stages[local].stage_index
+        for key in stats:
+            if (stage_index, key) not in warned:
+                warned.add((stage_index, key))
+                node, why = _named(stages[local], key)
+                new.setdefault((stage_index, why), []).append(node)
+    for (stage_index, why), nodes in new.items():
+        warnings.warn(fallback_message(stage_index, why, sorted(nodes)), stacklevel=4)
+
+
+def _named(stage, key: tuple[str, str, int]) -> tuple[str, str]:
+    node, why, param = key
+    return (name_parameter(stage.module, param, node) if param else node), why

@@ -76,20 +76,52 @@ def check_inputs(pipe, args, kwargs, target, training: bool) -> None:
                     "x.detach().requires_grad_() and backward x's .grad into that graph after the step")
 
 
-def split_batch(pipe, args, kwargs, target) -> Batch:
-    """Microbatches of the inputs (ranks with a first stage) and targets (with a last stage)."""
+def microbatches_as_call(pipe, arg_mbs, kwarg_mbs) -> tuple[tuple, dict]:
+    """step_microbatches' inputs checked, as the call that `split_batch(..., given=True)` takes
+    apart: ((each microbatch's positional inputs, each one's keyword inputs), {})."""
+    m = pipe.num_microbatches
+    if pipe.has_first and arg_mbs is None and kwarg_mbs is None:
+        raise InputError(f"rank {pipe.rank} holds a first stage: step_microbatches() needs arg_mbs (or kwarg_mbs) here")
+    if not pipe.has_first and pipe.keyword_inputs == "first_stage":
+        if kwarg_mbs:
+            raise InputError(f"rank {pipe.rank} holds no first stage: kwarg_mbs would reach no stage (see step())")
+        return ((), ()), {}
+    arg_mbs = _per_microbatch(arg_mbs, m, "arg_mbs", ()) if pipe.has_first else [()] * m
+    kwarg_mbs = _per_microbatch(kwarg_mbs, m, "kwarg_mbs", {})
+    args = [tuple(a) if isinstance(a, (tuple, list)) else (a,) for a in arg_mbs]
+    for mb, k in enumerate(kwarg_mbs):
+        if not isinstance(k, dict):
+            raise InputError(f"kwarg_mbs[{mb}] must be a dict of keyword inputs, got {type(k).__name__}")
+    return (tuple(args), tuple(kwarg_mbs)), {}
+
+
+def _per_microbatch(values, m: int, what: str, empty) -> list:
+    if values is None:
+        return [empty] * m
+    if not isinstance(values, (list, tuple)) or len(values) != m:
+        raise InputError(f"{what} must be a list of one entry per microbatch ({m}), got "
+                         f"{len(values) if isinstance(values, (list, tuple)) else type(values).__name__}")
+    return list(values)
+
+
+def split_batch(pipe, args, kwargs, target, given: bool = False) -> Batch:
+    """Microbatches of the inputs (ranks with a first stage) and targets (with a last stage); `given`:
+    the caller's own microbatches (`microbatches_as_call`) and a list of targets."""
     m = pipe.num_microbatches
     inputs: dict[int, tuple[Any, Any]] = {}
+    if given:
+        parts = list(zip(*args)) if args[0] or args[1] else []
     if pipe.has_first:
-        inputs = dict(enumerate(_split_call(pipe, args, kwargs, pipe.args_chunk_spec)))
+        inputs = dict(enumerate(parts if given else _split_call(pipe, args, kwargs, pipe.args_chunk_spec)))
     stage_kwargs = None
-    if pipe.keyword_inputs == "every_stage" and kwargs:  # torch's rule: every stage of this rank gets them
-        parts = inputs.values() if inputs else _split_call(pipe, (), kwargs, None)
+    if pipe.keyword_inputs == "every_stage" and (any(k for _, k in parts) if given else kwargs):
+        # torch's rule: every stage of this rank gets them
+        parts = parts if given else inputs.values() if inputs else _split_call(pipe, (), kwargs, None)
         stage_kwargs = [k for _, k in parts]
     targets, rows = None, None
     if pipe.has_last and target is not None:
-        targets = split(target, m, "target")
-        if batch_size(target) is not None:
+        targets = _per_microbatch(target, m, "target_mbs", None) if given else split(target, m, "target")
+        if all(batch_size(t) is not None for t in targets):
             rows = [batch_size(t) for t in targets]
     return Batch(inputs, targets, rows, stage_kwargs)
 

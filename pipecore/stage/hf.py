@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipecore.errors import InputError
+
 # model_type of the families the tests train through this module (tests/test_hf.py)
 VERIFIED = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 IGNORE_INDEX = -100  # Hugging Face's label for "no loss here" (padding)
@@ -88,14 +90,14 @@ def decoder_layer_counts(num_layers: int, num_stages: int) -> list[int] | None:
 
 
 def check_layers(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> None:
-    """Raises ValueError unless the layers, run in order, give the model's own logits (a padded
+    """Raises InputError unless the layers, run in order, give the model's own logits (a padded
     batch of 2 x 8 tokens, eval mode, no gradient; training modes and RNG states left as they were).
     A model on the meta device is accepted for the VERIFIED families only."""
     param = next(model.parameters(), None)
     family = getattr(model.config, "model_type", "?")
     if param is None or param.device.type == "meta":
         if family not in VERIFIED:
-            raise ValueError(f"pc.partition cannot check that it splits a {family!r} model correctly while the model is "
+            raise InputError(f"pc.partition cannot check that it splits a {family!r} model correctly while the model is "
                              f"on the meta device (it checks by running it); families checked by its tests: "
                              f"{', '.join(VERIFIED)}. Build the model on a real device to split it")
         return
@@ -124,10 +126,10 @@ def check_layers(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> None:
         ok = isinstance(value, torch.Tensor) and value.shape == want.shape
         diff = float((value - want).abs().nan_to_num(0).max()) if ok else float("inf")
         scale = float(want.abs().nan_to_num(0).max()) or 1.0
-        if not ok or diff > 1e-6 * scale:
+        if not ok or diff > 1e-6 * scale:  # the same operations in the same order: equal, up to rounding
             failure = f"they do not compute what the model computes (logits differ by {diff:.3g}, the largest is {scale:.3g})"
     if failure is not None:
-        raise ValueError(f"pc.partition split a {type(model).__name__} ({family!r}) into embedding, decoder layers and "
+        raise InputError(f"pc.partition split a {type(model).__name__} ({family!r}) into embedding, decoder layers and "
                          f"head, but {failure}: this family does something pipecore's layers do not repeat (families "
                          f"checked by its tests: {', '.join(VERIFIED)}). Pass a layer list instead: modules that "
                          "compose to the model's forward")

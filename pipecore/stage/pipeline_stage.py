@@ -165,6 +165,40 @@ def from_torch_stage(stage: Any) -> PipelineStage:
                          dw_builder=stage.dw_builder)
 
 
+def stage_list(stages) -> list[PipelineStage]:
+    """The Pipeline's stages argument as a list of pipecore stages (torch.distributed.pipelining's
+    stage objects converted: from_torch_stage), or a TypeError that says what was given."""
+    if isinstance(stages, PipelineStage) or is_torch_stage(stages):
+        stages = [stages]
+    kind = type(stages)
+    try:
+        stages = list(stages)
+    except TypeError:
+        raise TypeError(f"stages must be a pipecore.PipelineStage (or torch.distributed.pipelining's) or a "
+                        f"non-empty list of them, got {kind.__name__}") from None
+    stages = [from_torch_stage(s) if is_torch_stage(s) else s for s in stages]
+    wrong = [type(s).__name__ for s in stages if not isinstance(s, PipelineStage)]
+    if not stages or wrong:
+        raise TypeError(f"stages must be a pipecore.PipelineStage or a non-empty list of them, got "
+                        f"{'an empty list' if not stages else 'a list holding ' + ', '.join(sorted(set(wrong)))}")
+    return stages
+
+
+def pipeline_group(group, stages: list[PipelineStage]):
+    """The pipeline's process group: `group`, or the one its stages were given (torch's way), or the
+    default group."""
+    given = {id(s.group): s.group for s in stages if s.group is not None}
+    if len(given) > 1:
+        raise ValueError(f"this rank's stages were given different process groups (stages "
+                         f"{[s.stage_index for s in stages if s.group is not None]}): a pipeline runs over one group")
+    if group is None:
+        return next(iter(given.values()), dist.group.WORLD)
+    if given and next(iter(given.values())) is not group:
+        raise ValueError("Pipeline(group=...) differs from the group its stages were given: pass one of them, or "
+                         "the same group to both")
+    return group
+
+
 def _shapes(tree: Any, what: str) -> list[tuple]:
     leaves = [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
     if not leaves:

@@ -1,0 +1,43 @@
+"""Microbatches of their own shapes: `Pipeline.step_microbatches` with lengths that differ per
+microbatch and change at every step (tests/variable_shape_cases.py)."""
+
+import pytest
+
+import pipecore as pc
+from dist_pool import pool
+from variable_shape_cases import tagged_values, train_variable, wrong_count
+
+TRAINING = [name for name in pc.SCHEDULES if name != "forward_only"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", TRAINING)
+def test_every_schedule_with_lengths_new_at_every_step(name, world):
+    """5 steps of the example GPT, each microbatch its own length, new at every step: every loss and
+    gradient within 1e-6 of one process running the same microbatches; the outputs come back one
+    per microbatch, each its own shape."""
+    results = pool(world).run(train_variable, name, 5, timeout=300)
+    for rank, r in enumerate(results):
+        assert r["grad"] <= 1e-6 and r["loss"] <= 1e-6, (rank, r)
+    holders = [r["outputs"] for r in results if r["outputs"]]  # dualpipe: two ranks, half the microbatches each
+    assert holders and all(len(steps) == 5 for steps in holders), holders
+    lengths = [{shape[1] for steps in holders for shape in steps[step]} for step in range(5)]
+    assert all(len(seen) > 1 for seen in lengths), holders
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_data_parallel_replicas_with_microbatches_of_their_own_lengths(name):
+    for rank, r in enumerate(pool(4).run(train_variable, name, 3, 2, timeout=300)):
+        assert r["grad"] <= 1e-6 and r["loss"] <= 1e-6, (rank, r)
+
+
+@pytest.mark.parametrize("name, compat", [("1f1b", False), ("interleaved_1f1b", False), ("zbv", True)])
+def test_a_python_value_per_microbatch_crosses_the_boundary(name, compat):
+    """Also through pipecore.compat's `_step_microbatches`, torch's name."""
+    for rank, worst in enumerate(pool(2).run(tagged_values, name, compat, timeout=120)):
+        assert worst <= 1e-6, (rank, worst)
+
+
+def test_a_wrong_number_of_microbatches_fails_every_rank():
+    for rank, text in enumerate(pool(2).run(wrong_count, timeout=60)):
+        assert "arg_mbs must be a list of one entry per microbatch (4), got 3" in text, (rank, text)
