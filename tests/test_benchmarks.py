@@ -51,3 +51,23 @@ def test_benchmark_prints_its_table(name, tmp_path):
     if name in PICTURES:
         assert os.path.getsize(PICTURES[name].format(out=out_dir)) > 0
     assert not os.listdir(work), os.listdir(work)
+
+
+# benchmarks that print a table only (no --plot)
+TABLES = {
+    "variable_shapes": ["--schedules", "1f1b", "--microbatches", "4", "--max-len", "16", "--width", "16",
+                        "--blocks", "1", "--steps", "1"],
+    "shape_change": ["--schedules", "1f1b", "--microbatches", "4", "--rows", "8", "--other-rows", "4",
+                     "--blocks", "1", "--steps", "1"],
+    "step_profile": ["--configs", "overhead", "wire-1f1b", "--steps", "2"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(TABLES))
+def test_benchmark_prints_its_table_only(name, tmp_path):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", f"{name}.py"), *TABLES[name]],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) >= 4 and set(lines[2].replace(" ", "")) == {"-"}, out.stdout  # title, header, rule, rows
+    assert not os.listdir(tmp_path), os.listdir(tmp_path)
