@@ -329,6 +329,11 @@ def one_rank_fails(rank, world, kind, name, bad_rank, dp=1, steps=1, local=0):
     position = rank % pp
     model = make_stages("mlp", model_stage_count(sched))
     stages = rank_stages(sched, position, model)
+    if kind.endswith("_ddp"):  # the stages wrapped in DDP, no dp_group given: the wrappers name the replicas
+        kind = kind.removesuffix("_ddp")
+        for s in stages:
+            s.module = nn.parallel.DistributedDataParallel(s.module, process_group=dp_group)
+        dp_group = None
     args = [stages, sched, m]
     options = {}
     bad = rank == bad_rank

@@ -172,7 +172,7 @@ ONE_RANK = {
     ("dualpipev", 2, 1, "forward_raises"), ("dualpipev", 2, 1, "cannot_take_inputs"),
     ("1f1b", 4, 0, "wrong_stages"), ("1f1b", 4, 3, "microbatches"), ("zbv", 4, 2, "bad_keyword"),
     ("1f1b", 4, 1, "world_size"), ("1f1b", 4, 3, "bad_input"), ("1f1b", 4, 2, "forward_raises"),
-    ("1f1b", 4, 1, "returns_none"), ("zbv", 4, 0, "cannot_take_inputs"),
+    ("1f1b", 4, 1, "returns_none"), ("zbv", 4, 0, "cannot_take_inputs"), ("1f1b", 4, 2, "microbatches_ddp"),
 ])
 def test_an_error_on_one_rank_reaches_every_rank_within_seconds(name, world, bad_rank, kind):
     """Building the Pipeline, or its first step, goes wrong on one rank only (4 ranks: dp=2 x pp=2):
@@ -181,6 +181,7 @@ def test_an_error_on_one_rank_reaches_every_rank_within_seconds(name, world, bad
     dp = 2 if world == 4 else 1
     pp = world // dp
     results = pool(world).run(one_rank_fails, kind, name, bad_rank, dp, timeout=60)
+    kind = kind.removesuffix("_ddp")  # (DDP-wrapped stages, their replicas named by the wrappers)
     if kind == "bad_input":  # stage 0 is on each pipeline's rank 0: a batch that does not split, else keywords
         own, words = NOT_SPLIT if bad_rank % pp == 0 else NO_FIRST_STAGE
     else:

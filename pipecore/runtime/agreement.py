@@ -165,7 +165,8 @@ def shares_build_failure(where: Callable[..., tuple]):
     or eval() raises with its error (and, when they train, the data-parallel replicas' too) instead
     of waiting out the timeout; then the error is raised here as it was. Blocks until the group's
     other ranks reach that agreement (the timeout at most). `where(**arguments)` -> (group, device,
-    timeout), raising where the arguments name no one group (the error then stays on this rank)."""
+    timeout, dp group or None), raising where the arguments name no one group (the error then stays
+    on this rank)."""
     def decorate(init):
         names = list(inspect.signature(init).parameters)[1:]
 
@@ -185,7 +186,7 @@ def _join_as_failed(arguments: dict, error: Exception, where: Callable[..., tupl
     if not dist.is_initialized():
         return
     try:
-        group, device, timeout = where(**arguments)
+        group, device, timeout, dp_group = where(**arguments)
         comm = Comm(group, timeout, device)
     except Exception:  # noqa: BLE001 - no one group: the error stays here
         return
@@ -195,7 +196,6 @@ def _join_as_failed(arguments: dict, error: Exception, where: Callable[..., tupl
     try:
         rows = comm.all_gather(_first_row(0, BUILD_FAILED, 0, 0, 0, 0, [0] * len(SUMMARY_FIELDS)), REACH_STEP)
         why = _build_failures(comm, rows, text)
-        dp_group = arguments.get("dp_group")
         if dp_group is not None and _trains(rows):
             try:
                 check_groups(group, dp_group)
