@@ -1,5 +1,5 @@
-"""Microbatches of their own lengths (`Pipeline.step_microbatches`) against the same microbatches
-padded to the longest, side by side in one run.
+"""Microbatches of their own lengths (`Pipeline.step_microbatches`) against microbatches padded to
+the longest length, side by side in one run.
 
 2 gloo ranks; each stage a causal self-attention + MLP block (width 128) on 2 rows per microbatch;
 8 microbatches whose lengths are drawn uniformly between 25% and 100% of `--max-len`. Three kinds

@@ -137,7 +137,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     stages = pipeline_stages(model, sched, rank, method=args.partition, device=device, verbose=rank == 0, **options)
     pipe = pc.Pipeline(stages, sched, args.microbatches, loss_fn=lm_loss, trace=True, group=mesh.get_group("pp"),
                        dp_group=mesh.get_group("dp") if args.dp > 1 else None)
-    params = list({id(p): p for s in stages for p in s.module.parameters()}.values())
+    params = pipe.parameters()
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     data = stdlib_bytes()
     n_params = sum(p.numel() for p in model.parameters())

@@ -93,7 +93,7 @@ def train_hf(rank: int, world: int, family: str, name: str, steps: int = 3, left
             ref_loss += float(loss.detach())
         losses: list = []
         if pipe.has_first:
-            pipe.step(ids, **kwargs, target=labels, losses=losses, loss_divisor=tokens)
+            pipe.step(input_ids=ids, **kwargs, target=labels, losses=losses, loss_divisor=tokens)  # as the README
         else:
             pipe.step(target=labels, losses=losses, loss_divisor=tokens)
         if losses:

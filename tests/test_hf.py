@@ -1,6 +1,8 @@
 """Hugging Face causal LMs through `pc.partition` (pipecore/stage/hf.py): tiny models built from
 configs, trained on 2 and 4 gloo ranks against the whole model in one process."""
 
+import re
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -51,18 +53,30 @@ def test_partition_reads_the_model_and_finds_the_tied_head(capsys):
     assert stage.tied == {"embed.embed_tokens.weight": model.lm_head.weight}
 
 
-def test_a_family_whose_layers_compute_something_else_is_refused():
-    """Gemma 2 caps its logits (a step the layers do not repeat): refused, not trained wrong."""
+REFUSED = [  # (config class, its options, words of the refusal)
+    ("Gemma2Config", {"head_dim": 8, "final_logit_softcapping": 0.5}, "do not compute what the model computes"),
+    ("CohereConfig", {}, "do not compute what the model computes"),  # a logit scale
+    ("Gemma3TextConfig", {"head_dim": 8}, "running them fails"),  # rotary embeddings per layer kind
+    ("Llama4TextConfig", {"attention_chunk_size": 16}, "attention of kinds ['chunked_attention']"),
+    ("MixtralConfig", {"output_router_logits": True}, "router's auxiliary loss"),
+    ("Starcoder2Config", {"embedding_dropout": 0.1}, "dropout on the embedding"),
+]
+
+
+@pytest.mark.parametrize("config, options, words", REFUSED, ids=[r[0] for r in REFUSED])
+def test_a_family_whose_layers_compute_something_else_is_refused(config, options, words):
+    """Logit soft-capping or scaling, per-layer rotary embeddings (caught by running the split against
+    the model), chunked attention, a router loss, embedding dropout (read off the config, which a
+    short check in eval mode cannot see): refused with pc.InputError, never trained wrong."""
     import transformers as t
 
     import pipecore as pc
 
-    torch_model = t.AutoModelForCausalLM.from_config(t.Gemma2Config(
+    model = t.AutoModelForCausalLM.from_config(getattr(t, config)(
         vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, pad_token_id=0, final_logit_softcapping=0.5))
-    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM \('gemma2'\) into embedding, decoder layers and head, "
-                                         r"but they do not compute what the model computes"):
-        pc.partition(torch_model, 2, verbose=False)
+        num_key_value_heads=2, pad_token_id=0, **options))
+    with pytest.raises(pc.InputError, match=re.escape(words)):
+        pc.partition(model, 2, verbose=False)
 
 
 def test_a_model_on_the_meta_device_is_split_only_for_a_family_the_tests_train():

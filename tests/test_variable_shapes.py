@@ -21,8 +21,11 @@ def test_every_schedule_with_lengths_new_at_every_step(name, world):
         assert r["grad"] <= 1e-6 and r["loss"] <= 1e-6, (rank, r)
     holders = [r["outputs"] for r in results if r["outputs"]]  # dualpipe: two ranks, half the microbatches each
     assert holders and all(len(steps) == 5 for steps in holders), holders
-    lengths = [{shape[1] for steps in holders for shape in steps[step]} for step in range(5)]
-    assert all(len(seen) > 1 for seen in lengths), holders
+    for step in range(5):  # every microbatch's output once, shaped by its own length
+        got = [next(s for s in (steps[step][mb] for steps in holders) if s is not None) for mb in range(len(
+            holders[0][step]))]
+        assert all(sum(steps[step][mb] is not None for steps in holders) == 1 for mb in range(len(got))), holders
+        assert [shape[1] for shape in got] == results[0]["lengths"][step], (got, results[0]["lengths"])
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zbv"])

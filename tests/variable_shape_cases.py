@@ -58,8 +58,9 @@ def train_variable(rank: int, world: int, name: str, steps: int = 5, dp: int = 1
         out = pipe.step_microbatches([(x,) for x, _ in mine] if pipe.has_first else None,
                                      target_mbs=[y for _, y in mine] if pipe.has_last else None,
                                      losses=losses, loss_divisor=tokens)
+        worst.setdefault("lengths", []).append(lengths(step, m, cfg.seq_len, replica))
         if out is not None:
-            worst["outputs"].append([tuple(o.shape) for o in out])
+            worst["outputs"].append([None if o is None else tuple(o.shape) for o in out])
         want_losses = []
         for r, mbs in enumerate(every):
             for x, y in mbs:

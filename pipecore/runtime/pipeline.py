@@ -288,7 +288,8 @@ class Pipeline:
         `arg_mbs` (ranks with a first stage) a list of `num_microbatches` tuples of positional
         inputs, `kwarg_mbs` their keyword inputs, `target_mbs` (ranks with a last stage) their
         targets; each microbatch may have its own shapes, which may change at every step. The other
-        options as in `step`. Returns the last stage's outputs as a list, one per microbatch."""
+        options as in `step`. Returns the last stage's outputs as a list, one per microbatch (as
+        `losses`: dualpipe's two last stages each fill theirs, None elsewhere)."""
         return self._train((), {}, target_mbs, losses, return_outputs, loss_kwargs, loss_divisor, (arg_mbs, kwarg_mbs))
 
     def _train(self, args, kwargs, target, losses, return_outputs, loss_kwargs, loss_divisor, microbatches=None):
@@ -403,7 +404,7 @@ class Pipeline:
             if microbatches is not None:  # the caller's own microbatches: (arg_mbs, kwarg_mbs)
                 args, kwargs = microbatches_as_call(self, *microbatches)
             check_inputs(self, args, kwargs, target, training)
-            parted = self.gradients.ties.take_parted() if self.gradients.ties else None
+            parted = self.gradients.ties.parted if self.gradients.ties else None
             if parted is not None:  # found at the last step's gradient sum: every rank fails this step
                 raise InputError(f"rank {self.rank}: {parted}")
             loss_divisor = check_step_options(self, return_outputs, loss_kwargs, loss_divisor)
@@ -457,7 +458,7 @@ class Pipeline:
                 except PeerReplan:  # a first stage's batch changed shape: agree, then run again
                     problem = self._restore_module_state()
                     if problem:  # the peers are agreeing already: run again, and say so
-                        warnings.warn(problem, RuntimeWarning, stacklevel=3)
+                        warnings.warn(problem, RuntimeWarning, stacklevel=4)
                     if training and on_stand_ins:
                         self.gradients.discard_round()
                     self._agree_and_plan(step, desc, rows, training)
@@ -514,9 +515,9 @@ class Pipeline:
         if not run.outputs:
             return None
         with _range("pipecore.merge"):
+            if microbatches is not None:  # one per microbatch (dualpipe: None where the other direction's ended)
+                return [run.outputs.get(mb) for mb in range(self.num_microbatches)]
             chunks = [run.outputs[mb] for mb in sorted(run.outputs)]
-            if microbatches is not None:
-                return chunks
             return merge(chunks) if self.output_merge_spec is None else merge_by_spec(chunks, self.output_merge_spec)
 
     def _agree_and_plan(self, step: int, desc: int, rows: int, training: bool) -> None:

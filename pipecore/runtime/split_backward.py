@@ -95,7 +95,7 @@ def warn_new_fallbacks(executor, stages: list, warned: set) -> None:
                 node, why = _named(stages[local], key)
                 new.setdefault((stage_index, why), []).append(node)
     for (stage_index, why), nodes in new.items():
-        warnings.warn(fallback_message(stage_index, why, sorted(nodes)), stacklevel=4)
+        warnings.warn(fallback_message(stage_index, why, sorted(nodes)), stacklevel=5)  # the caller of step()
 
 
 def _named(stage, key: tuple[str, str, int]) -> tuple[str, str]:

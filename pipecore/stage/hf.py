@@ -62,6 +62,7 @@ def causal_lm_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
                         "the layer list instead")
     family, base = found
     config = model.config
+    _refuse_what_the_layers_drop(model, config)
     rotary = getattr(base, "rotary_emb", None)
     if family == "gpt2":
         embed = Embedding(base.wte, config, positions=base.wpe, dropout=base.drop)
@@ -74,6 +75,24 @@ def causal_lm_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
                for i, block in enumerate(blocks[:config.num_hidden_layers])]
     layers.append(("head", Head(norm, model.lm_head)))
     return layers
+
+
+def _refuse_what_the_layers_drop(model: nn.Module, config) -> None:
+    """What a padded 2 x 8 check in eval mode cannot see: attention kinds other than full and
+    sliding-window (chunked, linear, ...), a mixture of experts' router loss, dropout on the
+    embedding of a family whose Embedding layer here applies none."""
+    kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    why = None
+    if kinds:
+        why = f"its layers use attention of kinds {sorted(kinds)}, whose masks pipecore's layers do not build"
+    elif getattr(config, "output_router_logits", False):
+        why = ("its config asks for the router's auxiliary loss (output_router_logits), which pipecore's layers do not "
+               "add to the loss; set output_router_logits=False to train without it")
+    elif any(float(getattr(config, name, 0.0) or 0.0) > 0 for name in ("embedding_dropout", "emb_pdrop")):
+        why = "its config has dropout on the embedding, which pipecore's Embedding layer does not apply"
+    if why is not None:
+        raise InputError(f"pc.partition cannot split {type(model).__name__} ({getattr(config, 'model_type', '?')!r}): "
+                         f"{why}. Pass a layer list instead: modules that compose to the model's forward")
 
 
 def decoder_layer_counts(num_layers: int, num_stages: int) -> list[int] | None:

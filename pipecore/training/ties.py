@@ -63,7 +63,9 @@ class TiedWeights:
         problem = self._problem()
         if problem is not None:
             raise InputError(f"rank {comm.rank}: {problem}")
-        self.parted: str | None = None  # see take_parted
+        # why the copies of a tie differ (found at a step's gradient sum): every later step fails with it,
+        # until the Pipeline is built again (its first agreement makes the copies equal)
+        self.parted: str | None = None
         self._sync_values()
 
     def __bool__(self) -> bool:
@@ -167,32 +169,32 @@ class TiedWeights:
     def _sample(self, key: str, copy: TiedCopy) -> torch.Tensor:
         """SAMPLE entries of a copy, spread over it, in float32 (the same entries on every rank)."""
         flat = self._params[(key, copy.stage)].detach().reshape(-1)
-        index = torch.linspace(0, flat.numel() - 1, SAMPLE, device=flat.device).long()
+        # integer steps: float indices round past the end above 2**24 entries (a real vocabulary)
+        index = torch.arange(SAMPLE, device=flat.device) * (flat.numel() - 1) // (SAMPLE - 1)
         return flat.index_select(0, index).float()
 
     def _compare(self, key: str, mine: torch.Tensor, summed: torch.Tensor, ranks: int) -> None:
         """The ranks' samples summed (in the gradient's dtype): equal copies sum to `ranks` times this
         rank's, exactly for two ranks, up to the sum's rounding for more."""
         rtol = torch.finfo(mine.dtype).eps * (ranks - 1)
-        if ranks > 1 and not torch.allclose(summed.double(), mine.double() * ranks, rtol=rtol, atol=0.0):
+        if ranks > 1 and not torch.allclose(summed.double(), mine.double() * ranks, rtol=rtol, atol=0.0,
+                                            equal_nan=True):  # a NaN weight is the loss's story, not the tie's
             self._parted(key, f"the copies on {ranks} ranks")
 
     def _compare_here(self, key: str, here: list[TiedCopy]) -> None:
         distinct = self._distinct(key, here)
         first = self._sample(key, distinct[0]) if len(distinct) > 1 else None
-        if first is not None and any(not torch.equal(first, self._sample(key, c)) for c in distinct[1:]):
+        if first is not None and any(not torch.allclose(first, self._sample(key, c), rtol=0.0, atol=0.0, equal_nan=True)
+                                     for c in distinct[1:]):
             self._parted(key, f"the copies of stages {', '.join(str(c.stage) for c in distinct)} on this rank")
 
     def _parted(self, key: str, where: str) -> None:
         self.parted = self.parted or (
             f"tied weight {key!r}: {where} differ (entries compared after a step; a tie's copies start equal and get "
             "the same gradient, so something else changed them): give every copy to the optimizer with the same "
-            "settings (learning rate, weight decay, parameter group), and load or change a tied weight in every copy")
+            "settings (learning rate, weight decay, parameter group), and load or change a tied weight in every copy; "
+            "then build the Pipeline again (its first step makes the copies equal)")
 
-    def take_parted(self) -> str | None:
-        """Why the copies of a tie differ (found at the last step's gradient sum), once; None if equal."""
-        parted, self.parted = self.parted, None
-        return parted
 
     def _got(self, key: str, copies: list[TiedCopy]) -> bool:
         """Whether any of these copies got a gradient this step."""
