@@ -375,3 +375,50 @@ def one_rank_fails(rank, world, kind, name, bad_rank, dp=1, steps=1, local=0):
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             outcomes.append(("step", type(exc).__name__, str(exc), time.monotonic() - t0))
     return [("build", "ok", "", 0.0)] + outcomes
+
+
+def build_fails_then(rank, world, name, bad_rank, then, dp=1):
+    """Rank `bad_rank`'s Pipeline cannot be built (twice the microbatches); it catches the error, then
+    `then`: "collective" (every rank all-reduces on the pipeline's group before its first step, as a
+    user's logging might), "eval" (the first call is eval(); with dp=2 the other replica trains) or
+    "rebuild" (every rank builds the Pipeline again, right, after the error). Returns this rank's
+    (build seconds, its error or '', the first call's error or '', the rebuilt Pipeline's step: 'ok'
+    or its error)."""
+    pp = world // dp
+    sched = pc.build_schedule(name, pp, 4, 1 if name in ("gpipe", "1f1b") else 2)
+    group = dp_group = None
+    if dp > 1:
+        from data_parallel_cases import data_parallel_mesh
+
+        mesh = data_parallel_mesh(dp, pp)
+        group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+    model = make_stages("mlp", model_stage_count(sched))
+    stages = rank_stages(sched, rank % pp, model)
+    x, y = make_batch(8)
+    t0 = time.monotonic()
+    built = ""
+    try:
+        pipe = pc.Pipeline(stages, sched, 8 if rank == bad_rank else 4, loss_fn=nn.CrossEntropyLoss(), group=group,
+                           dp_group=dp_group, timeout=NEVER)
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        pipe, built = None, str(exc)
+    seconds = time.monotonic() - t0
+    if then == "collective":
+        dist.all_reduce(torch.ones(1), group=group)
+    first = ""
+    if pipe is not None:
+        try:
+            if then == "eval" and rank // pp == bad_rank // pp:  # the broken pipeline evaluates first
+                pipe.eval(*((x,) if pipe.has_first else ()))
+            else:
+                pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
+            first = "ok"
+        except Exception as exc:  # noqa: BLE001
+            first = str(exc)
+    rebuilt = ""
+    if then == "rebuild":
+        pipe = pc.Pipeline(stages, sched, 4, loss_fn=nn.CrossEntropyLoss(), group=group, dp_group=dp_group,
+                           timeout=NEVER)
+        pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
+        rebuilt = "ok"
+    return seconds, built, first, rebuilt

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from dist_pool import pool
-from reliability_cases import (BUILD_ERRORS, bad_input, comm_error_aborts_an_nccl_group,
+from reliability_cases import (BUILD_ERRORS, bad_input, build_fails_then, comm_error_aborts_an_nccl_group,
                                comm_error_keeps_gradients_held_before, construction_errors, dying_rank, failing_stage,
                                hanging_rank, memory_is_flat, mismatched_stage, no_loss_fn, one_rank_fails,
                                own_error_then_peer_hangs, reverse_channel, stress)
@@ -212,3 +212,21 @@ def test_a_stage_returning_none_is_named_on_every_rank_at_every_step(name, world
         for what, raised, message, seconds in outcomes[1:]:
             assert f"stage {stage}'s output for microbatch 0 is None" in message and seconds < 5, (rank, message)
             assert "did not arrive" not in message, (rank, message)
+
+
+@pytest.mark.parametrize("name, world, bad_rank, then", [
+    ("1f1b", 2, 1, "collective"), ("zbv", 2, 0, "rebuild"), ("1f1b", 4, 0, "eval"), ("1f1b", 4, 3, "rebuild"),
+])
+def test_a_rank_that_cannot_build_raises_at_once_and_joins_no_collective(name, world, bad_rank, then):
+    """Its error goes through the store: its constructor raises at once, a collective the ranks run
+    before their first step pairs as written, the others' first call (eval() too) raises with its words,
+    so do the other replica's (dp=2), and a Pipeline built again afterwards runs."""
+    dp = 2 if world == 4 else 1
+    for rank, (seconds, built, first, rebuilt) in enumerate(pool(world).run(build_fails_then, name, bad_rank, then,
+                                                                             dp, timeout=60)):
+        if rank == bad_rank:
+            assert "num_microbatches=8" in built and seconds < 1 and first == "", (rank, seconds, built, first)
+        else:
+            assert built == "" and f"rank {bad_rank}" in first, (rank, first)
+            assert "could not build its Pipeline" in first, (rank, first)
+        assert rebuilt == ("ok" if then == "rebuild" else ""), (rank, rebuilt)

@@ -10,6 +10,7 @@ a timeout whose message names the rank and what it waited for, and the group is 
 from __future__ import annotations
 
 import pickle
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -128,10 +129,32 @@ class Comm:
         leave_first(self.store, [key], text)
 
     def who(self) -> str:
-        """This rank as the other ranks' errors name it: its rank in the group, and where that differs
-        (data parallel), its global rank first."""
-        me = dist.get_rank()
-        return f"rank {me}" if me == self.rank else f"rank {me} (pp rank {self.rank})"
+        """This rank as the other ranks' errors name it (see `who`)."""
+        return who(self.group)
+
+    def meet(self, kind: str, what: str, group=None) -> str | None:
+        """Every rank of `group` (default: the pipeline's) reaches its next `kind` meeting point (the
+        first agreement of a Pipeline, the data-parallel replicas' agreement), or a rank that cannot
+        come left why there (`cannot_meet`): returns None, or that text. Through the store, polled,
+        before the collective it guards: a rank that failed before it never joins a collective."""
+        group = self.group if group is None else group
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        point = _next_point(kind, group)
+        store = dist.distributed_c10d._get_default_store()  # (also for a pipeline of one rank's replicas)
+        store.set(f"{point}/arrived{rank}", b"1")
+        arrived, failed = [f"{point}/arrived{r}" for r in range(world)], f"{point}/failed"
+        deadline, pause = time.monotonic() + self.timeout, 0.0005
+        while not store.check(arrived):
+            if store.check([failed]):
+                return store.get(failed).decode()
+            if time.monotonic() > deadline:
+                missing = [r for r, key in enumerate(arrived) if not store.check([key])]
+                self.broken = f"ranks {missing} did not arrive"
+                raise CommunicationError(f"rank {self.rank}: {what} failed within {self.timeout} s: group ranks "
+                                         f"{missing} did not arrive; a rank hung or died: rebuild the process group")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
+        return None
 
     def peer_error(self) -> str:
         """The error the first failing rank of this step left (waiting briefly for it)."""
@@ -168,6 +191,31 @@ class Comm:
             raise CommunicationError(f"rank {self.rank}: connecting the ranks' second gloo channel failed within "
                                      f"{self.timeout} s ({exc}); a rank hung or died: rebuild the process group"
                                      ) from None
+
+
+_MEETINGS: dict[tuple[str, str], int] = {}  # (kind, process group name): meeting points passed in this process
+
+
+def _next_point(kind: str, group) -> str:
+    """The store prefix of this process's next `kind` meeting point on `group`: the ranks of a group
+    pass the same points in the same order (each Pipeline's first agreement; each replica's)."""
+    key = (kind, dist.distributed_c10d._get_process_group_name(group))
+    count = _MEETINGS.get(key, 0)
+    _MEETINGS[key] = count + 1
+    return f"pipecore/meet/{kind}/{key[1]}/{count}"
+
+
+def cannot_meet(kind: str, group, text: str) -> None:
+    """This rank will not come to its next `kind` meeting point on `group` (its Pipeline could not
+    be built, or cannot run): the other ranks' `Comm.meet` returns `text` instead of waiting."""
+    leave_first(dist.distributed_c10d._get_default_store(), [f"{_next_point(kind, group)}/failed"], text)
+
+
+def who(group) -> str:
+    """This rank as the other ranks' errors name it: its rank in `group`, and where that differs
+    (data parallel), its global rank first."""
+    me, mine = dist.get_rank(), dist.get_rank(group)
+    return f"rank {me}" if me == mine else f"rank {me} (pp rank {mine})"
 
 
 def leave_first(store, keys: list[str], text: str) -> None:

@@ -2,13 +2,13 @@
 
 One small all-reduce carries the batch signature (did a first stage's batch change shape?), whether
 any rank's step failed, how many ranks train, and the first stages' batch rows (the last stages
-weight each microbatch's loss by its share of them when no target tells). The first agreement gathers instead: besides those
-it learns group rank 0's nonce (which names the Pipeline's keys in the store) and every rank's
+weight each microbatch's loss by its share of them when no target tells). The first agreement
+gathers instead: besides those it learns group rank 0's nonce (which names the Pipeline's keys in the store) and every rank's
 program digest, so ranks built with different schedules, microbatch counts or stage layouts all fail
-at once with the same message. A rank whose Pipeline could not be built joins that first agreement
-from its constructor with a row that says so (`shares_build_failure`): every rank learns its error
-there, and so do the data-parallel replicas, which agree right after their pipeline's first
-training agreement.
+at once with the same message. Before it, the ranks meet through the store (`Comm.meet`): a rank
+whose Pipeline could not be built leaves its error there from its constructor (`shares_build_failure`)
+and never joins a collective, and every rank's first step raises with that error; the data-parallel
+replicas, which agree right after their pipeline's first training agreement, learn it the same way.
 """
 
 from __future__ import annotations
@@ -24,22 +24,19 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from pipecore.errors import InputError
-from pipecore.executor.comm import Comm
+from pipecore.executor.comm import Comm, cannot_meet, who
 from pipecore.stage.boundary import signature
-from pipecore.training.data_parallel import check_groups, tell_replicas
+from pipecore.training.data_parallel import DataParallel, check_groups
 
 REACH_STEP = "waiting for every rank to reach step()"
-# what every rank must agree on before the first step: the first agreement's row holds one digest each
-SUMMARY_FIELDS = ("schedule", "microbatches", "stages", "placement", "program")
-BUILD_FAILED = 2  # the first agreement's "failed" field of a rank whose Pipeline could not be built
 
 
 class Agreement:
     def __init__(self, comm: Comm, summary: dict[str, object], ties: int, on_first: Callable[[bool], None], dp=None):
-        """`summary`: what must be equal on every rank (SUMMARY_FIELDS), named for the message; `ties`:
+        """`summary`: what must be equal on every rank (schedule, microbatches, stages, placement,
+        program), named for the message; `ties`:
         tied weights declared on this rank; `on_first(any_ties)` runs once, at the first agreement, on
         every rank (the tied weights are learnt there); `dp`: the data-parallel replicas (DataParallel)."""
-        assert tuple(summary) == SUMMARY_FIELDS, summary
         self.comm = comm
         self.summary = summary
         self._dp = dp
@@ -76,22 +73,23 @@ class Agreement:
 
     def _first(self, local_sig: int, failed: bool, training: bool, batch_rows: int) -> tuple[int, bool, int]:
         comm = self.comm
+        told = comm.meet("first", REACH_STEP)  # a rank that could not build its Pipeline says so there
+        if told is not None:
+            self._refuse(f"rank {comm.rank}: {told}. Fix it there and build the Pipeline again on every rank: this "
+                         "one cannot run")
         fields = [signature(v) for v in self.summary.values()]
-        rows = comm.all_gather(_first_row(local_sig, int(failed), self._nonce, int(training), self._ties, batch_rows,
-                                          fields), REACH_STEP)
-        if any(r[1] == BUILD_FAILED for r in rows):
-            failures = _build_failures(comm, rows, None)
-            self._refuse(f"rank {comm.rank}: {failures}", rows, failures)
+        rows = comm.all_gather([local_sig, int(failed), self._nonce, int(training), self._ties, batch_rows, *fields],
+                               REACH_STEP)
         any_ties = any(r[4] for r in rows)
         given = [r[5] for r in rows if r[5] > 0]
         rows = [r[:4] + r[6:] for r in rows]
         comm.uid = f"{dist.distributed_c10d._get_process_group_name(comm.group)}/{rows[0][2]:x}"
         if any(r[4:] != rows[0][4:] for r in rows):
-            self._refuse(self._mismatch([r[4:] for r in rows]), rows)
+            self._refuse(self._mismatch([r[4:] for r in rows]))
         try:  # every rank learns the ties and the copies are made equal, before any forward
             self._on_first(any_ties)
         except InputError as exc:
-            self._refuse(str(exc), rows)
+            self._refuse(str(exc))
         if len({r[3] for r in rows}) > 1:
             calls = ", ".join(f"rank {r} {'step' if row[3] else 'eval'}()" for r, row in enumerate(rows))
             raise InputError(f"rank {comm.rank}: the ranks made different calls ({calls}): every rank makes the same "
@@ -99,12 +97,12 @@ class Agreement:
         sig = (sum(r[0] for r in rows) + (1 << 63)) % (1 << 64) - (1 << 63)  # int64 wrap-around, as all_reduce
         return sig, any(r[1] for r in rows), sum(given) // len(given) if given else 0
 
-    def _refuse(self, why: str, rows: list[list[int]], told: str | None = None) -> NoReturn:
-        """This Pipeline cannot run: InputError now and at every later step, and the data-parallel
-        replicas of a pipeline that trains learn it, or `told` (they wait for it at their agreement)."""
+    def _refuse(self, why: str) -> NoReturn:
+        """This Pipeline cannot run: InputError now and at every later step; its data-parallel replicas
+        learn it at their agreement (DataParallel.agree), instead of waiting for this rank there."""
         self.misbuilt = why
-        if self._dp is not None and _trains(rows):
-            self._dp.agree(failure=told or why)
+        if self._dp is not None:
+            self._dp.cannot_agree(why)
         raise InputError(why)
 
     def _mismatch(self, digests: list[list[int]]) -> str:
@@ -137,35 +135,12 @@ class Agreement:
                 "same Pipeline on every rank: the same schedule, num_microbatches and number of stages")
 
 
-def _first_row(local_sig: int, failed: int, nonce: int, training: int, ties: int, batch_rows: int,
-               fields: list[int]) -> list[int]:
-    """A rank's row of the first agreement (its all-gather): the same length on every rank."""
-    assert len(fields) == len(SUMMARY_FIELDS), fields
-    return [local_sig, failed, nonce, training, ties, batch_rows, *fields]
-
-
-def _trains(rows: list[list[int]]) -> bool:
-    """Did a rank that built its Pipeline call step() (or did none build one)? Alike on every rank."""
-    built = [r for r in rows if r[1] != BUILD_FAILED]
-    return any(r[3] for r in built) or not built
-
-
-def _build_failures(comm: Comm, rows: list[list[int]], mine: str | None) -> str:
-    """Every rank of the first agreement learns the errors of the ranks whose rows say that their
-    Pipeline could not be built (`mine`: this rank's, if it is one)."""
-    texts = comm.gather_objects(mine, "learning why a rank could not build its Pipeline")
-    said = "; ".join(t for t, r in zip(texts, rows) if r[1] == BUILD_FAILED and t)
-    return (f"{said or 'a rank could not build its Pipeline'}. Fix it there and build the Pipeline again on every "
-            "rank: this one cannot run")
-
-
 def shares_build_failure(where: Callable[..., tuple]):
-    """Decorates Pipeline.__init__: where it raises, the rank joins the first agreement of the group the
-    arguments name, as a rank whose Pipeline could not be built, so that every rank's first step()
-    or eval() raises with its error (and, when they train, the data-parallel replicas' too) instead
-    of waiting out the timeout; then the error is raised here as it was. Blocks until the group's
-    other ranks reach that agreement (the timeout at most). `where(**arguments)` -> (group, device,
-    timeout, dp group or None), raising where the arguments name no one group (the error then stays
+    """Decorates Pipeline.__init__: where it raises, the rank leaves its error at the next first-agreement
+    meeting point of the group the arguments name (and of its data-parallel group), so that the other
+    ranks' first step() or eval() raises with it (and their replicas' first step) instead of waiting
+    out the timeout; then the error is raised here, at once, as it was. `where(**arguments)` ->
+    (group, dp group or None), raising where the arguments name no one group (the error then stays
     on this rank)."""
     def decorate(init):
         names = list(inspect.signature(init).parameters)[1:]
@@ -175,33 +150,27 @@ def shares_build_failure(where: Callable[..., tuple]):
             try:
                 init(self, *args, **kwargs)
             except Exception as exc:
-                _join_as_failed({**dict(zip(names, args)), **kwargs}, exc, where)
+                _tell_the_others({**dict(zip(names, args)), **kwargs}, exc, where)
                 raise
         return build
     return decorate
 
 
-def _join_as_failed(arguments: dict, error: Exception, where: Callable[..., tuple]) -> None:
-    """shares_build_failure's part on the rank that failed: a failed row, its error, its replicas."""
+def _tell_the_others(arguments: dict, error: Exception, where: Callable[..., tuple]) -> None:
+    """shares_build_failure's part on the rank whose Pipeline could not be built."""
     if not dist.is_initialized():
         return
     try:
-        group, device, timeout, dp_group = where(**arguments)
-        comm = Comm(group, timeout, device)
+        group, dp_group = where(**arguments)
     except Exception:  # noqa: BLE001 - no one group: the error stays here
         return
-    if comm.world == 1:
-        return
-    text = f"{comm.who()} could not build its Pipeline: {type(error).__name__}: {error}"
+    text = f"{who(group)} could not build its Pipeline: {type(error).__name__}: {error}"
     try:
-        rows = comm.all_gather(_first_row(0, BUILD_FAILED, 0, 0, 0, 0, [0] * len(SUMMARY_FIELDS)), REACH_STEP)
-        why = _build_failures(comm, rows, text)
-        if dp_group is not None and _trains(rows):
-            try:
-                check_groups(group, dp_group)
-            except Exception:  # noqa: BLE001 - not this rank's replicas: none wait for it
-                return
-            tell_replicas(comm, dp_group, why)
+        if dist.get_world_size(group) > 1:
+            cannot_meet("first", group, text)
+        if dp_group is not None:
+            check_groups(group, dp_group)
+            cannot_meet(DataParallel.MEETING, dp_group, f"a data-parallel replica of this pipeline cannot run: {text}")
     except Exception as exc:  # noqa: BLE001 - this rank's own error is the one to raise
         error.add_note(f"pipecore: telling the other ranks that this Pipeline could not be built failed: "
                        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")

@@ -563,19 +563,17 @@ def use_device_path(executor, gloo: bool, device: torch.device, rank: int) -> No
                      "or CUDA_HOME set; docs/install.md), or give the Pipeline a gloo group")
 
 
-def _where_built(stages=(), group=None, timeout=None, dp_group=None, **_) -> tuple:
-    """A Pipeline that could not be built: the group, device, timeout and data-parallel group (given,
-    or the DDP/FSDP2 stages') its arguments say (raises where they name no one group), for its error
-    to reach that group's other ranks and its replicas."""
+def _where_built(stages=(), group=None, dp_group=None, **_) -> tuple:
+    """A Pipeline that could not be built: the group and the data-parallel group (given, or the DDP/FSDP2
+    stages') its arguments say (raises where they name no one group), for its error to reach that
+    group's other ranks and its replicas."""
     try:
         stages = stage_list(stages)
     except TypeError:  # those that are stages still name the group
         stages = [s for s in stages if isinstance(s, PipelineStage)] if isinstance(stages, (list, tuple)) else []
-    good = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
     if dp_group is None:
         try:
             dp_group = WrappedStage.common_group([s.module for s in stages])
         except InputError:  # the wrappers disagree: no one group of replicas to tell
             pass
-    return (pipeline_group(group, stages), stages[0].device if stages else torch.device("cpu"),
-            float(timeout) if good else DEFAULT_TIMEOUT_S, dp_group)
+    return pipeline_group(group, stages), dp_group

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from pipecore.errors import InputError, PeerFailedError, PipelineError
-from pipecore.executor.comm import Comm, leave_first
+from pipecore.executor.comm import Comm, cannot_meet, leave_first
 from pipecore.executor.native import STAGE_EVENTS, C, CommError
 from pipecore.executor.program import Program
 from pipecore.training.wrapped_stages import WrappedStage
@@ -260,28 +260,29 @@ class DataParallel:
                 return "its error message did not arrive"
             time.sleep(0.01)
 
-    def agree(self, failure: str | None = None) -> None:
+    MEETING = "dp"  # the replicas' meeting point before their agreement (Comm.meet)
+
+    def agree(self) -> None:
         """After the pipeline's first training agreement (pipecore/runtime/agreement.py): the replicas
         hold the same pipeline position, the same program and the same bucket layout; otherwise every
-        rank of every replica says what differs, at this step and every later one. `failure`: why this
-        pipeline cannot run (its ranks' agreement found it and raise it): the replicas learn it here."""
+        rank of every replica says what differs, at this step and every later one. A replica whose
+        pipeline cannot run left why at the meeting point before (`cannot_agree`): raised here."""
         comm = self._comm
         if self.refused is not None:
             raise InputError(self.refused)
-        if failure is not None:
-            tell_replicas(comm, self.group, failure)
-            return
+        told = comm.meet(self.MEETING, AGREEING, group=self.group)
+        if told is not None:
+            self.refused = f"rank {dist.get_rank()} (pp rank {comm.rank}, dp rank {self.rank}): {told}"
+            raise InputError(self.refused)
         mine = {"pp rank": comm.rank, "pp size": comm.world, "program": self._summary, "buckets": self.layout,
                 "wrapped": sorted((self._stages[k].stage_index, a.kind) for k, a in self.wrapped.items()),
                 "nonce": int.from_bytes(os.urandom(7), "little")}
         rows = comm.gather_objects(mine, AGREEING, group=self.group)
-        problem = next((f"a data-parallel replica of this pipeline cannot run: {r['failed']}" for r in rows
-                        if "failed" in r), None)
-        if problem is None:
-            # names this dp group's store keys alike on every replica (a failed step's first error)
-            self._uid = f"{dist.distributed_c10d._get_process_group_name(self.group)}/{rows[0]['nonce']:x}"
+        # names this dp group's store keys alike on every replica (a failed step's first error)
+        self._uid = f"{dist.distributed_c10d._get_process_group_name(self.group)}/{rows[0]['nonce']:x}"
+        problem = None
         for field in ("pp rank", "pp size", "program", "buckets", "wrapped"):
-            values = [r.get(field) for r in rows]
+            values = [r[field] for r in rows]
             if problem is None and any(v != values[0] for v in values):
                 problem = (f"the data-parallel replicas differ in their {field} ({_describe(field, values)}). dp_group "
                            "must join ranks that hold the same stages of the same model in the same pipeline position: "
@@ -295,13 +296,12 @@ class DataParallel:
             raise InputError(self.refused)
         self.agreed = True  # until then no bucket goes: replicas that disagree must not exchange them
 
-
-def tell_replicas(comm: Comm, dp_group, failure: str) -> None:
-    """This rank's pipeline cannot run (`failure` says why; a rank of it could not build its
-    Pipeline, or its ranks built different ones): its data-parallel replicas, which wait at their
-    agreement (DataParallel.agree), learn it. Joins only their gather: the replicas' own pipelines
-    exchange the rest."""
-    comm.gather_objects({"failed": failure}, AGREEING, group=dp_group)
+    def cannot_agree(self, why: str) -> None:
+        """This rank's pipeline cannot run (its first agreement found why): its replicas learn it at
+        their meeting point, instead of waiting there for this rank (once)."""
+        if self.refused is None and not self.agreed:
+            self.refused = why
+            cannot_meet(self.MEETING, self.group, f"a data-parallel replica of this pipeline cannot run: {why}")
 
 
 def check_groups(group, dp_group) -> None:
@@ -347,4 +347,4 @@ def _describe(field: str, values: list) -> str:
     return f"dp ranks {differ} differ from dp rank 0"
 
 
-__all__ = ["DataParallel", "DEFAULT_BUCKET_BYTES", "check_groups", "tell_replicas"]
+__all__ = ["DataParallel", "DEFAULT_BUCKET_BYTES", "check_groups"]
