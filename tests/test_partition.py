@@ -238,6 +238,8 @@ def test_parameters_shared_across_stages_become_ties(capsys):
     assert first.tied == {"0.weight": shared.weight}
     assert pc.PipelineStage(stages[2], 2, 3, tied={}).tied == {}  # tied= given: exactly those
     assert pc.partition(layers, 1, verbose=False)[0].tied == {}   # within one stage: one parameter
+    shared.weight.requires_grad_(False)  # frozen (LoRA's base weights): nothing to sum, no tie
+    assert [s.tied for s in pc.partition(layers, 3, [1, 1, 3], verbose=False)] == [{}, {}, {}]
 
 
 # -- "time" ---------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import pytest
 
 import pipecore as pc
 from dist_pool import pool
-from variable_shape_cases import tagged_values, train_variable, wrong_count
+from variable_shape_cases import keyword_microbatches, tagged_values, train_variable, wrong_count
 
 TRAINING = [name for name in pc.SCHEDULES if name != "forward_only"]
 
@@ -82,3 +82,9 @@ def test_the_packed_example_trains():
     found = re.search(r"gradients within ([0-9.e+-]+) of one process", out.stdout)
     assert found and float(found.group(1)) <= 1e-6, out.stdout
     assert "step 5: loss" in out.stdout, out.stdout
+
+
+def test_keyword_microbatches_reach_every_stage_and_eval_takes_microbatches():
+    results = pool(2).run(keyword_microbatches, timeout=60)
+    assert all(r["grad"] <= 1e-6 for r in results), results
+    assert results[0]["outputs"] is None and results[1]["outputs"] <= 1e-6, results

@@ -101,8 +101,11 @@ def test_misconfigured_wrapper(what, message):
 
 def test_wrapped_stages_over_different_groups_need_a_dp_group():
     for rank, text in enumerate(pool(4).run(cases.different_dp_groups, timeout=60)):
-        assert "wrapped stage modules reduce over different groups (ranks [0, 1] and [0, 2])" in text or rank, text
+        pair, other = [rank // 2 * 2, rank // 2 * 2 + 1], [rank % 2, rank % 2 + 2]  # its two groups' ranks
+        assert f"wrapped stage modules reduce over different groups (ranks {pair} and {other})" in text, (rank, text)
         assert "pass Pipeline(..., dp_group=)" in text, f"rank {rank}: {text!r}"
+    for rank, text in enumerate(pool(4).run(cases.hsdp_without_dp_group, timeout=60)):
+        assert "fully_shard over a mesh of several dimensions" in text, (rank, text)
 
 
 def test_plain_module_has_no_adapter():

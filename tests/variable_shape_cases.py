@@ -150,3 +150,43 @@ def wrong_count(rank: int, world: int) -> str:
     except (pc.InputError, pc.PeerFailedError) as exc:
         return str(exc)
     return "no error"
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, scale=None):
+        return self.lin(x) * (1.0 if scale is None else scale)
+
+
+def keyword_microbatches(rank: int, world: int) -> dict:
+    """kwarg_mbs under keyword_inputs="every_stage" (every stage of the rank they are given on gets
+    its microbatch's), then eval_microbatches: gradients and outputs against one process."""
+    sched = pc.build_schedule("1f1b", world, 4)
+    torch.manual_seed(0)
+    model = [Scaled() for _ in range(world)]
+    reference = copy.deepcopy(model)
+    pipe = pc.Pipeline(pc.PipelineStage(copy.deepcopy(model[rank]), rank, world), sched, 4,
+                       loss_fn=lambda out, y: ((out - y) ** 2).sum(), keyword_inputs="every_stage", timeout=60)
+    g = torch.Generator().manual_seed(0)
+    mbs = [(torch.randn(2, n, 8, generator=g), torch.randn(2, 1, 1, generator=g), torch.randn(2, n, 8, generator=g))
+           for n in (3, 5, 2, 7)]
+
+    def forward(x, scale):
+        for layer in reference:
+            x = layer(x, scale=scale)
+        return x
+
+    pipe.step_microbatches([(x,) for x, _, _ in mbs] if pipe.has_first else None, [{"scale": s} for _, s, _ in mbs],
+                           [y for _, _, y in mbs] if pipe.has_last else None, loss_divisor=1.0)
+    for x, s, y in mbs:
+        ((forward(x, s) - y) ** 2).sum().backward()
+    grad = max(relative_difference(p.grad, q.grad)
+               for p, q in zip(pipe.stages[0].module.parameters(), reference[rank].parameters()))
+    out = pipe.eval_microbatches([(x,) for x, _, _ in mbs] if pipe.has_first else None,
+                                 [{"scale": s} for _, s, _ in mbs])
+    with torch.no_grad():
+        outputs = None if out is None else max(relative_difference(o, forward(x, s)) for o, (x, s, _) in zip(out, mbs))
+    return {"grad": grad, "outputs": outputs}

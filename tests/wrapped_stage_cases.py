@@ -342,6 +342,19 @@ def different_dp_groups(rank: int, world: int) -> str:
     return ""
 
 
+def hsdp_without_dp_group(rank: int, world: int) -> str:
+    """FSDP2 over a 2 x 2 mesh (HSDP), no dp_group: which dimension replicates is not for pipecore to
+    guess; the InputError, or ''."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    module = fully_shard(stage_modules(1)[0], mesh=init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("r", "s")))
+    try:
+        WrappedStage.common_group([module])
+    except InputError as exc:
+        return str(exc)
+    return ""
+
+
 def plain_is_none(rank: int, world: int) -> bool:
     return WrappedStage.of(stage_modules(1)[0], dist.group.WORLD) is None and \
         WrappedStage.of(stage_modules(1)[0], None) is None

@@ -61,8 +61,8 @@ for dualpipe, stage R+j mirrors model stage j, so there are R model stages:
     stages = [pc.PipelineStage(parts[topo.model_stage[s]], s, sched.num_stages) for s in sched.rank_stages(rank)]
     pipe = pc.Pipeline(stages, sched, num_microbatches, loss_fn=loss_fn)
 
-Parameters that layers in different stages share (an LM head that is the embedding, ALBERT-style
-shared layers) are ties: each stage holding one lists it in its `tied` under the parameter's name in
+Parameters that layers in different stages share and train (an LM head that is the embedding,
+ALBERT-style shared layers) are ties: each stage holding one lists it in its `tied` under the parameter's name in
 the first stage that holds it ("tok.weight"), the printout names them, and `PipelineStage`
 declares them as tied weights (training/ties.py: the copies start equal and their gradients are
 summed after each step, also when the stages are on different ranks). Within one stage a shared
@@ -173,6 +173,8 @@ def _find_ties(stages: list[StageModule]) -> dict[str, tuple[nn.Parameter, list[
     params: dict[int, nn.Parameter] = {}
     for s, stage in enumerate(stages):
         for name, p in stage.named_parameters():  # each parameter once per stage
+            if not p.requires_grad:  # frozen: equal on every rank as built, no gradient to sum
+                continue
             params[id(p)] = p
             holders.setdefault(id(p), []).append((s, name))
     return {held[0][1]: (params[i], held) for i, held in holders.items() if len(held) > 1}

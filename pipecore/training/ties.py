@@ -239,6 +239,8 @@ def check_shared_parameters(stages: list) -> None:
     names: dict[int, str] = {}
     for s in stages:
         for name, p in s.module.named_parameters():
+            if not p.requires_grad:  # frozen: no gradient for two stages to count
+                continue
             holders.setdefault(id(p), []).append(s)
             names.setdefault(id(p), name)
     for pid, held in holders.items():
