@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import subprocess
 import sys
 
 import torch
@@ -29,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import pipecore as pc  # noqa: E402
 from gpt import stdlib_bytes  # noqa: E402
+from launch import init_gloo, under_torchrun  # noqa: E402
 
 IGNORE = -100
 
@@ -110,14 +110,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--lr", type=float, default=3e-3)
     args = ap.parse_args()
-    if "LOCAL_RANK" not in os.environ:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
-               os.path.abspath(__file__), *sys.argv[1:]]
-        print("launching:", " ".join(cmd[2:]), flush=True)
-        sys.exit(subprocess.call(cmd))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    under_torchrun(args.ranks)
+    rank, world = init_gloo()
     sched = pc.build_schedule(args.schedule, world, args.microbatches)
     topo = sched.topology
     model = build(args)
