@@ -111,3 +111,27 @@ def test_the_example_trains_a_causal_lm():
     found = re.search(r"step 0's gradients within ([0-9.e+-]+)", out.stdout)
     assert found and float(found.group(1)) <= 1e-5, out.stdout
     assert "step 5: loss" in out.stdout, out.stdout
+
+
+def test_the_layers_of_a_stage_share_one_mask_and_one_rotary_embedding():
+    """As Hugging Face makes them once per forward: the decoder layers of a stage get the very same
+    mask and rotary tensors for one microbatch, and new ones for the next."""
+    import torch
+
+    import pipecore as pc
+    from hf_cases import padded_batch, tiny_model
+
+    model = tiny_model("qwen2", layers=4)
+    part = pc.partition(model, 1, verbose=False)[0]
+    seen = []
+    for block in model.model.layers:
+        block.register_forward_pre_hook(
+            lambda mod, args, kwargs: seen.append((kwargs["attention_mask"], kwargs["position_embeddings"][0])),
+            with_kwargs=True)
+    for step in range(2):
+        ids, mask, pos, _ = padded_batch(2, 9, step, left=True)
+        seen.clear()
+        logits = part(input_ids=ids, attention_mask=mask, position_ids=pos)
+        assert torch.equal(logits, model(input_ids=ids, attention_mask=mask, position_ids=pos).logits)
+        masks, rotaries = {id(m) for m, _ in seen[:4]}, {id(r) for _, r in seen[:4]}
+        assert len(seen) == 8 and len(masks) == 1 and len(rotaries) == 1 and seen[0][0] is not None, seen

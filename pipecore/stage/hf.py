@@ -71,7 +71,8 @@ def causal_lm_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         embed = Embedding(base.embed_tokens, config)
         blocks, norm = base.layers, base.norm
     layers = [("embed", embed)]
-    layers += [(f"layers.{i}", DecoderLayer(block, config, i, rotary))
+    shared = PerForward()
+    layers += [(f"layers.{i}", DecoderLayer(block, config, i, rotary, shared))
                for i, block in enumerate(blocks[:config.num_hidden_layers])]
     layers.append(("head", Head(norm, model.lm_head)))
     return layers
@@ -176,19 +177,41 @@ class Embedding(nn.Module):
         return {"hidden_states": hidden, "attention_mask": attention_mask, "position_ids": position_ids}
 
 
+class PerForward:
+    """What the decoder layers of one forward share: their rotary embeddings and masks, made by the
+    first layer that sees these position ids and this padding mask, reused by the next ones (as
+    Hugging Face makes them once per forward: one per layer would cost time, and memory where
+    attention keeps its mask for the backward). Holds the last one of each kind; a layer reuses it
+    only for the very same tensors (identity), so microbatches and threads never mix."""
+
+    def __init__(self):
+        self._last: dict[str, tuple[tuple, tuple, Any]] = {}
+
+    def get(self, kind: str, tensors: tuple, facts: tuple, make):
+        last = self._last.get(kind)  # (one read: another thread may replace it meanwhile)
+        if last is not None and last[1] == facts and len(last[0]) == len(tensors) and all(
+                a is b for a, b in zip(last[0], tensors)):
+            return last[2]
+        value = make()
+        self._last[kind] = (tensors, facts, value)
+        return value
+
+
 class DecoderLayer(nn.Module):
     """One decoder layer of the model, with the rotary embeddings and attention mask it needs,
-    computed here from the position ids and the 2-D padding mask."""
+    computed from the position ids and the 2-D padding mask (once per forward: `PerForward`)."""
 
-    def __init__(self, layer: nn.Module, config, index: int, rotary: nn.Module | None):
+    def __init__(self, layer: nn.Module, config, index: int, rotary: nn.Module | None, shared: PerForward):
         super().__init__()
         self.layer = layer
         self.rotary_emb = rotary  # no parameters: every stage may hold it
         self.config = config
+        self._shared = shared
         types = getattr(config, "layer_types", None)
         sliding = types[index] == "sliding_attention" if types else getattr(config, "sliding_window", None) is not None
         from transformers import masking_utils
 
+        self._mask_kind = "sliding" if sliding else "causal"
         self._make_mask = (masking_utils.create_sliding_window_causal_mask if sliding
                            else masking_utils.create_causal_mask)
         self._mask_args = set(inspect.signature(self._make_mask).parameters)
@@ -197,11 +220,14 @@ class DecoderLayer(nn.Module):
                 position_ids: torch.Tensor | None = None) -> dict[str, Any]:
         if position_ids is None:
             position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
+        facts = (tuple(hidden_states.shape[:2]), hidden_states.dtype, hidden_states.device)
         extra = {}
         if self.rotary_emb is not None:
-            extra["position_embeddings"] = self.rotary_emb(hidden_states, position_ids)
-        out = self.layer(hidden_states, attention_mask=self._mask(hidden_states, attention_mask, position_ids),
-                         position_ids=position_ids, **extra)
+            extra["position_embeddings"] = self._shared.get(
+                "rotary", (position_ids,), facts, lambda: self.rotary_emb(hidden_states, position_ids))
+        mask = self._shared.get(self._mask_kind, (attention_mask, position_ids), facts,
+                                lambda: self._mask(hidden_states, attention_mask, position_ids))
+        out = self.layer(hidden_states, attention_mask=mask, position_ids=position_ids, **extra)
         if isinstance(out, tuple):  # older transformers return (hidden_states, ...)
             out = out[0]
         return {"hidden_states": out, "attention_mask": attention_mask, "position_ids": position_ids}
