@@ -125,12 +125,8 @@ class Comm:
         key = self.error_key()
         if self.world == 1 or key is None:
             return
-        text = f"{self.who()} failed in {action}: {error.strip().splitlines()[0] if error.strip() else error}"
+        text = f"{who(self.group)} failed in {action}: {error.strip().splitlines()[0] if error.strip() else error}"
         leave_first(self.store, [key], text)
-
-    def who(self) -> str:
-        """This rank as the other ranks' errors name it (see `who`)."""
-        return who(self.group)
 
     def meet(self, kind: str, what: str, group=None) -> str | None:
         """Every rank of `group` (default: the pipeline's) reaches its next `kind` meeting point (the

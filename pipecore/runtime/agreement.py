@@ -3,9 +3,9 @@
 One small all-reduce carries the batch signature (did a first stage's batch change shape?), whether
 any rank's step failed, how many ranks train, and the first stages' batch rows (the last stages
 weight each microbatch's loss by its share of them when no target tells). The first agreement
-gathers instead: besides those it learns group rank 0's nonce (which names the Pipeline's keys in the store) and every rank's
-program digest, so ranks built with different schedules, microbatch counts or stage layouts all fail
-at once with the same message. Before it, the ranks meet through the store (`Comm.meet`): a rank
+gathers instead: besides those it learns group rank 0's nonce (which names the Pipeline's keys in
+the store) and every rank's program digest, so ranks built with different schedules, microbatch
+counts or stage layouts all fail at once with the same message. Before it, the ranks meet through the store (`Comm.meet`): a rank
 whose Pipeline could not be built leaves its error there from its constructor (`shares_build_failure`)
 and never joins a collective, and every rank's first step raises with that error; the data-parallel
 replicas, which agree right after their pipeline's first training agreement, learn it the same way.
@@ -34,9 +34,9 @@ REACH_STEP = "waiting for every rank to reach step()"
 class Agreement:
     def __init__(self, comm: Comm, summary: dict[str, object], ties: int, on_first: Callable[[bool], None], dp=None):
         """`summary`: what must be equal on every rank (schedule, microbatches, stages, placement,
-        program), named for the message; `ties`:
-        tied weights declared on this rank; `on_first(any_ties)` runs once, at the first agreement, on
-        every rank (the tied weights are learnt there); `dp`: the data-parallel replicas (DataParallel)."""
+        program), named for the message; `ties`: tied weights declared on this rank; `on_first(any_ties)`
+        runs once, at the first agreement, on every rank (the tied weights are learnt there); `dp`: the
+        data-parallel replicas (DataParallel)."""
         self.comm = comm
         self.summary = summary
         self._dp = dp
@@ -66,8 +66,8 @@ class Agreement:
                                  "the same call")
             agreed = sig, bool(failed), rows // givers if givers else 0
         if training and self._dp is not None and not self._dp.agreed:
-            # after the pipeline's own agreement, on every path: the first one of a pipeline is the one
-            # collective that a rank whose Pipeline could not be built knows to join
+            # after the pipeline's own agreement, on every path: a pipeline that cannot run has told its
+            # replicas by then (Agreement._refuse), so they learn it at this one's meeting point
             self._dp.agree()  # eval() exchanges nothing over dp: it may run on some replicas only
         return agreed
 

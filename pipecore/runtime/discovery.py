@@ -14,8 +14,9 @@ draws, no module state moved). Instead that step runs as any other, and:
 
 In that step the executor posts no receive ahead and the host waits for and reads each message; on
 the device path its batches still go as groups, each receive of activations opening a new one
-(csrc/executor.h, SpecFn; pipecore/schedule/p2p_order.py, rule 5). The descriptions become the plan of that batch shape once every rank
-ran the step: later steps post receives ahead and check each output against its boundary.
+(csrc/executor.h, SpecFn; pipecore/schedule/p2p_order.py, rule 5). The descriptions become the
+plan of that batch shape once every rank ran the step: later steps post receives ahead and check
+each output against its boundary.
 """
 
 from __future__ import annotations

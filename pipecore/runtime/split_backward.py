@@ -25,6 +25,7 @@ backward, as DeepSeek's DualPipe does with its WeightGradStore:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 _WHY = {  # the executor's reasons (csrc/backward.h, FallbackReason) and what each means
@@ -84,8 +85,6 @@ def fallbacks(executor, stages: list) -> dict[int, dict[tuple[str, str], int]]:
 
 def warn_new_fallbacks(executor, stages: list, warned: set) -> None:
     """One warning per stage and reason for the nodes not warned about yet (`warned` remembers them)."""
-    import warnings
-
     new: dict[tuple[int, str], list[str]] = {}  # (stage, why) -> nodes not warned about yet
     for local, stats in enumerate(executor.split_fallbacks()):
         stage_index = stages[local].stage_index

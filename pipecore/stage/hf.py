@@ -147,7 +147,8 @@ def check_layers(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> None:
         diff = float((value - want).abs().nan_to_num(0).max()) if ok else float("inf")
         scale = float(want.abs().nan_to_num(0).max()) or 1.0
         if not ok or diff > 1e-6 * scale:  # the same operations in the same order: equal, up to rounding
-            failure = f"they do not compute what the model computes (logits differ by {diff:.3g}, the largest is {scale:.3g})"
+            failure = (f"they do not compute what the model computes (logits differ by {diff:.3g}, the largest is "
+                       f"{scale:.3g})")
     if failure is not None:
         raise InputError(f"pc.partition split a {type(model).__name__} ({family!r}) into embedding, decoder layers and "
                          f"head, but {failure}: this family does something pipecore's layers do not repeat (families "
@@ -259,10 +260,9 @@ def _structure(model: Any) -> tuple[str, nn.Module] | None:
         return None
     if not isinstance(getattr(model, "lm_head", None), nn.Module) or getattr(model, "config", None) is None:
         return None
-    base = getattr(model, "model", None)
-    if base is not None and all(isinstance(getattr(base, n, None), nn.Module) for n in ("embed_tokens", "layers", "norm")):
-        return ("llama-like", base)
-    base = getattr(model, "transformer", None)
-    if base is not None and all(isinstance(getattr(base, n, None), nn.Module) for n in ("wte", "wpe", "drop", "h", "ln_f")):
-        return ("gpt2", base)
+    for family, attribute, parts in (("llama-like", "model", ("embed_tokens", "layers", "norm")),
+                                     ("gpt2", "transformer", ("wte", "wpe", "drop", "h", "ln_f"))):
+        base = getattr(model, attribute, None)
+        if base is not None and all(isinstance(getattr(base, n, None), nn.Module) for n in parts):
+            return family, base
     return None

@@ -62,8 +62,8 @@ for dualpipe, stage R+j mirrors model stage j, so there are R model stages:
     pipe = pc.Pipeline(stages, sched, num_microbatches, loss_fn=loss_fn)
 
 Parameters that layers in different stages share and train (an LM head that is the embedding,
-ALBERT-style shared layers) are ties: each stage holding one lists it in its `tied` under the parameter's name in
-the first stage that holds it ("tok.weight"), the printout names them, and `PipelineStage`
+ALBERT-style shared layers) are ties: each stage holding one lists it in its `tied` under the
+parameter's name in the first stage that holds it ("tok.weight"), the printout names them, and `PipelineStage`
 declares them as tied weights (training/ties.py: the copies start equal and their gradients are
 summed after each step, also when the stages are on different ranks). Within one stage a shared
 parameter is simply one parameter.
@@ -169,15 +169,18 @@ def _find_ties(stages: list[StageModule]) -> dict[str, tuple[nn.Parameter, list[
     layers): {its name in the first stage holding it: (the parameter, [(stage, its name there)])}.
     The names come from the model's layer names, so every rank that builds the model alike finds
     the same keys."""
-    holders: dict[int, list[tuple[int, str]]] = {}
-    params: dict[int, nn.Parameter] = {}
-    for s, stage in enumerate(stages):
-        for name, p in stage.named_parameters():  # each parameter once per stage
-            if not p.requires_grad:  # frozen: equal on every rank as built, no gradient to sum
-                continue
-            params[id(p)] = p
-            holders.setdefault(id(p), []).append((s, name))
-    return {held[0][1]: (params[i], held) for i, held in holders.items() if len(held) > 1}
+    return {held[0][1]: (p, held) for p, held in shared_parameters(stages)}
+
+
+def shared_parameters(modules: Sequence[nn.Module]) -> list[tuple[nn.Parameter, list[tuple[int, str]]]]:
+    """The trainable parameters that several of `modules` hold, in the order first met: (the
+    parameter, [(module index, its name there)]). Frozen ones have no gradient to sum: left out."""
+    holders: dict[int, tuple[nn.Parameter, list[tuple[int, str]]]] = {}
+    for i, module in enumerate(modules):
+        for name, p in module.named_parameters():  # each parameter once per module
+            if p.requires_grad:
+                holders.setdefault(id(p), (p, []))[1].append((i, name))
+    return [(p, held) for p, held in holders.values() if len(held) > 1]
 
 
 # -- the layer list -------------------------------------------------------------------------------

@@ -34,8 +34,8 @@ class PipelineStage:
     shaped like `input_args` that returns other shapes fails with an error that names both.
 
     `tied` defaults to the ties `pc.partition` found (a StageModule's `tied`: parameters its layers
-    share with other stages'); `tied={"embedding": module.tok.weight}` on one stage and `tied={"embedding": module.head.weight}`
-    on another declare one weight shared by stages (DeepSpeed's TiedLayerSpec, Megatron's embedding
+    share with other stages'); `tied={"embedding": module.tok.weight}` on one stage and
+    `tied={"embedding": module.head.weight}` on another declare one weight shared by stages (DeepSpeed's TiedLayerSpec, Megatron's embedding
     group): the Pipeline makes the copies equal at its first step, before any forward (the lowest stage's value wins), and
     sums their gradients after every training step, so an optimizer step keeps them equal
     (pipecore/training/ties.py). Stages on one rank that hold the key need no communication for it.

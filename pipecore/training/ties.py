@@ -25,6 +25,7 @@ from torch import nn
 
 from pipecore.errors import InputError
 from pipecore.executor.comm import Comm
+from pipecore.stage.partitioning import shared_parameters
 
 
 SAMPLE = 64  # entries of a tied weight compared between its copies after each step
@@ -149,16 +150,16 @@ class TiedWeights:
                 mine = self._sum([self._grad(key, c) for c in counted]) if counted else self._zeros(key)
                 # after the gradient: 1 where a counted copy here got one (summed: how many ranks did),
                 # then a sample of this rank's copy and 1 (summed: the samples and how many ranks gave one)
-                sample = self._sample(key, counted[0]) if counted else None
+                sample = self._sample(key, counted[0]).to(mine.dtype) if counted else None
                 flat = torch.cat([mine.reshape(-1), mine.new_tensor([float(self._got(key, counted))]),
                                   torch.zeros(SAMPLE, dtype=mine.dtype, device=mine.device) if sample is None
-                                  else sample.to(mine.dtype), mine.new_tensor([float(sample is not None)])])
+                                  else sample, mine.new_tensor([float(sample is not None)])])
                 flat = self._reduce(key, holders, flat, "summing tied weight gradients")
                 n = mine.numel()
                 got, sampled = flat[[n, -1]].tolist()
                 total, got = flat[:n].view_as(mine), bool(got)
                 if sample is not None:
-                    self._compare(key, sample.to(mine.dtype), flat[n + 1:-1], int(sampled))
+                    self._compare(key, sample, flat[n + 1:-1], int(sampled))
                 if not here:
                     continue
             self._compare_here(key, here)
@@ -235,22 +236,13 @@ def check_shared_parameters(stages: list) -> None:
     """Raises InputError where stages of this rank hold one Parameter object that they do not all
     declare tied under one key: each stage's gradient finalisation would count its gradient, and a
     copy on another rank would not be summed with it."""
-    holders: dict[int, list] = {}
-    names: dict[int, str] = {}
-    for s in stages:
-        for name, p in s.module.named_parameters():
-            if not p.requires_grad:  # frozen: no gradient for two stages to count
-                continue
-            holders.setdefault(id(p), []).append(s)
-            names.setdefault(id(p), name)
-    for pid, held in holders.items():
-        if len(held) < 2:
-            continue
-        keys = [next((k for k, p in s.tied.items() if id(p) == pid), None) for s in held]
+    for param, held in shared_parameters([s.module for s in stages]):
+        holders = [stages[i] for i, _ in held]
+        keys = [next((k for k, p in s.tied.items() if p is param), None) for s in holders]
         if None in keys or len(set(keys)) > 1:
-            where = ", ".join(f"stage {s.stage_index}" + (f" (tied {k!r})" if k else "") for s, k in zip(held, keys))
+            where = ", ".join(f"stage {s.stage_index}" + (f" (tied {k!r})" if k else "") for s, k in zip(holders, keys))
             raise InputError(
-                f"{where} hold one Parameter object ({names[pid]}) that they do not declare as one tied weight: "
+                f"{where} hold one Parameter object ({held[0][1]}) that they do not declare as one tied weight: "
                 "declare it on each of them under one key (PipelineStage(..., tied={'<key>': <the parameter>})), "
                 "or build the stages with pc.partition, which finds such ties itself")
 
