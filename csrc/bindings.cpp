@@ -336,6 +336,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              const at::Tensor& like) { self.set_output_specs(stage, mb, to_specs(send_f), like.options()); },
           py::arg("stage"), py::arg("mb"), py::arg("send_f"), py::arg("like"))
       .def("forget_specs", &pipecore::Executor::forget_specs)
+      .def("set_shapes_travel", &pipecore::Executor::set_shapes_travel, py::arg("on"),
+           "host path: messages carry their shapes, set shapes are capacities (csrc/executor.h)")
+      .def_property_readonly("shapes_travel", &pipecore::Executor::shapes_travel)
+      .def_property("batch_rows", &pipecore::Executor::batch_rows, &pipecore::Executor::set_batch_rows,
+                    "shaped messages: the step's batch rows (set on first-stage ranks, learnt elsewhere; -1: not yet)")
+      .def_property_readonly("message_counts", &pipecore::Executor::message_counts,
+                             "(messages, point-to-point sends of their parts, grown messages sent again) of the "
+                             "last run")
       .def("set_trace", &pipecore::Executor::set_trace, py::arg("on"), py::arg("device") = "cpu")
       .def("set_profile", &pipecore::Executor::set_profile, py::arg("on"))
       .def("profile",

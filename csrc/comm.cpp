@@ -147,4 +147,172 @@ std::vector<at::Tensor> unframe(const std::vector<at::Tensor>& parts, const std:
   return out;
 }
 
+// -- shaped messages (comm.h) ------------------------------------------------------------------
+
+namespace {
+
+constexpr size_t kHeadWords = 3;  // status, magic, rows; then the dims
+
+int64_t header_bytes(const std::vector<TensorSpec>& capacity) {
+  int64_t words = kHeadWords;
+  for (const auto& c : capacity) words += static_cast<int64_t>(c.shape.size());
+  return aligned(words * 8);
+}
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
+bool packed_layout(const std::vector<TensorSpec>& capacity, int64_t large) {
+  return payload_bytes(capacity) < large;
+}
+
+at::Tensor header_part(const std::vector<TensorSpec>& capacity, const std::vector<at::Tensor>& tensors, int64_t status,
+                       int64_t rows, int64_t extra_bytes, const at::TensorOptions& options) {
+  const int64_t bytes = header_bytes(capacity);
+  std::vector<int64_t> words(bytes / 8, 0);
+  words[0] = status;
+  words[1] = kMagic;
+  words[2] = rows;
+  size_t w = kHeadWords;
+  for (size_t k = 0; k < capacity.size(); ++k) {
+    for (size_t d = 0; d < capacity[k].shape.size(); ++d) {
+      words[w++] = tensors.empty() ? 0 : tensors[k].size(static_cast<int64_t>(d));
+    }
+  }
+  auto buffer = at::empty({bytes + extra_bytes}, options.dtype(at::kByte));
+  if (buffer.is_cpu()) {
+    std::memcpy(buffer.data_ptr(), words.data(), bytes);
+  } else {  // gloo with device tensors: the header goes over from the host
+    auto host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
+    std::memcpy(host.data_ptr(), words.data(), bytes);
+    buffer.narrow(0, 0, bytes).copy_(host);
+  }
+  return buffer;
+}
+
+}  // namespace
+
+bool fits_capacity(const std::vector<at::Tensor>& tensors, const std::vector<TensorSpec>& capacity, int64_t large) {
+  if (packed_layout(capacity, large)) return payload_bytes(tensors) <= payload_bytes(capacity);
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    if (tensors[k].numel() > numel_of(capacity[k].shape)) return false;
+  }
+  return true;
+}
+
+std::vector<at::Tensor> frame_shaped(const std::vector<at::Tensor>& tensors, const std::vector<TensorSpec>& capacity,
+                                     int64_t large, int64_t status, int64_t rows, const at::TensorOptions& options) {
+  TORCH_CHECK(tensors.empty() || tensors.size() == capacity.size(), "pipecore: a message of ", tensors.size(),
+              " tensors where ", capacity.size(), " were planned");
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    TORCH_CHECK(tensors[k].dim() == static_cast<int64_t>(capacity[k].shape.size()) &&
+                    tensors[k].scalar_type() == capacity[k].dtype,
+                "pipecore: message tensor ", k, " is ", tensors[k].scalar_type(), " of ", tensors[k].dim(),
+                " dimensions where ", capacity[k].dtype, " of ", capacity[k].shape.size(), " were planned");
+  }
+  const bool data = status == kMessageOk;
+  TORCH_CHECK(!data || !tensors.empty() || capacity.empty(), "pipecore: a message without its tensors");
+  if (packed_layout(capacity, large)) {
+    auto buffer = header_part(capacity, tensors, status, rows, data ? payload_bytes(tensors) : 0, options);
+    if (data) {
+      int64_t offset = header_bytes(capacity);
+      for (const auto& t : tensors) {
+        auto n = static_cast<int64_t>(t.nbytes());
+        if (n > 0) buffer.narrow(0, offset, n).copy_(t.detach().contiguous().reshape({-1}).view(at::kByte));
+        offset += aligned(n);
+      }
+    }
+    return {buffer};
+  }
+  std::vector<at::Tensor> parts{header_part(capacity, tensors, status, rows, 0, options)};
+  for (size_t k = 0; k < capacity.size(); ++k) {
+    if (numel_of(capacity[k].shape) == 0) continue;
+    parts.push_back(data ? tensors[k].detach().contiguous() : at::empty({0}, options.dtype(capacity[k].dtype)));
+  }
+  return parts;
+}
+
+std::vector<at::Tensor> alloc_shaped(const std::vector<TensorSpec>& capacity, const at::TensorOptions& options,
+                                     int64_t large, const at::Tensor& scratch) {
+  const int64_t header = header_bytes(capacity);
+  if (packed_layout(capacity, large)) return {at::empty({header + payload_bytes(capacity)}, options.dtype(at::kByte))};
+  std::vector<at::Tensor> parts{at::empty({header}, options.dtype(at::kByte))};
+  for (const auto& c : capacity) {
+    const int64_t n = numel_of(c.shape);
+    if (n == 0) continue;
+    if (scratch.defined()) {
+      const int64_t bytes = nbytes(c.shape, c.dtype);
+      TORCH_CHECK(scratch.numel() >= bytes, "pipecore: abort scratch of ", scratch.numel(), " bytes for a part of ",
+                  bytes);
+      parts.push_back(scratch.narrow(0, 0, bytes).view(c.dtype));
+    } else {
+      parts.push_back(at::empty({n}, options.dtype(c.dtype)));
+    }
+  }
+  return parts;
+}
+
+int64_t read_shaped(const std::vector<at::Tensor>& parts, const std::vector<TensorSpec>& capacity, int64_t large,
+                    std::vector<std::vector<int64_t>>& shapes, int64_t& rows) {
+  const int64_t bytes = header_bytes(capacity);
+  if (parts.empty() || parts[0].numel() < bytes) return kMessageUnknown;
+  auto header = parts[0].narrow(0, 0, bytes);
+  if (!header.is_cpu()) header = header.cpu();
+  std::vector<int64_t> words(bytes / 8);
+  std::memcpy(words.data(), header.data_ptr(), bytes);
+  const int64_t status = words[0];
+  if (words[1] != kMagic || status < kMessageOk || status > kMessageGrown) return kMessageUnknown;
+  rows = words[2];
+  shapes.assign(capacity.size(), {});
+  size_t w = kHeadWords;
+  for (size_t k = 0; k < capacity.size(); ++k) {
+    for (size_t d = 0; d < capacity[k].shape.size(); ++d) {
+      const int64_t dim = words[w++];
+      if (dim < 0) return kMessageUnknown;
+      shapes[k].push_back(dim);
+    }
+  }
+  if (status != kMessageOk) return status;
+  // an ok message fits the capacity it was sent to: one that does not is not this channel's
+  const auto got = with_shapes(capacity, shapes);
+  if (packed_layout(capacity, large)) return payload_bytes(got) <= payload_bytes(capacity) ? status : kMessageUnknown;
+  for (size_t k = 0; k < capacity.size(); ++k) {
+    if (numel_of(got[k].shape) > numel_of(capacity[k].shape)) return kMessageUnknown;
+  }
+  return status;
+}
+
+std::vector<TensorSpec> with_shapes(const std::vector<TensorSpec>& capacity,
+                                    const std::vector<std::vector<int64_t>>& shapes) {
+  std::vector<TensorSpec> specs = capacity;
+  for (size_t k = 0; k < specs.size(); ++k) specs[k].shape = shapes[k];
+  return specs;
+}
+
+std::vector<at::Tensor> unframe_shaped(const std::vector<at::Tensor>& parts, const std::vector<TensorSpec>& capacity,
+                                       const std::vector<std::vector<int64_t>>& shapes) {
+  std::vector<at::Tensor> out;
+  out.reserve(capacity.size());
+  const bool packed = parts.size() == 1;
+  int64_t offset = header_bytes(capacity);
+  size_t next = 1;
+  for (size_t k = 0; k < capacity.size(); ++k) {
+    const auto dtype = capacity[k].dtype;
+    const int64_t n = nbytes(shapes[k], dtype);
+    if (packed) {
+      out.push_back(n == 0 ? at::empty(shapes[k], parts[0].options().dtype(dtype))
+                           : parts[0].narrow(0, offset, n).view(dtype).view(shapes[k]).detach());
+      offset += aligned(n);
+    } else if (numel_of(capacity[k].shape) == 0) {
+      out.push_back(at::empty(shapes[k], parts[0].options().dtype(dtype)));
+    } else {
+      out.push_back(parts[next++].narrow(0, 0, numel_of(shapes[k])).view(shapes[k]).detach());
+    }
+  }
+  return out;
+}
+
 }  // namespace pipecore

@@ -16,6 +16,9 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
+
+#include "tensor_spec.h"
 
 namespace pipecore {
 
@@ -38,6 +41,13 @@ struct CommTask {
   std::shared_ptr<StreamMarker> ready;
   bool consumed = false;
   std::function<void(CommTask&)> release;
+  // shaped receives (comm.h), once settled: the header's status and shapes, and the capacity the parts
+  // are laid out by (a grown message's: its own shapes)
+  int64_t action = -1;  // the program index of its RECV
+  bool settled = false;
+  int64_t status = 0;
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<TensorSpec> layout;
 
   CommTask() = default;
   CommTask(const CommTask&) = delete;

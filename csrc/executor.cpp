@@ -48,6 +48,8 @@ Executor::Executor(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t num_stages
       options_(num_stages * num_microbatches),
       input_known_(num_stages * num_microbatches, 0),
       output_known_(num_stages * num_microbatches, 0),
+      crossed_in_(num_stages),
+      crossed_out_(num_stages),
       sends_(std::make_unique<SendTracker>()),
       next_local_(num_stages, -1),
       prev_local_(num_stages, -1),
@@ -182,6 +184,159 @@ void Executor::forget_specs() {
   std::fill(output_known_.begin(), output_known_.end(), 0);
 }
 
+void Executor::set_shapes_travel(bool on) {
+  TORCH_CHECK(!on || !device_comm_, "pipecore: shaped messages are the host path's (NCCL receives need their size)");
+  shapes_travel_ = on;
+}
+
+namespace {
+// Same count, dtypes, ranks and gradient flags: capacities of one boundary's messages.
+bool same_structure(const std::vector<TensorSpec>& a, const std::vector<TensorSpec>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t k = 0; k < a.size(); ++k) {
+    if (a[k].dtype != b[k].dtype || a[k].requires_grad != b[k].requires_grad || a[k].shape.size() != b[k].shape.size()) {
+      return false;
+    }
+  }
+  return true;
+}
+// `into` takes the larger of the two shapes per dimension (same structure assumed).
+void widen(std::vector<TensorSpec>& into, const std::vector<TensorSpec>& by) {
+  for (size_t k = 0; k < into.size(); ++k) {
+    for (size_t d = 0; d < into[k].shape.size(); ++d) into[k].shape[d] = std::max(into[k].shape[d], by[k].shape[d]);
+  }
+}
+// What crossed a boundary joins its record (a message of another structure starts it anew).
+void record_crossing(std::vector<TensorSpec>& crossed, std::vector<TensorSpec> message) {
+  if (same_structure(crossed, message)) {
+    widen(crossed, message);
+  } else {
+    crossed = std::move(message);
+  }
+}
+// The widest of one stage's capacities (over its microbatches and what crossed): false where they
+// differ in structure (each microbatch keeps its own then).
+bool widest_of(std::vector<std::vector<TensorSpec>>& specs, const std::vector<uint8_t>& known, size_t first, size_t count,
+               const std::vector<TensorSpec>& crossed, std::vector<TensorSpec>& widest) {
+  widest.clear();
+  for (size_t key = first; key < first + count; ++key) {
+    if (!known[key] || specs[key].empty()) continue;
+    if (widest.empty()) {
+      widest = specs[key];
+    } else if (!same_structure(widest, specs[key])) {
+      return false;
+    } else {
+      widen(widest, specs[key]);
+    }
+  }
+  if (widest.empty()) return false;
+  if (same_structure(widest, crossed)) widen(widest, crossed);
+  return true;
+}
+}  // namespace
+
+void Executor::widen_capacities() {
+  const size_t m = static_cast<size_t>(num_microbatches_);
+  std::vector<TensorSpec> widest;
+  for (int64_t stage = 0; stage < num_stages_; ++stage) {
+    const size_t first = static_cast<size_t>(stage) * m;
+    if (widest_of(recv_f_specs_, input_known_, first, m, crossed_in_[stage], widest)) {
+      for (size_t key = first; key < first + m; ++key) {
+        if (input_known_[key] && !recv_f_specs_[key].empty()) recv_f_specs_[key] = widest;
+      }
+    }
+    if (widest_of(send_f_specs_, output_known_, first, m, crossed_out_[stage], widest)) {
+      std::vector<TensorSpec> grads;  // the gradients that come back: of the sent tensors that need one
+      for (const auto& sp : widest) {
+        if (sp.requires_grad) grads.push_back(sp);
+      }
+      for (size_t key = first; key < first + m; ++key) {
+        if (!output_known_[key] || send_f_specs_[key].empty()) continue;
+        send_f_specs_[key] = widest;
+        recv_b_specs_[key] = grads;
+      }
+    }
+  }
+}
+
+std::vector<TensorSpec> Executor::capacity(const Instr& in) const {
+  const size_t key = in.stage * num_microbatches_ + in.mb;
+  switch (in.op) {
+    case kRecvF:
+    case kF:
+      return recv_f_specs_[key];
+    case kRecvB:
+    case kB:
+    case kI:
+      return recv_b_specs_[key];
+    case kSendF:
+      return send_f_specs_[key];
+    default: {  // kSendB: the gradients of the received tensors that need one
+      std::vector<TensorSpec> specs;
+      for (const auto& sp : recv_f_specs_[key]) {
+        if (sp.requires_grad) specs.push_back(sp);
+      }
+      return specs;
+    }
+  }
+}
+
+void Executor::settle(CommTask& task, const Instr& action, const char* what, bool draining) {
+  Instr in = action;  // the action that consumes the message (F, B, I): it came from the task's peer
+  in.peer = task.peer;
+  if (!task.settled) {
+    // A grown message's second sending follows on one tag for every message from this peer: the
+    // receives posted before this one are read first, so that the follow-ups are received in the
+    // order they were sent (this rank may consume them in another: a V's forward and gradient
+    // messages share the channel).
+    auto& earlier = unsettled_[task.peer];
+    while (!earlier.empty() && !task.settled) {
+      std::shared_ptr<CommTask> next = std::move(earlier.front());
+      earlier.pop_front();
+      read_header(*next);
+    }
+    if (!task.settled) read_header(task);
+  }
+  if (draining) return;
+  if (task.status == kMessageUnknown) {
+    std::ostringstream os;
+    os << where(in) << ": the " << what << " of microbatch " << in.mb << " from rank " << in.peer
+       << " do not start with pipecore's header: the messages between the two ranks are out of step (another "
+          "send or receive on this process group with the same peer, or a schedule lowered differently there)";
+    throw CommError(os.str());
+  }
+  check_message_status(task.status, in, what);
+}
+
+void Executor::read_header(CommTask& task) {
+  if (task.settled) return;
+  const Instr& in = program_[task.action];  // its RECV
+  const char* what = in.op == kRecvF ? "activations" : "output gradients";
+  wait_task(task, in, what);
+  int64_t rows = 0;
+  task.status = read_shaped(task.parts, task.layout, large_message_bytes_, task.shapes, rows);
+  if (task.status == kMessageGrown) {  // it comes again at its own size, on the follow-up tag
+    auto again = std::make_shared<CommTask>();
+    again->send = false;
+    again->layout = with_shapes(task.layout, task.shapes);
+    again->parts = alloc_shaped(again->layout, options_[in.stage * num_microbatches_ + in.mb], large_message_bytes_);
+    post_task(again, in, kFollowUpTag);
+    wait_task(*again, in, what);
+    std::vector<std::vector<int64_t>> shapes;
+    int64_t again_rows = 0;
+    const bool same = read_shaped(again->parts, again->layout, large_message_bytes_, shapes, again_rows) ==
+                          kMessageOk && shapes == task.shapes;
+    task.status = same ? kMessageOk : kMessageUnknown;
+    task.parts = std::move(again->parts);
+    task.layout = std::move(again->layout);
+  }
+  task.settled = true;
+  if (task.status == kMessageOk && in.op == kRecvF) {
+    record_crossing(crossed_in_[in.stage], with_shapes(task.layout, task.shapes));
+    if (batch_rows_ < 0) batch_rows_ = rows;  // (set_batch_rows)
+  }
+}
+
 bool Executor::learn_specs(const Instr& in, bool aborted) {
   const size_t key = in.stage * num_microbatches_ + in.mb;
   const bool input = in.op == kRecvF;
@@ -236,6 +391,8 @@ void Executor::reset() {
   ahead_bytes_of_.assign(recv_instrs_.size(), 0);
   threaded_posts_ = 0;
   reverse_posts_ = 0;
+  sent_messages_ = sent_parts_ = grown_messages_ = 0;
+  unsettled_.clear();
   if constexpr (kTesting) recv_posted_at_.assign(recv_instrs_.size(), -1);
   for (auto& s : slots_) s = Slot();
   sends_->clear_failure();
@@ -261,7 +418,13 @@ const std::vector<at::Tensor>& Executor::receive(Inbox& inbox, const Instr& in, 
     }
   } else {
     wait_task(*inbox.task, in, what);
-    check_message(inbox.task->parts, in, what);
+    if (shapes_travel_) {
+      settle(*inbox.task, in, what, /*draining=*/false);
+    } else {
+      Instr from = in;  // (a consuming action names no peer)
+      from.peer = inbox.task->peer;
+      check_message(inbox.task->parts, from, what);
+    }
   }
   return inbox.task->parts;
 }
@@ -326,6 +489,10 @@ void Executor::check_message(const std::vector<at::Tensor>& parts, const Instr& 
           "send or receive on this process group with the same peer, or a schedule lowered differently there)";
     throw CommError(os.str());
   }
+  check_message_status(status, in, what);
+}
+
+void Executor::check_message_status(int64_t status, const Instr& in, const char* what) {
   if (status == kMessageReplan) {
     std::ostringstream os;
     os << where(in) << ": the " << what << " of microbatch " << in.mb << " say a first stage's batch changed shape";
@@ -348,9 +515,10 @@ std::shared_ptr<CommTask> Executor::make_recv(const Instr& in, bool aborted) {
   auto task = std::make_shared<CommTask>();
   task->send = false;
   // allocated before anything records the receive as posted: a failed allocation leaves it unposted
-  task->parts = aborted ? alloc_frame(specs, options_[key], large_message_bytes_,
-                                      abort_scratch(options_[key], payload_bytes(specs)))
-                        : alloc_frame(specs, options_[key], large_message_bytes_);
+  const at::Tensor scratch = aborted ? abort_scratch(options_[key], payload_bytes(specs)) : at::Tensor();
+  task->parts = shapes_travel_ ? alloc_shaped(specs, options_[key], large_message_bytes_, scratch)
+                               : alloc_frame(specs, options_[key], large_message_bytes_, scratch);
+  if (shapes_travel_) task->layout = specs;
   Slot& s = slot(in.stage, in.mb);
   (activations ? s.recv_f : s.recv_b).task = task;
   return task;
@@ -368,7 +536,9 @@ void Executor::post_recvs_until(size_t end, size_t at, bool aborted) {
     ++recvs_posted_;
     if (!task) continue;
     maybe_delay();
+    task->action = recv_instrs_[recvs_posted_ - 1];
     post_task(task, in);
+    if (shapes_travel_) unsettled_[task->peer].push_back(task);  // (settle)
   }
 }
 
@@ -405,11 +575,15 @@ void Executor::prefetch_recvs(size_t at) {
 
 bool Executor::set_device_comm(const std::string& device) {
   device_comm_ = make_device_comm(c10::Device(device));
+  if (device_comm_) shapes_travel_ = false;  // (set_shapes_travel)
   return device_comm_ != nullptr;
 }
 
 #ifdef PIPECORE_TESTING
-void Executor::emulate_device_comm() { device_comm_ = make_host_device_comm(timeout_); }
+void Executor::emulate_device_comm() {
+  device_comm_ = make_host_device_comm(timeout_);
+  shapes_travel_ = false;
+}
 std::vector<std::string> Executor::stream_violations() const {
   return device_comm_ ? device_comm_->contract_violations() : std::vector<std::string>();
 }
@@ -453,21 +627,38 @@ void Executor::post_batch(size_t index, bool aborted, int64_t status) {
   }
   for (size_t k = 0; k < tasks.size(); ++k) {
     if (!tasks[k]->send) continue;
+    ++sent_messages_;
+    sent_parts_ += static_cast<int64_t>(tasks[k]->parts.size());
     const Instr& in = program_[task_index[k]];
     const int64_t bytes = message_bytes(tasks[k]->parts);
     sends_->track(std::move(tasks[k]), bytes, where(in) + ": send to rank " + std::to_string(in.peer), timeout_);
   }
 }
 
-std::vector<at::Tensor> Executor::message_of(const Instr& in, bool aborted, int64_t status) {
+std::vector<at::Tensor> Executor::message_of(const Instr& in, bool aborted, int64_t status,
+                                             std::vector<at::Tensor>* follow_up) {
+  const at::TensorOptions& options = options_[in.stage * num_microbatches_ + in.mb];
   if (aborted) {
     const std::vector<TensorSpec> specs = send_specs(in);
     if (specs.empty()) return {};
-    const at::TensorOptions& options = options_[in.stage * num_microbatches_ + in.mb];
+    if (shapes_travel_) return frame_shaped({}, specs, large_message_bytes_, status, 0, options);
     return abort_frame(specs, options, status, large_message_bytes_, abort_scratch(options, payload_bytes(specs)));
   }
   std::vector<at::Tensor> tensors = outgoing(in);
   if (tensors.empty()) return {};
+  if (shapes_travel_) {
+    const std::vector<TensorSpec> cap = capacity(in);
+    std::vector<std::vector<int64_t>> shapes;
+    for (const auto& t : tensors) shapes.push_back(t.sizes().vec());
+    if (in.op == kSendF) record_crossing(crossed_out_[in.stage], with_shapes(cap, shapes));
+    const int64_t rows = std::max<int64_t>(batch_rows_, 0);
+    if (fits_capacity(tensors, cap, large_message_bytes_)) {
+      return frame_shaped(tensors, cap, large_message_bytes_, kMessageOk, rows, options);
+    }
+    TORCH_CHECK(follow_up != nullptr, where(in), ": a grown message without a follow-up");
+    *follow_up = frame_shaped(tensors, with_shapes(cap, shapes), large_message_bytes_, kMessageOk, rows, options);
+    return frame_shaped(tensors, cap, large_message_bytes_, kMessageGrown, rows, options);
+  }
   if (!device_comm_) return frame(tensors, large_message_bytes_);
   // the device path's trailers carry the step status on (device_comm.h)
   return frame(tensors, large_message_bytes_, [this](at::Tensor& trailer) { device_comm_->write_trailer(trailer); });
@@ -508,9 +699,9 @@ void Executor::set_comm_thread(bool on) {
   }
 }
 
-void Executor::post_task(const std::shared_ptr<CommTask>& task, const Instr& in) {
+void Executor::post_task(const std::shared_ptr<CommTask>& task, const Instr& in, int tag) {
   task->peer = static_cast<int>(in.peer);
-  task->tag = kTag;
+  task->tag = tag;
   task->group = pg_.get();
   if (reverse_ && (task->send ? in.peer < rank_ : in.peer > rank_)) {  // travels to a lower rank
     task->channel = reverse_.get();
@@ -545,7 +736,7 @@ void Executor::await_posted(CommTask& task, const Instr& in) {
   if (task.error) throw post_failure(task, in, error_text(task.error));
 }
 
-void Executor::send(std::vector<at::Tensor> parts, size_t index, bool budgeted, bool aborted) {
+void Executor::send(std::vector<at::Tensor> parts, size_t index, bool budgeted, bool aborted, int tag) {
   const Instr& in = program_[index];
   const int64_t bytes = message_bytes(parts);
   bool reserved = true;
@@ -562,8 +753,10 @@ void Executor::send(std::vector<at::Tensor> parts, size_t index, bool budgeted, 
   if (!aborted) check_sends();  // an aborted step still releases every peer it can
   auto task = std::make_shared<CommTask>();
   task->parts = std::move(parts);
+  ++(tag == kFollowUpTag ? grown_messages_ : sent_messages_);
+  sent_parts_ += static_cast<int64_t>(task->parts.size());
   maybe_delay();
-  post_task(task, in);
+  post_task(task, in, tag);
   last_send_posted_ = static_cast<int64_t>(index);
   sends_->track(std::move(task), bytes, where(in) + ": send to rank " + std::to_string(in.peer), timeout_);
 }
@@ -613,6 +806,7 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const Spec
     host_reads_ = device_comm_ != nullptr;
   }
   reset();
+  if (shapes_travel_) widen_capacities();
   struct Profiled {  // the run's time, however it ends
     StepProfile& profile;
     ~Profiled() { profile.end(); }
@@ -708,6 +902,7 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const Spec
 
 void Executor::run_aborted(int64_t status) {
   reset();
+  if (shapes_travel_) widen_capacities();
   const std::string comm_failure = finish_aborted(0, /*wait=*/true, status);
   if (!comm_failure.empty()) throw CommError(comm_failure);
 }
@@ -731,6 +926,7 @@ std::string Executor::finish_aborted(size_t from, bool wait, int64_t status) {
     }
   }
   for (auto& s : slots_) s = Slot();
+  unsettled_.clear();
   abort_scratch_ = at::Tensor();  // in-flight sends keep it alive as long as they need it
   return comm_failure;
 }
@@ -820,7 +1016,10 @@ void Executor::exec_aborted(size_t index, bool wait, int64_t status) {
     case kI: {  // drain what this action would have consumed
       Slot& s = slot(in.stage, in.mb);
       Inbox& inbox = in.op == kF ? s.recv_f : s.recv_b;
-      if (wait) wait_recv(inbox, in, in.op == kF ? "activations" : "output gradients");
+      const char* what = in.op == kF ? "activations" : "output gradients";
+      if (wait) wait_recv(inbox, in, what);
+      // its header says whether it comes again (grown) and what crossed, as the sender counts it
+      if (wait && shapes_travel_ && inbox.task) settle(*inbox.task, in, what, /*draining=*/true);
       inbox = Inbox();
       break;
     }
@@ -877,8 +1076,10 @@ void Executor::exec(size_t index, const ForwardFn& forward) {
         break;
       }
       SpentOn spent(profile_, Spent::kPost);
-      std::vector<at::Tensor> parts = message_of(in, /*aborted=*/false);
+      std::vector<at::Tensor> follow_up;
+      std::vector<at::Tensor> parts = message_of(in, /*aborted=*/false, 0, &follow_up);
       if (!parts.empty()) send(std::move(parts), index);
+      if (!follow_up.empty()) send(std::move(follow_up), index, /*budgeted=*/true, /*aborted=*/false, kFollowUpTag);
       break;
     }
     case kReduceGrad:
@@ -902,7 +1103,9 @@ void Executor::do_forward(const Instr& in, const ForwardFn& forward) {
   const size_t key = in.stage * num_microbatches_ + in.mb;
   if (s.recv_f.posted()) {
     const auto& specs = recv_f_specs_[key];
-    s.inputs = unframe(receive(s.recv_f, in, "activations"), specs);
+    const auto& parts = receive(s.recv_f, in, "activations");
+    s.inputs = shapes_travel_ ? unframe_shaped(parts, s.recv_f.task->layout, s.recv_f.task->shapes)
+                              : unframe(parts, specs);
     for (size_t k = 0; k < specs.size(); ++k) {
       if (specs[k].requires_grad) s.inputs[k].requires_grad_(true);
     }
@@ -956,8 +1159,9 @@ void Executor::do_backward(const Instr& in, bool split) {
     }
   } else {
     if (s.recv_b.posted()) {
-      s.out_grads = unframe(receive(s.recv_b, in, "output gradients"),
-                            recv_b_specs_[in.stage * num_microbatches_ + in.mb]);
+      const auto& parts = receive(s.recv_b, in, "output gradients");
+      s.out_grads = shapes_travel_ ? unframe_shaped(parts, s.recv_b.task->layout, s.recv_b.task->shapes)
+                                   : unframe(parts, recv_b_specs_[in.stage * num_microbatches_ + in.mb]);
       s.recv_b = Inbox();
     }
     TORCH_CHECK(s.out_grads.size() == s.out_edges.size(), where(in), ": received ", s.out_grads.size(),

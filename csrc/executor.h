@@ -8,6 +8,7 @@
 #include "backward.h"
 #include "overlap.h"
 #include "step_profile.h"
+#include "tensor_spec.h"
 
 #include <chrono>
 #include <condition_variable>
@@ -16,6 +17,8 @@
 #include <functional>
 #include <string>
 #include <memory>
+#include <tuple>
+#include <unordered_map>
 #include <map>
 #include <mutex>
 #include <random>
@@ -71,13 +74,6 @@ struct Instr {
   int64_t mb;     // microbatch (global index)
   int64_t peer;   // group rank for SEND/RECV, else -1
   int64_t label;  // index into labels ("PP:1F0")
-};
-
-// Shape, dtype and autograd flag of one tensor crossing a stage boundary.
-struct TensorSpec {
-  std::vector<int64_t> shape;
-  c10::ScalarType dtype;
-  bool requires_grad;
 };
 
 // A posted receive: the buffers of its message's parts and their pending Works.
@@ -155,6 +151,25 @@ class Executor {
   void set_output_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> send_f, at::TensorOptions options);
   // Every message's shapes unknown, to be learnt by a discovery run.
   void forget_specs();
+  // Host path: messages carry their tensors' shapes (comm.h, shaped messages), so that microbatches
+  // may change shapes at every step without a discovery run. The shapes set (set_specs) are then
+  // capacities: at each run's start every boundary's receives take the largest shape, per dimension,
+  // that its microbatches were set or that crossed it in an earlier run (the sender and the receiver
+  // of a boundary see the same messages, so both sides widen alike). A message that outgrows them
+  // goes as its header, then at its own size (kMessageGrown): one extra message, until the boundary's
+  // capacity has grown. Every rank of the group must set the same, between steps; not on the device
+  // path (NCCL receives need their exact size).
+  void set_shapes_travel(bool on);
+  bool shapes_travel() const { return shapes_travel_; }
+  // Shaped messages carry the step's batch rows (the first stages' batch size, 0 if it has none)
+  // from the ranks holding a first stage, which set it before each run, to the others, which set -1
+  // and learn it from the first activations they receive: the last stage weighs its losses by it
+  // without an agreement when only the shapes changed.
+  void set_batch_rows(int64_t rows) { batch_rows_ = rows; }
+  int64_t batch_rows() const { return batch_rows_; }
+  // Messages sent in the last run: (messages, their parts, i.e. point-to-point sends; messages that
+  // outgrew their capacity and went a second time).
+  std::tuple<int64_t, int64_t, int64_t> message_counts() const { return {sent_messages_, sent_parts_, grown_messages_}; }
 #ifdef PIPECORE_TESTING
   // Tests: sleep a random 0..max_us before every send and receive.
   void set_delays(int64_t max_us, uint64_t seed) {
@@ -324,6 +339,8 @@ class Executor {
   // buffer for all of them, so that a rank out of memory can still release its peers.
   at::Tensor abort_scratch(const at::TensorOptions& options, int64_t bytes);
   void check_message(const std::vector<at::Tensor>& parts, const Instr& in, const char* what);
+  // Throws what a received message's status other than ok says (PeerReplan, PeerAbort).
+  void check_message_status(int64_t status, const Instr& in, const char* what);
 #ifdef PIPECORE_TESTING
   void maybe_delay();
 #else
@@ -341,7 +358,7 @@ class Executor {
   const std::vector<at::Tensor>& receive(Inbox& inbox, const Instr& in, const char* what);
   // Posts a message (within the peer's send budget unless `budgeted` is off) and hands it to the
   // send tracker, which frees it once sent.
-  void send(std::vector<at::Tensor> parts, size_t index, bool budgeted = true, bool aborted = false);
+  void send(std::vector<at::Tensor> parts, size_t index, bool budgeted = true, bool aborted = false, int tag = 0);
   void drain_sends();  // waits for every send in flight; throws CommError
   void do_forward(const Instr& in, const ForwardFn& forward);
   void do_backward(const Instr& in, bool split);
@@ -351,8 +368,8 @@ class Executor {
   void wait_task(CommTask& task, const Instr& in, const char* what);
   // The CommError for a send or receive the group refused to post.
   CommError post_failure(const CommTask& task, const Instr& in, const std::string& text) const;
-  // Posts `task` here or through the comm worker.
-  void post_task(const std::shared_ptr<CommTask>& task, const Instr& in);
+  // Posts `task` (with `tag`) here or through the comm worker.
+  void post_task(const std::shared_ptr<CommTask>& task, const Instr& in, int tag = 0);
   // Waits until a queued task is posted; a posting error becomes a CommError.
   void await_posted(CommTask& task, const Instr& in);
   void check_sends();  // throws CommError if a send failed
@@ -365,8 +382,21 @@ class Executor {
   // false: no message travels (a receive that is not aborted throws PeerAbort then).
   bool learn_specs(const Instr& in, bool aborted);
   // The parts of SEND action `in`'s message (empty: nothing to send): what it sends, or (`aborted`) a
-  // message of the same size whose trailer carries `status`.
-  std::vector<at::Tensor> message_of(const Instr& in, bool aborted, int64_t status = 0);
+  // message of the same size whose trailer carries `status`. A shaped message that outgrew its
+  // capacity is its header; `follow_up` then gets the message at its own size.
+  std::vector<at::Tensor> message_of(const Instr& in, bool aborted, int64_t status = 0,
+                                     std::vector<at::Tensor>* follow_up = nullptr);
+  // Shaped messages: the capacity of (stage, mb)'s receive of activations (kRecvF) or output gradients
+  // (kRecvB), or of its send (kSendF, kSendB).
+  std::vector<TensorSpec> capacity(const Instr& in) const;
+  // Shaped messages: reads a received message's header (once); a grown one is received again at its
+  // own size (kFollowUpTag). Records what crossed the boundary. Unless `draining` (an aborted run's
+  // receive, dropped), a status other than ok throws as check_message does.
+  void settle(CommTask& task, const Instr& in, const char* what, bool draining);
+  // settle's reading of one message (waits for it; a grown one's follow-up too).
+  void read_header(CommTask& task);
+  // Each boundary's capacity at a run's start (set_shapes_travel).
+  void widen_capacities();
   // Device path, end of step: reads the step's message status; throws what it says.
   void check_device_status();
   // The message of a failed or timed-out wait for `what` (activations, output gradients) of `in`.
@@ -391,6 +421,14 @@ class Executor {
   std::vector<uint8_t> input_known_;   // [stage * M + mb]: recv_f specs set
   std::vector<uint8_t> output_known_;  // [stage * M + mb]: send_f and recv_b specs set
   const SpecFn* spec_source_ = nullptr;  // during a discovery run
+  bool shapes_travel_ = false;           // see set_shapes_travel
+  int64_t batch_rows_ = -1;              // see set_batch_rows
+  // [stage]: the largest shape per dimension that crossed its boundary from the previous stage (in)
+  // or to the next one (out), in any run so far (empty: none yet)
+  std::vector<std::vector<TensorSpec>> crossed_in_, crossed_out_;
+  // per peer: shaped receives posted and not settled yet, in posting order (settle)
+  std::unordered_map<int, std::deque<std::shared_ptr<CommTask>>> unsettled_;
+  int64_t sent_messages_ = 0, sent_parts_ = 0, grown_messages_ = 0;  // see message_counts()
   bool abort_may_wait_ = true;           // finish_aborted's `wait`
   std::vector<size_t> recv_instrs_;     // program indices of the RECV actions, in order
   std::vector<size_t> recvs_through_;   // [i]: RECV actions among program_[0..i]

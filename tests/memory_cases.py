@@ -178,7 +178,8 @@ def stray_message_puts_the_channel_out_of_step(rank, world, messages="default"):
     set_messages(pipe, messages)
     x, y = make_batch(8)
     pipeline_step(pipe, x, y)
-    if rank == 0:  # the size of the first activation message: 2 rows x 16 floats, packed, + trailer
+    if rank == 0:  # 2 rows x 16 floats + 16 bytes: within the first activation's receive buffer (a larger
+        # message would make gloo abort the process), not a message of pipecore's
         dist.send(torch.zeros(2 * 16 * 4 + 16, dtype=torch.uint8), dist.get_global_rank(group, 1), group=group)
     first = _outcome(lambda: pipeline_step(pipe, x, y))
     after = _outcome(lambda: pipeline_step(pipe, x, y))

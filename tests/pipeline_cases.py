@@ -394,7 +394,8 @@ def profiled_steps(rank, world):
 
 def changing_batch_shapes(rank, world, name, messages="default"):
     """Batches of different sizes step after step (and eval in between): each step equals
-    single-process training; shapes are agreed on again only when they change."""
+    single-process training; shapes are agreed on again only when they change (the device path),
+    or never (gloo: messages carry them)."""
     V = 1 if name in ("gpipe", "1f1b") else 2
     sched = pc.build_schedule(name, world, 4, V)
     topo = sched.topology

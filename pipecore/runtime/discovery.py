@@ -1,4 +1,5 @@
-"""The first step of each batch shape learns what crosses every stage boundary from its own forwards.
+"""The first step of each batch signature (plans.py) learns what crosses every stage boundary from its
+own forwards.
 
 Nothing runs the user's model to find shapes: no meta tensors (which CPU autocast, DTensor
 parameters, FSDP2's hooks and torch.compile do not follow), no forward run twice (no extra RNG
@@ -15,7 +16,7 @@ draws, no module state moved). Instead that step runs as any other, and:
 In that step the executor posts no receive ahead and the host waits for and reads each message; on
 the device path its batches still go as groups, each receive of activations opening a new one
 (csrc/executor.h, SpecFn; pipecore/schedule/p2p_order.py, rule 5). The descriptions become the
-plan of that batch shape once every rank ran the step: later steps post receives ahead and check
+plan of that batch signature once every rank ran the step: later steps post receives ahead and check
 each output against its boundary.
 """
 
@@ -36,7 +37,7 @@ ABSENT = b"pipecore: no output (the step failed before this forward)"
 
 
 class Discovery:
-    """One step learning the boundaries of its batch shape (train or eval)."""
+    """One step learning the boundaries of its batch signature (train or eval)."""
 
     def __init__(self, comm: Comm, executor, stages: list, topology, training: bool):
         self._comm = comm

@@ -37,7 +37,7 @@ object that two threads would drive. `Pipeline.overlap_fallbacks` counts those p
 warns once per reason. A module must not share other mutable state between one microbatch's
 forward and another's backward for a pair to overlap.
 
-The first step of each batch shape (it learns what crosses each stage boundary) runs its pairs in
+The first step of each batch signature (it learns what crosses each stage boundary) runs its pairs in
 program order on one thread, without hooks, and counts them in neither `overlapped_pairs` nor
 `overlap_fallbacks`.
 """

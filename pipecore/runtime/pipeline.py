@@ -69,7 +69,7 @@ class Pipeline:
 
     `recv_window`: how many receives are posted ahead of the action that needs them (0: each at
     its own RECV action), holding at most 16 MiB of buffers ahead (the next receive always goes). The
-    first step of each batch shape posts every receive at its own action (it learns the shapes).
+    first step of each batch signature posts every receive at its own action (it learns the shapes).
     Early receives let a peer's data land while this rank computes; each holds its buffer that
     much longer.
 
@@ -112,7 +112,7 @@ class Pipeline:
     `comm` (its communication service, pipecore/executor/comm.py), `gradients` (the gradient
     finalisation: `.dp` the data-parallel replicas, `.ties` the tied weights), `programs` ({True:
     training, False: eval} the executor's program of this rank), `plans` (what crosses each stage
-    boundary, per batch shape), `executor` (this rank's `pipecore._C.Executor`: not a stable API) and
+    boundary, per batch signature: plans.py), `executor` (this rank's `pipecore._C.Executor`: not a stable API) and
     `reverse_channel` (gloo's second connection, once opened).
     """
 
@@ -233,6 +233,9 @@ class Pipeline:
         # NCCL: batches on a communication stream, events, message statuses on the device: no host
         # wait inside a step (csrc/device_comm.h; posting order in pipecore/schedule/p2p_order.py)
         use_device_path(self.executor, gloo, device, self.rank)
+        # gloo: messages carry their shapes, so that a batch that changes shapes needs no new plan
+        # (csrc/comm.h, shaped messages); the device path plans per shape
+        self.executor.set_shapes_travel(gloo and not self.executor.device_comm)
         self._rollback = Rollback([s.module for s in self.stages], [s.device for s in self.stages])
         # how OVERLAP_F_B pairs run (pipecore/runtime/overlap.py)
         self._pairs = PairRunner(self.executor, self.stages, self.programs[True].labels, overlap_f_b)
@@ -382,7 +385,7 @@ class Pipeline:
     def overlapped_pairs(self) -> int:
         """Since this Pipeline was built: OVERLAP_F_B pairs run on two threads under the concurrent
         or lockstep rules (pairs a hook runs half by half are not counted, nor those of the first
-        step of each batch shape, which runs them in sequence)."""
+        step of each batch signature, which runs them in sequence)."""
         return self.executor.overlapped_pairs
 
     # -- step ---------------------------------------------------------------------------
@@ -411,9 +414,12 @@ class Pipeline:
             with _range("pipecore.split"):
                 batch = split_batch(self, args, kwargs, target, given=microbatches is not None)
             if self.has_first:
-                desc = wire.signature((wire.describe(args), wire.describe(kwargs), training))
                 if microbatches is None and self.args_chunk_spec is None and self.kwargs_chunk_spec is None:
                     rows = batch_size((args, kwargs)) or 0  # split along dim 0
+                # the batch's signature: its shapes, or where messages carry them (and the batch's rows,
+                # which the last stages weigh losses by), its structure
+                shaped = self.executor.shapes_travel
+                desc = wire.signature((wire.describe(args, shaped), wire.describe(kwargs, shaped), training))
         except (ValueError, TypeError) as exc:
             problem = exc
         agreed = plans.agreed.get(training)
@@ -425,9 +431,10 @@ class Pipeline:
                 plans.ensure_loaded(agreed, training)
                 self._run_aborted(MESSAGE_STATUS["ABORTED"])
             raise problem
-        # 2. shapes crossing every boundary. They are agreed on once per batch shape: a first stage
-        #    whose batch changed shape tells its peers by running the step as "shapes changed"
-        #    messages, then all ranks agree again; no collective runs while shapes stay the same.
+        # 2. what crosses every boundary. It is agreed on once per batch signature (plans.py; on gloo
+        #    shapes are not part of it, messages carry them): a first stage whose batch changed
+        #    signature tells its peers by running the step as "shapes changed" messages, then all
+        #    ranks agree again; no collective runs while the signature stays the same.
         if agreed is not None and self.has_first and desc != plans.last_desc.get(training):
             plans.ensure_loaded(agreed, training)
             self._run_aborted(MESSAGE_STATUS["REPLAN"])
@@ -438,7 +445,8 @@ class Pipeline:
             self._agree_and_plan(step, desc, rows, training)
         else:
             plans.ensure_loaded(agreed, training)
-        # 3. the step (the first one of a batch shape learns its plan: pipecore/runtime/discovery.py)
+        # 3. the step (the first one of a batch signature learns its plan: pipecore/runtime/discovery.py)
+        self.executor.batch_rows = rows if self.has_first else -1
         run = StepRun(self, plans, batch, training, return_outputs, loss_kwargs, loss_divisor,
                       self._dp.wrapped if self._dp is not None else {},
                       self._dp.size if self._dp is not None else 1, self._rollback.before_forward)

@@ -1,10 +1,13 @@
-"""What crosses each stage boundary, per batch shape: learnt once, then loaded into the executor.
+"""What crosses each stage boundary, per batch signature: learnt once, then loaded into the executor.
 
-The ranks agree on a batch signature (a digest of the first stages' inputs' shapes) with one small
-all-reduce whenever a first stage's batch changed shape. The first step of each signature learns
-every boundary's message (pipecore/runtime/discovery.py) while it runs; once every rank ran it, the
-plan is kept, and later steps of that shape load it: the executor then knows every message's
-shapes before it arrives and posts receives early.
+The batch signature is a digest of the first stages' inputs: on gloo, where messages carry their
+shapes (csrc/comm.h, shaped messages), their structure (tensors' dtypes and ranks, other values) and
+the batch's rows; on the device path, their shapes. The ranks agree on it with one small all-reduce
+whenever a first stage's batch changed signature. The first step of each signature learns every
+boundary's message (pipecore/runtime/discovery.py) while it runs; once every rank ran it, the plan is
+kept, and later steps load it: the executor then knows every message's shapes (on gloo: its
+structure and the shapes to size receives by, which it widens to what crossed since) before it
+arrives and posts receives early.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ class Plans:
         self.agreed: dict[bool, int] = {}  # per mode: the signature all ranks agreed on
         self.last_desc: dict[bool, int] = {}  # first-stage ranks: the batch description it came from
         self.batch_rows: dict[bool, int] = {}  # per mode: the rows of the first stages' batch (0: unknown)
-        self.discovery: Discovery | None = None  # during a step that learns its batch shape's plan
+        self.discovery: Discovery | None = None  # during a step that learns its batch signature's plan
         self.in_use: dict[int, StagePlan] = {}  # stage -> its plan, for the step that runs
 
     def __len__(self) -> int:
@@ -58,13 +61,13 @@ class Plans:
         self.in_use = self.discovery.plans
 
     def end_discovery(self, failed: bool) -> None:
-        """After a step that learnt its batch shape's plan: the plan is kept once every rank ran the
+        """After a step that learnt its batch signature's plan: the plan is kept once every rank ran the
         step (one small all-reduce); otherwise the next step learns it again."""
         discovery, self.discovery = self.discovery, None
         if discovery is None:
             return
         _, failed_somewhere, _ = self._agree(0, failed, discovery.training, "agreeing whether every rank ran the step "
-                                          "that learnt this batch shape's messages")
+                                          "that learnt this batch signature's messages")
         if failed_somewhere:
             self.agreed.pop(discovery.training, None)
             return

@@ -22,7 +22,7 @@ from torch import nn
 class Rollback:
     """RNG states and forward-changed buffers of `modules`, saved per run, restorable.
 
-    Which buffers a forward changes is learnt by value in the runs that learn a batch shape's plan
+    Which buffers a forward changes is learnt by value in the runs that learn a batch signature's plan
     (where the host reads every message anyway, so comparing costs no extra wait): kernels such as batch norm's update
     their running statistics in place without moving the tensor's version counter. Buffers are looked
     up by owner and name at every save, so one a forward rebinds (`self.ema = 0.9 * self.ema + ...`)
@@ -41,7 +41,7 @@ class Rollback:
         self._cuda_rng: list = []
 
     def arm(self, learn: bool) -> None:
-        """Before a run of the step's program; `learn`: the run learns its batch shape's plan. The state
+        """Before a run of the step's program; `learn`: the run learns its batch signature's plan. The state
         is saved at the run's first forward (`before_forward`), where a failure to save (out of memory)
         is the rank's own error in the step, which releases its peers."""
         self._due, self._saved = learn, None

@@ -4,7 +4,7 @@
 step's arguments; `split_batch` cuts them into microbatches. `StepRun` holds one step's state (its
 microbatches, the outputs and losses it keeps) and is the executor's forward callback: it runs a
 stage's forward, returns the message for the next stage (learning its boundary on the first step of
-a batch shape, checking it after), or the loss and the weight its backward is seeded with.
+a batch signature, checking it after), or the loss and the weight its backward is seeded with.
 """
 
 from __future__ import annotations
@@ -264,10 +264,11 @@ class StepRun:
         stage = pipe.stages[local]
         s = stage.stage_index
         discovery = self._plans.discovery
+        any_shape = pipe.executor.shapes_travel  # messages carry their shapes: any shape of the planned ranks
         if discovery is None:
             boundary = self._plans.in_use[s].outputs[mb]
-            if boundary.single and isinstance(out, torch.Tensor) and boundary.fits(out):
-                # the steady path's common case: one tensor, as the first step of this shape had it
+            if boundary.single and isinstance(out, torch.Tensor) and boundary.fits(out, any_shape):
+                # the steady path's common case: one tensor, as the first step of this structure had it
                 return [_viewless(out)]
         nxt = pipe.schedule.topology.next_stage[s]
         what = f"rank {pipe.rank}: stage {s}'s output for microbatch {mb}"
@@ -284,8 +285,12 @@ class StepRun:
             tensors = boundary.encode(leaves, stage.device, what)
             discovery.learnt_output(local, mb, boundary)
         else:
-            problem = boundary.mismatch(leaves, spec)
+            problem = boundary.mismatch(leaves, spec, any_shape)
             if problem is not None:
+                if any_shape:
+                    raise InputError(f"{what} has {problem}: stage {nxt} receives what the first step with this "
+                                     "batch structure returned (a stage's output may change its dtypes, ranks, "
+                                     "gradient flags or structure only with the batch's)")
                 raise InputError(f"{what} has {problem}: stage {nxt} receives what the first step with this batch "
                                  "shape returned (a stage's output may change its shapes, dtypes, gradient flags or "
                                  "structure only with the batch's shapes)")
@@ -294,14 +299,18 @@ class StepRun:
 
     def _loss_weight(self, mb: int) -> float:
         """This microbatch's share of the batch rows, n_mb / N: the target's rows, else the rows of
-        the first stages' batch (learnt at the agreement; split as `split` does), else 1/m (inputs
-        split by torch's chunk specs, with no target rows); with a loss_divisor (sum losses),
-        1 / loss_divisor. Divided by the replicas, whose gradients are summed."""
+        the first stages' batch (learnt at the agreement, or where messages carry shapes, from them;
+        split as `split` does), else 1/m (inputs split by torch's chunk specs, with no target rows);
+        with a loss_divisor (sum losses), 1 / loss_divisor. Divided by the replicas, whose gradients
+        are summed."""
         if self._loss_divisor is not None:
             return 1.0 / self._loss_divisor
         if self._rows is None:  # once per run, not per microbatch: m microbatches, O(m) each
-            rows = self._batch.rows or split_sizes(self._plans.batch_rows.get(self._training, 0),
-                                                   self._pipe.num_microbatches)
+            executor = self._pipe.executor
+            # shaped messages bring the step's batch rows (the first stage's or an earlier activation's)
+            batch_rows = max(executor.batch_rows, 0) if executor.shapes_travel else self._plans.batch_rows.get(
+                self._training, 0)
+            rows = self._batch.rows or split_sizes(batch_rows, self._pipe.num_microbatches)
             self._rows = (rows or [], sum(rows or []))
         rows, total = self._rows
         if rows:

@@ -21,7 +21,7 @@ The rules (the CUDA executor, csrc/cuda/device_comm.cpp, follows them):
    receives it consumes completed (the compute stream waits on an event recorded after them).
    Nothing waits on the host.
 
-5. **A step that learns shapes** (the first of each batch shape) posts a batch in parts: a receive
+5. **A step that learns shapes** (the first of each batch signature) posts a batch in parts: a receive
    of activations that is not first in its batch starts a new group, since its buffer's shapes
    may come from the peer's forward of a message the batch sends. A group led by such a receive
    is posted once its shapes are known: once the sender ran the forward (``p2p_batches(...,

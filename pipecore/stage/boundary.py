@@ -4,9 +4,10 @@ A stage's output goes to the next stage as one message: its tensors in flattenin
 the output also holds other values (ints, floats, bools, None, small picklable objects), one byte
 tensor carrying those values pickled, so that they reach the next stage as the forward returned
 them, every step. A `Boundary` describes such a message: the output's structure, each tensor's
-shape, dtype and gradient flag, and the byte tensor's capacity. The first step of each batch shape
-learns every boundary from the forwards it runs (pipecore/runtime/discovery.py); later steps post receives
-of those shapes and check every output against them.
+shape, dtype and gradient flag, and the byte tensor's capacity. The first step of each batch signature
+learns every boundary from the forwards it runs (pipecore/runtime/discovery.py); later steps check
+every output against them: its shapes too on the device path, its structure, dtypes, ranks and
+gradient flags where messages carry their shapes (gloo: `any_shape`).
 """
 
 from __future__ import annotations
@@ -30,17 +31,23 @@ class TensorMeta:
     requires_grad: bool
 
     @staticmethod
-    def of(t: torch.Tensor) -> "TensorMeta":
-        return TensorMeta(tuple(t.shape), t.dtype, bool(t.requires_grad and t.is_floating_point()))
+    def of(t: torch.Tensor, any_shape: bool = False) -> "TensorMeta":
+        """`any_shape`: the shape as its rank only (each dimension -1), where messages carry shapes."""
+        return TensorMeta((-1,) * t.dim() if any_shape else tuple(t.shape), t.dtype,
+                          bool(t.requires_grad and t.is_floating_point()))
+
+    def anyshaped(self) -> "TensorMeta":
+        return TensorMeta((-1,) * len(self.shape), self.dtype, self.requires_grad)
 
     def meta_tensor(self) -> torch.Tensor:
         t = torch.empty(self.shape, dtype=self.dtype, device="meta")
         return t.requires_grad_(self.requires_grad) if self.requires_grad else t
 
 
-def describe(tree: Any) -> Any:
-    """`tree` with every tensor replaced by its TensorMeta (picklable, comparable)."""
-    return tree_map(lambda x: TensorMeta.of(x) if isinstance(x, torch.Tensor) else x, tree)
+def describe(tree: Any, any_shape: bool = False) -> Any:
+    """`tree` with every tensor replaced by its TensorMeta (picklable, comparable); `any_shape`: with
+    their ranks, not their shapes."""
+    return tree_map(lambda x: TensorMeta.of(x, any_shape) if isinstance(x, torch.Tensor) else x, tree)
 
 
 def signature(obj: Any) -> int:
@@ -63,7 +70,7 @@ def as_call(value: Any) -> tuple[tuple, dict]:
 
 
 # The byte tensor of a message's values: a 4-byte length, then the pickled values. Its capacity is
-# fixed on the first step of a batch shape (receives are posted at that size): room for values that
+# fixed on the first step of a batch signature (receives are posted at that size): room for values that
 # grow, within reason.
 _LENGTH_BYTES = 4
 _MIN_VALUE_BYTES = 256
@@ -87,12 +94,13 @@ class Boundary:
         object.__setattr__(self, "tensors", tuple(x for x in leaves if isinstance(x, TensorMeta)))
         object.__setattr__(self, "single", isinstance(self.tree, TensorMeta))
 
-    def fits(self, t: torch.Tensor) -> bool:
+    def fits(self, t: torch.Tensor, any_shape: bool = False) -> bool:
         """Whether tensor `t`, a stage's whole output, fits a `single` boundary: the steady path's
-        check, without flattening (`mismatch` says what differs)."""
+        check, without flattening (`mismatch` says what differs); `any_shape`: of any shape of its rank
+        (messages carry their shapes)."""
         m = self.tree
-        return t.dtype == m.dtype and t.shape == m.shape and (t.requires_grad and t.is_floating_point()) == \
-            m.requires_grad
+        return t.dtype == m.dtype and (t.dim() == len(m.shape) if any_shape else t.shape == m.shape) and \
+            (t.requires_grad and t.is_floating_point()) == m.requires_grad
 
     @staticmethod
     def of(out: Any, what: str) -> "Boundary":
@@ -113,17 +121,18 @@ class Boundary:
         """metas() as meta tensors, as the executor takes shapes."""
         return [m.meta_tensor() for m in self.metas()]
 
-    def mismatch(self, leaves: list, spec: Any) -> str | None:
+    def mismatch(self, leaves: list, spec: Any, any_shape: bool = False) -> str | None:
         """Why an output, flattened to `leaves` and `spec` (tree_flatten), does not fit this boundary
-        (None: it does)."""
+        (None: it does); `any_shape`: its tensors may have any shapes of their ranks."""
         if spec != self._spec or [isinstance(x, torch.Tensor) for x in leaves] != [
                 isinstance(x, TensorMeta) for x in self._leaves]:
             out = tree_unflatten(leaves, spec)
             return f"an output structured as {_structure(out)} where the first step had {_structure(self.tree)}"
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        if any(TensorMeta.of(t) != m for t, m in zip(tensors, self.tensors)):
-            got = [_show(TensorMeta.of(t)) for t in tensors]
-            return f"tensors {got} where {[_show(m) for m in self.tensors]} were expected"
+        if any(TensorMeta.of(t, any_shape) != (m.anyshaped() if any_shape else m) for t, m in zip(tensors, self.tensors)):
+            got = [_show(TensorMeta.of(t, any_shape)) for t in tensors]
+            want = [_show(m.anyshaped() if any_shape else m) for m in self.tensors]
+            return f"tensors {got} where {want} were expected"
         return None
 
     def encode(self, leaves: list, device: torch.device, what: str) -> list[torch.Tensor]:
@@ -134,7 +143,7 @@ class Boundary:
         data = _pickled(_values(leaves), what)
         if len(data) + _LENGTH_BYTES > self.value_bytes:
             raise InputError(f"{what} holds non-tensor values of {len(data)} bytes pickled, but its messages carry at "
-                             f"most {self.value_bytes - _LENGTH_BYTES} (sized on the first step of this batch shape): "
+                             f"most {self.value_bytes - _LENGTH_BYTES} (sized on the first step of this batch signature): "
                              "return large values as tensors")
         buf = bytearray(self.value_bytes)
         buf[:_LENGTH_BYTES] = len(data).to_bytes(_LENGTH_BYTES, "little")

@@ -1,0 +1,99 @@
+"""Messages that carry their shapes (csrc/comm.h, shaped messages): a pipeline of small stages whose
+messages hold two tensors of different ranks, stepped with lengths that change per microbatch and
+per step, on every rank of a pool, next to one process running the same microbatches."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+import pipecore as pc
+from pipecore.executor.native import OPCODES
+
+WIDTH = 8
+
+
+class MaskedStage(nn.Module):
+    """(h, keep) -> (h', keep): keep is a float mask (no gradient) of one rank less than h."""
+
+    def __init__(self, first: bool):
+        super().__init__()
+        self.first = first
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h, keep=None):
+        if self.first:
+            keep = (h[..., 0] > -10).float()
+        return torch.tanh(self.lin(h)) * keep.unsqueeze(-1), keep
+
+
+def sum_loss(out, y):
+    return ((out[0] - y) ** 2).sum()
+
+
+def batch(step: int, mb: int, n: int):
+    g = torch.Generator().manual_seed(100 * step + mb)
+    return torch.randn(2, n, WIDTH, generator=g), torch.randn(2, n, WIDTH, generator=g)
+
+
+def sends_in_program(pipe) -> int:
+    flat = pipe.programs[True].instructions
+    return sum(1 for i in range(0, len(flat), 5) if flat[i] in (OPCODES["SEND_F"], OPCODES["SEND_B"]))
+
+
+def step_lengths(rank: int, world: int, name: str, lengths: list[list[int]], large: int | None = None,
+                 fail: tuple[int, int] | None = None, delay_us: int = 0) -> dict:
+    """One step per entry of `lengths` (each microbatch's length). `large`: the test build's large-message
+    threshold (0: every message sent as its parts); `fail`: (step, rank) whose first forward raises.
+    Returns per step the executor's message counts and the plans learnt, and the largest relative
+    gradient difference from one process over the steps that did not fail."""
+    sched = pc.build_schedule(name, world, 2 * world)
+    m, n_stages = sched.num_microbatches, sched.num_stages
+    torch.manual_seed(0)
+    modules = [MaskedStage(s == 0) for s in range(n_stages)]
+    reference = copy.deepcopy(modules)
+    stages = [pc.PipelineStage(modules[s], s, n_stages) for s in sched.rank_stages(rank)]
+    pipe = pc.Pipeline(stages, sched, m, loss_fn=sum_loss, timeout=60)
+    if large is not None:
+        pipe.executor.set_large_messages(large)
+    if delay_us:
+        pipe.executor.set_delays(delay_us, rank)
+    out: dict = {"counts": [], "plans": [], "grad": 0.0, "failed": [], "sends": sends_in_program(pipe)}
+    for step, lens in enumerate(lengths):
+        data = [batch(step, mb, n) for mb, n in enumerate(lens)]
+        failing = fail is not None and fail == (step, rank)
+        if failing:
+            first = stages[0].module
+
+            def broken(*args, **kwargs):
+                raise RuntimeError("a forward that fails")
+            first.forward = broken
+        try:
+            pipe.step_microbatches([(x,) for x, _ in data] if pipe.has_first else None,
+                                   target_mbs=[y for _, y in data] if pipe.has_last else None,
+                                   loss_divisor=float(sum(y.numel() for _, y in data)))
+        except (RuntimeError, pc.PeerFailedError) as exc:
+            out["failed"].append(f"{step}: {type(exc).__name__}")
+            for s in stages:
+                s.module.zero_grad(set_to_none=True)
+            if failing:
+                del first.forward
+            out["counts"].append(pipe.executor.message_counts)
+            continue
+        out["counts"].append(pipe.executor.message_counts)
+        out["plans"].append(len(pipe.plans))
+        tokens = float(sum(y.numel() for _, y in data))
+        for x, y in data:
+            h = (x,)
+            for mod in reference:
+                h = mod(*h)
+            (sum_loss(h, y) / tokens).backward()
+        for s in stages:
+            for (_, p), q in zip(s.module.named_parameters(), reference[s.stage_index].parameters()):
+                out["grad"] = max(out["grad"], float((p.grad - q.grad).abs().max() / q.grad.abs().max()))
+            s.module.zero_grad(set_to_none=True)
+        for mod in reference:
+            mod.zero_grad(set_to_none=True)
+    return out
