@@ -1,16 +1,22 @@
 """Microbatches of their own lengths (`Pipeline.step_microbatches`) against microbatches padded to
-the longest length, side by side in one run.
+the longest length, and against Megatron-core's scheme for variable lengths, side by side in one run.
 
 2 gloo ranks; each stage a causal self-attention + MLP block (width 128) on 2 rows per microbatch;
-8 microbatches whose lengths are drawn uniformly between 25% and 100% of `--max-len`. Three kinds
-of step, in alternating blocks:
+8 microbatches whose lengths are drawn uniformly between 25% and 100% of `--max-len`. Kinds of
+step, in alternating blocks:
 
-  padded     every microbatch padded to --max-len (one shape: the steady path)
-  variable   new lengths at every step (each step learns its shapes: pipecore/runtime/discovery.py)
-  repeating  one draw of lengths, the same at every step (shapes learnt once)
+  padded     every microbatch padded to --max-len (one shape)
+  variable   new lengths at every step (messages carry their shapes: csrc/comm.h)
+  repeating  one draw of lengths, the same at every step
+  megatron   (1f1b only) the variable steps' lengths, through an emulation of Megatron-core's
+             1F1B with variable_seq_lengths: before each transfer the sender sends the tensor's
+             shape and the receiver waits for it before it posts the data's receive
 
-The table gives each kind's median step, padded/variable (how much computing no padding saves)
-and variable/repeating (what new shapes at every step cost over shapes that repeat).
+The table gives each kind's median step, padded/variable (what not computing padding saves),
+variable/repeating (what shapes new at every step cost over shapes that repeat; the target is at
+most 1.1x), megatron/variable, and point-to-point sends per transfer on the steady path (pipecore's
+variable steps against its padded ones: the same means no extra message; messages that outgrew
+their capacity and went again are counted apart, and occur only while the longest length grows).
 
     python bench/variable_shapes.py [--schedules 1f1b zbv] [--max-len 256]
 """
@@ -26,6 +32,88 @@ from _harness import spawn, table
 
 SCHEDULES = ["1f1b", "interleaved_1f1b", "zbv"]
 KINDS = ("padded", "variable", "repeating")
+
+
+def _megatron_1f1b(rank, world, module, xs, ys, divisor, counts):
+    """One step of Megatron-core's 1F1B (warmup, steady 1F1B, cooldown; its send_forward_recv_backward
+    and send_backward_recv_forward pairings), each transfer preceded by a shape exchange as
+    variable_seq_lengths does (p2p_communication._communicate_shapes): the receiver learns the shape,
+    then posts the data's receive."""
+    import torch
+    import torch.distributed as dist
+
+    first, last = rank == 0, rank == world - 1
+
+    def communicate(send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+        ops, shapes = [], {}
+        for peer, t in ((rank + 1, send_next), (rank - 1, send_prev)):
+            if t is not None:
+                ops.append(dist.P2POp(dist.isend, torch.tensor(t.shape, dtype=torch.long), peer))
+        for peer, want in ((rank - 1, recv_prev), (rank + 1, recv_next)):
+            if want:
+                shapes[peer] = torch.empty(3, dtype=torch.long)
+                ops.append(dist.P2POp(dist.irecv, shapes[peer], peer))
+        for w in dist.batch_isend_irecv(ops) if ops else []:
+            w.wait()
+        ops, got = [], {}
+        for peer, t in ((rank + 1, send_next), (rank - 1, send_prev)):
+            if t is not None:
+                ops.append(dist.P2POp(dist.isend, t.detach().contiguous(), peer))
+                counts[0] += 1
+                counts[1] += 2  # the shape, then the data
+        for peer, shape in shapes.items():
+            got[peer] = torch.empty(shape.tolist())
+            ops.append(dist.P2POp(dist.irecv, got[peer], peer))
+        for w in dist.batch_isend_irecv(ops) if ops else []:
+            w.wait()
+        return got.get(rank - 1), got.get(rank + 1)
+
+    def forward(x, mb):
+        if first:
+            return module(xs[mb])
+        return module(x)
+
+    def backward(x, y, g, mb):
+        if last:
+            (((y - ys[mb]) ** 2).sum() / divisor).backward()
+        else:
+            y.backward(g)
+        return None if first else x.grad
+
+    m = len(xs)
+    warm = min(world - rank - 1, m)
+    stash = []
+    nxt = 0
+    for _ in range(warm):
+        x = None if first else communicate(recv_prev=True)[0].requires_grad_()
+        y = forward(x, nxt)
+        communicate(send_next=None if last else y)
+        stash.append((x, y, nxt))
+        nxt += 1
+    x = None
+    if m - warm > 0 and not first:
+        x = communicate(recv_prev=True)[0].requires_grad_()
+    for i in range(m - warm):
+        y = forward(x, nxt)
+        stash.append((x, y, nxt))
+        nxt += 1
+        g = None if last else communicate(send_next=y, recv_next=True)[1]
+        bx, by, bmb = stash.pop(0)
+        gx = backward(bx, by, g, bmb)
+        if i == m - warm - 1:
+            x = None
+            if not first:
+                communicate(send_prev=gx)
+        else:
+            x = None if first else communicate(send_prev=gx, recv_prev=True)[0]
+            if x is not None:
+                x.requires_grad_()
+    for _ in range(warm):
+        g = None if last else communicate(recv_next=True)[1]
+        bx, by, bmb = stash.pop(0)
+        gx = backward(bx, by, g, bmb)
+        if not first:
+            communicate(send_prev=gx)
 
 
 def _rank(rank, world, name, m, max_len, width, blocks, steps):
@@ -60,26 +148,48 @@ def _rank(rank, world, name, m, max_len, width, blocks, steps):
         return torch.randint(max_len // 4, max_len + 1, (m,), generator=rng).tolist()
 
     fixed = draw()
+    # the variable steps' lengths, the same sequence for pipecore and the Megatron emulation
+    draws = [draw() for _ in range(blocks * steps + 1)]
+    kinds = KINDS + (("megatron",) if name == "1f1b" and world == 2 else ())
+    used = {k: 0 for k in kinds}
+    counts = {k: [0, 0, 0] for k in kinds}  # transfers, point-to-point sends, grown (sent again)
 
     def step(kind):
-        lengths = [max_len] * m if kind == "padded" else fixed if kind == "repeating" else draw()
+        if kind == "padded":
+            lengths = [max_len] * m
+        elif kind == "repeating":
+            lengths = fixed
+        else:
+            lengths = draws[used[kind] % len(draws)]
+            used[kind] += 1
         xs = [torch.randn(2, n, width) for n in lengths]
+        ys = [torch.zeros_like(x) for x in xs]
+        tokens = float(sum(x.numel() for x in xs))
+        if kind == "megatron":
+            _megatron_1f1b(rank, world, modules[rank], xs, ys, tokens, counts[kind])
+            for p in modules[rank].parameters():
+                p.grad = None
+            return
         pipe.step_microbatches([(x,) for x in xs] if pipe.has_first else None,
-                               target_mbs=[torch.zeros_like(x) for x in xs] if pipe.has_last else None,
-                               loss_divisor=float(sum(x.numel() for x in xs)))
+                               target_mbs=ys if pipe.has_last else None, loss_divisor=tokens)
+        messages, parts, grown = pipe.executor.message_counts
+        for k, v in enumerate((messages, parts, grown)):
+            counts[kind][k] += v
 
-    for kind in KINDS:  # warm-up: each kind's first step learns its shapes
+    for kind in kinds:  # warm-up: the first step learns the plan
         step(kind)
-    times = {k: [] for k in KINDS}
+    counts = {k: [0, 0, 0] for k in kinds}
+    times = {k: [] for k in kinds}
     for _ in range(blocks):
-        for kind in KINDS:
+        for kind in kinds:
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(steps):
                 step(kind)
             dist.barrier()
             times[kind].append((time.perf_counter() - t0) / steps)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()} | {"fill": sum(fixed) / (m * max_len)}
+    return ({k: statistics.median(v) * 1e3 for k, v in times.items()} | {"fill": sum(fixed) / (m * max_len)} |
+            {f"{k} counts": c for k, c in counts.items()})
 
 
 def main(argv=None):
@@ -95,13 +205,23 @@ def main(argv=None):
     for name in a.schedules:
         per_rank = spawn(_rank, 2, name, a.microbatches, a.max_len, a.width, a.blocks, a.steps)
         r = max(per_rank, key=lambda p: p["variable"])
-        rows.append([name, r["padded"], r["variable"], r["repeating"], f"{r['padded'] / r['variable']:.2f}x",
-                     f"{r['variable'] / r['repeating']:.2f}x"])
+
+        def per_transfer(kind):
+            transfers = sum(p[f"{kind} counts"][0] for p in per_rank)
+            return sum(p[f"{kind} counts"][1] for p in per_rank) / max(transfers, 1)
+
+        grown = sum(p["variable counts"][2] for p in per_rank)
+        megatron = r.get("megatron")
+        rows.append([name, r["padded"], r["variable"], r["repeating"], megatron if megatron else "-",
+                     f"{r['padded'] / r['variable']:.2f}x", f"{r['variable'] / r['repeating']:.2f}x",
+                     f"{megatron / r['variable']:.2f}x" if megatron else "-",
+                     f"{per_transfer('padded'):.2f} / {per_transfer('variable'):.2f}"
+                     + (f" / {per_transfer('megatron'):.2f}" if megatron else ""), grown])
     title = (f"2 gloo ranks, attention+MLP stages (width {a.width}), {a.microbatches} microbatches of 2 rows, lengths "
              f"uniform in [{a.max_len // 4}, {a.max_len}]; median ms per step of {a.blocks} alternating blocks of "
-             f"{a.steps} steps, slowest rank")
-    print(table(["schedule", "padded ms", "variable ms", "repeating ms", "padded/variable", "variable/repeating"],
-                rows, title))
+             f"{a.steps} steps, slowest rank; sends per transfer: padded / variable (/ megatron)")
+    print(table(["schedule", "padded ms", "variable ms", "repeating ms", "megatron ms", "padded/variable",
+                 "variable/repeating", "megatron/variable", "sends per transfer", "grown"], rows, title))
 
 
 if __name__ == "__main__":
