@@ -255,6 +255,24 @@ std::vector<at::Tensor> alloc_shaped(const std::vector<TensorSpec>& capacity, co
   return parts;
 }
 
+int64_t message_bytes_of(const std::vector<TensorSpec>& capacity) {
+  return header_bytes(capacity) + payload_bytes(capacity);
+}
+
+std::vector<at::Tensor> discard_shaped(const std::vector<TensorSpec>& capacity, const at::TensorOptions& options,
+                                       int64_t large, const at::Tensor& scratch) {
+  TORCH_CHECK(scratch.numel() >= message_bytes_of(capacity), "pipecore: abort scratch of ", scratch.numel(),
+              " bytes for a message of ", message_bytes_of(capacity));
+  if (packed_layout(capacity, large)) return {scratch.narrow(0, 0, message_bytes_of(capacity))};
+  std::vector<at::Tensor> parts{scratch.narrow(0, 0, header_bytes(capacity))};
+  for (const auto& c : capacity) {
+    const int64_t n = numel_of(c.shape);
+    if (n > 0) parts.push_back(scratch.narrow(0, 0, nbytes(c.shape, c.dtype)).view(c.dtype));
+  }
+  (void)options;
+  return parts;
+}
+
 int64_t read_shaped(const std::vector<at::Tensor>& parts, const std::vector<TensorSpec>& capacity, int64_t large,
                     std::vector<std::vector<int64_t>>& shapes, int64_t& rows) {
   const int64_t bytes = header_bytes(capacity);
@@ -266,12 +284,16 @@ int64_t read_shaped(const std::vector<at::Tensor>& parts, const std::vector<Tens
   const int64_t status = words[0];
   if (words[1] != kMagic || status < kMessageOk || status > kMessageGrown) return kMessageUnknown;
   rows = words[2];
+  if (rows < 0) return kMessageUnknown;
   shapes.assign(capacity.size(), {});
   size_t w = kHeadWords;
+  constexpr int64_t kMaxElements = int64_t{1} << 48;  // above any tensor: words that are not shapes
   for (size_t k = 0; k < capacity.size(); ++k) {
+    int64_t n = 1;
     for (size_t d = 0; d < capacity[k].shape.size(); ++d) {
       const int64_t dim = words[w++];
-      if (dim < 0) return kMessageUnknown;
+      if (dim < 0 || dim > kMaxElements || (dim > 0 && n > kMaxElements / dim)) return kMessageUnknown;
+      n *= dim;
       shapes[k].push_back(dim);
     }
   }

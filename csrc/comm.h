@@ -17,7 +17,10 @@
 // - large: the header alone, then one part per tensor whose capacity holds any element (a shorter or
 //   empty tensor travels as it is).
 // A message that does not fit the capacity goes as its header alone, status kMessageGrown, in the
-// capacity's layout, then follows at its own size (its shapes as the capacity) on kFollowUpTag.
+// capacity's layout, then follows at its own size (its shapes as the capacity) on a tag of its own,
+// kFollowUpTag + the message's ordinal among those sent to that peer in the step (the receiver
+// counts its receives from that peer alike: gloo matches them in that order), so that each rank may
+// read its grown messages in any order.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -52,7 +55,7 @@ int64_t message_status(const std::vector<at::Tensor>& parts);
 // The tensors of a received message (views of its buffers).
 std::vector<at::Tensor> unframe(const std::vector<at::Tensor>& parts, const std::vector<TensorSpec>& specs);
 
-// Shaped messages (above). The tag of a grown message's second sending.
+// Shaped messages (above). The tag of a grown message's second sending is this + its ordinal.
 constexpr int kFollowUpTag = 1;
 // Whether `tensors` fit a message of capacity `capacity` (same count, dtypes and ranks assumed).
 bool fits_capacity(const std::vector<at::Tensor>& tensors, const std::vector<TensorSpec>& capacity, int64_t large);
@@ -63,6 +66,11 @@ std::vector<at::Tensor> frame_shaped(const std::vector<at::Tensor>& tensors, con
                                      int64_t large, int64_t status, int64_t rows, const at::TensorOptions& options);
 // Buffers to receive a shaped message of capacity `capacity`. With `scratch` (see alloc_frame), a large
 // message's data parts are views of it; its header always has a buffer of its own (it is read).
+// `discard_shaped`: every part a view of `scratch` (at least message_bytes_of(capacity) bytes), for
+// a message received only to be dropped.
+int64_t message_bytes_of(const std::vector<TensorSpec>& capacity);
+std::vector<at::Tensor> discard_shaped(const std::vector<TensorSpec>& capacity, const at::TensorOptions& options,
+                                       int64_t large, const at::Tensor& scratch);
 std::vector<at::Tensor> alloc_shaped(const std::vector<TensorSpec>& capacity, const at::TensorOptions& options,
                                      int64_t large, const at::Tensor& scratch = at::Tensor());
 // A received shaped message's status (kMessageUnknown: not pipecore's header), tensor shapes and rows.

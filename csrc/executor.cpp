@@ -190,20 +190,29 @@ void Executor::set_shapes_travel(bool on) {
 }
 
 namespace {
-// Same count, dtypes, ranks and gradient flags: capacities of one boundary's messages.
+// Same count, dtypes and ranks: one layout of capacities (gradient flags do not matter to buffers).
 bool same_structure(const std::vector<TensorSpec>& a, const std::vector<TensorSpec>& b) {
   if (a.size() != b.size()) return false;
   for (size_t k = 0; k < a.size(); ++k) {
-    if (a[k].dtype != b[k].dtype || a[k].requires_grad != b[k].requires_grad || a[k].shape.size() != b[k].shape.size()) {
-      return false;
-    }
+    if (a[k].dtype != b[k].dtype || a[k].shape.size() != b[k].shape.size()) return false;
   }
   return true;
 }
-// `into` takes the larger of the two shapes per dimension (same structure assumed).
+int64_t elements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+// A capacity of `n` elements at rank `rank`: [n, 1, ...] (buffers need the count, the header the rank).
+std::vector<int64_t> capacity_shape(int64_t n, size_t rank) {
+  std::vector<int64_t> shape(rank, 1);
+  if (rank > 0) shape[0] = n;
+  return shape;
+}
+// `into` takes, per tensor, the larger element count of the two (same structure assumed).
 void widen(std::vector<TensorSpec>& into, const std::vector<TensorSpec>& by) {
   for (size_t k = 0; k < into.size(); ++k) {
-    for (size_t d = 0; d < into[k].shape.size(); ++d) into[k].shape[d] = std::max(into[k].shape[d], by[k].shape[d]);
+    into[k].shape = capacity_shape(std::max(elements(into[k].shape), elements(by[k].shape)), into[k].shape.size());
   }
 }
 // What crossed a boundary joins its record (a message of another structure starts it anew).
@@ -214,46 +223,40 @@ void record_crossing(std::vector<TensorSpec>& crossed, std::vector<TensorSpec> m
     crossed = std::move(message);
   }
 }
-// The widest of one stage's capacities (over its microbatches and what crossed): false where they
-// differ in structure (each microbatch keeps its own then).
-bool widest_of(std::vector<std::vector<TensorSpec>>& specs, const std::vector<uint8_t>& known, size_t first, size_t count,
-               const std::vector<TensorSpec>& crossed, std::vector<TensorSpec>& widest) {
-  widest.clear();
+// The widest of one stage's capacities (over its microbatches and what crossed), then each of its
+// microbatches' capacities widened to it (their gradient flags kept). Nothing where they differ in
+// structure: each microbatch keeps its own then.
+void widen_stage(std::vector<std::vector<TensorSpec>>& specs, const std::vector<uint8_t>& known, size_t first,
+                 size_t count, const std::vector<TensorSpec>& crossed) {
+  std::vector<TensorSpec> widest;
   for (size_t key = first; key < first + count; ++key) {
     if (!known[key] || specs[key].empty()) continue;
     if (widest.empty()) {
       widest = specs[key];
     } else if (!same_structure(widest, specs[key])) {
-      return false;
-    } else {
-      widen(widest, specs[key]);
+      return;
     }
+    widen(widest, specs[key]);
   }
-  if (widest.empty()) return false;
+  if (widest.empty()) return;
   if (same_structure(widest, crossed)) widen(widest, crossed);
-  return true;
+  for (size_t key = first; key < first + count; ++key) {
+    if (known[key] && !specs[key].empty()) widen(specs[key], widest);
+  }
 }
 }  // namespace
 
 void Executor::widen_capacities() {
   const size_t m = static_cast<size_t>(num_microbatches_);
-  std::vector<TensorSpec> widest;
   for (int64_t stage = 0; stage < num_stages_; ++stage) {
     const size_t first = static_cast<size_t>(stage) * m;
-    if (widest_of(recv_f_specs_, input_known_, first, m, crossed_in_[stage], widest)) {
-      for (size_t key = first; key < first + m; ++key) {
-        if (input_known_[key] && !recv_f_specs_[key].empty()) recv_f_specs_[key] = widest;
-      }
-    }
-    if (widest_of(send_f_specs_, output_known_, first, m, crossed_out_[stage], widest)) {
-      std::vector<TensorSpec> grads;  // the gradients that come back: of the sent tensors that need one
-      for (const auto& sp : widest) {
-        if (sp.requires_grad) grads.push_back(sp);
-      }
-      for (size_t key = first; key < first + m; ++key) {
-        if (!output_known_[key] || send_f_specs_[key].empty()) continue;
-        send_f_specs_[key] = widest;
-        recv_b_specs_[key] = grads;
+    widen_stage(recv_f_specs_, input_known_, first, m, crossed_in_[stage]);
+    widen_stage(send_f_specs_, output_known_, first, m, crossed_out_[stage]);
+    for (size_t key = first; key < first + m; ++key) {  // the gradients that come back: of the sent tensors that need one
+      if (!output_known_[key]) continue;
+      recv_b_specs_[key].clear();
+      for (const auto& sp : send_f_specs_[key]) {
+        if (sp.requires_grad) recv_b_specs_[key].push_back(sp);
       }
     }
   }
@@ -284,31 +287,21 @@ std::vector<TensorSpec> Executor::capacity(const Instr& in) const {
 void Executor::settle(CommTask& task, const Instr& action, const char* what, bool draining) {
   Instr in = action;  // the action that consumes the message (F, B, I): it came from the task's peer
   in.peer = task.peer;
-  if (!task.settled) {
-    // A grown message's second sending follows on one tag for every message from this peer: the
-    // receives posted before this one are read first, so that the follow-ups are received in the
-    // order they were sent (this rank may consume them in another: a V's forward and gradient
-    // messages share the channel).
-    auto& earlier = unsettled_[task.peer];
-    while (!earlier.empty() && !task.settled) {
-      std::shared_ptr<CommTask> next = std::move(earlier.front());
-      earlier.pop_front();
-      read_header(*next);
-    }
-    if (!task.settled) read_header(task);
-  }
+  if (!task.settled) read_header(task, draining);
   if (draining) return;
   if (task.status == kMessageUnknown) {
     std::ostringstream os;
     os << where(in) << ": the " << what << " of microbatch " << in.mb << " from rank " << in.peer
-       << " do not start with pipecore's header: the messages between the two ranks are out of step (another "
-          "send or receive on this process group with the same peer, or a schedule lowered differently there)";
+       << (task.follow_up_failed ? " came again (grown) with other shapes than their header said"
+                                 : " do not start with pipecore's header")
+       << ": the messages between the two ranks are out of step (another send or receive on this process group "
+          "with the same peer, or a schedule lowered differently there)";
     throw CommError(os.str());
   }
   check_message_status(task.status, in, what);
 }
 
-void Executor::read_header(CommTask& task) {
+void Executor::read_header(CommTask& task, bool draining) {
   if (task.settled) return;
   const Instr& in = program_[task.action];  // its RECV
   const char* what = in.op == kRecvF ? "activations" : "output gradients";
@@ -319,19 +312,28 @@ void Executor::read_header(CommTask& task) {
     auto again = std::make_shared<CommTask>();
     again->send = false;
     again->layout = with_shapes(task.layout, task.shapes);
-    again->parts = alloc_shaped(again->layout, options_[in.stage * num_microbatches_ + in.mb], large_message_bytes_);
-    post_task(again, in, kFollowUpTag);
+    const at::TensorOptions& options = options_[in.stage * num_microbatches_ + in.mb];
+    // dropped unread: into the abort scratch, so that a rank out of memory still releases its peer
+    again->parts = draining ? discard_shaped(again->layout, options, large_message_bytes_,
+                                             abort_scratch(options, message_bytes_of(again->layout)))
+                            : alloc_shaped(again->layout, options, large_message_bytes_);
+    {
+      std::lock_guard<std::mutex> lock(settle_mu_);  // (the halves of an OVERLAP_F_B pair settle at once)
+      post_task(again, in, kFollowUpTag + task.ordinal);
+    }
     wait_task(*again, in, what);
     std::vector<std::vector<int64_t>> shapes;
     int64_t again_rows = 0;
-    const bool same = read_shaped(again->parts, again->layout, large_message_bytes_, shapes, again_rows) ==
-                          kMessageOk && shapes == task.shapes;
+    const bool same = draining || (read_shaped(again->parts, again->layout, large_message_bytes_, shapes,
+                                               again_rows) == kMessageOk && shapes == task.shapes);
     task.status = same ? kMessageOk : kMessageUnknown;
+    task.follow_up_failed = !same;
     task.parts = std::move(again->parts);
     task.layout = std::move(again->layout);
   }
   task.settled = true;
   if (task.status == kMessageOk && in.op == kRecvF) {
+    std::lock_guard<std::mutex> lock(settle_mu_);
     record_crossing(crossed_in_[in.stage], with_shapes(task.layout, task.shapes));
     if (batch_rows_ < 0) batch_rows_ = rows;  // (set_batch_rows)
   }
@@ -392,7 +394,8 @@ void Executor::reset() {
   threaded_posts_ = 0;
   reverse_posts_ = 0;
   sent_messages_ = sent_parts_ = grown_messages_ = 0;
-  unsettled_.clear();
+  sent_to_.clear();
+  received_from_.clear();
   if constexpr (kTesting) recv_posted_at_.assign(recv_instrs_.size(), -1);
   for (auto& s : slots_) s = Slot();
   sends_->clear_failure();
@@ -537,8 +540,8 @@ void Executor::post_recvs_until(size_t end, size_t at, bool aborted) {
     if (!task) continue;
     maybe_delay();
     task->action = recv_instrs_[recvs_posted_ - 1];
+    task->ordinal = received_from_[static_cast<int>(in.peer)]++;  // (a grown message's follow-up tag)
     post_task(task, in);
-    if (shapes_travel_) unsettled_[task->peer].push_back(task);  // (settle)
   }
 }
 
@@ -636,7 +639,7 @@ void Executor::post_batch(size_t index, bool aborted, int64_t status) {
 }
 
 std::vector<at::Tensor> Executor::message_of(const Instr& in, bool aborted, int64_t status,
-                                             std::vector<at::Tensor>* follow_up) {
+                                             std::vector<at::Tensor>* follow_up, std::vector<TensorSpec>* crossing) {
   const at::TensorOptions& options = options_[in.stage * num_microbatches_ + in.mb];
   if (aborted) {
     const std::vector<TensorSpec> specs = send_specs(in);
@@ -648,9 +651,11 @@ std::vector<at::Tensor> Executor::message_of(const Instr& in, bool aborted, int6
   if (tensors.empty()) return {};
   if (shapes_travel_) {
     const std::vector<TensorSpec> cap = capacity(in);
+    TORCH_CHECK(tensors.size() == cap.size(), where(in), ": a message of ", tensors.size(), " tensors where ",
+                cap.size(), " were planned");
     std::vector<std::vector<int64_t>> shapes;
     for (const auto& t : tensors) shapes.push_back(t.sizes().vec());
-    if (in.op == kSendF) record_crossing(crossed_out_[in.stage], with_shapes(cap, shapes));
+    if (in.op == kSendF && crossing != nullptr) *crossing = with_shapes(cap, shapes);
     const int64_t rows = std::max<int64_t>(batch_rows_, 0);
     if (fits_capacity(tensors, cap, large_message_bytes_)) {
       return frame_shaped(tensors, cap, large_message_bytes_, kMessageOk, rows, options);
@@ -753,12 +758,18 @@ void Executor::send(std::vector<at::Tensor> parts, size_t index, bool budgeted, 
   if (!aborted) check_sends();  // an aborted step still releases every peer it can
   auto task = std::make_shared<CommTask>();
   task->parts = std::move(parts);
-  ++(tag == kFollowUpTag ? grown_messages_ : sent_messages_);
+  if (tag == 0) {
+    ++sent_messages_;
+    ++sent_to_[static_cast<int>(in.peer)];  // (a grown message's follow-up tag)
+  } else {
+    ++grown_messages_;
+  }
   sent_parts_ += static_cast<int64_t>(task->parts.size());
   maybe_delay();
   post_task(task, in, tag);
   last_send_posted_ = static_cast<int64_t>(index);
-  sends_->track(std::move(task), bytes, where(in) + ": send to rank " + std::to_string(in.peer), timeout_);
+  sends_->track(std::move(task), bytes, where(in) + ": send to rank " + std::to_string(in.peer), timeout_,
+                /*aside=*/tag != 0);
 }
 
 void Executor::check_sends() {
@@ -926,7 +937,6 @@ std::string Executor::finish_aborted(size_t from, bool wait, int64_t status) {
     }
   }
   for (auto& s : slots_) s = Slot();
-  unsettled_.clear();
   abort_scratch_ = at::Tensor();  // in-flight sends keep it alive as long as they need it
   return comm_failure;
 }
@@ -1077,9 +1087,17 @@ void Executor::exec(size_t index, const ForwardFn& forward) {
       }
       SpentOn spent(profile_, Spent::kPost);
       std::vector<at::Tensor> follow_up;
-      std::vector<at::Tensor> parts = message_of(in, /*aborted=*/false, 0, &follow_up);
+      std::vector<TensorSpec> crossing;
+      std::vector<at::Tensor> parts = message_of(in, /*aborted=*/false, 0, &follow_up, &crossing);
+      const int ordinal = sent_to_[static_cast<int>(in.peer)];  // this message's among those to its peer
       if (!parts.empty()) send(std::move(parts), index);
-      if (!follow_up.empty()) send(std::move(follow_up), index, /*budgeted=*/true, /*aborted=*/false, kFollowUpTag);
+      if (!follow_up.empty()) {
+        // outside the peer's budget: it completes when the receiver reads the message, which later
+        // sends must not wait for
+        send(std::move(follow_up), index, /*budgeted=*/false, /*aborted=*/false, kFollowUpTag + ordinal);
+      }
+      // posted: the receiver reads it, in this run or its aborted rest, and records it alike
+      if (!crossing.empty()) record_crossing(crossed_out_[in.stage], std::move(crossing));
       break;
     }
     case kReduceGrad:

@@ -384,17 +384,21 @@ class Executor {
   // The parts of SEND action `in`'s message (empty: nothing to send): what it sends, or (`aborted`) a
   // message of the same size whose trailer carries `status`. A shaped message that outgrew its
   // capacity is its header; `follow_up` then gets the message at its own size.
+  // `crossing`: the shapes of a shaped SEND_F's tensors, to record once it is posted.
   std::vector<at::Tensor> message_of(const Instr& in, bool aborted, int64_t status = 0,
-                                     std::vector<at::Tensor>* follow_up = nullptr);
+                                     std::vector<at::Tensor>* follow_up = nullptr,
+                                     std::vector<TensorSpec>* crossing = nullptr);
   // Shaped messages: the capacity of (stage, mb)'s receive of activations (kRecvF) or output gradients
   // (kRecvB), or of its send (kSendF, kSendB).
   std::vector<TensorSpec> capacity(const Instr& in) const;
   // Shaped messages: reads a received message's header (once); a grown one is received again at its
-  // own size (kFollowUpTag). Records what crossed the boundary. Unless `draining` (an aborted run's
-  // receive, dropped), a status other than ok throws as check_message does.
+  // own size (comm.h). Records what crossed the boundary. Unless `draining` (an aborted run's
+  // receive, dropped), a status other than ok throws as check_message does. The two halves of an
+  // OVERLAP_F_B pair may settle at once.
   void settle(CommTask& task, const Instr& in, const char* what, bool draining);
-  // settle's reading of one message (waits for it; a grown one's follow-up too).
-  void read_header(CommTask& task);
+  // settle's reading of one message (waits for it; a grown one's follow-up too, into the abort scratch
+  // when `draining`).
+  void read_header(CommTask& task, bool draining);
   // Each boundary's capacity at a run's start (set_shapes_travel).
   void widen_capacities();
   // Device path, end of step: reads the step's message status; throws what it says.
@@ -426,8 +430,10 @@ class Executor {
   // [stage]: the largest shape per dimension that crossed its boundary from the previous stage (in)
   // or to the next one (out), in any run so far (empty: none yet)
   std::vector<std::vector<TensorSpec>> crossed_in_, crossed_out_;
-  // per peer: shaped receives posted and not settled yet, in posting order (settle)
-  std::unordered_map<int, std::deque<std::shared_ptr<CommTask>>> unsettled_;
+  // per peer, in this run: messages sent to it and receives posted from it (on the tag that matches
+  // them in order), whose counts name a grown message's follow-up tag (comm.h)
+  std::unordered_map<int, int> sent_to_, received_from_;
+  std::mutex settle_mu_;  // crossed_in_, batch_rows_ and posting, from the halves of a pair
   int64_t sent_messages_ = 0, sent_parts_ = 0, grown_messages_ = 0;  // see message_counts()
   bool abort_may_wait_ = true;           // finish_aborted's `wait`
   std::vector<size_t> recv_instrs_;     // program indices of the RECV actions, in order

@@ -7,7 +7,7 @@ namespace pipecore {
 
 // kMessageUnknown: the trailer is not pipecore's (the channel is out of step); never sent.
 // kMessageGrown (shaped messages only, comm.h): the tensors outgrew the receiver's buffers; the header
-// carries their shapes and the message follows on kFollowUpTag at its own size.
+// carries their shapes and the message follows at its own size (comm.h).
 enum MessageStatus : int64_t {
   kMessageUnknown = -1, kMessageOk = 0, kMessageAborted = 1, kMessageReplan = 2, kMessageGrown = 3,
 };

@@ -41,12 +41,13 @@ bool SendTracker::reserve(int peer, int64_t bytes, int64_t budget, std::chrono::
 }
 
 void SendTracker::track(std::shared_ptr<CommTask> task, int64_t bytes, std::string what,
-                        std::chrono::milliseconds timeout) {
+                        std::chrono::milliseconds timeout, bool aside) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto [it, fresh] = lanes_.try_emplace(task->peer);
+    const int key = aside ? -2 - task->peer : task->peer;
+    auto [it, fresh] = lanes_.try_emplace(key);
     Lane& lane = it->second;
-    if (fresh) lane.thread = std::thread([this, peer = task->peer] { loop(peer); });
+    if (fresh) lane.thread = std::thread([this, key] { loop(key); });
     lane.queue.push_back(Entry{std::move(task), bytes, std::move(what), timeout});
     lane.in_flight += bytes;
     ++pending_;
@@ -114,9 +115,9 @@ std::string SendTracker::wait_posted_and_sent(const Entry& e) {
   return {};
 }
 
-void SendTracker::loop(int peer) {
+void SendTracker::loop(int key) {
   std::unique_lock<std::mutex> lock(mu_);
-  Lane& lane = lanes_.at(peer);  // std::map: stable while other lanes are added
+  Lane& lane = lanes_.at(key);  // std::map: stable while other lanes are added
   while (true) {
     changed_.wait(lock, [&] { return stop_ || !lane.queue.empty(); });
     if (stop_) return;

@@ -37,8 +37,10 @@ class SendTracker {
   // passed first.
   bool reserve(int peer, int64_t bytes, int64_t budget, std::chrono::milliseconds timeout);
   // A posted (or queued) send of `bytes`: waited for and released by its peer's thread. `what` names
-  // it in an error.
-  void track(std::shared_ptr<CommTask> task, int64_t bytes, std::string what, std::chrono::milliseconds timeout);
+  // it in an error. `aside`: a lane of its own per peer, outside the budget: a grown message's second
+  // sending (comm.h), which completes when the receiver reads the message, not in posting order.
+  void track(std::shared_ptr<CommTask> task, int64_t bytes, std::string what, std::chrono::milliseconds timeout,
+             bool aside = false);
   // Blocks until every tracked send completed or failed; false if `timeout` passed first.
   bool drain(std::chrono::milliseconds timeout);
   // The first send that failed (timed out, broke, or could not be posted), or empty.
@@ -62,7 +64,7 @@ class SendTracker {
     int64_t in_flight = 0;
     std::thread thread;
   };
-  void loop(int peer);
+  void loop(int lane);  // lanes_'s key: a peer, or -2 - peer for its `aside` lane
   // Waits for `e`'s transfer; returns the error text, empty on success.
   std::string wait_entry(const Entry& e);  // never throws
   std::string wait_posted_and_sent(const Entry& e);

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import pipecore as pc
@@ -44,9 +45,10 @@ def sends_in_program(pipe) -> int:
 
 
 def step_lengths(rank: int, world: int, name: str, lengths: list[list[int]], large: int | None = None,
-                 fail: tuple[int, int] | None = None, delay_us: int = 0) -> dict:
+                 fail: tuple[int, int] | None = None, delay_us: int = 0, overlap: str | None = None) -> dict:
     """One step per entry of `lengths` (each microbatch's length). `large`: the test build's large-message
-    threshold (0: every message sent as its parts); `fail`: (step, rank) whose first forward raises.
+    threshold (0: every message sent as its parts); `fail`: (step, rank) whose first forward raises;
+    `overlap`: the Pipeline's overlap_f_b mode (the halves of a pair read their messages at once).
     Returns per step the executor's message counts and the plans learnt, and the largest relative
     gradient difference from one process over the steps that did not fail."""
     sched = pc.build_schedule(name, world, 2 * world)
@@ -55,7 +57,8 @@ def step_lengths(rank: int, world: int, name: str, lengths: list[list[int]], lar
     modules = [MaskedStage(s == 0) for s in range(n_stages)]
     reference = copy.deepcopy(modules)
     stages = [pc.PipelineStage(modules[s], s, n_stages) for s in sched.rank_stages(rank)]
-    pipe = pc.Pipeline(stages, sched, m, loss_fn=sum_loss, timeout=60)
+    pipe = pc.Pipeline(stages, sched, m, loss_fn=sum_loss, timeout=60,
+                       **({"overlap_f_b": overlap} if overlap else {}))
     if large is not None:
         pipe.executor.set_large_messages(large)
     if delay_us:
@@ -94,6 +97,78 @@ def step_lengths(rank: int, world: int, name: str, lengths: list[list[int]], lar
             for (_, p), q in zip(s.module.named_parameters(), reference[s.stage_index].parameters()):
                 out["grad"] = max(out["grad"], float((p.grad - q.grad).abs().max() / q.grad.abs().max()))
             s.module.zero_grad(set_to_none=True)
+        for mod in reference:
+            mod.zero_grad(set_to_none=True)
+    out["overlapped"] = pipe.overlapped_pairs
+    return out
+
+
+def out_of_memory_while_growing(rank: int, world: int, name: str, bad_rank: int, large: int | None,
+                                min_bytes: int) -> dict:
+    """Each try, a step whose microbatches are longer than any before (every message outgrows its
+    capacity) where the bad rank's k-th allocation of at least `min_bytes` fails, for every k such a
+    step has (receive buffers, headers, follow-ups, activations); then a clean step of the same
+    lengths, checked against one process. Returns the (kind, text) of each try and of each clean
+    step, and the largest relative gradient difference of the clean steps."""
+    from memory_probe import probe
+    from reliability_cases import _outcome
+
+    p = probe()
+    sched = pc.build_schedule(name, world, 2 * world)
+    m, n_stages = sched.num_microbatches, sched.num_stages
+    torch.manual_seed(0)
+    modules = [MaskedStage(s == 0) for s in range(n_stages)]
+    reference = copy.deepcopy(modules)
+    stages = [pc.PipelineStage(modules[s], s, n_stages) for s in sched.rank_stages(rank)]
+    pipe = pc.Pipeline(stages, sched, m, loss_fn=sum_loss, timeout=60)
+    if large is not None:
+        pipe.executor.set_large_messages(large)
+
+    def step(data):
+        pipe.step_microbatches([(x,) for x, _ in data] if pipe.has_first else None,
+                               target_mbs=[y for _, y in data] if pipe.has_last else None,
+                               loss_divisor=float(sum(y.numel() for _, y in data)))
+
+    def lengths(step_id: int, n: int):  # made before the probe watches: only the step's allocations count
+        return [batch(step_id, mb, n + mb) for mb in range(m)]
+
+    def clear():
+        for s in stages:
+            s.module.zero_grad(set_to_none=True)
+
+    step(lengths(0, 2))  # learns the plan at short lengths
+    clear()
+    data = lengths(1, 8)
+    p.watch(min_bytes if rank == bad_rank else -1, -1)
+    step(data)  # counts the bad rank's allocations in a growing step
+    count = torch.tensor([p.watched_count()])
+    p.watch(-1, -1)
+    clear()
+    dist.all_reduce(count)
+    out = {"tries": [], "grad": 0.0, "count": int(count)}
+    n = 8
+    for k in range(int(count)):
+        n += 4
+        data = lengths(10 + k, n)
+        p.watch(min_bytes if rank == bad_rank else -1, k)
+        first = _outcome(lambda: step(data))
+        p.watch(-1, -1)
+        clear()
+        data = lengths(100 + k, n)
+        second = _outcome(lambda: step(data))
+        out["tries"].append((k, first[:2], second[:2]))
+        if second[0] != "ok":
+            continue
+        tokens = float(sum(y.numel() for _, y in data))
+        for x, y in data:
+            h = (x,)
+            for mod in reference:
+                h = mod(*h)
+            (sum_loss(h, y) / tokens).backward()
+        for s in stages:
+            for q, r in zip(s.module.parameters(), reference[s.stage_index].parameters()):
+                out["grad"] = max(out["grad"], float((q.grad - r.grad).abs().max() / r.grad.abs().max()))
+        clear()
         for mod in reference:
             mod.zero_grad(set_to_none=True)
     return out

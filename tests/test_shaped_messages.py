@@ -5,7 +5,7 @@ once more at its own size, after which the capacity has grown (tests/shaped_mess
 import pytest
 
 from dist_pool import pool
-from shaped_message_cases import step_lengths
+from shaped_message_cases import out_of_memory_while_growing, step_lengths
 
 # step 0 learns the plan (shapes exact); 1 stays within what step 0 had; 2 outgrows it (microbatch 0
 # and the last); 3 and 4 stay within the grown capacity, 4 with a microbatch of length 0
@@ -37,6 +37,18 @@ def test_new_shapes_need_no_plan_and_no_extra_message(name, world, large):
     assert sum(r["counts"][2][2] for r in results) > 0, results  # step 2 outgrew the first step's shapes
 
 
+@pytest.mark.parametrize("overlap", ["concurrent", "lockstep"])
+def test_pairs_whose_halves_read_grown_messages_at_once(overlap):
+    """dualpipev's OVERLAP_F_B pairs: a forward and a backward half receive from the same peer, on
+    two threads, and the messages of both outgrow their capacity at step 2."""
+    results = pool(2).run(step_lengths, "dualpipev", _steps(LENGTHS, 2), None, None, 200, overlap, timeout=180)
+    for rank, r in enumerate(results):
+        assert not r["failed"] and r["grad"] <= 1e-6, (rank, r)
+        assert all(c[0] == r["sends"] for c in r["counts"]), (rank, r)
+        assert overlap != "concurrent" or r["overlapped"] > 0, (rank, r)  # halves ran on two threads
+    assert sum(r["counts"][2][2] for r in results) > 0, results
+
+
 @pytest.mark.parametrize("name", ["1f1b", "zbv"])
 def test_a_step_that_fails_while_messages_grow_leaves_the_capacities_agreed(name):
     """Rank 1's forward fails in the step whose messages outgrow their capacity, with random delays
@@ -50,3 +62,26 @@ def test_a_step_that_fails_while_messages_grow_leaves_the_capacities_agreed(name
         # step 3 may still outgrow what crossed before the failure stopped step 2; step 4 cannot
         assert r["counts"][4][2] == 0, (rank, r)
         assert all(c[0] == r["sends"] for c in r["counts"][3:]), (rank, r)
+
+
+@pytest.mark.parametrize("name, bad_rank, large", [("1f1b", 1, None), ("1f1b", 0, 0), ("zbv", 1, None)])
+def test_out_of_memory_while_messages_grow_ends_the_step_everywhere(name, bad_rank, large):
+    """Every allocation of a growing step on the bad rank fails in turn (a receive buffer, a grown
+    message's header or second sending, an activation): that rank raises OutOfMemoryError, the other
+    PeerFailedError, and the next step, longer still, is exact."""
+    results = pool(2).run(out_of_memory_while_growing, name, bad_rank, large, 400, timeout=300)
+    count = results[bad_rank]["count"]
+    assert count >= 4, results
+    failed = 0
+    for rank, r in enumerate(results):
+        assert r["grad"] <= 1e-6, (rank, r)
+        for k, (kind, text), second in r["tries"]:
+            assert second[0] == "ok", (rank, k, second)
+            if kind == "ok":
+                continue
+            if rank == bad_rank:
+                failed += 1
+                assert kind == "OutOfMemoryError" and "memory_probe: out of memory" in text, (rank, k, kind, text)
+            else:
+                assert kind == "PeerFailedError" and "out of memory" in text, (rank, k, kind, text)
+    assert failed == count, (failed, count)  # every allocation the step makes, refused in turn

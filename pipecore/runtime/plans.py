@@ -1,12 +1,12 @@
 """What crosses each stage boundary, per batch signature: learnt once, then loaded into the executor.
 
 The batch signature is a digest of the first stages' inputs: on gloo, where messages carry their
-shapes (csrc/comm.h, shaped messages), their structure (tensors' dtypes and ranks, other values) and
-the batch's rows; on the device path, their shapes. The ranks agree on it with one small all-reduce
+shapes and the batch's rows (csrc/comm.h, shaped messages), their structure (tensors' dtypes and
+ranks, other values); on the device path, their shapes. The ranks agree on it with one small all-reduce
 whenever a first stage's batch changed signature. The first step of each signature learns every
 boundary's message (pipecore/runtime/discovery.py) while it runs; once every rank ran it, the plan is
 kept, and later steps load it: the executor then knows every message's shapes (on gloo: its
-structure and the shapes to size receives by, which it widens to what crossed since) before it
+structure and the sizes to post receives at, which it widens to what crossed since) before it
 arrives and posts receives early.
 """
 

@@ -202,7 +202,8 @@ def _pickled(values: list, what: str) -> bytes:
 
 
 def _show(m: TensorMeta) -> tuple:
-    return m.shape, str(m.dtype), "grad" if m.requires_grad else "no grad"
+    shape = f"{len(m.shape)}-d" if m.shape and all(d < 0 for d in m.shape) else m.shape  # any shape of that rank
+    return shape, str(m.dtype), "grad" if m.requires_grad else "no grad"
 
 
 def _structure(tree: Any) -> str:
