@@ -10,8 +10,9 @@
 //
 // Shaped messages (the host path, Executor::set_shapes_travel) carry their tensors' shapes, so that
 // the receiver need not know them: a header of int64 words [status, magic, the step's batch rows,
-// each tensor's dims] comes first, and receives are posted at a capacity (each tensor's largest shape on that boundary so far)
-// that the message may fall short of (gloo accepts a shorter message). The capacity picks the layout:
+// each tensor's dims] comes first, and receives are posted at a capacity (per tensor, the most
+// elements that crossed that boundary so far, as a shape [n, 1, ...] of the tensor's rank) that the
+// message may fall short of (gloo accepts a shorter message). The capacity picks the layout:
 // - packed (payload capacity under `large`): one buffer, the header then the tensors (each 16-byte
 //   aligned at its actual size);
 // - large: the header alone, then one part per tensor whose capacity holds any element (a shorter or

@@ -252,7 +252,8 @@ void Executor::widen_capacities() {
     const size_t first = static_cast<size_t>(stage) * m;
     widen_stage(recv_f_specs_, input_known_, first, m, crossed_in_[stage]);
     widen_stage(send_f_specs_, output_known_, first, m, crossed_out_[stage]);
-    for (size_t key = first; key < first + m; ++key) {  // the gradients that come back: of the sent tensors that need one
+    // the gradients that come back: of the sent tensors that need one
+    for (size_t key = first; key < first + m; ++key) {
       if (!output_known_[key]) continue;
       recv_b_specs_[key].clear();
       for (const auto& sp : send_f_specs_[key]) {

@@ -169,7 +169,9 @@ class Executor {
   int64_t batch_rows() const { return batch_rows_; }
   // Messages sent in the last run: (messages, their parts, i.e. point-to-point sends; messages that
   // outgrew their capacity and went a second time).
-  std::tuple<int64_t, int64_t, int64_t> message_counts() const { return {sent_messages_, sent_parts_, grown_messages_}; }
+  std::tuple<int64_t, int64_t, int64_t> message_counts() const {
+    return {sent_messages_, sent_parts_, grown_messages_};
+  }
 #ifdef PIPECORE_TESTING
   // Tests: sleep a random 0..max_us before every send and receive.
   void set_delays(int64_t max_us, uint64_t seed) {

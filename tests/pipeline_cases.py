@@ -588,3 +588,33 @@ def shared_by_three_ranks(rank, world, part):
             o.step()
             o.zero_grad()
     return worst, outcomes, sorted(stage.tied)
+
+
+def freed_with_its_last_reference(rank, world, name, tie):
+    """With the cycle collector off, a Pipeline that stepped (ties learnt, with `tie`) is freed when
+    its last reference goes: nothing of it refers back to it, so its executor's threads and its hold
+    on the process group end then, not at a collection that may come only at exit."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        sched = pc.build_schedule(name, world, 2 * world)
+        n = model_stage_count(sched)
+        model = make_stages("mlp", n)
+        first, last = model[0].fc, model[-1][0].fc
+        if tie:  # the first and last model stages share a weight
+            last.weight = first.weight
+        topo = sched.topology
+        stages = [pc.PipelineStage(model[topo.model_stage[s]], s, sched.num_stages,
+                                   tied={"w": first.weight} if tie and topo.model_stage[s] in (0, n - 1) else None)
+                  for s in sched.rank_stages(rank)]
+        pipe = pc.Pipeline(stages, sched, 2 * world, loss_fn=nn.CrossEntropyLoss(), timeout=60)
+        x, y = make_batch(8)
+        pipeline_step(pipe, x, y)
+        assert (pipe.gradients.ties is not None) == tie
+        alive = weakref.ref(pipe)
+        del pipe
+        return alive() is None
+    finally:
+        gc.enable()

@@ -44,6 +44,38 @@ def sends_in_program(pipe) -> int:
     return sum(1 for i in range(0, len(flat), 5) if flat[i] in (OPCODES["SEND_F"], OPCODES["SEND_B"]))
 
 
+def _pipeline(rank: int, world: int, name: str, **options):
+    """This rank's stages of a pipeline of MaskedStages, the whole model as one process has it, and
+    the Pipeline (2 microbatches per rank)."""
+    sched = pc.build_schedule(name, world, 2 * world)
+    n_stages = sched.num_stages
+    torch.manual_seed(0)
+    modules = [MaskedStage(s == 0) for s in range(n_stages)]
+    reference = copy.deepcopy(modules)
+    stages = [pc.PipelineStage(modules[s], s, n_stages) for s in sched.rank_stages(rank)]
+    return stages, reference, pc.Pipeline(stages, sched, sched.num_microbatches, loss_fn=sum_loss, timeout=60,
+                                          **options)
+
+
+def _difference(stages, reference, data) -> float:
+    """The largest relative difference between this rank's gradients and one process's on `data`;
+    both zeroed after."""
+    tokens = float(sum(y.numel() for _, y in data))
+    for x, y in data:
+        h = (x,)
+        for mod in reference:
+            h = mod(*h)
+        (sum_loss(h, y) / tokens).backward()
+    worst = 0.0
+    for s in stages:
+        for q, r in zip(s.module.parameters(), reference[s.stage_index].parameters()):
+            worst = max(worst, float((q.grad - r.grad).abs().max() / r.grad.abs().max()))
+        s.module.zero_grad(set_to_none=True)
+    for mod in reference:
+        mod.zero_grad(set_to_none=True)
+    return worst
+
+
 def step_lengths(rank: int, world: int, name: str, lengths: list[list[int]], large: int | None = None,
                  fail: tuple[int, int] | None = None, delay_us: int = 0, overlap: str | None = None) -> dict:
     """One step per entry of `lengths` (each microbatch's length). `large`: the test build's large-message
@@ -51,14 +83,7 @@ def step_lengths(rank: int, world: int, name: str, lengths: list[list[int]], lar
     `overlap`: the Pipeline's overlap_f_b mode (the halves of a pair read their messages at once).
     Returns per step the executor's message counts and the plans learnt, and the largest relative
     gradient difference from one process over the steps that did not fail."""
-    sched = pc.build_schedule(name, world, 2 * world)
-    m, n_stages = sched.num_microbatches, sched.num_stages
-    torch.manual_seed(0)
-    modules = [MaskedStage(s == 0) for s in range(n_stages)]
-    reference = copy.deepcopy(modules)
-    stages = [pc.PipelineStage(modules[s], s, n_stages) for s in sched.rank_stages(rank)]
-    pipe = pc.Pipeline(stages, sched, m, loss_fn=sum_loss, timeout=60,
-                       **({"overlap_f_b": overlap} if overlap else {}))
+    stages, reference, pipe = _pipeline(rank, world, name, **({"overlap_f_b": overlap} if overlap else {}))
     if large is not None:
         pipe.executor.set_large_messages(large)
     if delay_us:
@@ -87,18 +112,7 @@ def step_lengths(rank: int, world: int, name: str, lengths: list[list[int]], lar
             continue
         out["counts"].append(pipe.executor.message_counts)
         out["plans"].append(len(pipe.plans))
-        tokens = float(sum(y.numel() for _, y in data))
-        for x, y in data:
-            h = (x,)
-            for mod in reference:
-                h = mod(*h)
-            (sum_loss(h, y) / tokens).backward()
-        for s in stages:
-            for (_, p), q in zip(s.module.named_parameters(), reference[s.stage_index].parameters()):
-                out["grad"] = max(out["grad"], float((p.grad - q.grad).abs().max() / q.grad.abs().max()))
-            s.module.zero_grad(set_to_none=True)
-        for mod in reference:
-            mod.zero_grad(set_to_none=True)
+        out["grad"] = max(out["grad"], _difference(stages, reference, data))
     out["overlapped"] = pipe.overlapped_pairs
     return out
 
@@ -114,13 +128,8 @@ def out_of_memory_while_growing(rank: int, world: int, name: str, bad_rank: int,
     from reliability_cases import _outcome
 
     p = probe()
-    sched = pc.build_schedule(name, world, 2 * world)
-    m, n_stages = sched.num_microbatches, sched.num_stages
-    torch.manual_seed(0)
-    modules = [MaskedStage(s == 0) for s in range(n_stages)]
-    reference = copy.deepcopy(modules)
-    stages = [pc.PipelineStage(modules[s], s, n_stages) for s in sched.rank_stages(rank)]
-    pipe = pc.Pipeline(stages, sched, m, loss_fn=sum_loss, timeout=60)
+    stages, reference, pipe = _pipeline(rank, world, name)
+    m = pipe.num_microbatches
     if large is not None:
         pipe.executor.set_large_messages(large)
 
@@ -157,18 +166,6 @@ def out_of_memory_while_growing(rank: int, world: int, name: str, bad_rank: int,
         data = lengths(100 + k, n)
         second = _outcome(lambda: step(data))
         out["tries"].append((k, first[:2], second[:2]))
-        if second[0] != "ok":
-            continue
-        tokens = float(sum(y.numel() for _, y in data))
-        for x, y in data:
-            h = (x,)
-            for mod in reference:
-                h = mod(*h)
-            (sum_loss(h, y) / tokens).backward()
-        for s in stages:
-            for q, r in zip(s.module.parameters(), reference[s.stage_index].parameters()):
-                out["grad"] = max(out["grad"], float((q.grad - r.grad).abs().max() / r.grad.abs().max()))
-        clear()
-        for mod in reference:
-            mod.zero_grad(set_to_none=True)
+        if second[0] == "ok":
+            out["grad"] = max(out["grad"], _difference(stages, reference, data))
     return out

@@ -175,3 +175,10 @@ def test_a_weight_shared_by_three_ranks(part):
         else:
             assert outcomes[:2] == ["ok", "ok"], (rank, outcomes)
             assert "tied weight '0.weight': the copies on 3 ranks differ" in outcomes[2], (rank, outcomes)
+
+
+@pytest.mark.parametrize("name, tie", [("1f1b", False), ("zbv", True)])
+def test_a_pipeline_is_freed_with_its_last_reference(name, tie):
+    from pipeline_cases import freed_with_its_last_reference
+
+    assert pool(2).run(freed_with_its_last_reference, name, tie) == [True, True]

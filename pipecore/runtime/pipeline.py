@@ -250,15 +250,17 @@ class Pipeline:
         # building a Pipeline is no collective (ranks may build different numbers of them): the ties are
         # learnt at the first agreement; alone, now
         ties = sum(len(s.tied) for s in self.stages)
-        self._agreement = Agreement(self.comm, summary, ties, self._learn_ties, self._dp)
+        gradients, comm, stages = self.gradients, self.comm, self.stages
+
+        def learn_ties(any_ties: bool) -> None:  # not a bound method: the Pipeline would hold itself in a
+            # cycle, and one freed only by the cycle collector (maybe at exit) keeps its threads and group
+            gradients.ties = TiedWeights(comm, stages, topo) if any_ties else None
+        self._agreement = Agreement(self.comm, summary, ties, learn_ties, self._dp)
         self.plans = Plans(self._agreement, self.executor, self.stages, topo, self.programs)
         if self.world == 1:
-            self._learn_ties(ties > 0)
+            learn_ties(ties > 0)
         if self._dp is not None:
             self._dp.attach(self.executor, self.programs[True], summary)
-
-    def _learn_ties(self, any_ties: bool) -> None:
-        self.gradients.ties = TiedWeights(self.comm, self.stages, self.schedule.topology) if any_ties else None
 
     def _set_weight_builders(self) -> None:
         """Stages with torch's dw_builder: whole backward at I, the builder's runner at W."""

@@ -129,9 +129,10 @@ class Boundary:
             out = tree_unflatten(leaves, spec)
             return f"an output structured as {_structure(out)} where the first step had {_structure(self.tree)}"
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        if any(TensorMeta.of(t, any_shape) != (m.anyshaped() if any_shape else m) for t, m in zip(tensors, self.tensors)):
+        want = [m.anyshaped() if any_shape else m for m in self.tensors]
+        if any(TensorMeta.of(t, any_shape) != w for t, w in zip(tensors, want)):
             got = [_show(TensorMeta.of(t, any_shape)) for t in tensors]
-            want = [_show(m.anyshaped() if any_shape else m) for m in self.tensors]
+            want = [_show(w) for w in want]
             return f"tensors {got} where {want} were expected"
         return None
 
@@ -143,8 +144,8 @@ class Boundary:
         data = _pickled(_values(leaves), what)
         if len(data) + _LENGTH_BYTES > self.value_bytes:
             raise InputError(f"{what} holds non-tensor values of {len(data)} bytes pickled, but its messages carry at "
-                             f"most {self.value_bytes - _LENGTH_BYTES} (sized on the first step of this batch signature): "
-                             "return large values as tensors")
+                             f"most {self.value_bytes - _LENGTH_BYTES} (sized on the first step of this batch "
+                             "signature): return large values as tensors")
         buf = bytearray(self.value_bytes)
         buf[:_LENGTH_BYTES] = len(data).to_bytes(_LENGTH_BYTES, "little")
         buf[_LENGTH_BYTES:_LENGTH_BYTES + len(data)] = data
