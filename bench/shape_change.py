@@ -4,8 +4,9 @@
 rows) are learnt in warm-up steps. Then blocks alternate: a block of steady steps (the same shape
 every step) and a block of changing steps (the two shapes in turn, so every step's shape differs
 from the step before). The table gives each one's median step, their ratio, and where the changing
-step's extra time went (`Pipeline.profile()` of traced steps: "before the run" holds telling the
-peers, the "shapes changed" run and the agreement).
+step's extra time would go (`Pipeline.profile()` of traced steps: "before the run" holds telling the
+peers, a "shapes changed" run and the agreement where shapes are planned; on gloo messages carry
+their shapes, csrc/comm.h, and a step whose batch changed shape runs none of them).
 
     python bench/shape_change.py [--schedules 1f1b zbv]
 """

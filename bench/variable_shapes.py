@@ -8,13 +8,16 @@ step, in alternating blocks:
   padded     every microbatch padded to --max-len (one shape)
   variable   new lengths at every step (messages carry their shapes: csrc/comm.h)
   repeating  one draw of lengths, the same at every step
+  shuffled   that draw's lengths in a new order at every step: every microbatch's shape changes,
+             the step's compute stays the repeating step's
   megatron   (1f1b only) the variable steps' lengths, through an emulation of Megatron-core's
              1F1B with variable_seq_lengths: before each transfer the sender sends the tensor's
              shape and the receiver waits for it before it posts the data's receive
 
 The table gives each kind's median step, padded/variable (what not computing padding saves),
-variable/repeating (what shapes new at every step cost over shapes that repeat; the target is at
-most 1.1x), megatron/variable, and point-to-point sends per transfer on the steady path (pipecore's
+shuffled/repeating (what shapes that change at every step cost over shapes that repeat, for the
+same compute; the target is at most 1.1x), megatron/variable, and point-to-point sends per
+transfer on the steady path (pipecore's
 variable steps against its padded ones: the same means no extra message; messages that outgrew
 their capacity and went again are counted apart, and occur only while the longest length grows).
 
@@ -31,7 +34,7 @@ import _harness  # noqa: F401  (puts the repo on sys.path)
 from _harness import spawn, table
 
 SCHEDULES = ["1f1b", "interleaved_1f1b", "zbv"]
-KINDS = ("padded", "variable", "repeating")
+KINDS = ("padded", "variable", "repeating", "shuffled")
 
 
 def _megatron_1f1b(rank, world, module, xs, ys, divisor, counts):
@@ -159,6 +162,8 @@ def _rank(rank, world, name, m, max_len, width, blocks, steps):
             lengths = [max_len] * m
         elif kind == "repeating":
             lengths = fixed
+        elif kind == "shuffled":
+            lengths = [fixed[i] for i in torch.randperm(m, generator=rng).tolist()]
         else:
             lengths = draws[used[kind] % len(draws)]
             used[kind] += 1
@@ -213,15 +218,16 @@ def main(argv=None):
         grown = sum(p["variable counts"][2] for p in per_rank)
         megatron = r.get("megatron")
         rows.append([name, r["padded"], r["variable"], r["repeating"], megatron if megatron else "-",
-                     f"{r['padded'] / r['variable']:.2f}x", f"{r['variable'] / r['repeating']:.2f}x",
+                     r["shuffled"], f"{r['padded'] / r['variable']:.2f}x", f"{r['shuffled'] / r['repeating']:.2f}x",
                      f"{megatron / r['variable']:.2f}x" if megatron else "-",
                      f"{per_transfer('padded'):.2f} / {per_transfer('variable'):.2f}"
                      + (f" / {per_transfer('megatron'):.2f}" if megatron else ""), grown])
     title = (f"2 gloo ranks, attention+MLP stages (width {a.width}), {a.microbatches} microbatches of 2 rows, lengths "
              f"uniform in [{a.max_len // 4}, {a.max_len}]; median ms per step of {a.blocks} alternating blocks of "
              f"{a.steps} steps, slowest rank; sends per transfer: padded / variable (/ megatron)")
-    print(table(["schedule", "padded ms", "variable ms", "repeating ms", "megatron ms", "padded/variable",
-                 "variable/repeating", "megatron/variable", "sends per transfer", "grown"], rows, title))
+    print(table(["schedule", "padded ms", "variable ms", "repeating ms", "megatron ms", "shuffled ms",
+                 "padded/variable", "shuffled/repeating", "megatron/variable", "sends per transfer", "grown"], rows,
+                title))
 
 
 if __name__ == "__main__":

@@ -293,7 +293,9 @@ class Pipeline:
         `arg_mbs` (ranks with a first stage) a list of `num_microbatches` tuples of positional
         inputs, `kwarg_mbs` their keyword inputs, `target_mbs` (ranks with a last stage) their
         targets; each microbatch may have its own shapes, which may change at every step. The other
-        options as in `step`. Returns the last stage's outputs as a list, one per microbatch (as
+        options as in `step`; with `scale_grads`, a microbatch's loss is weighted by its target's
+        share of the rows, or 1/num_microbatches without targets (torch's rule; give `loss_divisor`
+        for a mean over tokens). Returns the last stage's outputs as a list, one per microbatch (as
         `losses`: dualpipe's two last stages each fill theirs, None elsewhere)."""
         return self._train((), {}, target_mbs, losses, return_outputs, loss_kwargs, loss_divisor, (arg_mbs, kwarg_mbs))
 

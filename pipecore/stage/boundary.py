@@ -127,7 +127,9 @@ class Boundary:
         if spec != self._spec or [isinstance(x, torch.Tensor) for x in leaves] != [
                 isinstance(x, TensorMeta) for x in self._leaves]:
             out = tree_unflatten(leaves, spec)
-            return f"an output structured as {_structure(out)} where the first step had {_structure(self.tree)}"
+            return (f"an output structured as {_structure(out)} where the first step had {_structure(self.tree)} "
+                    "(a list or tuple is structure: one whose length changes travels as a tensor, or inside an "
+                    "object torch's pytree does not flatten, pickled)")
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         want = [m.anyshaped() if any_shape else m for m in self.tensors]
         if any(TensorMeta.of(t, any_shape) != w for t, w in zip(tensors, want)):
