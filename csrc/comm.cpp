@@ -14,9 +14,7 @@ constexpr int64_t kTrailer = 16;
 constexpr int64_t kMagic = kTrailerMagic;
 
 int64_t nbytes(const std::vector<int64_t>& shape, c10::ScalarType dtype) {
-  int64_t n = static_cast<int64_t>(c10::elementSize(dtype));
-  for (auto d : shape) n *= d;
-  return n;
+  return static_cast<int64_t>(c10::elementSize(dtype)) * elements(shape);
 }
 
 int64_t aligned(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
@@ -159,12 +157,6 @@ int64_t header_bytes(const std::vector<TensorSpec>& capacity) {
   return aligned(words * 8);
 }
 
-int64_t numel_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (auto d : shape) n *= d;
-  return n;
-}
-
 bool packed_layout(const std::vector<TensorSpec>& capacity, int64_t large) {
   return payload_bytes(capacity) < large;
 }
@@ -195,10 +187,10 @@ at::Tensor header_part(const std::vector<TensorSpec>& capacity, const std::vecto
 
 }  // namespace
 
-bool fits_capacity(const std::vector<at::Tensor>& tensors, const std::vector<TensorSpec>& capacity, int64_t large) {
-  if (packed_layout(capacity, large)) return payload_bytes(tensors) <= payload_bytes(capacity);
-  for (size_t k = 0; k < tensors.size(); ++k) {
-    if (tensors[k].numel() > numel_of(capacity[k].shape)) return false;
+bool fits_capacity(const std::vector<TensorSpec>& message, const std::vector<TensorSpec>& capacity, int64_t large) {
+  if (packed_layout(capacity, large)) return payload_bytes(message) <= payload_bytes(capacity);
+  for (size_t k = 0; k < message.size(); ++k) {
+    if (elements(message[k].shape) > elements(capacity[k].shape)) return false;
   }
   return true;
 }
@@ -229,7 +221,7 @@ std::vector<at::Tensor> frame_shaped(const std::vector<at::Tensor>& tensors, con
   }
   std::vector<at::Tensor> parts{header_part(capacity, tensors, status, rows, 0, options)};
   for (size_t k = 0; k < capacity.size(); ++k) {
-    if (numel_of(capacity[k].shape) == 0) continue;
+    if (elements(capacity[k].shape) == 0) continue;
     parts.push_back(data ? tensors[k].detach().contiguous() : at::empty({0}, options.dtype(capacity[k].dtype)));
   }
   return parts;
@@ -241,7 +233,7 @@ std::vector<at::Tensor> alloc_shaped(const std::vector<TensorSpec>& capacity, co
   if (packed_layout(capacity, large)) return {at::empty({header + payload_bytes(capacity)}, options.dtype(at::kByte))};
   std::vector<at::Tensor> parts{at::empty({header}, options.dtype(at::kByte))};
   for (const auto& c : capacity) {
-    const int64_t n = numel_of(c.shape);
+    const int64_t n = elements(c.shape);
     if (n == 0) continue;
     if (scratch.defined()) {
       const int64_t bytes = nbytes(c.shape, c.dtype);
@@ -252,24 +244,6 @@ std::vector<at::Tensor> alloc_shaped(const std::vector<TensorSpec>& capacity, co
       parts.push_back(at::empty({n}, options.dtype(c.dtype)));
     }
   }
-  return parts;
-}
-
-int64_t message_bytes_of(const std::vector<TensorSpec>& capacity) {
-  return header_bytes(capacity) + payload_bytes(capacity);
-}
-
-std::vector<at::Tensor> discard_shaped(const std::vector<TensorSpec>& capacity, const at::TensorOptions& options,
-                                       int64_t large, const at::Tensor& scratch) {
-  TORCH_CHECK(scratch.numel() >= message_bytes_of(capacity), "pipecore: abort scratch of ", scratch.numel(),
-              " bytes for a message of ", message_bytes_of(capacity));
-  if (packed_layout(capacity, large)) return {scratch.narrow(0, 0, message_bytes_of(capacity))};
-  std::vector<at::Tensor> parts{scratch.narrow(0, 0, header_bytes(capacity))};
-  for (const auto& c : capacity) {
-    const int64_t n = numel_of(c.shape);
-    if (n > 0) parts.push_back(scratch.narrow(0, 0, nbytes(c.shape, c.dtype)).view(c.dtype));
-  }
-  (void)options;
   return parts;
 }
 
@@ -299,12 +273,7 @@ int64_t read_shaped(const std::vector<at::Tensor>& parts, const std::vector<Tens
   }
   if (status != kMessageOk) return status;
   // an ok message fits the capacity it was sent to: one that does not is not this channel's
-  const auto got = with_shapes(capacity, shapes);
-  if (packed_layout(capacity, large)) return payload_bytes(got) <= payload_bytes(capacity) ? status : kMessageUnknown;
-  for (size_t k = 0; k < capacity.size(); ++k) {
-    if (numel_of(got[k].shape) > numel_of(capacity[k].shape)) return kMessageUnknown;
-  }
-  return status;
+  return fits_capacity(with_shapes(capacity, shapes), capacity, large) ? status : kMessageUnknown;
 }
 
 std::vector<TensorSpec> with_shapes(const std::vector<TensorSpec>& capacity,
@@ -328,10 +297,10 @@ std::vector<at::Tensor> unframe_shaped(const std::vector<at::Tensor>& parts, con
       out.push_back(n == 0 ? at::empty(shapes[k], parts[0].options().dtype(dtype))
                            : parts[0].narrow(0, offset, n).view(dtype).view(shapes[k]).detach());
       offset += aligned(n);
-    } else if (numel_of(capacity[k].shape) == 0) {
+    } else if (elements(capacity[k].shape) == 0) {
       out.push_back(at::empty(shapes[k], parts[0].options().dtype(dtype)));
     } else {
-      out.push_back(parts[next++].narrow(0, 0, numel_of(shapes[k])).view(shapes[k]).detach());
+      out.push_back(parts[next++].narrow(0, 0, elements(shapes[k])).view(shapes[k]).detach());
     }
   }
   return out;

@@ -58,8 +58,9 @@ std::vector<at::Tensor> unframe(const std::vector<at::Tensor>& parts, const std:
 
 // Shaped messages (above). The tag of a grown message's second sending is this + its ordinal.
 constexpr int kFollowUpTag = 1;
-// Whether `tensors` fit a message of capacity `capacity` (same count, dtypes and ranks assumed).
-bool fits_capacity(const std::vector<at::Tensor>& tensors, const std::vector<TensorSpec>& capacity, int64_t large);
+// Whether a message of tensors shaped like `message` fits capacity `capacity` (same count, dtypes and
+// ranks assumed): the sender's choice between sending and growing, and the receiver's check.
+bool fits_capacity(const std::vector<TensorSpec>& message, const std::vector<TensorSpec>& capacity, int64_t large);
 // The parts of a shaped message of capacity `capacity`: `tensors` with `status` ok; otherwise the
 // header alone, carrying `status` and the shapes of `tensors` (zeros where none are given). `rows`: the
 // first stages' batch rows of the step (Executor::set_batch_rows), which travel with every header.
@@ -67,11 +68,6 @@ std::vector<at::Tensor> frame_shaped(const std::vector<at::Tensor>& tensors, con
                                      int64_t large, int64_t status, int64_t rows, const at::TensorOptions& options);
 // Buffers to receive a shaped message of capacity `capacity`. With `scratch` (see alloc_frame), a large
 // message's data parts are views of it; its header always has a buffer of its own (it is read).
-// `discard_shaped`: every part a view of `scratch` (at least message_bytes_of(capacity) bytes), for
-// a message received only to be dropped.
-int64_t message_bytes_of(const std::vector<TensorSpec>& capacity);
-std::vector<at::Tensor> discard_shaped(const std::vector<TensorSpec>& capacity, const at::TensorOptions& options,
-                                       int64_t large, const at::Tensor& scratch);
 std::vector<at::Tensor> alloc_shaped(const std::vector<TensorSpec>& capacity, const at::TensorOptions& options,
                                      int64_t large, const at::Tensor& scratch = at::Tensor());
 // A received shaped message's status (kMessageUnknown: not pipecore's header), tensor shapes and rows.

@@ -198,11 +198,6 @@ bool same_structure(const std::vector<TensorSpec>& a, const std::vector<TensorSp
   }
   return true;
 }
-int64_t elements(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (auto d : shape) n *= d;
-  return n;
-}
 // A capacity of `n` elements at rank `rank`: [n, 1, ...] (buffers need the count, the header the rank).
 std::vector<int64_t> capacity_shape(int64_t n, size_t rank) {
   std::vector<int64_t> shape(rank, 1);
@@ -288,7 +283,7 @@ std::vector<TensorSpec> Executor::capacity(const Instr& in) const {
 void Executor::settle(CommTask& task, const Instr& action, const char* what, bool draining) {
   Instr in = action;  // the action that consumes the message (F, B, I): it came from the task's peer
   in.peer = task.peer;
-  if (!task.settled) read_header(task, draining);
+  if (!task.settled) read_header(task, in, draining);
   if (draining) return;
   if (task.status == kMessageUnknown) {
     std::ostringstream os;
@@ -302,11 +297,11 @@ void Executor::settle(CommTask& task, const Instr& action, const char* what, boo
   check_message_status(task.status, in, what);
 }
 
-void Executor::read_header(CommTask& task, bool draining) {
+void Executor::read_header(CommTask& task, const Instr& consumer, bool draining) {
   if (task.settled) return;
-  const Instr& in = program_[task.action];  // its RECV
+  const Instr& in = program_[task.action];  // its RECV (waits are the consuming action's, in errors)
   const char* what = in.op == kRecvF ? "activations" : "output gradients";
-  wait_task(task, in, what);
+  wait_task(task, consumer, what);
   int64_t rows = 0;
   task.status = read_shaped(task.parts, task.layout, large_message_bytes_, task.shapes, rows);
   if (task.status == kMessageGrown) {  // it comes again at its own size, on the follow-up tag
@@ -314,15 +309,15 @@ void Executor::read_header(CommTask& task, bool draining) {
     again->send = false;
     again->layout = with_shapes(task.layout, task.shapes);
     const at::TensorOptions& options = options_[in.stage * num_microbatches_ + in.mb];
-    // dropped unread: into the abort scratch, so that a rank out of memory still releases its peer
-    again->parts = draining ? discard_shaped(again->layout, options, large_message_bytes_,
-                                             abort_scratch(options, message_bytes_of(again->layout)))
-                            : alloc_shaped(again->layout, options, large_message_bytes_);
+    // dropped unread: as an aborted step's receives, its data into the abort scratch, so that a rank
+    // out of memory still releases its peer
+    const at::Tensor scratch = draining ? abort_scratch(options, payload_bytes(again->layout)) : at::Tensor();
+    again->parts = alloc_shaped(again->layout, options, large_message_bytes_, scratch);
     {
       std::lock_guard<std::mutex> lock(settle_mu_);  // (the halves of an OVERLAP_F_B pair settle at once)
       post_task(again, in, kFollowUpTag + task.ordinal);
     }
-    wait_task(*again, in, what);
+    wait_task(*again, consumer, what);
     std::vector<std::vector<int64_t>> shapes;
     int64_t again_rows = 0;
     const bool same = draining || (read_shaped(again->parts, again->layout, large_message_bytes_, shapes,
@@ -420,15 +415,13 @@ const std::vector<at::Tensor>& Executor::receive(Inbox& inbox, const Instr& in, 
     } catch (const CommError& e) {  // a consume that waits on the host (host_device_comm.cpp)
       throw CommError(wait_failure(in, what, inbox.task->peer, e.what()));
     }
+  } else if (shapes_travel_) {
+    settle(*inbox.task, in, what, /*draining=*/false);  // (waits for it)
   } else {
     wait_task(*inbox.task, in, what);
-    if (shapes_travel_) {
-      settle(*inbox.task, in, what, /*draining=*/false);
-    } else {
-      Instr from = in;  // (a consuming action names no peer)
-      from.peer = inbox.task->peer;
-      check_message(inbox.task->parts, from, what);
-    }
+    Instr from = in;  // (a consuming action names no peer)
+    from.peer = inbox.task->peer;
+    check_message(inbox.task->parts, from, what);
   }
   return inbox.task->parts;
 }
@@ -656,14 +649,17 @@ std::vector<at::Tensor> Executor::message_of(const Instr& in, bool aborted, int6
                 cap.size(), " were planned");
     std::vector<std::vector<int64_t>> shapes;
     for (const auto& t : tensors) shapes.push_back(t.sizes().vec());
-    if (in.op == kSendF && crossing != nullptr) *crossing = with_shapes(cap, shapes);
+    std::vector<TensorSpec> sent = with_shapes(cap, shapes);
     const int64_t rows = std::max<int64_t>(batch_rows_, 0);
-    if (fits_capacity(tensors, cap, large_message_bytes_)) {
-      return frame_shaped(tensors, cap, large_message_bytes_, kMessageOk, rows, options);
+    const bool fits = fits_capacity(sent, cap, large_message_bytes_);
+    if (!fits) {  // its header now (status grown, its shapes), then the message at its own size
+      TORCH_CHECK(follow_up != nullptr, where(in), ": a grown message without a follow-up");
+      *follow_up = frame_shaped(tensors, sent, large_message_bytes_, kMessageOk, rows, options);
     }
-    TORCH_CHECK(follow_up != nullptr, where(in), ": a grown message without a follow-up");
-    *follow_up = frame_shaped(tensors, with_shapes(cap, shapes), large_message_bytes_, kMessageOk, rows, options);
-    return frame_shaped(tensors, cap, large_message_bytes_, kMessageGrown, rows, options);
+    std::vector<at::Tensor> parts =
+        frame_shaped(tensors, cap, large_message_bytes_, fits ? kMessageOk : kMessageGrown, rows, options);
+    if (in.op == kSendF && crossing != nullptr) *crossing = std::move(sent);
+    return parts;
   }
   if (!device_comm_) return frame(tensors, large_message_bytes_);
   // the device path's trailers carry the step status on (device_comm.h)
@@ -1028,9 +1024,13 @@ void Executor::exec_aborted(size_t index, bool wait, int64_t status) {
       Slot& s = slot(in.stage, in.mb);
       Inbox& inbox = in.op == kF ? s.recv_f : s.recv_b;
       const char* what = in.op == kF ? "activations" : "output gradients";
-      if (wait) wait_recv(inbox, in, what);
-      // its header says whether it comes again (grown) and what crossed, as the sender counts it
-      if (wait && shapes_travel_ && inbox.task) settle(*inbox.task, in, what, /*draining=*/true);
+      if (wait && shapes_travel_ && inbox.task) {
+        // waited for and read: its header says whether it comes again (grown) and what crossed, as
+        // the sender counts it
+        settle(*inbox.task, in, what, /*draining=*/true);
+      } else if (wait) {
+        wait_recv(inbox, in, what);
+      }
       inbox = Inbox();
       break;
     }

@@ -153,7 +153,7 @@ class Executor {
   void forget_specs();
   // Host path: messages carry their tensors' shapes (comm.h, shaped messages), so that microbatches
   // may change shapes at every step without a discovery run. The shapes set (set_specs) are then
-  // capacities: at each run's start every boundary's receives take the largest shape, per dimension,
+  // capacities: at each run's start every boundary's receives take, per tensor, the most elements
   // that its microbatches were set or that crossed it in an earlier run (the sender and the receiver
   // of a boundary see the same messages, so both sides widen alike). A message that outgrows them
   // goes as its header, then at its own size (kMessageGrown): one extra message, until the boundary's
@@ -398,9 +398,9 @@ class Executor {
   // receive, dropped), a status other than ok throws as check_message does. The two halves of an
   // OVERLAP_F_B pair may settle at once.
   void settle(CommTask& task, const Instr& in, const char* what, bool draining);
-  // settle's reading of one message (waits for it; a grown one's follow-up too, into the abort scratch
-  // when `draining`).
-  void read_header(CommTask& task, bool draining);
+  // settle's reading of one message for action `consumer` (waits for it; a grown one's follow-up too,
+  // its data into the abort scratch when `draining`).
+  void read_header(CommTask& task, const Instr& consumer, bool draining);
   // Each boundary's capacity at a run's start (set_shapes_travel).
   void widen_capacities();
   // Device path, end of step: reads the step's message status; throws what it says.
@@ -429,8 +429,8 @@ class Executor {
   const SpecFn* spec_source_ = nullptr;  // during a discovery run
   bool shapes_travel_ = false;           // see set_shapes_travel
   int64_t batch_rows_ = -1;              // see set_batch_rows
-  // [stage]: the largest shape per dimension that crossed its boundary from the previous stage (in)
-  // or to the next one (out), in any run so far (empty: none yet)
+  // [stage]: per tensor, the most elements that crossed its boundary from the previous stage (in) or
+  // to the next one (out), in any run so far, as capacities (empty: none yet)
   std::vector<std::vector<TensorSpec>> crossed_in_, crossed_out_;
   // per peer, in this run: messages sent to it and receives posted from it (on the tag that matches
   // them in order), whose counts name a grown message's follow-up tag (comm.h)

@@ -16,4 +16,11 @@ struct TensorSpec {
   bool requires_grad;
 };
 
+// The number of elements of a tensor of this shape.
+inline int64_t elements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
 }  // namespace pipecore
