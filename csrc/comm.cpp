@@ -149,43 +149,62 @@ std::vector<at::Tensor> unframe(const std::vector<at::Tensor>& parts, const std:
 
 namespace {
 
-constexpr size_t kHeadWords = 3;  // status, magic, rows; then the dims
-
-int64_t header_bytes(const std::vector<TensorSpec>& capacity) {
-  int64_t words = kHeadWords;
-  for (const auto& c : capacity) words += static_cast<int64_t>(c.shape.size());
-  return aligned(words * 8);
-}
+constexpr size_t kHeadWords = 4;  // status, magic, rows, the message's bytes as sent; then the dims
 
 bool packed_layout(const std::vector<TensorSpec>& capacity, int64_t large) {
   return payload_bytes(capacity) < large;
 }
 
-at::Tensor header_part(const std::vector<TensorSpec>& capacity, const std::vector<at::Tensor>& tensors, int64_t status,
-                       int64_t rows, int64_t extra_bytes, const at::TensorOptions& options) {
-  const int64_t bytes = header_bytes(capacity);
-  std::vector<int64_t> words(bytes / 8, 0);
+int64_t total_bytes(const std::vector<at::Tensor>& parts) {
+  int64_t bytes = 0;
+  for (const auto& p : parts) bytes += static_cast<int64_t>(p.nbytes());
+  return bytes;
+}
+
+std::vector<std::vector<int64_t>> shapes_of(const std::vector<at::Tensor>& tensors) {
+  std::vector<std::vector<int64_t>> shapes;
+  for (const auto& t : tensors) shapes.push_back(t.sizes().vec());
+  return shapes;
+}
+
+// The header's words; `sent`: the bytes of the whole message as it goes.
+std::vector<int64_t> header_words(const std::vector<TensorSpec>& capacity, const std::vector<at::Tensor>& tensors,
+                                  int64_t status, int64_t rows, int64_t sent) {
+  std::vector<int64_t> words(shaped_header_bytes(capacity) / 8, 0);
   words[0] = status;
   words[1] = kMagic;
   words[2] = rows;
+  words[3] = sent;
   size_t w = kHeadWords;
   for (size_t k = 0; k < capacity.size(); ++k) {
     for (size_t d = 0; d < capacity[k].shape.size(); ++d) {
       words[w++] = tensors.empty() ? 0 : tensors[k].size(static_cast<int64_t>(d));
     }
   }
-  auto buffer = at::empty({bytes + extra_bytes}, options.dtype(at::kByte));
+  return words;
+}
+
+// Writes `words` into the front of `buffer` (a byte tensor).
+void write_header(at::Tensor& buffer, const std::vector<int64_t>& words) {
+  const auto bytes = static_cast<int64_t>(words.size() * 8);
   if (buffer.is_cpu()) {
     std::memcpy(buffer.data_ptr(), words.data(), bytes);
-  } else {  // gloo with device tensors: the header goes over from the host
-    auto host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
-    std::memcpy(host.data_ptr(), words.data(), bytes);
-    buffer.narrow(0, 0, bytes).copy_(host);
+    return;
   }
-  return buffer;
+  // from pinned memory, queued on the current stream: the host does not wait for the device (the
+  // host allocator keeps the pinned block until the copy ran)
+  auto host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(host.data_ptr(), words.data(), bytes);
+  buffer.narrow(0, 0, bytes).copy_(host, /*non_blocking=*/true);
 }
 
 }  // namespace
+
+int64_t shaped_header_bytes(const std::vector<TensorSpec>& capacity) {
+  int64_t words = kHeadWords;
+  for (const auto& c : capacity) words += static_cast<int64_t>(c.shape.size());
+  return aligned(words * 8);
+}
 
 bool fits_capacity(const std::vector<TensorSpec>& message, const std::vector<TensorSpec>& capacity, int64_t large) {
   if (packed_layout(capacity, large)) return payload_bytes(message) <= payload_bytes(capacity);
@@ -196,7 +215,8 @@ bool fits_capacity(const std::vector<TensorSpec>& message, const std::vector<Ten
 }
 
 std::vector<at::Tensor> frame_shaped(const std::vector<at::Tensor>& tensors, const std::vector<TensorSpec>& capacity,
-                                     int64_t large, int64_t status, int64_t rows, const at::TensorOptions& options) {
+                                     int64_t large, int64_t status, int64_t rows, const at::TensorOptions& options,
+                                     bool exact, const at::Tensor& scratch) {
   TORCH_CHECK(tensors.empty() || tensors.size() == capacity.size(), "pipecore: a message of ", tensors.size(),
               " tensors where ", capacity.size(), " were planned");
   for (size_t k = 0; k < tensors.size(); ++k) {
@@ -207,10 +227,15 @@ std::vector<at::Tensor> frame_shaped(const std::vector<at::Tensor>& tensors, con
   }
   const bool data = status == kMessageOk;
   TORCH_CHECK(!data || !tensors.empty() || capacity.empty(), "pipecore: a message without its tensors");
+  TORCH_CHECK(!data || !exact || fits_capacity(with_shapes(capacity, shapes_of(tensors)), capacity, large),
+              "pipecore: a message sent at its capacity must fit it");
+  const int64_t header = shaped_header_bytes(capacity);
   if (packed_layout(capacity, large)) {
-    auto buffer = header_part(capacity, tensors, status, rows, data ? payload_bytes(tensors) : 0, options);
+    const int64_t payload = exact ? payload_bytes(capacity) : data ? payload_bytes(tensors) : 0;
+    auto buffer = at::empty({header + payload}, options.dtype(at::kByte));
+    write_header(buffer, header_words(capacity, tensors, status, rows, header + payload));
     if (data) {
-      int64_t offset = header_bytes(capacity);
+      int64_t offset = header;
       for (const auto& t : tensors) {
         auto n = static_cast<int64_t>(t.nbytes());
         if (n > 0) buffer.narrow(0, offset, n).copy_(t.detach().contiguous().reshape({-1}).view(at::kByte));
@@ -219,17 +244,35 @@ std::vector<at::Tensor> frame_shaped(const std::vector<at::Tensor>& tensors, con
     }
     return {buffer};
   }
-  std::vector<at::Tensor> parts{header_part(capacity, tensors, status, rows, 0, options)};
+  std::vector<at::Tensor> parts{at::empty({header}, options.dtype(at::kByte))};
   for (size_t k = 0; k < capacity.size(); ++k) {
-    if (elements(capacity[k].shape) == 0) continue;
-    parts.push_back(data ? tensors[k].detach().contiguous() : at::empty({0}, options.dtype(capacity[k].dtype)));
+    const int64_t n = elements(capacity[k].shape);
+    if (n == 0) continue;
+    const auto dtype = capacity[k].dtype;
+    if (data && (!exact || tensors[k].numel() == n)) {
+      parts.push_back(tensors[k].detach().contiguous());  // from its own storage
+    } else if (data) {  // at the capacity's size (exact: the receive takes all of it)
+      auto part = at::empty({n}, options.dtype(dtype));
+      if (tensors[k].numel() > 0) part.narrow(0, 0, tensors[k].numel()).copy_(tensors[k].detach().reshape({-1}));
+      parts.push_back(part);
+    } else if (!exact) {
+      parts.push_back(at::empty({0}, options.dtype(dtype)));
+    } else if (scratch.defined()) {  // contents that do not matter
+      const int64_t bytes = nbytes(capacity[k].shape, dtype);
+      TORCH_CHECK(scratch.numel() >= bytes, "pipecore: abort scratch of ", scratch.numel(), " bytes for a part of ",
+                  bytes);
+      parts.push_back(scratch.narrow(0, 0, bytes).view(dtype));
+    } else {
+      parts.push_back(at::empty({n}, options.dtype(dtype)));
+    }
   }
+  write_header(parts[0], header_words(capacity, tensors, status, rows, total_bytes(parts)));
   return parts;
 }
 
 std::vector<at::Tensor> alloc_shaped(const std::vector<TensorSpec>& capacity, const at::TensorOptions& options,
                                      int64_t large, const at::Tensor& scratch) {
-  const int64_t header = header_bytes(capacity);
+  const int64_t header = shaped_header_bytes(capacity);
   if (packed_layout(capacity, large)) return {at::empty({header + payload_bytes(capacity)}, options.dtype(at::kByte))};
   std::vector<at::Tensor> parts{at::empty({header}, options.dtype(at::kByte))};
   for (const auto& c : capacity) {
@@ -247,18 +290,21 @@ std::vector<at::Tensor> alloc_shaped(const std::vector<TensorSpec>& capacity, co
   return parts;
 }
 
-int64_t read_shaped(const std::vector<at::Tensor>& parts, const std::vector<TensorSpec>& capacity, int64_t large,
-                    std::vector<std::vector<int64_t>>& shapes, int64_t& rows) {
-  const int64_t bytes = header_bytes(capacity);
-  if (parts.empty() || parts[0].numel() < bytes) return kMessageUnknown;
-  auto header = parts[0].narrow(0, 0, bytes);
-  if (!header.is_cpu()) header = header.cpu();
+int64_t read_shaped_header(const at::Tensor& header, const std::vector<TensorSpec>& capacity, int64_t large,
+                           int64_t received_bytes, bool exact, std::vector<std::vector<int64_t>>& shapes,
+                           int64_t& rows) {
+  const int64_t bytes = shaped_header_bytes(capacity);
+  TORCH_CHECK(header.is_cpu() && header.is_contiguous() && header.nbytes() >= static_cast<size_t>(bytes),
+              "pipecore: a shaped message's header is read from ", bytes, " contiguous host bytes");
   std::vector<int64_t> words(bytes / 8);
   std::memcpy(words.data(), header.data_ptr(), bytes);
   const int64_t status = words[0];
   if (words[1] != kMagic || status < kMessageOk || status > kMessageGrown) return kMessageUnknown;
   rows = words[2];
   if (rows < 0) return kMessageUnknown;
+  // what the sender sent: all of the buffers where receives need their exact size, else no more
+  const int64_t sent = words[3];
+  if (exact ? sent != received_bytes : (sent < bytes || sent > received_bytes)) return kMessageUnknown;
   shapes.assign(capacity.size(), {});
   size_t w = kHeadWords;
   constexpr int64_t kMaxElements = int64_t{1} << 48;  // above any tensor: words that are not shapes
@@ -276,6 +322,15 @@ int64_t read_shaped(const std::vector<at::Tensor>& parts, const std::vector<Tens
   return fits_capacity(with_shapes(capacity, shapes), capacity, large) ? status : kMessageUnknown;
 }
 
+int64_t read_shaped(const std::vector<at::Tensor>& parts, const std::vector<TensorSpec>& capacity, int64_t large,
+                    bool exact, std::vector<std::vector<int64_t>>& shapes, int64_t& rows) {
+  const int64_t bytes = shaped_header_bytes(capacity);
+  if (parts.empty() || parts[0].numel() < bytes) return kMessageUnknown;
+  at::Tensor header = parts[0].narrow(0, 0, bytes);
+  header = header.is_cpu() ? header.contiguous() : header.cpu();  // (a discovery run's host read)
+  return read_shaped_header(header, capacity, large, total_bytes(parts), exact, shapes, rows);
+}
+
 std::vector<TensorSpec> with_shapes(const std::vector<TensorSpec>& capacity,
                                     const std::vector<std::vector<int64_t>>& shapes) {
   std::vector<TensorSpec> specs = capacity;
@@ -288,7 +343,7 @@ std::vector<at::Tensor> unframe_shaped(const std::vector<at::Tensor>& parts, con
   std::vector<at::Tensor> out;
   out.reserve(capacity.size());
   const bool packed = parts.size() == 1;
-  int64_t offset = header_bytes(capacity);
+  int64_t offset = shaped_header_bytes(capacity);
   size_t next = 1;
   for (size_t k = 0; k < capacity.size(); ++k) {
     const auto dtype = capacity[k].dtype;

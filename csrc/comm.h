@@ -8,20 +8,25 @@
 // - large: every tensor sent from its own storage (no copy), then the trailer alone.
 // Sender and receiver choose the same layout from the byte size of the planned tensors.
 //
-// Shaped messages (the host path, Executor::set_shapes_travel) carry their tensors' shapes, so that
-// the receiver need not know them: a header of int64 words [status, magic, the step's batch rows,
-// each tensor's dims] comes first, and receives are posted at a capacity (per tensor, the most
-// elements that crossed that boundary so far, as a shape [n, 1, ...] of the tensor's rank) that the
-// message may fall short of (gloo accepts a shorter message). The capacity picks the layout:
+// Shaped messages (Executor::set_shapes_travel) carry their tensors' shapes, so that the receiver
+// need not know them: a header of int64 words [status, magic, the step's batch rows, the message's
+// bytes as sent, each tensor's dims] comes first, and receives are posted at a capacity (per tensor,
+// the most elements that crossed that boundary so far, as a shape [n, 1, ...] of the tensor's rank).
+// The capacity picks the layout:
 // - packed (payload capacity under `large`): one buffer, the header then the tensors (each 16-byte
 //   aligned at its actual size);
-// - large: the header alone, then one part per tensor whose capacity holds any element (a shorter or
-//   empty tensor travels as it is).
+// - large: the header alone, then one part per tensor whose capacity holds any element.
+// On gloo a message may fall short of its receive's buffers (gloo accepts a shorter message): a
+// shorter or empty tensor travels as it is. NCCL receives need their exact size, so there (`exact`)
+// every message goes at its capacity's size: a packed buffer is padded, a shorter tensor copied into
+// a part of the capacity's size. The bytes word lets the receiver check either rule.
 // A message that does not fit the capacity goes as its header alone, status kMessageGrown, in the
-// capacity's layout, then follows at its own size (its shapes as the capacity) on a tag of its own,
-// kFollowUpTag + the message's ordinal among those sent to that peer in the step (the receiver
-// counts its receives from that peer alike: gloo matches them in that order), so that each rank may
-// read its grown messages in any order.
+// capacity's layout. On gloo it then follows at its own size (its shapes as the capacity) on a tag of
+// its own, kFollowUpTag + the message's ordinal among those sent to that peer in the step (the
+// receiver counts its receives from that peer alike: gloo matches them in that order), so that each
+// rank may read its grown messages in any order. NCCL matches a pair's messages in posting order
+// only, where a receive posted ahead would take the follow-up: there the step runs again instead,
+// its capacities widened (Executor::set_shapes_travel).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -58,21 +63,32 @@ std::vector<at::Tensor> unframe(const std::vector<at::Tensor>& parts, const std:
 
 // Shaped messages (above). The tag of a grown message's second sending is this + its ordinal.
 constexpr int kFollowUpTag = 1;
+// Bytes of a shaped message's header for capacity `capacity` (16-byte aligned).
+int64_t shaped_header_bytes(const std::vector<TensorSpec>& capacity);
 // Whether a message of tensors shaped like `message` fits capacity `capacity` (same count, dtypes and
 // ranks assumed): the sender's choice between sending and growing, and the receiver's check.
 bool fits_capacity(const std::vector<TensorSpec>& message, const std::vector<TensorSpec>& capacity, int64_t large);
 // The parts of a shaped message of capacity `capacity`: `tensors` with `status` ok; otherwise the
 // header alone, carrying `status` and the shapes of `tensors` (zeros where none are given). `rows`: the
 // first stages' batch rows of the step (Executor::set_batch_rows), which travel with every header.
+// `exact`: at the capacity's size (NCCL; above), a message without data then in views of `scratch`
+// (see abort_frame) where it is given.
 std::vector<at::Tensor> frame_shaped(const std::vector<at::Tensor>& tensors, const std::vector<TensorSpec>& capacity,
-                                     int64_t large, int64_t status, int64_t rows, const at::TensorOptions& options);
+                                     int64_t large, int64_t status, int64_t rows, const at::TensorOptions& options,
+                                     bool exact = false, const at::Tensor& scratch = at::Tensor());
 // Buffers to receive a shaped message of capacity `capacity`. With `scratch` (see alloc_frame), a large
 // message's data parts are views of it; its header always has a buffer of its own (it is read).
 std::vector<at::Tensor> alloc_shaped(const std::vector<TensorSpec>& capacity, const at::TensorOptions& options,
                                      int64_t large, const at::Tensor& scratch = at::Tensor());
-// A received shaped message's status (kMessageUnknown: not pipecore's header), tensor shapes and rows.
+// A received shaped message's status (kMessageUnknown: not pipecore's header, or not the size its
+// sender sent: `exact`, all of `received_bytes`; else no more), tensor shapes and rows, from its
+// header's bytes on the host.
+int64_t read_shaped_header(const at::Tensor& header, const std::vector<TensorSpec>& capacity, int64_t large,
+                           int64_t received_bytes, bool exact, std::vector<std::vector<int64_t>>& shapes,
+                           int64_t& rows);
+// The same, from the received parts (a device message's header is copied to the host and waited for).
 int64_t read_shaped(const std::vector<at::Tensor>& parts, const std::vector<TensorSpec>& capacity, int64_t large,
-                    std::vector<std::vector<int64_t>>& shapes, int64_t& rows);
+                    bool exact, std::vector<std::vector<int64_t>>& shapes, int64_t& rows);
 // `capacity` with these shapes: the capacity of a grown message's follow-up.
 std::vector<TensorSpec> with_shapes(const std::vector<TensorSpec>& capacity,
                                     const std::vector<std::vector<int64_t>>& shapes);

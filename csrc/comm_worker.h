@@ -50,6 +50,11 @@ struct CommTask {
   int64_t status = 0;
   std::vector<std::vector<int64_t>> shapes;
   std::vector<TensorSpec> layout;
+  // shaped device receives: the header's bytes, copied to the host on the communication stream after
+  // their batch (`header_host`, pinned), ready at `header_ready` (DeviceComm::read_header)
+  int64_t header_bytes = 0;
+  at::Tensor header_host;
+  std::shared_ptr<StreamMarker> header_ready;
 
   CommTask() = default;
   CommTask(const CommTask&) = delete;

@@ -8,7 +8,12 @@
 // - A receive's data is ready at an event recorded on the communication stream after its group;
 //   the compute stream waits on that event when an action consumes the message, or when the
 //   executor drops it unconsumed.
-// - Message statuses (a peer's step aborted, shapes changed, channel out of step) are checked on
+// - Shaped messages (comm.h, Executor::set_shapes_travel): their headers, which the host needs to
+//   know the tensors' shapes, are copied to pinned host memory on the communication stream right
+//   after their batch; the host waits for that copy (not for the compute stream) when an action
+//   consumes the message: one small device-to-host read per received message. Their statuses are
+//   then read on the host, as on the host path.
+// - Other messages' statuses (a peer's step aborted, shapes changed, channel out of step) are checked on
 //   the device: each received trailer folds into a step status on the device, each sent trailer
 //   carries that status on, and a last stage's loss seed is zero unless it is ok, so a failed step
 //   adds nothing to any gradient. The host reads the status once, when the step ends.
@@ -39,8 +44,11 @@ class DeviceComm {
   // marks them posted; sends hold the group's Work, receives also an event for their data.
   virtual void post_batch(c10d::ProcessGroup& group, const std::vector<std::shared_ptr<CommTask>>& tasks) = 0;
   // Before the compute stream reads received `task`: waits (on the device) for its data and folds its
-  // trailer into the step status.
+  // trailer into the step status (a shaped message's status was read on the host).
   virtual void consume(CommTask& task) = 0;
+  // A shaped message (task.header_bytes > 0): its header's bytes on the host, waited for up to
+  // `timeout` (CommError after that), not waiting for the compute stream.
+  virtual at::Tensor read_header(CommTask& task, std::chrono::milliseconds timeout) = 0;
   // A discovery run reads messages on the host (Executor::run): `task`'s Works were waited for there.
   virtual void waited_on_host(const CommTask& /*task*/) {}
   // Writes the step status (ok, or the first bad status a message brought) into a 16-byte trailer.

@@ -184,10 +184,7 @@ void Executor::forget_specs() {
   std::fill(output_known_.begin(), output_known_.end(), 0);
 }
 
-void Executor::set_shapes_travel(bool on) {
-  TORCH_CHECK(!on || !device_comm_, "pipecore: shaped messages are the host path's (NCCL receives need their size)");
-  shapes_travel_ = on;
-}
+void Executor::set_shapes_travel(bool on) { shapes_travel_ = on; }
 
 namespace {
 // Same count, dtypes and ranks: one layout of capacities (gradient flags do not matter to buffers).
@@ -301,10 +298,25 @@ void Executor::read_header(CommTask& task, const Instr& consumer, bool draining)
   if (task.settled) return;
   const Instr& in = program_[task.action];  // its RECV (waits are the consuming action's, in errors)
   const char* what = in.op == kRecvF ? "activations" : "output gradients";
-  wait_task(task, consumer, what);
+  const bool exact = device_comm_ != nullptr;  // NCCL: every message at its capacity's size (comm.h)
   int64_t rows = 0;
-  task.status = read_shaped(task.parts, task.layout, large_message_bytes_, task.shapes, rows);
-  if (task.status == kMessageGrown) {  // it comes again at its own size, on the follow-up tag
+  if (device_comm_ && !host_reads_) {  // its header's copy on the host, not the data on the device
+    at::Tensor header;
+    {
+      SpentOn spent(profile_, Spent::kWait);
+      try {
+        header = device_comm_->read_header(task, timeout_);
+      } catch (const CommError& e) {
+        throw CommError(wait_failure(consumer, what, task.peer, e.what()));
+      }
+    }
+    task.status = read_shaped_header(header, task.layout, large_message_bytes_, message_bytes(task.parts), exact,
+                                     task.shapes, rows);
+  } else {
+    wait_task(task, consumer, what);
+    task.status = read_shaped(task.parts, task.layout, large_message_bytes_, exact, task.shapes, rows);
+  }
+  if (task.status == kMessageGrown && !exact) {  // it comes again at its own size, on the follow-up tag
     auto again = std::make_shared<CommTask>();
     again->send = false;
     again->layout = with_shapes(task.layout, task.shapes);
@@ -320,18 +332,22 @@ void Executor::read_header(CommTask& task, const Instr& consumer, bool draining)
     wait_task(*again, consumer, what);
     std::vector<std::vector<int64_t>> shapes;
     int64_t again_rows = 0;
-    const bool same = draining || (read_shaped(again->parts, again->layout, large_message_bytes_, shapes,
-                                               again_rows) == kMessageOk && shapes == task.shapes);
+    const bool same =
+        draining || (read_shaped(again->parts, again->layout, large_message_bytes_, /*exact=*/false, shapes,
+                                 again_rows) == kMessageOk &&
+                     shapes == task.shapes);
     task.status = same ? kMessageOk : kMessageUnknown;
     task.follow_up_failed = !same;
     task.parts = std::move(again->parts);
     task.layout = std::move(again->layout);
   }
   task.settled = true;
-  if (task.status == kMessageOk && in.op == kRecvF) {
+  // what crossed, as its sender recorded it: also a grown message on the device path (the step runs
+  // again with both sides widened by it)
+  if ((task.status == kMessageOk || task.status == kMessageGrown) && in.op == kRecvF) {
     std::lock_guard<std::mutex> lock(settle_mu_);
     record_crossing(crossed_in_[in.stage], with_shapes(task.layout, task.shapes));
-    if (batch_rows_ < 0) batch_rows_ = rows;  // (set_batch_rows)
+    if (batch_rows_ < 0 && task.status == kMessageOk) batch_rows_ = rows;  // (set_batch_rows)
   }
 }
 
@@ -409,6 +425,7 @@ void Executor::wait_recv(Inbox& inbox, const Instr& in, const char* what) {
 
 const std::vector<at::Tensor>& Executor::receive(Inbox& inbox, const Instr& in, const char* what) {
   if (device_comm_ && !host_reads_) {
+    if (shapes_travel_) settle(*inbox.task, in, what, /*draining=*/false);  // the host reads its header
     try {
       SpentOn spent(profile_, Spent::kWait);
       device_comm_->consume(*inbox.task);  // the status is checked on the device, read at the step's end
@@ -490,6 +507,12 @@ void Executor::check_message(const std::vector<at::Tensor>& parts, const Instr& 
 }
 
 void Executor::check_message_status(int64_t status, const Instr& in, const char* what) {
+  if (status == kMessageGrown) {  // (the device path: settle)
+    std::ostringstream os;
+    os << where(in) << ": the " << what << " of microbatch " << in.mb << " outgrew the buffers their receive was "
+       << "posted with (NCCL receives need their exact size): the step runs again with larger ones";
+    throw PeerReplan(os.str());
+  }
   if (status == kMessageReplan) {
     std::ostringstream os;
     os << where(in) << ": the " << what << " of microbatch " << in.mb << " say a first stage's batch changed shape";
@@ -515,7 +538,10 @@ std::shared_ptr<CommTask> Executor::make_recv(const Instr& in, bool aborted) {
   const at::Tensor scratch = aborted ? abort_scratch(options_[key], payload_bytes(specs)) : at::Tensor();
   task->parts = shapes_travel_ ? alloc_shaped(specs, options_[key], large_message_bytes_, scratch)
                                : alloc_frame(specs, options_[key], large_message_bytes_, scratch);
-  if (shapes_travel_) task->layout = specs;
+  if (shapes_travel_) {
+    task->layout = specs;
+    if (device_comm_) task->header_bytes = shaped_header_bytes(specs);  // read by the host (device_comm.h)
+  }
   Slot& s = slot(in.stage, in.mb);
   (activations ? s.recv_f : s.recv_b).task = task;
   return task;
@@ -539,13 +565,15 @@ void Executor::post_recvs_until(size_t end, size_t at, bool aborted) {
   }
 }
 
-at::Tensor Executor::abort_scratch(const at::TensorOptions& options, int64_t bytes) {
-  if (!abort_scratch_.defined() || abort_scratch_.device() != options.device() ||
-      abort_scratch_.numel() < bytes) {
+at::Tensor Executor::abort_scratch(const at::TensorOptions& options, int64_t bytes, bool for_sends) {
+  // sends have their own: a receive dropped unread waits (on the device) for its own transfer only,
+  // not for a later send's from the same block (stream_contract.h, rule 3)
+  at::Tensor& scratch = for_sends ? abort_send_scratch_ : abort_scratch_;
+  if (!scratch.defined() || scratch.device() != options.device() || scratch.numel() < bytes) {
     // zeros: on a device, compute may run on an aborted message before its status is read
-    abort_scratch_ = at::zeros({std::max<int64_t>(bytes, 1)}, options.dtype(at::kByte));
+    scratch = at::zeros({std::max<int64_t>(bytes, 1)}, options.dtype(at::kByte));
   }
-  return abort_scratch_;
+  return scratch;
 }
 
 void Executor::prefetch_recvs(size_t at) {
@@ -595,15 +623,22 @@ void Executor::post_batch(size_t index, bool aborted, int64_t status) {
   SpentOn spent(profile_, Spent::kPost);
   std::vector<std::shared_ptr<CommTask>> tasks;
   std::vector<size_t> task_index;  // tasks[k] is program_[task_index[k]]'s message
+  std::vector<std::pair<int64_t, std::vector<TensorSpec>>> crossings;  // shaped SEND_Fs': (stage, shapes)
+  int64_t grown = -1;  // a shaped message that outgrew its capacity (comm.h): its program index
   for (size_t j = index; j < end; ++j) {
     const Instr& in = program_[j];
     std::shared_ptr<CommTask> task;
     if (in.op == kRecvF || in.op == kRecvB) {
       task = make_recv(in, aborted);
       if constexpr (kTesting) recv_posted_at_[recvs_through_[j] - 1] = static_cast<int64_t>(index);
+      if (task) task->action = static_cast<int64_t>(j);
     } else {
-      std::vector<at::Tensor> parts = message_of(in, aborted, status);
+      std::vector<TensorSpec> crossing;
+      bool grew = false;
+      std::vector<at::Tensor> parts = message_of(in, aborted, status, nullptr, &crossing, &grew);
       if (parts.empty()) continue;
+      if (!crossing.empty()) crossings.emplace_back(in.stage, std::move(crossing));
+      if (grew && grown < 0) grown = static_cast<int64_t>(j);
       task = std::make_shared<CommTask>();
       task->parts = std::move(parts);
     }
@@ -630,16 +665,31 @@ void Executor::post_batch(size_t index, bool aborted, int64_t status) {
     const int64_t bytes = message_bytes(tasks[k]->parts);
     sends_->track(std::move(tasks[k]), bytes, where(in) + ": send to rank " + std::to_string(in.peer), timeout_);
   }
+  // posted: the receivers read them, in this run or its aborted rest, and record them alike
+  for (auto& [stage, crossing] : crossings) record_crossing(crossed_out_[stage], std::move(crossing));
+  if (grown >= 0) {  // its receiver's buffers are too small: everyone runs the step again, widened
+    const Instr& in = program_[grown];
+    std::ostringstream os;
+    os << where(in) << ": the " << (in.op == kSendF ? "activations" : "input gradients") << " of microbatch " << in.mb
+       << " outgrew the buffers rank " << in.peer << " receives them in (NCCL receives need their exact size): "
+       << "the step runs again with larger ones";
+    throw PeerReplan(os.str());
+  }
 }
 
 std::vector<at::Tensor> Executor::message_of(const Instr& in, bool aborted, int64_t status,
-                                             std::vector<at::Tensor>* follow_up, std::vector<TensorSpec>* crossing) {
+                                             std::vector<at::Tensor>* follow_up, std::vector<TensorSpec>* crossing,
+                                             bool* grew) {
   const at::TensorOptions& options = options_[in.stage * num_microbatches_ + in.mb];
+  const bool exact = device_comm_ != nullptr;  // NCCL: a message at its capacity's size (comm.h)
   if (aborted) {
     const std::vector<TensorSpec> specs = send_specs(in);
     if (specs.empty()) return {};
-    if (shapes_travel_) return frame_shaped({}, specs, large_message_bytes_, status, 0, options);
-    return abort_frame(specs, options, status, large_message_bytes_, abort_scratch(options, payload_bytes(specs)));
+    // (a message without data on gloo is its header: no scratch)
+    const at::Tensor scratch =
+        shapes_travel_ && !exact ? at::Tensor() : abort_scratch(options, payload_bytes(specs), /*for_sends=*/true);
+    if (shapes_travel_) return frame_shaped({}, specs, large_message_bytes_, status, 0, options, exact, scratch);
+    return abort_frame(specs, options, status, large_message_bytes_, scratch);
   }
   std::vector<at::Tensor> tensors = outgoing(in);
   if (tensors.empty()) return {};
@@ -652,12 +702,18 @@ std::vector<at::Tensor> Executor::message_of(const Instr& in, bool aborted, int6
     std::vector<TensorSpec> sent = with_shapes(cap, shapes);
     const int64_t rows = std::max<int64_t>(batch_rows_, 0);
     const bool fits = fits_capacity(sent, cap, large_message_bytes_);
-    if (!fits) {  // its header now (status grown, its shapes), then the message at its own size
+    if (!fits && exact) {  // its header (status grown, its shapes); the step runs again (comm.h)
+      TORCH_CHECK(grew != nullptr, where(in), ": a grown message on the device path");
+      *grew = true;
+      ++grown_messages_;
+    } else if (!fits) {  // its header now (status grown, its shapes), then the message at its own size
       TORCH_CHECK(follow_up != nullptr, where(in), ": a grown message without a follow-up");
       *follow_up = frame_shaped(tensors, sent, large_message_bytes_, kMessageOk, rows, options);
     }
-    std::vector<at::Tensor> parts =
-        frame_shaped(tensors, cap, large_message_bytes_, fits ? kMessageOk : kMessageGrown, rows, options);
+    const at::Tensor scratch =
+        !fits && exact ? abort_scratch(options, payload_bytes(cap), /*for_sends=*/true) : at::Tensor();
+    std::vector<at::Tensor> parts = frame_shaped(tensors, cap, large_message_bytes_, fits ? kMessageOk : kMessageGrown,
+                                                 rows, options, exact, scratch);
     if (in.op == kSendF && crossing != nullptr) *crossing = std::move(sent);
     return parts;
   }
@@ -934,7 +990,7 @@ std::string Executor::finish_aborted(size_t from, bool wait, int64_t status) {
     }
   }
   for (auto& s : slots_) s = Slot();
-  abort_scratch_ = at::Tensor();  // in-flight sends keep it alive as long as they need it
+  abort_scratch_ = abort_send_scratch_ = at::Tensor();  // in-flight sends keep theirs alive as long as needed
   return comm_failure;
 }
 

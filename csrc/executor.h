@@ -151,14 +151,16 @@ class Executor {
   void set_output_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> send_f, at::TensorOptions options);
   // Every message's shapes unknown, to be learnt by a discovery run.
   void forget_specs();
-  // Host path: messages carry their tensors' shapes (comm.h, shaped messages), so that microbatches
-  // may change shapes at every step without a discovery run. The shapes set (set_specs) are then
-  // capacities: at each run's start every boundary's receives take, per tensor, the most elements
-  // that its microbatches were set or that crossed it in an earlier run (the sender and the receiver
-  // of a boundary see the same messages, so both sides widen alike). A message that outgrows them
-  // goes as its header, then at its own size (kMessageGrown): one extra message, until the boundary's
-  // capacity has grown. Every rank of the group must set the same, between steps; not on the device
-  // path (NCCL receives need their exact size).
+  // Messages carry their tensors' shapes (comm.h, shaped messages), so that microbatches may change
+  // shapes at every step without a discovery run. The shapes set (set_specs) are then capacities: at
+  // each run's start every boundary's receives take, per tensor, the most elements that its
+  // microbatches were set or that crossed it in an earlier run (the sender and the receiver of a
+  // boundary see the same messages, so both sides widen alike). A message that outgrows them goes as
+  // its header, then, on the host path, at its own size (kMessageGrown): one extra message, until the
+  // boundary's capacity has grown. On the device path every message goes at its capacity's size (NCCL
+  // receives need their exact size), the host reads each received header (device_comm.h), and a
+  // message that outgrows its capacity makes the step run again (PeerReplan on every rank), widened.
+  // Every rank of the group must set the same, between steps.
   void set_shapes_travel(bool on);
   bool shapes_travel() const { return shapes_travel_; }
   // Shaped messages carry the step's batch rows (the first stages' batch size, 0 if it has none)
@@ -339,7 +341,8 @@ class Executor {
   std::string finish_aborted(size_t from, bool wait, int64_t status);
   // A byte buffer of at least `bytes` on `options`' device for aborted messages' payloads: one
   // buffer for all of them, so that a rank out of memory can still release its peers.
-  at::Tensor abort_scratch(const at::TensorOptions& options, int64_t bytes);
+  // `for_sends`: the sends' own (aborted or grown messages' data parts).
+  at::Tensor abort_scratch(const at::TensorOptions& options, int64_t bytes, bool for_sends = false);
   void check_message(const std::vector<at::Tensor>& parts, const Instr& in, const char* what);
   // Throws what a received message's status other than ok says (PeerReplan, PeerAbort).
   void check_message_status(int64_t status, const Instr& in, const char* what);
@@ -387,9 +390,10 @@ class Executor {
   // message of the same size whose trailer carries `status`. A shaped message that outgrew its
   // capacity is its header; `follow_up` then gets the message at its own size.
   // `crossing`: the shapes of a shaped SEND_F's tensors, to record once it is posted.
+  // On the device path a shaped message that outgrew its capacity sets `grew` instead (comm.h).
   std::vector<at::Tensor> message_of(const Instr& in, bool aborted, int64_t status = 0,
                                      std::vector<at::Tensor>* follow_up = nullptr,
-                                     std::vector<TensorSpec>* crossing = nullptr);
+                                     std::vector<TensorSpec>* crossing = nullptr, bool* grew = nullptr);
   // Shaped messages: the capacity of (stage, mb)'s receive of activations (kRecvF) or output gradients
   // (kRecvB), or of its send (kSendF, kSendB).
   std::vector<TensorSpec> capacity(const Instr& in) const;
@@ -456,6 +460,7 @@ class Executor {
   int64_t last_send_posted_ = -1;  // program index of the latest SEND that posted its message
   std::string comm_failure_;       // see last_comm_failure()
   at::Tensor abort_scratch_;
+  at::Tensor abort_send_scratch_;
   std::unique_ptr<CommWorker> worker_;
   std::unique_ptr<DeviceComm> device_comm_;
   bool host_reads_ = false;  // a discovery run on the device path: the host waits for and reads each message

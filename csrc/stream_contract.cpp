@@ -32,6 +32,12 @@ void after_batch(const std::shared_ptr<StreamSync>& sync, const std::vector<std:
   }
 }
 
+void header_to_host(StreamSync& sync, const CommTask& task) {
+  TORCH_CHECK(!task.send && task.header_bytes > 0 && !task.ready,
+              "pipecore: a header goes to the host from a shaped receive, before its batch's ready event");
+  sync.used(task.parts[0], Lane::kComm, /*writes=*/false);
+}
+
 void before_read(StreamSync& sync, CommTask& task) {
   TORCH_CHECK(task.ready, "pipecore: a device receive without its ready event");
   sync.wait(Lane::kCompute, *task.ready);  // rule 2

@@ -18,6 +18,9 @@
 //     it out while the transfer may still write it.
 //  4. A send's buffers are released only once its Work completed (SendTracker polls it), so no
 //     stream uses them any more.
+//  5. A shaped receive's header (comm.h) is copied to the host on the communication stream after
+//     its batch and before the batch's ready event: rules 1 and 3 then cover that read as well; the
+//     host reads the copy only after the copy's own event.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -53,6 +56,8 @@ void before_batch(StreamSync& sync, const std::vector<std::shared_ptr<CommTask>>
 // Once the batch's group is queued on the communication stream: the receives' ready event (rules
 // 2 and 3) and each receive's release (rule 3, run when the executor drops the task).
 void after_batch(const std::shared_ptr<StreamSync>& sync, const std::vector<std::shared_ptr<CommTask>>& tasks);
+// Rule 5, as the communication stream copies received `task`'s header to the host (before after_batch).
+void header_to_host(StreamSync& sync, const CommTask& task);
 // Rule 2, before the compute stream reads a received task.
 void before_read(StreamSync& sync, CommTask& task);
 

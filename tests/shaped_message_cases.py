@@ -77,19 +77,35 @@ def _difference(stages, reference, data) -> float:
 
 
 def step_lengths(rank: int, world: int, name: str, lengths: list[list[int]], large: int | None = None,
-                 fail: tuple[int, int] | None = None, delay_us: int = 0, overlap: str | None = None) -> dict:
+                 fail: tuple[int, int] | None = None, delay_us: int = 0, overlap: str | None = None,
+                 device: bool = False) -> dict:
     """One step per entry of `lengths` (each microbatch's length). `large`: the test build's large-message
     threshold (0: every message sent as its parts); `fail`: (step, rank) whose first forward raises;
-    `overlap`: the Pipeline's overlap_f_b mode (the halves of a pair read their messages at once).
-    Returns per step the executor's message counts and the plans learnt, and the largest relative
-    gradient difference from one process over the steps that did not fail."""
+    `overlap`: the Pipeline's overlap_f_b mode (the halves of a pair read their messages at once);
+    `device`: the device path's protocol, emulated (messages at their capacity's size, headers read
+    by the host, a step whose messages outgrow their capacity run again).
+    Returns per step the executor's message counts, the plans learnt and the forwards this rank ran
+    (more than one per stage and microbatch: the step ran again), the largest relative gradient
+    difference from one process over the steps that did not fail, and the stream contract's
+    violations (device)."""
     stages, reference, pipe = _pipeline(rank, world, name, **({"overlap_f_b": overlap} if overlap else {}))
+    if device:
+        pipe.executor._emulate_device_comm()
+        pipe.executor.set_shapes_travel(True)
     if large is not None:
         pipe.executor.set_large_messages(large)
     if delay_us:
         pipe.executor.set_delays(delay_us, rank)
-    out: dict = {"counts": [], "plans": [], "grad": 0.0, "failed": [], "sends": sends_in_program(pipe)}
+    forwards = [0]
+
+    def count_forward(module, args):
+        forwards[0] += 1
+    for s in stages:
+        s.module.register_forward_pre_hook(count_forward)
+    out: dict = {"counts": [], "plans": [], "grad": 0.0, "failed": [], "sends": sends_in_program(pipe),
+                 "forwards": [], "once": len(stages) * pipe.num_microbatches}
     for step, lens in enumerate(lengths):
+        forwards[0] = 0
         data = [batch(step, mb, n) for mb, n in enumerate(lens)]
         failing = fail is not None and fail == (step, rank)
         if failing:
@@ -104,6 +120,7 @@ def step_lengths(rank: int, world: int, name: str, lengths: list[list[int]], lar
                                    loss_divisor=float(sum(y.numel() for _, y in data)))
         except (RuntimeError, pc.PeerFailedError) as exc:
             out["failed"].append(f"{step}: {type(exc).__name__}")
+            out.setdefault("errors", []).append(str(exc)[:600])
             for s in stages:
                 s.module.zero_grad(set_to_none=True)
             if failing:
@@ -112,8 +129,11 @@ def step_lengths(rank: int, world: int, name: str, lengths: list[list[int]], lar
             continue
         out["counts"].append(pipe.executor.message_counts)
         out["plans"].append(len(pipe.plans))
-        out["grad"] = max(out["grad"], _difference(stages, reference, data))
+        out["forwards"].append(forwards[0])
+        out.setdefault("grads", []).append(_difference(stages, reference, data))
+        out["grad"] = max(out["grad"], out["grads"][-1])
     out["overlapped"] = pipe.overlapped_pairs
+    out["violations"] = pipe.executor._stream_violations() if device else []
     return out
 
 

@@ -85,3 +85,45 @@ def test_out_of_memory_while_messages_grow_ends_the_step_everywhere(name, bad_ra
             else:
                 assert kind == "PeerFailedError" and "out of memory" in text, (rank, k, kind, text)
     assert failed == count, (failed, count)  # every allocation the step makes, refused in turn
+
+
+@pytest.mark.parametrize("large", [None, 0])
+@pytest.mark.parametrize("name, world", [("1f1b", 2), ("interleaved_1f1b", 2), ("zbv", 2), ("dualpipev", 2),
+                                         ("interleaved_zb", 4)])
+def test_device_path_messages_carry_their_shapes(name, world, large):
+    """The device path's protocol, emulated (NCCL: a receive takes exactly what was sent): one plan for
+    every step; every message goes at its capacity's size (a receiver refuses one whose header says
+    otherwise, so every step passing shows it) and the host reads its header; the step that outgrows
+    the capacities runs again (until every message fit: a later microbatch may outgrow what the run
+    before learnt), and no other does; gradients within 1e-6 of one process (the abandoned runs'
+    gradients went); the stream contract holds (headers copied before their batch's ready event)."""
+    results = pool(world).run(step_lengths, name, _steps(LENGTHS, world), large, None, 0, None, True, timeout=240)
+    for rank, r in enumerate(results):
+        assert not r["failed"], (rank, r)
+        assert r["grad"] <= 1e-6, (rank, r)
+        assert r["violations"] == [], (rank, r)
+        assert r["plans"] == [1] * len(LENGTHS), (rank, r)
+        for step, (messages, parts, grown) in enumerate(r["counts"]):
+            assert messages == r["sends"] and grown == 0, (rank, step, r)  # the run that counted
+            if step != 2:
+                assert r["forwards"][step] == r["once"], (rank, step, r)
+    assert any(r["forwards"][2] > r["once"] for r in results), results  # step 2 ran again
+
+
+def test_device_path_pairs_read_headers_at_once():
+    """dualpipev's pairs, their halves on two threads, each reading headers on the emulated device path."""
+    results = pool(2).run(step_lengths, "dualpipev", _steps(LENGTHS, 2), None, None, 200, "concurrent", True,
+                          timeout=180)
+    for rank, r in enumerate(results):
+        assert not r["failed"] and r["grad"] <= 1e-6 and r["violations"] == [], (rank, r)
+        assert r["overlapped"] > 0, (rank, r)
+
+
+def test_device_path_step_that_fails_while_messages_grow():
+    """Rank 1's forward fails in the step whose messages outgrow their capacity, on the emulated device
+    path, with random delays: every rank fails that step; the later steps are exact and none runs twice."""
+    results = pool(2).run(step_lengths, "1f1b", _steps(LENGTHS, 2), None, (2, 1), 300, None, True, timeout=180)
+    for rank, r in enumerate(results):
+        assert [f.split(":")[0] for f in r["failed"]] == ["2"], (rank, r)
+        assert r["grad"] <= 1e-6 and r["violations"] == [], (rank, r)
+        assert r["forwards"][-1] == r["once"], (rank, r)

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <thread>
 
+#include "../executor.h"
 #include "../message_status.h"
 #include "../stream_contract.h"
 #include "status_kernels.h"
@@ -84,6 +85,7 @@ class CudaComm final : public DeviceComm {
       work = group.endCoalescing(c10::DeviceType::CUDA);
       TORCH_CHECK(work, "pipecore: the group returned no Work for a batch of sends and receives");
       if (recvs) work->wait();  // no timeout: the communication stream waits for the group; the host does not
+      copy_headers(tasks);
       after_batch(streams_, tasks);  // the receives' ready event, on the communication stream
       for (const auto& task : tasks) task->works.assign(1, work);  // coalesced operations have no Work of their own
     }
@@ -93,8 +95,18 @@ class CudaComm final : public DeviceComm {
   void consume(CommTask& task) override {
     c10::cuda::CUDAGuard device_guard(device_);
     before_read(*streams_, task);
+    if (task.header_bytes > 0) return;  // a shaped message: its status was read on the host
     const at::Tensor& last = task.parts.back();
     cuda::fold_trailer(last.narrow(0, last.numel() - 16, 16), status_, compute_stream().stream());
+  }
+
+  at::Tensor read_header(CommTask& task, std::chrono::milliseconds timeout) override {
+    TORCH_CHECK(task.header_ready, "pipecore: a shaped device receive without its header copy");
+    const auto& marker = static_cast<const CudaMarker&>(*task.header_ready);
+    if (!poll(marker.event, timeout)) {
+      throw CommError("the message did not arrive (its header was not on the host within the timeout)");
+    }
+    return task.header_host;
   }
 
   void write_trailer(at::Tensor& trailer) override {
@@ -110,20 +122,39 @@ class CudaComm final : public DeviceComm {
     auto stream = compute_stream();
     host_status_.copy_(status_, /*non_blocking=*/true);
     status_read_.record(stream);
-    // queried, not synchronized: a stuck peer ends in a timeout, not a hang
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    auto pause = std::chrono::microseconds(10);
-    while (!status_read_.query()) {
-      if (std::chrono::steady_clock::now() > deadline) return false;
-      std::this_thread::sleep_for(pause);
-      pause = std::min(pause * 2, std::chrono::microseconds(500));
-    }
+    if (!poll(status_read_, timeout)) return false;
     const int64_t code = host_status_.data_ptr<int64_t>()[0];
     status = code == kStatusNotOurs ? kMessageUnknown : code;
     return true;
   }
 
  private:
+  // Queried, not synchronized: a stuck peer ends in a timeout, not a hang. False once `timeout` passed.
+  static bool poll(const c10::Event& event, std::chrono::milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    auto pause = std::chrono::microseconds(2);  // a header is usually there within microseconds
+    while (!event.query()) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(500));
+    }
+    return true;
+  }
+
+  // Shaped receives of a batch just queued (the communication stream current): their headers to
+  // pinned host memory, each ready at an event, ahead of the action that reads them (stream contract,
+  // rule 5: the copy is a use by the communication stream, before the batch's ready event).
+  void copy_headers(const std::vector<std::shared_ptr<CommTask>>& tasks) {
+    for (const auto& task : tasks) {
+      if (task->send || task->header_bytes == 0) continue;
+      header_to_host(*streams_, *task);
+      task->header_host =
+          at::empty({task->header_bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+      task->header_host.copy_(task->parts[0].narrow(0, 0, task->header_bytes), /*non_blocking=*/true);
+      task->header_ready = streams_->record(Lane::kComm);
+    }
+  }
+
   c10::cuda::CUDAStream compute_stream() const { return c10::cuda::getCurrentCUDAStream(device_.index()); }
 
   c10::Device device_;

@@ -2,7 +2,7 @@
 // without a GPU test the executor's side of it: batches posted at their first action, no receive
 // window and no send budget, statuses folded into a step status when a message is consumed, sent
 // trailers carrying that status on, loss seeds gated by it, compute running on aborted messages,
-// and the status read once at the end of the step. What CUDA does with a communication stream,
+// and the status read once at the end of the step; shaped messages' headers read by the host. What CUDA does with a communication stream,
 // events and one-thread kernels, this does on the host: it waits for a receive's parts when an
 // action consumes them (where the compute stream would wait on the receive's event), and a batch's
 // operations are posted one by one (gloo has no coalescing; it needs none, since it does not
@@ -57,25 +57,25 @@ class HostDeviceComm final : public DeviceComm {
         receives_.insert(receives_.end(), task->works.begin(), task->works.end());
       }
     }
+    for (const auto& task : tasks) {
+      if (!task->send && task->header_bytes > 0) header_to_host(*ledger_, *task);
+    }
     after_batch(ledger_, tasks);
     for (const auto& task : tasks) task->mark_posted(nullptr);
   }
 
   void consume(CommTask& task) override {
     before_read(*ledger_, task);
-    for (const auto& work : task.works) {
-      if (!work || !first_wait(*work)) continue;
-      bool done = false;
-      std::string why = "timed out";
-      try {
-        done = work->wait(timeout_);
-      } catch (const std::exception& e) {
-        why = e.what();
-      }
-      if (!done) throw CommError(why);  // the executor says which message
-    }
+    wait_for(task, timeout_);
+    if (task.header_bytes > 0) return;  // a shaped message: its status was read on the host
     const int64_t code = message_status(task.parts);
     fold(code == kMessageUnknown ? kStatusNotOurs : code);
+  }
+
+  at::Tensor read_header(CommTask& task, std::chrono::milliseconds timeout) override {
+    // where CUDA waits for the header's copy to the host, which follows the transfer
+    wait_for(task, timeout);
+    return task.parts[0].narrow(0, 0, task.header_bytes).contiguous();
   }
 
   void waited_on_host(const CommTask& task) override {
@@ -116,6 +116,21 @@ class HostDeviceComm final : public DeviceComm {
   std::vector<std::string> contract_violations() const override { return ledger_->violations(); }
 
  private:
+  // Waits for `task`'s parts (each Work once); CommError if one failed or took longer than `timeout`.
+  void wait_for(CommTask& task, std::chrono::milliseconds timeout) {
+    for (const auto& work : task.works) {
+      if (!work || !first_wait(*work)) continue;
+      bool done = false;
+      std::string why = "timed out";
+      try {
+        done = work->wait(timeout);
+      } catch (const std::exception& e) {
+        why = e.what();
+      }
+      if (!done) throw CommError(why);  // the executor says which message
+    }
+  }
+
   // Waits for this step's receives, consumed or not, within `timeout`: gloo writes into a receive's
   // buffer until its Work completes. False if one failed or took longer.
   bool drain(std::chrono::milliseconds timeout) {

@@ -40,10 +40,17 @@ void StreamLedger::wait(Lane lane, const StreamMarker& marker) {
 
 void StreamLedger::allocated(const at::Tensor& t, Lane lane) {
   std::lock_guard<std::mutex> lock(mu_);
+  auto it = buffers_.find(key(t));
+  if (it != buffers_.end() && !it->second.storage.expired()) {  // another part of a live block
+    ++it->second.parts;
+    return;
+  }
   const int owner = static_cast<int>(lane);
   Buffer b;
   b.owner = owner;
   b.allocated_at = tick(owner);  // the owner's work queued before this point may still use the block
+  b.parts = 1;
+  b.storage = t.storage().getWeakStorageImpl();
   buffers_[key(t)] = b;
 }
 
@@ -81,6 +88,7 @@ void StreamLedger::freed(const at::Tensor& t) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = buffers_.find(key(t));
   if (it == buffers_.end()) return;
+  if (--it->second.parts > 0) return;  // other parts still hold the block
   const Buffer b = it->second;
   buffers_.erase(it);
   const Clock& owner = clocks_[b.owner];

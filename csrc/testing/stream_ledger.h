@@ -10,6 +10,8 @@
 //   read before its transfer's ready event);
 // - a free before the owner waited for every other lane's last use (a receive dropped while the
 //   transfer may still write it).
+// Message parts that share one live storage (an aborted step's receive scratch) are one block,
+// allocated once and freed with the last of those parts released here.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -44,6 +46,8 @@ class StreamLedger final : public StreamSync {
     Clock last_use{};                       // per lane (0: never)
     int writer = -1;                        // the last write's lane and operation
     int64_t written_at = 0;
+    int parts = 0;                          // message parts in it not released yet
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
   };
   int64_t tick(int lane);
   void refuse(std::string what);

@@ -98,6 +98,15 @@ class Pipeline:
     first stages' inputs: keyword arguments that change another stage's output shapes on their own fail
     the step's output check.
 
+    `variable_shapes`: whether messages carry their tensors' shapes, so that microbatches may change
+    shapes at every step (and differ within one) without a new plan (docs/training.md, "Microbatches
+    of their own shapes"). None (default): on gloo yes; on NCCL no: each batch shape gets its plan at
+    its first step, and steps run with no host wait. True on NCCL: every message goes at its boundary's
+    capacity (the most elements it carried so far), the host reads each received message's header
+    (one small device-to-host copy, started when the receive is posted, waited for by the action that
+    consumes it), and a message that outgrows its capacity makes the step run again, widened. False:
+    per-shape plans on gloo too.
+
     `group` defaults to the group the stages were given (`PipelineStage(..., group=)`, torch's way), else
     the default group. `args_chunk_spec`, `kwargs_chunk_spec` and `output_merge_spec` mean what they
     mean in torch.distributed.pipelining (its `TensorChunkSpec`s; None: tensors split and merged along
@@ -123,7 +132,7 @@ class Pipeline:
                  recv_window: int = DEFAULT_RECV_WINDOW, send_budget: int = DEFAULT_SEND_BUDGET,
                  dp_group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap_f_b: str | Callable = "lockstep",
                  args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None,
-                 keyword_inputs: str = "first_stage"):
+                 keyword_inputs: str = "first_stage", variable_shapes: bool | None = None):
         if not dist.is_initialized():
             raise RuntimeError("Pipeline needs torch.distributed: call dist.init_process_group first")
         stages = stage_list(stages)
@@ -233,9 +242,13 @@ class Pipeline:
         # NCCL: batches on a communication stream, events, message statuses on the device: no host
         # wait inside a step (csrc/device_comm.h; posting order in pipecore/schedule/p2p_order.py)
         use_device_path(self.executor, gloo, device, self.rank)
-        # gloo: messages carry their shapes, so that a batch that changes shapes needs no new plan
-        # (csrc/comm.h, shaped messages); the device path plans per shape
-        self.executor.set_shapes_travel(gloo and not self.executor.device_comm)
+        # messages carry their shapes, so that a batch that changes shapes needs no new plan (csrc/comm.h,
+        # shaped messages): by default on gloo; on the device path only when asked, since the host then
+        # reads each received message's header (one small device-to-host copy, waited for)
+        if variable_shapes not in (None, True, False):
+            raise TypeError(f"variable_shapes must be True, False or None, got {variable_shapes!r}")
+        self.executor.set_shapes_travel(gloo and not self.executor.device_comm if variable_shapes is None
+                                        else variable_shapes)
         self._rollback = Rollback([s.module for s in self.stages], [s.device for s in self.stages])
         # how OVERLAP_F_B pairs run (pipecore/runtime/overlap.py)
         self._pairs = PairRunner(self.executor, self.stages, self.programs[True].labels, overlap_f_b)
@@ -442,7 +455,7 @@ class Pipeline:
         if agreed is not None and self.has_first and desc != plans.last_desc.get(training):
             plans.ensure_loaded(agreed, training)
             self._run_aborted(MESSAGE_STATUS["REPLAN"])
-            if training and self.executor.device_comm and self.world > 1:
+            if training and self._computes_on_stand_ins and self.world > 1:
                 self.gradients.discard_round()  # as the ranks that compute on its stand-ins do
             agreed = None
         if agreed is None:
@@ -455,13 +468,14 @@ class Pipeline:
                       self._dp.wrapped if self._dp is not None else {},
                       self._dp.size if self._dp is not None else 1, self._rollback.before_forward)
         if training:
+            self.gradients.steps_may_run_again = self._may_run_again
             self.gradients.set_aside()
         self._profile = {}
         try:
             while True:
                 # RNG states and buffers go back if this run does not count (pipecore/runtime/rollback.py)
                 self._rollback.arm(learn=plans.discovery is not None)
-                on_stand_ins = self.executor.device_comm and plans.discovery is None  # (device_comm.h)
+                on_stand_ins = self._computes_on_stand_ins and plans.discovery is None
                 run_started = time.perf_counter()  # profile(): a run that did not count is before the run
                 try:
                     self.executor.run(run.forward, lambda error, action: comm.publish_error(error, action),
@@ -473,6 +487,8 @@ class Pipeline:
                         warnings.warn(problem, RuntimeWarning, stacklevel=4)
                     if training and on_stand_ins:
                         self.gradients.discard_round()
+                    elif training:  # (computed nothing, unless a shaped message outgrew its buffers midway)
+                        self.gradients.run_again()
                     self._agree_and_plan(step, desc, rows, training)
                     run.restart()
         except PeerAbort as exc:
@@ -531,6 +547,18 @@ class Pipeline:
                 return [run.outputs.get(mb) for mb in range(self.num_microbatches)]
             chunks = [run.outputs[mb] for mb in sorted(run.outputs)]
             return merge(chunks) if self.output_merge_spec is None else merge_by_spec(chunks, self.output_merge_spec)
+
+    @property
+    def _computes_on_stand_ins(self) -> bool:
+        """The device path reads message statuses at the step's end, computing on what came before
+        (csrc/device_comm.h); shaped messages' statuses are read as they arrive, as on the host path."""
+        return self.executor.device_comm and not self.executor.shapes_travel
+
+    @property
+    def _may_run_again(self) -> bool:
+        """A step may run again from its start after some backwards ran: on the device path a shaped
+        message that outgrew its receiver's buffers (csrc/executor.h, set_shapes_travel)."""
+        return self.executor.device_comm and self.executor.shapes_travel
 
     def _agree_and_plan(self, step: int, desc: int, rows: int, training: bool) -> None:
         """All ranks agree on the batch signature; its plan is loaded, or this step learns it."""
