@@ -322,6 +322,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "build has no such path for `device`")
       .def_property_readonly("device_comm", &pipecore::Executor::device_comm)
       .def("set_reverse_channel", &pipecore::Executor::set_reverse_channel, py::arg("channel"))
+      .def("set_follow_up_store", &pipecore::Executor::set_follow_up_store, py::arg("store"))
       .def("run", &run, py::arg("forward"), py::arg("on_abort"), py::arg("discover") = py::none(),
            "runs the program; `discover(stage, mb, op, may_wait) -> 0 set / 1 absent / 2 timed out` makes it a "
            "discovery run (see SpecFn in executor.h)")

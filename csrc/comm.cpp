@@ -149,7 +149,7 @@ std::vector<at::Tensor> unframe(const std::vector<at::Tensor>& parts, const std:
 
 namespace {
 
-constexpr size_t kHeadWords = 4;  // status, magic, rows, the message's bytes as sent; then the dims
+constexpr size_t kHeadWords = 5;  // status, magic, rows, the message's bytes as sent, its follow-up; then the dims
 
 bool packed_layout(const std::vector<TensorSpec>& capacity, int64_t large) {
   return payload_bytes(capacity) < large;
@@ -169,12 +169,13 @@ std::vector<std::vector<int64_t>> shapes_of(const std::vector<at::Tensor>& tenso
 
 // The header's words; `sent`: the bytes of the whole message as it goes.
 std::vector<int64_t> header_words(const std::vector<TensorSpec>& capacity, const std::vector<at::Tensor>& tensors,
-                                  int64_t status, int64_t rows, int64_t sent) {
+                                  int64_t status, int64_t rows, int64_t sent, int64_t follow_up) {
   std::vector<int64_t> words(shaped_header_bytes(capacity) / 8, 0);
   words[0] = status;
   words[1] = kMagic;
   words[2] = rows;
   words[3] = sent;
+  words[4] = follow_up;
   size_t w = kHeadWords;
   for (size_t k = 0; k < capacity.size(); ++k) {
     for (size_t d = 0; d < capacity[k].shape.size(); ++d) {
@@ -216,7 +217,7 @@ bool fits_capacity(const std::vector<TensorSpec>& message, const std::vector<Ten
 
 std::vector<at::Tensor> frame_shaped(const std::vector<at::Tensor>& tensors, const std::vector<TensorSpec>& capacity,
                                      int64_t large, int64_t status, int64_t rows, const at::TensorOptions& options,
-                                     bool exact, const at::Tensor& scratch) {
+                                     bool exact, const at::Tensor& scratch, int64_t follow_up) {
   TORCH_CHECK(tensors.empty() || tensors.size() == capacity.size(), "pipecore: a message of ", tensors.size(),
               " tensors where ", capacity.size(), " were planned");
   for (size_t k = 0; k < tensors.size(); ++k) {
@@ -233,7 +234,7 @@ std::vector<at::Tensor> frame_shaped(const std::vector<at::Tensor>& tensors, con
   if (packed_layout(capacity, large)) {
     const int64_t payload = exact ? payload_bytes(capacity) : data ? payload_bytes(tensors) : 0;
     auto buffer = at::empty({header + payload}, options.dtype(at::kByte));
-    write_header(buffer, header_words(capacity, tensors, status, rows, header + payload));
+    write_header(buffer, header_words(capacity, tensors, status, rows, header + payload, follow_up));
     if (data) {
       int64_t offset = header;
       for (const auto& t : tensors) {
@@ -266,7 +267,7 @@ std::vector<at::Tensor> frame_shaped(const std::vector<at::Tensor>& tensors, con
       parts.push_back(at::empty({n}, options.dtype(dtype)));
     }
   }
-  write_header(parts[0], header_words(capacity, tensors, status, rows, total_bytes(parts)));
+  write_header(parts[0], header_words(capacity, tensors, status, rows, total_bytes(parts), follow_up));
   return parts;
 }
 
@@ -291,8 +292,7 @@ std::vector<at::Tensor> alloc_shaped(const std::vector<TensorSpec>& capacity, co
 }
 
 int64_t read_shaped_header(const at::Tensor& header, const std::vector<TensorSpec>& capacity, int64_t large,
-                           int64_t received_bytes, bool exact, std::vector<std::vector<int64_t>>& shapes,
-                           int64_t& rows) {
+                           int64_t received_bytes, bool exact, ShapedHeader& out) {
   const int64_t bytes = shaped_header_bytes(capacity);
   TORCH_CHECK(header.is_cpu() && header.is_contiguous() && header.nbytes() >= static_cast<size_t>(bytes),
               "pipecore: a shaped message's header is read from ", bytes, " contiguous host bytes");
@@ -300,12 +300,13 @@ int64_t read_shaped_header(const at::Tensor& header, const std::vector<TensorSpe
   std::memcpy(words.data(), header.data_ptr(), bytes);
   const int64_t status = words[0];
   if (words[1] != kMagic || status < kMessageOk || status > kMessageGrown) return kMessageUnknown;
-  rows = words[2];
-  if (rows < 0) return kMessageUnknown;
+  out.rows = words[2];
+  out.follow_up = words[4];
+  if (out.rows < 0 || out.follow_up < 0) return kMessageUnknown;
   // what the sender sent: all of the buffers where receives need their exact size, else no more
   const int64_t sent = words[3];
   if (exact ? sent != received_bytes : (sent < bytes || sent > received_bytes)) return kMessageUnknown;
-  shapes.assign(capacity.size(), {});
+  out.shapes.assign(capacity.size(), {});
   size_t w = kHeadWords;
   constexpr int64_t kMaxElements = int64_t{1} << 48;  // above any tensor: words that are not shapes
   for (size_t k = 0; k < capacity.size(); ++k) {
@@ -314,21 +315,21 @@ int64_t read_shaped_header(const at::Tensor& header, const std::vector<TensorSpe
       const int64_t dim = words[w++];
       if (dim < 0 || dim > kMaxElements || (dim > 0 && n > kMaxElements / dim)) return kMessageUnknown;
       n *= dim;
-      shapes[k].push_back(dim);
+      out.shapes[k].push_back(dim);
     }
   }
   if (status != kMessageOk) return status;
   // an ok message fits the capacity it was sent to: one that does not is not this channel's
-  return fits_capacity(with_shapes(capacity, shapes), capacity, large) ? status : kMessageUnknown;
+  return fits_capacity(with_shapes(capacity, out.shapes), capacity, large) ? status : kMessageUnknown;
 }
 
 int64_t read_shaped(const std::vector<at::Tensor>& parts, const std::vector<TensorSpec>& capacity, int64_t large,
-                    bool exact, std::vector<std::vector<int64_t>>& shapes, int64_t& rows) {
+                    bool exact, ShapedHeader& out) {
   const int64_t bytes = shaped_header_bytes(capacity);
   if (parts.empty() || parts[0].numel() < bytes) return kMessageUnknown;
   at::Tensor header = parts[0].narrow(0, 0, bytes);
   header = header.is_cpu() ? header.contiguous() : header.cpu();  // (a discovery run's host read)
-  return read_shaped_header(header, capacity, large, total_bytes(parts), exact, shapes, rows);
+  return read_shaped_header(header, capacity, large, total_bytes(parts), exact, out);
 }
 
 std::vector<TensorSpec> with_shapes(const std::vector<TensorSpec>& capacity,

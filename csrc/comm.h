@@ -10,7 +10,7 @@
 //
 // Shaped messages (Executor::set_shapes_travel) carry their tensors' shapes, so that the receiver
 // need not know them: a header of int64 words [status, magic, the step's batch rows, the message's
-// bytes as sent, each tensor's dims] comes first, and receives are posted at a capacity (per tensor,
+// bytes as sent, its follow-up's key (below), each tensor's dims] comes first, and receives are posted at a capacity (per tensor,
 // the most elements that crossed that boundary so far, as a shape [n, 1, ...] of the tensor's rank).
 // The capacity picks the layout:
 // - packed (payload capacity under `large`): one buffer, the header then the tensors (each 16-byte
@@ -25,12 +25,14 @@
 // its own, kFollowUpTag + the message's ordinal among those sent to that peer in the step (the
 // receiver counts its receives from that peer alike: gloo matches them in that order), so that each
 // rank may read its grown messages in any order. NCCL matches a pair's messages in posting order
-// only, where a receive posted ahead would take the follow-up: there the step runs again instead,
-// its capacities widened (Executor::set_shapes_travel).
+// only, where a receive posted ahead would take the follow-up, and has no tags: there the follow-up
+// goes through the group's store instead, as a packed message of its own shapes on the host, under a
+// key its header names (Executor::set_follow_up_store).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <functional>
 #include <vector>
 
@@ -63,6 +65,14 @@ std::vector<at::Tensor> unframe(const std::vector<at::Tensor>& parts, const std:
 
 // Shaped messages (above). The tag of a grown message's second sending is this + its ordinal.
 constexpr int kFollowUpTag = 1;
+// A `large` under which every shaped message is packed (a follow-up through the store).
+constexpr int64_t kAlwaysPacked = INT64_MAX;
+// What a shaped message's header says besides its status.
+struct ShapedHeader {
+  int64_t rows = 0;       // the first stages' batch rows of the step
+  int64_t follow_up = 0;  // a grown message's follow-up key on the device path (0: none)
+  std::vector<std::vector<int64_t>> shapes;
+};
 // Bytes of a shaped message's header for capacity `capacity` (16-byte aligned).
 int64_t shaped_header_bytes(const std::vector<TensorSpec>& capacity);
 // Whether a message of tensors shaped like `message` fits capacity `capacity` (same count, dtypes and
@@ -72,23 +82,23 @@ bool fits_capacity(const std::vector<TensorSpec>& message, const std::vector<Ten
 // header alone, carrying `status` and the shapes of `tensors` (zeros where none are given). `rows`: the
 // first stages' batch rows of the step (Executor::set_batch_rows), which travel with every header.
 // `exact`: at the capacity's size (NCCL; above), a message without data then in views of `scratch`
-// (see abort_frame) where it is given.
+// (see abort_frame) where it is given. `follow_up`: the key of a grown message's follow-up.
 std::vector<at::Tensor> frame_shaped(const std::vector<at::Tensor>& tensors, const std::vector<TensorSpec>& capacity,
                                      int64_t large, int64_t status, int64_t rows, const at::TensorOptions& options,
-                                     bool exact = false, const at::Tensor& scratch = at::Tensor());
+                                     bool exact = false, const at::Tensor& scratch = at::Tensor(),
+                                     int64_t follow_up = 0);
 // Buffers to receive a shaped message of capacity `capacity`. With `scratch` (see alloc_frame), a large
 // message's data parts are views of it; its header always has a buffer of its own (it is read).
 std::vector<at::Tensor> alloc_shaped(const std::vector<TensorSpec>& capacity, const at::TensorOptions& options,
                                      int64_t large, const at::Tensor& scratch = at::Tensor());
 // A received shaped message's status (kMessageUnknown: not pipecore's header, or not the size its
-// sender sent: `exact`, all of `received_bytes`; else no more), tensor shapes and rows, from its
-// header's bytes on the host.
+// sender sent: `exact`, all of `received_bytes`; else no more) and what else its header says, from
+// the header's bytes on the host.
 int64_t read_shaped_header(const at::Tensor& header, const std::vector<TensorSpec>& capacity, int64_t large,
-                           int64_t received_bytes, bool exact, std::vector<std::vector<int64_t>>& shapes,
-                           int64_t& rows);
+                           int64_t received_bytes, bool exact, ShapedHeader& out);
 // The same, from the received parts (a device message's header is copied to the host and waited for).
 int64_t read_shaped(const std::vector<at::Tensor>& parts, const std::vector<TensorSpec>& capacity, int64_t large,
-                    bool exact, std::vector<std::vector<int64_t>>& shapes, int64_t& rows);
+                    bool exact, ShapedHeader& out);
 // `capacity` with these shapes: the capacity of a grown message's follow-up.
 std::vector<TensorSpec> with_shapes(const std::vector<TensorSpec>& capacity,
                                     const std::vector<std::vector<int64_t>>& shapes);

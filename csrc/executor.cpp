@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <cstring>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
@@ -299,24 +300,27 @@ void Executor::read_header(CommTask& task, const Instr& consumer, bool draining)
   const Instr& in = program_[task.action];  // its RECV (waits are the consuming action's, in errors)
   const char* what = in.op == kRecvF ? "activations" : "output gradients";
   const bool exact = device_comm_ != nullptr;  // NCCL: every message at its capacity's size (comm.h)
-  int64_t rows = 0;
+  ShapedHeader header;
   if (device_comm_ && !host_reads_) {  // its header's copy on the host, not the data on the device
-    at::Tensor header;
+    at::Tensor bytes;
     {
       SpentOn spent(profile_, Spent::kWait);
       try {
-        header = device_comm_->read_header(task, timeout_);
+        bytes = device_comm_->read_header(task, timeout_);
       } catch (const CommError& e) {
         throw CommError(wait_failure(consumer, what, task.peer, e.what()));
       }
     }
-    task.status = read_shaped_header(header, task.layout, large_message_bytes_, message_bytes(task.parts), exact,
-                                     task.shapes, rows);
+    task.status = read_shaped_header(bytes, task.layout, large_message_bytes_, message_bytes(task.parts), exact,
+                                     header);
   } else {
     wait_task(task, consumer, what);
-    task.status = read_shaped(task.parts, task.layout, large_message_bytes_, exact, task.shapes, rows);
+    task.status = read_shaped(task.parts, task.layout, large_message_bytes_, exact, header);
   }
-  if (task.status == kMessageGrown && !exact) {  // it comes again at its own size, on the follow-up tag
+  task.shapes = header.shapes;
+  if (task.status == kMessageGrown && exact) {  // it follows through the store
+    fetch_follow_up(task, consumer, header.follow_up, draining);
+  } else if (task.status == kMessageGrown) {  // it comes again at its own size, on the follow-up tag
     auto again = std::make_shared<CommTask>();
     again->send = false;
     again->layout = with_shapes(task.layout, task.shapes);
@@ -330,25 +334,60 @@ void Executor::read_header(CommTask& task, const Instr& consumer, bool draining)
       post_task(again, in, kFollowUpTag + task.ordinal);
     }
     wait_task(*again, consumer, what);
-    std::vector<std::vector<int64_t>> shapes;
-    int64_t again_rows = 0;
-    const bool same =
-        draining || (read_shaped(again->parts, again->layout, large_message_bytes_, /*exact=*/false, shapes,
-                                 again_rows) == kMessageOk &&
-                     shapes == task.shapes);
+    ShapedHeader second;
+    const bool same = draining || (read_shaped(again->parts, again->layout, large_message_bytes_, /*exact=*/false,
+                                               second) == kMessageOk &&
+                                   second.shapes == task.shapes);
     task.status = same ? kMessageOk : kMessageUnknown;
     task.follow_up_failed = !same;
     task.parts = std::move(again->parts);
     task.layout = std::move(again->layout);
   }
   task.settled = true;
-  // what crossed, as its sender recorded it: also a grown message on the device path (the step runs
-  // again with both sides widened by it)
-  if ((task.status == kMessageOk || task.status == kMessageGrown) && in.op == kRecvF) {
+  if (task.status == kMessageOk && in.op == kRecvF) {
     std::lock_guard<std::mutex> lock(settle_mu_);
     record_crossing(crossed_in_[in.stage], with_shapes(task.layout, task.shapes));
-    if (batch_rows_ < 0 && task.status == kMessageOk) batch_rows_ = rows;  // (set_batch_rows)
+    if (batch_rows_ < 0) batch_rows_ = header.rows;  // (set_batch_rows)
   }
+}
+
+std::string Executor::follow_up_key(int64_t from, int64_t to, int64_t key) {
+  return std::to_string(from) + ">" + std::to_string(to) + "/" + std::to_string(key);
+}
+
+void Executor::fetch_follow_up(CommTask& task, const Instr& consumer, int64_t key, bool draining) {
+  const Instr& in = program_[task.action];
+  const char* what = in.op == kRecvF ? "activations" : "output gradients";
+  TORCH_CHECK(follow_up_store_, where(consumer), ": a grown message on the device path, and no store for its follow-up");
+  const std::string name = follow_up_key(task.peer, rank_, key);
+  std::vector<uint8_t> bytes;
+  {
+    SpentOn spent(profile_, Spent::kWait);
+    try {
+      follow_up_store_->wait({name}, timeout_);  // set by the sender before it posted the header
+      bytes = follow_up_store_->get(name);
+      follow_up_store_->deleteKey(name);
+    } catch (const std::exception& e) {
+      throw CommError(wait_failure(consumer, what, task.peer, e.what()));
+    }
+  }
+  if (draining) {  // taken from the store, not read: what crossed counts, as its sender counted it
+    task.status = kMessageOk;
+    return;
+  }
+  const std::vector<TensorSpec> layout = with_shapes(task.layout, task.shapes);
+  auto host = at::empty({static_cast<int64_t>(bytes.size())}, at::TensorOptions().dtype(at::kByte));
+  std::memcpy(host.data_ptr(), bytes.data(), bytes.size());
+  ShapedHeader second;
+  const bool same = read_shaped({host}, layout, kAlwaysPacked, /*exact=*/true, second) == kMessageOk &&
+                    second.shapes == task.shapes;
+  task.status = same ? kMessageOk : kMessageUnknown;
+  task.follow_up_failed = !same;
+  if (!same) return;
+  const at::TensorOptions& options = options_[in.stage * num_microbatches_ + in.mb];
+  // on the compute stream, which reads it next (a host-to-device copy: once per boundary's growth)
+  task.follow_up_parts = {host.to(options.device())};
+  task.layout = layout;
 }
 
 bool Executor::learn_specs(const Instr& in, bool aborted) {
@@ -440,7 +479,7 @@ const std::vector<at::Tensor>& Executor::receive(Inbox& inbox, const Instr& in, 
     from.peer = inbox.task->peer;
     check_message(inbox.task->parts, from, what);
   }
-  return inbox.task->parts;
+  return inbox.task->follow_up_parts.empty() ? inbox.task->parts : inbox.task->follow_up_parts;
 }
 
 void Executor::wait_task(CommTask& task, const Instr& in, const char* what) {
@@ -507,12 +546,6 @@ void Executor::check_message(const std::vector<at::Tensor>& parts, const Instr& 
 }
 
 void Executor::check_message_status(int64_t status, const Instr& in, const char* what) {
-  if (status == kMessageGrown) {  // (the device path: settle)
-    std::ostringstream os;
-    os << where(in) << ": the " << what << " of microbatch " << in.mb << " outgrew the buffers their receive was "
-       << "posted with (NCCL receives need their exact size): the step runs again with larger ones";
-    throw PeerReplan(os.str());
-  }
   if (status == kMessageReplan) {
     std::ostringstream os;
     os << where(in) << ": the " << what << " of microbatch " << in.mb << " say a first stage's batch changed shape";
@@ -624,7 +657,6 @@ void Executor::post_batch(size_t index, bool aborted, int64_t status) {
   std::vector<std::shared_ptr<CommTask>> tasks;
   std::vector<size_t> task_index;  // tasks[k] is program_[task_index[k]]'s message
   std::vector<std::pair<int64_t, std::vector<TensorSpec>>> crossings;  // shaped SEND_Fs': (stage, shapes)
-  int64_t grown = -1;  // a shaped message that outgrew its capacity (comm.h): its program index
   for (size_t j = index; j < end; ++j) {
     const Instr& in = program_[j];
     std::shared_ptr<CommTask> task;
@@ -634,11 +666,19 @@ void Executor::post_batch(size_t index, bool aborted, int64_t status) {
       if (task) task->action = static_cast<int64_t>(j);
     } else {
       std::vector<TensorSpec> crossing;
-      bool grew = false;
-      std::vector<at::Tensor> parts = message_of(in, aborted, status, nullptr, &crossing, &grew);
+      std::vector<at::Tensor> follow_up;
+      int64_t key = 0;
+      std::vector<at::Tensor> parts = message_of(in, aborted, status, &follow_up, &crossing, &key);
       if (parts.empty()) continue;
       if (!crossing.empty()) crossings.emplace_back(in.stage, std::move(crossing));
-      if (grew && grown < 0) grown = static_cast<int64_t>(j);
+      if (!follow_up.empty()) {  // in the store before its header goes: the receiver waits for it
+        TORCH_CHECK(follow_up_store_, where(in), ": a grown message on the device path, and no store for its "
+                    "follow-up");
+        const at::Tensor& bytes = follow_up.front();
+        const auto* data = static_cast<const uint8_t*>(bytes.data_ptr());
+        follow_up_store_->set(follow_up_key(rank_, in.peer, key), std::vector<uint8_t>(data, data + bytes.numel()));
+        ++grown_messages_;
+      }
       task = std::make_shared<CommTask>();
       task->parts = std::move(parts);
     }
@@ -667,19 +707,11 @@ void Executor::post_batch(size_t index, bool aborted, int64_t status) {
   }
   // posted: the receivers read them, in this run or its aborted rest, and record them alike
   for (auto& [stage, crossing] : crossings) record_crossing(crossed_out_[stage], std::move(crossing));
-  if (grown >= 0) {  // its receiver's buffers are too small: everyone runs the step again, widened
-    const Instr& in = program_[grown];
-    std::ostringstream os;
-    os << where(in) << ": the " << (in.op == kSendF ? "activations" : "input gradients") << " of microbatch " << in.mb
-       << " outgrew the buffers rank " << in.peer << " receives them in (NCCL receives need their exact size): "
-       << "the step runs again with larger ones";
-    throw PeerReplan(os.str());
-  }
 }
 
 std::vector<at::Tensor> Executor::message_of(const Instr& in, bool aborted, int64_t status,
                                              std::vector<at::Tensor>* follow_up, std::vector<TensorSpec>* crossing,
-                                             bool* grew) {
+                                             int64_t* key) {
   const at::TensorOptions& options = options_[in.stage * num_microbatches_ + in.mb];
   const bool exact = device_comm_ != nullptr;  // NCCL: a message at its capacity's size (comm.h)
   if (aborted) {
@@ -702,18 +734,23 @@ std::vector<at::Tensor> Executor::message_of(const Instr& in, bool aborted, int6
     std::vector<TensorSpec> sent = with_shapes(cap, shapes);
     const int64_t rows = std::max<int64_t>(batch_rows_, 0);
     const bool fits = fits_capacity(sent, cap, large_message_bytes_);
-    if (!fits && exact) {  // its header (status grown, its shapes); the step runs again (comm.h)
-      TORCH_CHECK(grew != nullptr, where(in), ": a grown message on the device path");
-      *grew = true;
-      ++grown_messages_;
-    } else if (!fits) {  // its header now (status grown, its shapes), then the message at its own size
+    int64_t follow_up_key = 0;
+    if (!fits) {  // its header now (status grown, its shapes), then the message at its own size
       TORCH_CHECK(follow_up != nullptr, where(in), ": a grown message without a follow-up");
-      *follow_up = frame_shaped(tensors, sent, large_message_bytes_, kMessageOk, rows, options);
+      if (exact) {  // through the store, from the host (set_follow_up_store)
+        TORCH_CHECK(key != nullptr, where(in), ": a grown device message without a key");
+        std::vector<at::Tensor> host;
+        for (const auto& t : tensors) host.push_back(t.detach().cpu());  // (waits for the device: once per growth)
+        *follow_up = frame_shaped(host, sent, kAlwaysPacked, kMessageOk, rows, at::TensorOptions());
+        follow_up_key = *key = ++follow_ups_to_[static_cast<int>(in.peer)];
+      } else {
+        *follow_up = frame_shaped(tensors, sent, large_message_bytes_, kMessageOk, rows, options);
+      }
     }
     const at::Tensor scratch =
         !fits && exact ? abort_scratch(options, payload_bytes(cap), /*for_sends=*/true) : at::Tensor();
     std::vector<at::Tensor> parts = frame_shaped(tensors, cap, large_message_bytes_, fits ? kMessageOk : kMessageGrown,
-                                                 rows, options, exact, scratch);
+                                                 rows, options, exact, scratch, follow_up_key);
     if (in.op == kSendF && crossing != nullptr) *crossing = std::move(sent);
     return parts;
   }

@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/function.h>  // Node must be complete for Edge
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "backward.h"
 #include "overlap.h"
@@ -159,9 +160,15 @@ class Executor {
   // its header, then, on the host path, at its own size (kMessageGrown): one extra message, until the
   // boundary's capacity has grown. On the device path every message goes at its capacity's size (NCCL
   // receives need their exact size), the host reads each received header (device_comm.h), and a
-  // message that outgrows its capacity makes the step run again (PeerReplan on every rank), widened.
+  // message that outgrows its capacity follows through the store (set_follow_up_store).
   // Every rank of the group must set the same, between steps.
   void set_shapes_travel(bool on);
+  // The device path's shaped messages: a store shared by the group's ranks (a prefix of their own),
+  // through which a message that outgrew its capacity follows, as a packed message on the host under
+  // the key its header names (comm.h): NCCL matches a pair's messages in posting order only, where a
+  // receive posted ahead would take a second sending. Costs a device-to-host copy at the sender and
+  // the store's round trip and a host-to-device copy at the receiver, once per boundary's growth.
+  void set_follow_up_store(c10::intrusive_ptr<c10d::Store> store) { follow_up_store_ = std::move(store); }
   bool shapes_travel() const { return shapes_travel_; }
   // Shaped messages carry the step's batch rows (the first stages' batch size, 0 if it has none)
   // from the ranks holding a first stage, which set it before each run, to the others, which set -1
@@ -390,10 +397,16 @@ class Executor {
   // message of the same size whose trailer carries `status`. A shaped message that outgrew its
   // capacity is its header; `follow_up` then gets the message at its own size.
   // `crossing`: the shapes of a shaped SEND_F's tensors, to record once it is posted.
-  // On the device path a shaped message that outgrew its capacity sets `grew` instead (comm.h).
+  // On the device path `follow_up` is a packed message on the host, for the store, and `key` its key
+  // (set_follow_up_store).
   std::vector<at::Tensor> message_of(const Instr& in, bool aborted, int64_t status = 0,
                                      std::vector<at::Tensor>* follow_up = nullptr,
-                                     std::vector<TensorSpec>* crossing = nullptr, bool* grew = nullptr);
+                                     std::vector<TensorSpec>* crossing = nullptr, int64_t* key = nullptr);
+  // The store key of the follow-up `key` from rank `from` to rank `to`.
+  static std::string follow_up_key(int64_t from, int64_t to, int64_t key);
+  // Device path: the follow-up of grown message `task` (received from its peer), from the store; its
+  // parts on the message's device unless `draining` (then only taken from the store).
+  void fetch_follow_up(CommTask& task, const Instr& consumer, int64_t key, bool draining);
   // Shaped messages: the capacity of (stage, mb)'s receive of activations (kRecvF) or output gradients
   // (kRecvB), or of its send (kSendF, kSendB).
   std::vector<TensorSpec> capacity(const Instr& in) const;
@@ -439,6 +452,8 @@ class Executor {
   // per peer, in this run: messages sent to it and receives posted from it (on the tag that matches
   // them in order), whose counts name a grown message's follow-up tag (comm.h)
   std::unordered_map<int, int> sent_to_, received_from_;
+  c10::intrusive_ptr<c10d::Store> follow_up_store_;
+  std::unordered_map<int, int64_t> follow_ups_to_;  // per peer: follow-ups sent through the store so far
   std::mutex settle_mu_;  // crossed_in_, batch_rows_ and posting, from the halves of a pair
   int64_t sent_messages_ = 0, sent_parts_ = 0, grown_messages_ = 0;  // see message_counts()
   bool abort_may_wait_ = true;           // finish_aborted's `wait`

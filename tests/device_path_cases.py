@@ -87,7 +87,7 @@ def device_path_without_cuda_part(rank, world):
 
     from pipecore.errors import InputError
     from pipecore.executor.native import C
-    from pipecore.runtime.pipeline import use_device_path
+    from pipecore.runtime.message_path import use_device_path
 
     executor = C.Executor(dist.group.WORLD, 1, 2, 10.0)
     use_device_path(executor, True, torch.device("cuda"), rank)  # gloo: the host path, nothing asked

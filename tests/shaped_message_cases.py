@@ -138,7 +138,7 @@ def step_lengths(rank: int, world: int, name: str, lengths: list[list[int]], lar
 
 
 def out_of_memory_while_growing(rank: int, world: int, name: str, bad_rank: int, large: int | None,
-                                min_bytes: int) -> dict:
+                                min_bytes: int, device: bool = False) -> dict:
     """Each try, a step whose microbatches are longer than any before (every message outgrows its
     capacity) where the bad rank's k-th allocation of at least `min_bytes` fails, for every k such a
     step has (receive buffers, headers, follow-ups, activations); then a clean step of the same
@@ -150,6 +150,9 @@ def out_of_memory_while_growing(rank: int, world: int, name: str, bad_rank: int,
     p = probe()
     stages, reference, pipe = _pipeline(rank, world, name)
     m = pipe.num_microbatches
+    if device:  # (step_lengths)
+        pipe.executor._emulate_device_comm()
+        pipe.executor.set_shapes_travel(True)
     if large is not None:
         pipe.executor.set_large_messages(large)
 
@@ -188,4 +191,24 @@ def out_of_memory_while_growing(rank: int, world: int, name: str, bad_rank: int,
         out["tries"].append((k, first[:2], second[:2]))
         if second[0] == "ok":
             out["grad"] = max(out["grad"], _difference(stages, reference, data))
+    return out
+
+
+def per_shape_plans(rank: int, world: int) -> dict:
+    """variable_shapes=False on gloo: messages without shapes, a plan per batch shape (as on NCCL by
+    default); and a variable_shapes that is not a bool, refused."""
+    try:
+        _pipeline(rank, world, "1f1b", variable_shapes="yes")
+        refused = ""
+    except TypeError as exc:
+        refused = str(exc)
+    stages, reference, pipe = _pipeline(rank, world, "1f1b", variable_shapes=False)
+    out = {"refused": refused, "travel": pipe.executor.shapes_travel, "plans": [], "grad": 0.0}
+    for step, n in enumerate([3, 5, 3]):
+        data = [batch(step, mb, n) for mb in range(pipe.num_microbatches)]
+        pipe.step_microbatches([(x,) for x, _ in data] if pipe.has_first else None,
+                               target_mbs=[y for _, y in data] if pipe.has_last else None,
+                               loss_divisor=float(sum(y.numel() for _, y in data)))
+        out["plans"].append(len(pipe.plans))
+        out["grad"] = max(out["grad"], _difference(stages, reference, data))
     return out

@@ -34,6 +34,28 @@ def test_data_parallel_replicas_with_microbatches_of_their_own_lengths(name):
         assert r["grad"] <= 1e-6 and r["loss"] <= 1e-6, (rank, r)
 
 
+@pytest.mark.parametrize("name", TRAINING)
+def test_every_schedule_on_the_device_path_with_shapes_in_the_messages(name):
+    """The same on the device path's protocol, emulated, with variable_shapes (messages at their
+    capacity, headers read by the host): exact; messages that outgrew their capacities followed
+    through the store (some did: lengths grow over the steps); no step ran twice; the stream
+    contract holds."""
+    results = pool(2).run(train_variable, name, 5, 1, True, timeout=300)
+    for rank, r in enumerate(results):
+        assert r["grad"] <= 1e-6 and r["loss"] <= 1e-6 and r["violations"] == [], (rank, r)
+        assert r["extra_forwards"] == 0, (rank, r)
+    assert any(r["grown"] > 0 for r in results), results
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_data_parallel_replicas_on_the_device_path_with_shapes_in_the_messages(name):
+    """dp=2 replicas of their own lengths on the emulated device path, messages outgrowing their
+    capacities in one replica and not the other: exact."""
+    results = pool(4).run(train_variable, name, 3, 2, True, timeout=300)
+    for rank, r in enumerate(results):
+        assert r["grad"] <= 1e-6 and r["loss"] <= 1e-6 and r["violations"] == [], (rank, r)
+
+
 @pytest.mark.parametrize("name, compat", [("1f1b", False), ("interleaved_1f1b", False), ("zbv", True)])
 def test_a_python_value_per_microbatch_crosses_the_boundary(name, compat):
     """Also through pipecore.compat's `_step_microbatches`, torch's name."""

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import pipecore as pc
+from pipecore.executor.native import OPCODES
 from gpt_cases import relative_difference, small_config, sum_loss, text
 from gpt import build_gpt, pipeline_stages
 
@@ -30,10 +31,13 @@ def microbatches(step: int, m: int, rows: int, seq_len: int, replica: int = 0):
     return out
 
 
-def train_variable(rank: int, world: int, name: str, steps: int = 5, dp: int = 1) -> dict:
+def train_variable(rank: int, world: int, name: str, steps: int = 5, dp: int = 1, device: bool = False) -> dict:
     """The example GPT through step_microbatches, lengths new at every step (dp > 1: replicas of the
     pipeline, each with microbatches of its own lengths), against one process running every
-    replica's microbatches; the loss is summed and divided by the step's token count."""
+    replica's microbatches; the loss is summed and divided by the step's token count. `device`: the
+    device path's protocol emulated, its messages carrying their shapes (variable_shapes=True on
+    NCCL); the result then counts forwards beyond one per F action, and messages that outgrew their
+    capacity."""
     pp = world // dp
     replica, position = divmod(rank, pp)
     mesh = pc.init_mesh(dp=dp, pp=pp) if dp > 1 else None
@@ -49,8 +53,15 @@ def train_variable(rank: int, world: int, name: str, steps: int = 5, dp: int = 1
                                   .named_parameters()} for s in stages}
     kw = {"group": mesh.get_group("pp"), "dp_group": mesh.get_group("dp")} if mesh is not None else {}
     pipe = pc.Pipeline(stages, sched, m, loss_fn=sum_loss, timeout=120, **kw)
-    worst = {"grad": 0.0, "loss": 0.0, "outputs": []}
+    forwards = [0]
+    if device:
+        pipe.executor._emulate_device_comm()
+        pipe.executor.set_shapes_travel(True)
+        for s in stages:
+            s.module.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    worst = {"grad": 0.0, "loss": 0.0, "outputs": [], "extra_forwards": 0, "grown": 0}
     for step in range(steps):
+        forwards[0] = 0
         every = [microbatches(step, m, 2, cfg.seq_len, r) for r in range(dp)]
         tokens = sum(y.numel() for mbs in every for _, y in mbs)
         mine = every[replica]
@@ -59,6 +70,11 @@ def train_variable(rank: int, world: int, name: str, steps: int = 5, dp: int = 1
                                      target_mbs=[y for _, y in mine] if pipe.has_last else None,
                                      losses=losses, loss_divisor=tokens)
         worst.setdefault("lengths", []).append(lengths(step, m, cfg.seq_len, replica))
+        if device:
+            flat = pipe.programs[True].instructions
+            worst["extra_forwards"] += forwards[0] - sum(flat[i] == OPCODES["F"] for i in range(0, len(flat), 5))
+            worst["grown"] += pipe.executor.message_counts[2]
+            worst["violations"] = pipe.executor._stream_violations()
         if out is not None:
             worst["outputs"].append([None if o is None else tuple(o.shape) for o in out])
         want_losses = []

@@ -170,6 +170,11 @@ class Comm:
             return dist.get_backend(self.group) == "gloo"
         return dist.is_gloo_available() and isinstance(backend, dist.ProcessGroupGloo)
 
+    def follow_up_store(self):
+        """The store through which the device path's messages that outgrew their receive follow
+        (Executor.set_follow_up_store), under this Pipeline's prefix (named at the first agreement)."""
+        return dist.PrefixStore(f"pipecore/{self.uid}/grown", self.store)
+
     def open_reverse_channel(self):
         """gloo: a second gloo group over these ranks for the messages that travel to a lower rank,
         so that a rank's sends never share a connection with the data it receives (see

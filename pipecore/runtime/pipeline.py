@@ -21,6 +21,7 @@ from pipecore.executor.native import (DEFAULT_RECV_WINDOW, DEFAULT_SEND_BUDGET, 
                                       PeerReplan)
 from pipecore.executor.program import encode, forward_only
 from pipecore.runtime.agreement import Agreement, shares_build_failure
+from pipecore.runtime.message_path import computes_on_stand_ins, configure_messages
 from pipecore.runtime.overlap import PairRunner
 from pipecore.runtime.plans import Plans
 from pipecore.runtime.rollback import Rollback
@@ -232,29 +233,15 @@ class Pipeline:
         # on an accelerator, action times come from events on its stream (one device wait per traced step)
         self.executor.set_trace(bool(trace), str(device))
         self.executor.set_profile(bool(trace))
-        # gloo runs every operation on its own; NCCL runs a peer pair's operations in posting order
         gloo = self.comm.p2p_is_gloo()
-        self.executor.set_recv_window(recv_window, gloo)
-        self.executor.set_send_budget(send_budget)
-        # posting a gloo operation can block on gloo's locks (and a send copy the message): not on the
-        # compute thread
-        self.executor.set_comm_thread(gloo)
-        # NCCL: batches on a communication stream, events, message statuses on the device: no host
-        # wait inside a step (csrc/device_comm.h; posting order in pipecore/schedule/p2p_order.py)
-        use_device_path(self.executor, gloo, device, self.rank)
-        # messages carry their shapes, so that a batch that changes shapes needs no new plan (csrc/comm.h,
-        # shaped messages): by default on gloo; on the device path only when asked, since the host then
-        # reads each received message's header (one small device-to-host copy, waited for)
-        if variable_shapes not in (None, True, False):
-            raise TypeError(f"variable_shapes must be True, False or None, got {variable_shapes!r}")
-        self.executor.set_shapes_travel(gloo and not self.executor.device_comm if variable_shapes is None
-                                        else variable_shapes)
+        configure_messages(self.executor, gloo, device, self.rank, recv_window, send_budget, variable_shapes)
         self._rollback = Rollback([s.module for s in self.stages], [s.device for s in self.stages])
         # how OVERLAP_F_B pairs run (pipecore/runtime/overlap.py)
         self._pairs = PairRunner(self.executor, self.stages, self.programs[True].labels, overlap_f_b)
         self._set_weight_builders()
         self.reverse_channel = None  # gloo: opened at the first agreement
         self._wants_reverse_channel = gloo and self.world > 1
+        self._follow_up_store = False  # set at the first agreement, which names this Pipeline's keys
         self._trace: list[dict] = []
         self._profile: dict[str, float] = {}  # the last step's, with trace (profile())
         self._step_started = 0.0
@@ -455,7 +442,7 @@ class Pipeline:
         if agreed is not None and self.has_first and desc != plans.last_desc.get(training):
             plans.ensure_loaded(agreed, training)
             self._run_aborted(MESSAGE_STATUS["REPLAN"])
-            if training and self._computes_on_stand_ins and self.world > 1:
+            if training and computes_on_stand_ins(self.executor) and self.world > 1:
                 self.gradients.discard_round()  # as the ranks that compute on its stand-ins do
             agreed = None
         if agreed is None:
@@ -468,14 +455,13 @@ class Pipeline:
                       self._dp.wrapped if self._dp is not None else {},
                       self._dp.size if self._dp is not None else 1, self._rollback.before_forward)
         if training:
-            self.gradients.steps_may_run_again = self._may_run_again
             self.gradients.set_aside()
         self._profile = {}
         try:
             while True:
                 # RNG states and buffers go back if this run does not count (pipecore/runtime/rollback.py)
                 self._rollback.arm(learn=plans.discovery is not None)
-                on_stand_ins = self._computes_on_stand_ins and plans.discovery is None
+                on_stand_ins = computes_on_stand_ins(self.executor) and plans.discovery is None
                 run_started = time.perf_counter()  # profile(): a run that did not count is before the run
                 try:
                     self.executor.run(run.forward, lambda error, action: comm.publish_error(error, action),
@@ -487,8 +473,6 @@ class Pipeline:
                         warnings.warn(problem, RuntimeWarning, stacklevel=4)
                     if training and on_stand_ins:
                         self.gradients.discard_round()
-                    elif training:  # (computed nothing, unless a shaped message outgrew its buffers midway)
-                        self.gradients.run_again()
                     self._agree_and_plan(step, desc, rows, training)
                     run.restart()
         except PeerAbort as exc:
@@ -548,18 +532,6 @@ class Pipeline:
             chunks = [run.outputs[mb] for mb in sorted(run.outputs)]
             return merge(chunks) if self.output_merge_spec is None else merge_by_spec(chunks, self.output_merge_spec)
 
-    @property
-    def _computes_on_stand_ins(self) -> bool:
-        """The device path reads message statuses at the step's end, computing on what came before
-        (csrc/device_comm.h); shaped messages' statuses are read as they arrive, as on the host path."""
-        return self.executor.device_comm and not self.executor.shapes_travel
-
-    @property
-    def _may_run_again(self) -> bool:
-        """A step may run again from its start after some backwards ran: on the device path a shaped
-        message that outgrew its receiver's buffers (csrc/executor.h, set_shapes_travel)."""
-        return self.executor.device_comm and self.executor.shapes_travel
-
     def _agree_and_plan(self, step: int, desc: int, rows: int, training: bool) -> None:
         """All ranks agree on the batch signature; its plan is loaded, or this step learns it."""
         sig, failed = self.plans.agree(desc, training, self.has_first, rows)
@@ -568,6 +540,9 @@ class Pipeline:
         if self._wants_reverse_channel and self.reverse_channel is None:
             self.reverse_channel = self.comm.open_reverse_channel()
             self.executor.set_reverse_channel(self.reverse_channel)
+        if self.world > 1 and not self._follow_up_store:  # (csrc/executor.h, set_follow_up_store)
+            self._follow_up_store = True
+            self.executor.set_follow_up_store(self.comm.follow_up_store())
         self.plans.plan(sig, training)
 
     def _restore_module_state(self) -> str:
@@ -588,19 +563,6 @@ class Pipeline:
     def __repr__(self) -> str:
         return (f"Pipeline(rank={self.rank}/{self.world}, stages={[s.stage_index for s in self.stages]}, "
                 f"schedule={self.schedule.name!r}, microbatches={self.num_microbatches})")
-
-
-def use_device_path(executor, gloo: bool, device: torch.device, rank: int) -> None:
-    """NCCL on CUDA: messages go the device path (csrc/device_comm.h). A build without the
-    extension's CUDA part has none, and its host path is not safe there: NCCL runs a group's sends
-    and receives in posting order on one stream, where a receive posted ahead of a send to another
-    peer can deadlock. Refused, on every rank (they share the build), saying what to do."""
-    if gloo or device.type != "cuda" or executor.set_device_comm(str(device)):
-        return
-    raise InputError(f"rank {rank}: this pipecore was built without its CUDA part (csrc/cuda: no nvcc was found "
-                     "when it was built; pipecore._C.build_info()['cuda'] is False), so it cannot run this Pipeline's "
-                     "messages over NCCL. Rebuild it with the CUDA toolkit installed (`make install` with nvcc on PATH "
-                     "or CUDA_HOME set; docs/install.md), or give the Pipeline a gloo group")
 
 
 def _where_built(stages=(), group=None, dp_group=None, **_) -> tuple:

@@ -11,15 +11,11 @@ aside before the step, so that it combines this step's only, and adds back what 
   gradient is set aside; after the step the partners exchange theirs and each copy gets the sum;
 - tied weights (`TiedWeights`): after the step, each copy gets the sum of the copies' gradients.
 
-A step may also run again from its start (`run_again()`): on the device path with shaped messages,
-a message that outgrew its receiver's buffers, seen once some backwards already ran. Then every
-parameter's gradient is set aside, as for the mirrors, and what the abandoned run accumulated goes.
-
 The order is fixed, and written here only:
 
 1. `begin_step()`, before anything of the step: the replicas' buckets and wrappers set aside;
 2. `set_aside()`, right before the executor runs (after the first agreement, which learns the ties):
-   mirrors (or every parameter, where a step may run again), then ties;
+   mirrors, then ties;
 3. `finish()`, once the step ran on this rank: the replicas' sums (PeerFailedError if a replica
    failed), then the mirror sum, then the tie sum (a tied dualpipe copy is already summed with its
    twin), each of this step's gradients only; then what the mirrors and ties set aside is added
@@ -50,9 +46,7 @@ class GradFinalisation:
         self._dp = dp
         self.ties: TiedWeights | None = None  # learnt at the first agreement (building a Pipeline is no collective)
         self._mirrored = topology.style == "dualpipe"
-        # where a step may run again from its start (the Pipeline says: Pipeline._may_run_again)
-        self.steps_may_run_again = False
-        self._mirror_stash: dict | None = None  # every parameter's .grad: mirrors, or steps that may run again
+        self._mirror_stash: dict | None = None
         self._tie_stash: dict | None = None
         self._active = False  # between begin_step() and the step's finish() or abandon()
 
@@ -73,7 +67,7 @@ class GradFinalisation:
             self._dp.discard_round()
 
     def set_aside(self) -> None:
-        if self._mirrored or self.steps_may_run_again:  # each parameter once, also one two stages share
+        if self._mirrored:  # each parameter once, also one that two of this rank's stages share
             self._mirror_stash = {}
             for s in self._stages:
                 for p in s.module.parameters():
@@ -88,7 +82,7 @@ class GradFinalisation:
         step's gradients still set aside: the caller then calls abandon()."""
         if self._dp is not None:
             self._dp.finish()
-        if self._mirrored:
+        if self._mirror_stash is not None:
             self._sum_mirrors()
         if self._tie_stash is not None:
             self.ties.sum_grads()
@@ -102,13 +96,6 @@ class GradFinalisation:
         if self._dp is not None:
             self._dp.restore()
         self._active = False
-
-    def run_again(self) -> None:
-        """The step runs again from its start: the gradients its abandoned run accumulated go (what
-        `.grad` held before the step stays set aside). Data-parallel buckets are not touched: a run
-        that must run again reached no stage's last backward (csrc/executor.h, set_shapes_travel)."""
-        for p, _ in (self._mirror_stash or {}).values():
-            p.grad = None
 
     def abandon(self, error: BaseException) -> None:
         """The step failed, here or on another rank: .grad as before it (once per step)."""

@@ -1,0 +1,52 @@
+"""Which path a Pipeline's messages take, and what each path implies for a step.
+
+- gloo (the host path): every send and receive posted from a communication thread, receives posted
+  up to a window ahead, sends within a budget per peer, and messages that carry their shapes
+  (csrc/comm.h, shaped messages), so that a batch that changes shapes needs no new plan.
+- NCCL on CUDA (the device path, csrc/device_comm.h): batches on a communication stream, events,
+  message statuses on the device: no host wait inside a step. There messages carry their shapes
+  only when asked (`variable_shapes=True`): the host then reads each received message's header
+  (one small device-to-host copy, waited for), and a message that outgrows its receiver's buffers
+  follows through the group's store.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipecore.errors import InputError
+
+
+def configure_messages(executor, gloo: bool, device: torch.device, rank: int, recv_window: int, send_budget: int,
+                       variable_shapes: bool | None) -> None:
+    """Sets up `executor`'s messages for a group that is gloo (or not) on `device`."""
+    if variable_shapes not in (None, True, False):
+        raise TypeError(f"variable_shapes must be True, False or None, got {variable_shapes!r}")
+    # gloo runs every operation on its own; NCCL runs a peer pair's operations in posting order
+    executor.set_recv_window(recv_window, gloo)
+    executor.set_send_budget(send_budget)
+    # posting a gloo operation can block on gloo's locks (and a send copy the message): not on the
+    # compute thread
+    executor.set_comm_thread(gloo)
+    # NCCL: no host wait inside a step (posting order in pipecore/schedule/p2p_order.py)
+    use_device_path(executor, gloo, device, rank)
+    executor.set_shapes_travel(gloo and not executor.device_comm if variable_shapes is None else variable_shapes)
+
+
+def use_device_path(executor, gloo: bool, device: torch.device, rank: int) -> None:
+    """NCCL on CUDA: messages go the device path (csrc/device_comm.h). A build without the
+    extension's CUDA part has none, and its host path is not safe there: NCCL runs a group's sends
+    and receives in posting order on one stream, where a receive posted ahead of a send to another
+    peer can deadlock. Refused, on every rank (they share the build), saying what to do."""
+    if gloo or device.type != "cuda" or executor.set_device_comm(str(device)):
+        return
+    raise InputError(f"rank {rank}: this pipecore was built without its CUDA part (csrc/cuda: no nvcc was found "
+                     "when it was built; pipecore._C.build_info()['cuda'] is False), so it cannot run this Pipeline's "
+                     "messages over NCCL. Rebuild it with the CUDA toolkit installed (`make install` with nvcc on PATH "
+                     "or CUDA_HOME set; docs/install.md), or give the Pipeline a gloo group")
+
+
+def computes_on_stand_ins(executor) -> bool:
+    """The device path reads message statuses at the step's end, computing on what came before
+    (csrc/device_comm.h); shaped messages' statuses are read as they arrive, as on the host path."""
+    return executor.device_comm and not executor.shapes_travel
