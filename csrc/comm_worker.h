@@ -58,6 +58,7 @@ struct CommTask {
   // a grown shaped device message's follow-up (from the store), read in place of `parts`, which
   // stay until the task is dropped (stream_contract.h, rule 3)
   std::vector<at::Tensor> follow_up_parts;
+  bool follow_up_taken = false;  // its key was taken from the store (once: an aborted rest drains it again)
 
   CommTask() = default;
   CommTask(const CommTask&) = delete;

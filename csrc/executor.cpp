@@ -358,7 +358,12 @@ std::string Executor::follow_up_key(int64_t from, int64_t to, int64_t key) {
 void Executor::fetch_follow_up(CommTask& task, const Instr& consumer, int64_t key, bool draining) {
   const Instr& in = program_[task.action];
   const char* what = in.op == kRecvF ? "activations" : "output gradients";
-  TORCH_CHECK(follow_up_store_, where(consumer), ": a grown message on the device path, and no store for its follow-up");
+  TORCH_CHECK(follow_up_store_, where(consumer),
+              ": a grown message on the device path, and no store for its follow-up");
+  if (task.follow_up_taken) {  // (a failure after taking it, e.g. out of memory: this is its drain)
+    task.status = draining ? kMessageOk : kMessageUnknown;
+    return;
+  }
   const std::string name = follow_up_key(task.peer, rank_, key);
   std::vector<uint8_t> bytes;
   {
@@ -371,6 +376,7 @@ void Executor::fetch_follow_up(CommTask& task, const Instr& consumer, int64_t ke
       throw CommError(wait_failure(consumer, what, task.peer, e.what()));
     }
   }
+  task.follow_up_taken = true;
   if (draining) {  // taken from the store, not read: what crossed counts, as its sender counted it
     task.status = kMessageOk;
     return;
@@ -467,7 +473,7 @@ const std::vector<at::Tensor>& Executor::receive(Inbox& inbox, const Instr& in, 
     if (shapes_travel_) settle(*inbox.task, in, what, /*draining=*/false);  // the host reads its header
     try {
       SpentOn spent(profile_, Spent::kWait);
-      device_comm_->consume(*inbox.task);  // the status is checked on the device, read at the step's end
+      device_comm_->consume(*inbox.task);  // (a trailer's status folds on the device, read at the step's end)
     } catch (const CommError& e) {  // a consume that waits on the host (host_device_comm.cpp)
       throw CommError(wait_failure(in, what, inbox.task->peer, e.what()));
     }
@@ -657,6 +663,7 @@ void Executor::post_batch(size_t index, bool aborted, int64_t status) {
   std::vector<std::shared_ptr<CommTask>> tasks;
   std::vector<size_t> task_index;  // tasks[k] is program_[task_index[k]]'s message
   std::vector<std::pair<int64_t, std::vector<TensorSpec>>> crossings;  // shaped SEND_Fs': (stage, shapes)
+  std::vector<std::pair<std::string, at::Tensor>> follow_ups;  // grown device messages': (store key, bytes)
   for (size_t j = index; j < end; ++j) {
     const Instr& in = program_[j];
     std::shared_ptr<CommTask> task;
@@ -671,14 +678,7 @@ void Executor::post_batch(size_t index, bool aborted, int64_t status) {
       std::vector<at::Tensor> parts = message_of(in, aborted, status, &follow_up, &crossing, &key);
       if (parts.empty()) continue;
       if (!crossing.empty()) crossings.emplace_back(in.stage, std::move(crossing));
-      if (!follow_up.empty()) {  // in the store before its header goes: the receiver waits for it
-        TORCH_CHECK(follow_up_store_, where(in), ": a grown message on the device path, and no store for its "
-                    "follow-up");
-        const at::Tensor& bytes = follow_up.front();
-        const auto* data = static_cast<const uint8_t*>(bytes.data_ptr());
-        follow_up_store_->set(follow_up_key(rank_, in.peer, key), std::vector<uint8_t>(data, data + bytes.numel()));
-        ++grown_messages_;
-      }
+      if (!follow_up.empty()) follow_ups.emplace_back(follow_up_key(rank_, in.peer, key), follow_up.front());
       task = std::make_shared<CommTask>();
       task->parts = std::move(parts);
     }
@@ -690,6 +690,19 @@ void Executor::post_batch(size_t index, bool aborted, int64_t status) {
     task_index.push_back(j);
   }
   posted_through_ = end;  // once posting starts nothing of it is posted again
+  // in the store before their headers go: their receivers wait for them
+  for (const auto& [name, bytes] : follow_ups) {
+    TORCH_CHECK(follow_up_store_, where(program_[index]), ": a grown message on the device path, and no store "
+                "for its follow-up");
+    const auto* data = static_cast<const uint8_t*>(bytes.data_ptr());
+    try {
+      follow_up_store_->set(name, std::vector<uint8_t>(data, data + bytes.numel()));
+    } catch (const std::exception& e) {
+      throw CommError(where(program_[index]) + ": leaving a grown message's follow-up in the store failed: " +
+                      e.what());
+    }
+    ++grown_messages_;
+  }
   if (tasks.empty()) return;
   maybe_delay();
   try {
@@ -968,6 +981,7 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const Spec
   if (why == kNone) {
     for (auto& s : slots_) s = Slot();  // the step is done: drop graphs, buffers, received tensors
     kept_.clear();
+    abort_send_scratch_ = at::Tensor();  // (grown device messages' parts: sends in flight keep theirs)
     return;
   }
   // Abort: drop this step's compute state, tell whoever listens, then run the rest of the program

@@ -167,7 +167,8 @@ class Executor {
   // through which a message that outgrew its capacity follows, as a packed message on the host under
   // the key its header names (comm.h): NCCL matches a pair's messages in posting order only, where a
   // receive posted ahead would take a second sending. Costs a device-to-host copy at the sender and
-  // the store's round trip and a host-to-device copy at the receiver, once per boundary's growth.
+  // the store's round trip and a host-to-device copy at the receiver, for each message of a step that
+  // outgrows the capacity the step started with (activations and their gradients alike).
   void set_follow_up_store(c10::intrusive_ptr<c10d::Store> store) { follow_up_store_ = std::move(store); }
   bool shapes_travel() const { return shapes_travel_; }
   // Shaped messages carry the step's batch rows (the first stages' batch size, 0 if it has none)

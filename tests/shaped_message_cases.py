@@ -83,9 +83,9 @@ def step_lengths(rank: int, world: int, name: str, lengths: list[list[int]], lar
     threshold (0: every message sent as its parts); `fail`: (step, rank) whose first forward raises;
     `overlap`: the Pipeline's overlap_f_b mode (the halves of a pair read their messages at once);
     `device`: the device path's protocol, emulated (messages at their capacity's size, headers read
-    by the host, a step whose messages outgrow their capacity run again).
+    by the host, messages that outgrow their capacity followed through the store).
     Returns per step the executor's message counts, the plans learnt and the forwards this rank ran
-    (more than one per stage and microbatch: the step ran again), the largest relative gradient
+    (more than one per stage and microbatch: a step ran twice), the largest relative gradient
     difference from one process over the steps that did not fail, and the stream contract's
     violations (device)."""
     stages, reference, pipe = _pipeline(rank, world, name, **({"overlap_f_b": overlap} if overlap else {}))
@@ -142,8 +142,9 @@ def out_of_memory_while_growing(rank: int, world: int, name: str, bad_rank: int,
     """Each try, a step whose microbatches are longer than any before (every message outgrows its
     capacity) where the bad rank's k-th allocation of at least `min_bytes` fails, for every k such a
     step has (receive buffers, headers, follow-ups, activations); then a clean step of the same
-    lengths, checked against one process. Returns the (kind, text) of each try and of each clean
-    step, and the largest relative gradient difference of the clean steps."""
+    lengths, checked against one process. `device`: on the emulated device path with shaped messages
+    (grown messages follow through the store). Returns the (kind, text) of each try and of each
+    clean step, and the largest relative gradient difference of the clean steps."""
     from memory_probe import probe
     from reliability_cases import _outcome
 

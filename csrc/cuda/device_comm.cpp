@@ -104,7 +104,8 @@ class CudaComm final : public DeviceComm {
     TORCH_CHECK(task.header_ready, "pipecore: a shaped device receive without its header copy");
     const auto& marker = static_cast<const CudaMarker&>(*task.header_ready);
     if (!poll(marker.event, timeout)) {
-      throw CommError("the message did not arrive (its header was not on the host within the timeout)");
+      throw CommError("the message did not arrive (its batch of sends and receives did not complete, so its header "
+                      "was not on the host within the timeout)");
     }
     return task.header_host;
   }
@@ -131,10 +132,16 @@ class CudaComm final : public DeviceComm {
  private:
   // Queried, not synchronized: a stuck peer ends in a timeout, not a hang. False once `timeout` passed.
   static bool poll(const c10::Event& event, std::chrono::milliseconds timeout) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    auto pause = std::chrono::microseconds(2);  // a header is usually there within microseconds
+    const auto start = std::chrono::steady_clock::now();
+    const auto deadline = start + timeout;
+    auto pause = std::chrono::microseconds(10);
     while (!event.query()) {
-      if (std::chrono::steady_clock::now() > deadline) return false;
+      const auto now = std::chrono::steady_clock::now();
+      if (now > deadline) return false;
+      if (now - start < std::chrono::microseconds(50)) {  // a header is usually there within microseconds,
+        std::this_thread::yield();                          // and a sleep takes tens of them
+        continue;
+      }
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::microseconds(500));
     }

@@ -2,11 +2,11 @@
 // without a GPU test the executor's side of it: batches posted at their first action, no receive
 // window and no send budget, statuses folded into a step status when a message is consumed, sent
 // trailers carrying that status on, loss seeds gated by it, compute running on aborted messages,
-// and the status read once at the end of the step; shaped messages' headers read by the host. What CUDA does with a communication stream,
-// events and one-thread kernels, this does on the host: it waits for a receive's parts when an
-// action consumes them (where the compute stream would wait on the receive's event), and a batch's
-// operations are posted one by one (gloo has no coalescing; it needs none, since it does not
-// serialise a group's operations). Receives an aborted step drained without consuming are waited
+// and the status read once at the end of the step; shaped messages' headers read by the host. What
+// CUDA does with a communication stream, events and one-thread kernels, this does on the host: it
+// waits for a receive's parts when an action consumes them (where the compute stream would wait on
+// the receive's event), and a batch's operations are posted one by one (gloo has no coalescing; it
+// needs none, since it does not serialise a group's operations). Receives an aborted step drained without consuming are waited
 // for when the next step begins (gloo writes into a receive's buffer until its Work completes);
 // an executor destroyed before that drops them, as the host path drops receives posted ahead.
 // The streams are a ledger (stream_ledger.h): the same contract code as CUDA's (../stream_contract.h)
@@ -73,9 +73,14 @@ class HostDeviceComm final : public DeviceComm {
   }
 
   at::Tensor read_header(CommTask& task, std::chrono::milliseconds timeout) override {
-    // where CUDA waits for the header's copy to the host, which follows the transfer
-    wait_for(task, timeout);
-    return task.parts[0].narrow(0, 0, task.header_bytes).contiguous();
+    // where CUDA waits for the header's copy to the host, which follows the transfer; kept, as CUDA's
+    // copy is, for a second reading (a failure after the first: the aborted rest drains the message),
+    // since a gloo Work completes one wait only and finish_step forgets which were waited for
+    if (!task.header_host.defined()) {
+      wait_for(task, timeout);
+      task.header_host = task.parts[0].narrow(0, 0, task.header_bytes).clone();
+    }
+    return task.header_host;
   }
 
   void waited_on_host(const CommTask& task) override {

@@ -10,8 +10,10 @@
 //   read before its transfer's ready event);
 // - a free before the owner waited for every other lane's last use (a receive dropped while the
 //   transfer may still write it).
-// Message parts that share one live storage (an aborted step's receive scratch) are one block,
-// allocated once and freed with the last of those parts released here.
+// Message parts that share one live storage (an aborted step's receive scratch; a send of a tensor
+// a stage passed on from its input) are one block, allocated once and freed with the last of those
+// parts released here; a send's part is never released here (it keeps the block until its Work
+// completed, rule 4), so such a block is not checked as freed: it is not freed before then.
 #pragma once
 
 #include <ATen/core/Tensor.h>

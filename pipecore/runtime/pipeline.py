@@ -105,8 +105,8 @@ class Pipeline:
     its first step, and steps run with no host wait. True on NCCL: every message goes at its boundary's
     capacity (the most elements it carried so far), the host reads each received message's header
     (one small device-to-host copy, started when the receive is posted, waited for by the action that
-    consumes it), and a message that outgrows its capacity makes the step run again, widened. False:
-    per-shape plans on gloo too.
+    consumes it), and a message that outgrows its capacity follows through the group's store (host
+    copies; only in the steps that grow a capacity). False: per-shape plans on gloo too.
 
     `group` defaults to the group the stages were given (`PipelineStage(..., group=)`, torch's way), else
     the default group. `args_chunk_spec`, `kwargs_chunk_spec` and `output_merge_spec` mean what they
