@@ -95,7 +95,8 @@ def test_out_of_memory_while_messages_grow_ends_the_step_everywhere(name, bad_ra
 def test_device_path_messages_carry_their_shapes(name, world, large):
     """The device path's protocol, emulated (NCCL: a receive takes exactly what was sent, in posting
     order, without tags): one plan for every step; every message goes at its capacity's size (a
-    receiver refuses one whose header says otherwise, so every step passing shows it) and the host
+    receiver reads one whose header says otherwise as a channel out of step: every step passing shows
+    that each message was) and the host
     reads its header; only the step that outgrows the capacities sends messages again (through the
     store); no step runs twice; gradients within 1e-6 of one process; the stream contract holds
     (headers copied before their batch's ready event)."""
