@@ -17,9 +17,9 @@ step, in alternating blocks:
 The table gives each kind's median step, padded/variable (what not computing padding saves),
 shuffled/repeating (what shapes that change at every step cost over shapes that repeat, for the
 same compute; the target is at most 1.1x), megatron/variable, and point-to-point sends per
-transfer on the steady path (pipecore's
-variable steps against its padded ones: the same means no extra message; messages that outgrew
-their capacity and went again are counted apart, and occur only while the longest length grows).
+transfer on the steady path (pipecore's variable steps against its padded ones: the same means no
+extra message; messages that outgrew their capacity and went again are counted apart, and occur
+only while the longest length grows).
 
     python bench/variable_shapes.py [--schedules 1f1b zbv] [--max-len 256]
 """

@@ -50,6 +50,18 @@ at::Tensor trailer_part(const at::TensorOptions& options, int64_t status, const 
 
 }  // namespace
 
+int64_t message_bytes(const std::vector<at::Tensor>& parts) {
+  int64_t bytes = 0;
+  for (const auto& p : parts) bytes += static_cast<int64_t>(p.nbytes());
+  return bytes;
+}
+
+std::vector<std::vector<int64_t>> shapes_of(const std::vector<at::Tensor>& tensors) {
+  std::vector<std::vector<int64_t>> shapes;
+  for (const auto& t : tensors) shapes.push_back(t.sizes().vec());
+  return shapes;
+}
+
 int64_t payload_bytes(const std::vector<TensorSpec>& specs) {
   int64_t total = 0;
   for (const auto& s : specs) total += aligned(nbytes(s.shape, s.dtype));
@@ -155,18 +167,6 @@ bool packed_layout(const std::vector<TensorSpec>& capacity, int64_t large) {
   return payload_bytes(capacity) < large;
 }
 
-int64_t total_bytes(const std::vector<at::Tensor>& parts) {
-  int64_t bytes = 0;
-  for (const auto& p : parts) bytes += static_cast<int64_t>(p.nbytes());
-  return bytes;
-}
-
-std::vector<std::vector<int64_t>> shapes_of(const std::vector<at::Tensor>& tensors) {
-  std::vector<std::vector<int64_t>> shapes;
-  for (const auto& t : tensors) shapes.push_back(t.sizes().vec());
-  return shapes;
-}
-
 // The header's words; `sent`: the bytes of the whole message as it goes.
 std::vector<int64_t> header_words(const std::vector<TensorSpec>& capacity, const std::vector<at::Tensor>& tensors,
                                   int64_t status, int64_t rows, int64_t sent, int64_t follow_up) {
@@ -230,6 +230,11 @@ std::vector<at::Tensor> frame_shaped(const std::vector<at::Tensor>& tensors, con
   TORCH_CHECK(!data || !tensors.empty() || capacity.empty(), "pipecore: a message without its tensors");
   TORCH_CHECK(!data || !exact || fits_capacity(with_shapes(capacity, shapes_of(tensors)), capacity, large),
               "pipecore: a message sent at its capacity must fit it");
+  if (!data && exact) {  // the capacity's size, contents that do not matter: a receive's buffers
+    std::vector<at::Tensor> parts = alloc_shaped(capacity, options, large, scratch);
+    write_header(parts[0], header_words(capacity, tensors, status, rows, message_bytes(parts), follow_up));
+    return parts;
+  }
   const int64_t header = shaped_header_bytes(capacity);
   if (packed_layout(capacity, large)) {
     const int64_t payload = exact ? payload_bytes(capacity) : data ? payload_bytes(tensors) : 0;
@@ -256,18 +261,11 @@ std::vector<at::Tensor> frame_shaped(const std::vector<at::Tensor>& tensors, con
       auto part = at::empty({n}, options.dtype(dtype));
       if (tensors[k].numel() > 0) part.narrow(0, 0, tensors[k].numel()).copy_(tensors[k].detach().reshape({-1}));
       parts.push_back(part);
-    } else if (!exact) {
+    } else {  // gloo: the header alone carries what a message without data says
       parts.push_back(at::empty({0}, options.dtype(dtype)));
-    } else if (scratch.defined()) {  // contents that do not matter
-      const int64_t bytes = nbytes(capacity[k].shape, dtype);
-      TORCH_CHECK(scratch.numel() >= bytes, "pipecore: abort scratch of ", scratch.numel(), " bytes for a part of ",
-                  bytes);
-      parts.push_back(scratch.narrow(0, 0, bytes).view(dtype));
-    } else {
-      parts.push_back(at::empty({n}, options.dtype(dtype)));
     }
   }
-  write_header(parts[0], header_words(capacity, tensors, status, rows, total_bytes(parts), follow_up));
+  write_header(parts[0], header_words(capacity, tensors, status, rows, message_bytes(parts), follow_up));
   return parts;
 }
 
@@ -329,7 +327,7 @@ int64_t read_shaped(const std::vector<at::Tensor>& parts, const std::vector<Tens
   if (parts.empty() || parts[0].numel() < bytes) return kMessageUnknown;
   at::Tensor header = parts[0].narrow(0, 0, bytes);
   header = header.is_cpu() ? header.contiguous() : header.cpu();  // (a discovery run's host read)
-  return read_shaped_header(header, capacity, large, total_bytes(parts), exact, out);
+  return read_shaped_header(header, capacity, large, message_bytes(parts), exact, out);
 }
 
 std::vector<TensorSpec> with_shapes(const std::vector<TensorSpec>& capacity,

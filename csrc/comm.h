@@ -52,6 +52,10 @@ std::vector<at::Tensor> frame(const std::vector<at::Tensor>& tensors, int64_t la
 // shared by every aborted message: their contents do not matter).
 std::vector<at::Tensor> abort_frame(const std::vector<TensorSpec>& specs, const at::TensorOptions& options,
                                     int64_t status, int64_t large, const at::Tensor& scratch);
+// Bytes of a message's parts, all of them.
+int64_t message_bytes(const std::vector<at::Tensor>& parts);
+// Each tensor's shape.
+std::vector<std::vector<int64_t>> shapes_of(const std::vector<at::Tensor>& tensors);
 // Payload bytes of a message of tensors shaped like `specs` (each 16-byte aligned).
 int64_t payload_bytes(const std::vector<TensorSpec>& specs);
 // Buffers to receive a message of tensors shaped like `specs`. With `scratch` (a message that will be

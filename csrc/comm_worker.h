@@ -55,8 +55,8 @@ struct CommTask {
   int64_t header_bytes = 0;
   at::Tensor header_host;
   std::shared_ptr<StreamMarker> header_ready;
-  // a grown shaped device message's follow-up (from the store), read in place of `parts`, which
-  // stay until the task is dropped (stream_contract.h, rule 3)
+  // a grown shaped message's follow-up (gloo: its second sending; the device path: from the store),
+  // read in place of `parts`, which stay until the task is dropped (stream_contract.h, rule 3)
   std::vector<at::Tensor> follow_up_parts;
   bool follow_up_taken = false;  // its key was taken from the store (once: an aborted rest drains it again)
 

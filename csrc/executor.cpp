@@ -24,11 +24,6 @@
 namespace pipecore {
 
 namespace {
-int64_t message_bytes(const std::vector<at::Tensor>& parts) {
-  int64_t bytes = 0;
-  for (const auto& p : parts) bytes += static_cast<int64_t>(p.nbytes());
-  return bytes;
-}
 double now_us() {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -318,30 +313,25 @@ void Executor::read_header(CommTask& task, const Instr& consumer, bool draining)
     task.status = read_shaped(task.parts, task.layout, large_message_bytes_, exact, header);
   }
   task.shapes = header.shapes;
-  if (task.status == kMessageGrown && exact) {  // it follows through the store
-    fetch_follow_up(task, consumer, header.follow_up, draining);
-  } else if (task.status == kMessageGrown) {  // it comes again at its own size, on the follow-up tag
-    auto again = std::make_shared<CommTask>();
-    again->send = false;
-    again->layout = with_shapes(task.layout, task.shapes);
-    const at::TensorOptions& options = options_[in.stage * num_microbatches_ + in.mb];
-    // dropped unread: as an aborted step's receives, its data into the abort scratch, so that a rank
-    // out of memory still releases its peer
-    const at::Tensor scratch = draining ? abort_scratch(options, payload_bytes(again->layout)) : at::Tensor();
-    again->parts = alloc_shaped(again->layout, options, large_message_bytes_, scratch);
-    {
-      std::lock_guard<std::mutex> lock(settle_mu_);  // (the halves of an OVERLAP_F_B pair settle at once)
-      post_task(again, in, kFollowUpTag + task.ordinal);
-    }
-    wait_task(*again, consumer, what);
+  if (task.status == kMessageGrown) {
+    // its data follows as a message of its own shapes (comm.h): on gloo at its own size on a tag of
+    // its own, on the device path through the store
+    const std::vector<TensorSpec> layout = with_shapes(task.layout, task.shapes);
+    std::vector<at::Tensor> parts = exact ? follow_up_from_store(task, consumer, header.follow_up, draining)
+                                          : follow_up_by_tag(task, layout, consumer, draining);
     ShapedHeader second;
-    const bool same = draining || (read_shaped(again->parts, again->layout, large_message_bytes_, /*exact=*/false,
+    const bool same = draining || (read_shaped(parts, layout, exact ? kAlwaysPacked : large_message_bytes_, exact,
                                                second) == kMessageOk &&
                                    second.shapes == task.shapes);
     task.status = same ? kMessageOk : kMessageUnknown;
     task.follow_up_failed = !same;
-    task.parts = std::move(again->parts);
-    task.layout = std::move(again->layout);
+    if (same && !draining) {
+      // the store's is on the host: to the device on the compute stream, which reads it next (once per
+      // boundary's growth)
+      const at::Device device = options_[in.stage * num_microbatches_ + in.mb].device();
+      task.follow_up_parts = exact ? std::vector<at::Tensor>{parts[0].to(device)} : std::move(parts);
+      task.layout = layout;
+    }
   }
   task.settled = true;
   if (task.status == kMessageOk && in.op == kRecvF) {
@@ -355,15 +345,33 @@ std::string Executor::follow_up_key(int64_t from, int64_t to, int64_t key) {
   return std::to_string(from) + ">" + std::to_string(to) + "/" + std::to_string(key);
 }
 
-void Executor::fetch_follow_up(CommTask& task, const Instr& consumer, int64_t key, bool draining) {
+std::vector<at::Tensor> Executor::follow_up_by_tag(const CommTask& task, const std::vector<TensorSpec>& layout,
+                                                   const Instr& consumer, bool draining) {
+  const Instr& in = program_[task.action];
+  const char* what = in.op == kRecvF ? "activations" : "output gradients";
+  auto again = std::make_shared<CommTask>();
+  again->send = false;
+  again->layout = layout;
+  const at::TensorOptions& options = options_[in.stage * num_microbatches_ + in.mb];
+  // dropped unread: as an aborted step's receives, its data into the abort scratch, so that a rank
+  // out of memory still releases its peer
+  const at::Tensor scratch = draining ? abort_scratch(options, payload_bytes(layout)) : at::Tensor();
+  again->parts = alloc_shaped(layout, options, large_message_bytes_, scratch);
+  {
+    std::lock_guard<std::mutex> lock(settle_mu_);  // (the halves of an OVERLAP_F_B pair settle at once)
+    post_task(again, in, kFollowUpTag + task.ordinal);
+  }
+  wait_task(*again, consumer, what);
+  return std::move(again->parts);
+}
+
+std::vector<at::Tensor> Executor::follow_up_from_store(CommTask& task, const Instr& consumer, int64_t key,
+                                                       bool draining) {
   const Instr& in = program_[task.action];
   const char* what = in.op == kRecvF ? "activations" : "output gradients";
   TORCH_CHECK(follow_up_store_, where(consumer),
               ": a grown message on the device path, and no store for its follow-up");
-  if (task.follow_up_taken) {  // (a failure after taking it, e.g. out of memory: this is its drain)
-    task.status = draining ? kMessageOk : kMessageUnknown;
-    return;
-  }
+  if (task.follow_up_taken) return {};  // (a failure after taking it, e.g. out of memory: this is its drain)
   const std::string name = follow_up_key(task.peer, rank_, key);
   std::vector<uint8_t> bytes;
   {
@@ -377,23 +385,10 @@ void Executor::fetch_follow_up(CommTask& task, const Instr& consumer, int64_t ke
     }
   }
   task.follow_up_taken = true;
-  if (draining) {  // taken from the store, not read: what crossed counts, as its sender counted it
-    task.status = kMessageOk;
-    return;
-  }
-  const std::vector<TensorSpec> layout = with_shapes(task.layout, task.shapes);
+  if (draining) return {};  // taken from the store, not read
   auto host = at::empty({static_cast<int64_t>(bytes.size())}, at::TensorOptions().dtype(at::kByte));
   std::memcpy(host.data_ptr(), bytes.data(), bytes.size());
-  ShapedHeader second;
-  const bool same = read_shaped({host}, layout, kAlwaysPacked, /*exact=*/true, second) == kMessageOk &&
-                    second.shapes == task.shapes;
-  task.status = same ? kMessageOk : kMessageUnknown;
-  task.follow_up_failed = !same;
-  if (!same) return;
-  const at::TensorOptions& options = options_[in.stage * num_microbatches_ + in.mb];
-  // on the compute stream, which reads it next (a host-to-device copy: once per boundary's growth)
-  task.follow_up_parts = {host.to(options.device())};
-  task.layout = layout;
+  return {host};
 }
 
 bool Executor::learn_specs(const Instr& in, bool aborted) {
@@ -742,9 +737,7 @@ std::vector<at::Tensor> Executor::message_of(const Instr& in, bool aborted, int6
     const std::vector<TensorSpec> cap = capacity(in);
     TORCH_CHECK(tensors.size() == cap.size(), where(in), ": a message of ", tensors.size(), " tensors where ",
                 cap.size(), " were planned");
-    std::vector<std::vector<int64_t>> shapes;
-    for (const auto& t : tensors) shapes.push_back(t.sizes().vec());
-    std::vector<TensorSpec> sent = with_shapes(cap, shapes);
+    std::vector<TensorSpec> sent = with_shapes(cap, shapes_of(tensors));
     const int64_t rows = std::max<int64_t>(batch_rows_, 0);
     const bool fits = fits_capacity(sent, cap, large_message_bytes_);
     int64_t follow_up_key = 0;

@@ -405,9 +405,13 @@ class Executor {
                                      std::vector<TensorSpec>* crossing = nullptr, int64_t* key = nullptr);
   // The store key of the follow-up `key` from rank `from` to rank `to`.
   static std::string follow_up_key(int64_t from, int64_t to, int64_t key);
-  // Device path: the follow-up of grown message `task` (received from its peer), from the store; its
-  // parts on the message's device unless `draining` (then only taken from the store).
-  void fetch_follow_up(CommTask& task, const Instr& consumer, int64_t key, bool draining);
+  // The parts of grown message `task`'s follow-up, a message laid out by `layout` (its own shapes):
+  // on gloo received on the follow-up tag (into the abort scratch when `draining`); on the device path
+  // taken from the store under `key`, a packed message on the host (none when `draining`, or taken
+  // already: the drain after a failure that came after taking it).
+  std::vector<at::Tensor> follow_up_by_tag(const CommTask& task, const std::vector<TensorSpec>& layout,
+                                           const Instr& consumer, bool draining);
+  std::vector<at::Tensor> follow_up_from_store(CommTask& task, const Instr& consumer, int64_t key, bool draining);
   // Shaped messages: the capacity of (stage, mb)'s receive of activations (kRecvF) or output gradients
   // (kRecvB), or of its send (kSendF, kSendB).
   std::vector<TensorSpec> capacity(const Instr& in) const;

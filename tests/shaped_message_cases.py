@@ -39,9 +39,15 @@ def batch(step: int, mb: int, n: int):
     return torch.randn(2, n, WIDTH, generator=g), torch.randn(2, n, WIDTH, generator=g)
 
 
-def sends_in_program(pipe) -> int:
+def actions_in_program(pipe, *kinds: str) -> int:
+    """How many of this rank's training actions are of these kinds (a run's sends, its forwards)."""
     flat = pipe.programs[True].instructions
-    return sum(1 for i in range(0, len(flat), 5) if flat[i] in (OPCODES["SEND_F"], OPCODES["SEND_B"]))
+    codes = {OPCODES[k] for k in kinds}
+    return sum(1 for i in range(0, len(flat), 5) if flat[i] in codes)
+
+
+def sends_in_program(pipe) -> int:
+    return actions_in_program(pipe, "SEND_F", "SEND_B")
 
 
 def _pipeline(rank: int, world: int, name: str, **options):
@@ -85,7 +91,7 @@ def step_lengths(rank: int, world: int, name: str, lengths: list[list[int]], lar
     `device`: the device path's protocol, emulated (messages at their capacity's size, headers read
     by the host, messages that outgrow their capacity followed through the store).
     Returns per step the executor's message counts, the plans learnt and the forwards this rank ran
-    (more than one per stage and microbatch: a step ran twice), the largest relative gradient
+    (more than its program's F actions: a step ran twice), the largest relative gradient
     difference from one process over the steps that did not fail, and the stream contract's
     violations (device)."""
     stages, reference, pipe = _pipeline(rank, world, name, **({"overlap_f_b": overlap} if overlap else {}))
@@ -103,7 +109,7 @@ def step_lengths(rank: int, world: int, name: str, lengths: list[list[int]], lar
     for s in stages:
         s.module.register_forward_pre_hook(count_forward)
     out: dict = {"counts": [], "plans": [], "grad": 0.0, "failed": [], "sends": sends_in_program(pipe),
-                 "forwards": [], "once": len(stages) * pipe.num_microbatches}
+                 "forwards": [], "once": actions_in_program(pipe, "F")}
     for step, lens in enumerate(lengths):
         forwards[0] = 0
         data = [batch(step, mb, n) for mb, n in enumerate(lens)]

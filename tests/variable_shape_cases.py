@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import pipecore as pc
-from pipecore.executor.native import OPCODES
 from gpt_cases import relative_difference, small_config, sum_loss, text
 from gpt import build_gpt, pipeline_stages
+from shaped_message_cases import actions_in_program
 
 
 def lengths(step: int, m: int, seq_len: int, replica: int = 0) -> list[int]:
@@ -71,8 +71,7 @@ def train_variable(rank: int, world: int, name: str, steps: int = 5, dp: int = 1
                                      losses=losses, loss_divisor=tokens)
         worst.setdefault("lengths", []).append(lengths(step, m, cfg.seq_len, replica))
         if device:
-            flat = pipe.programs[True].instructions
-            worst["extra_forwards"] += forwards[0] - sum(flat[i] == OPCODES["F"] for i in range(0, len(flat), 5))
+            worst["extra_forwards"] += forwards[0] - actions_in_program(pipe, "F")
             worst["grown"] += pipe.executor.message_counts[2]
             worst["violations"] = pipe.executor._stream_violations()
         if out is not None:

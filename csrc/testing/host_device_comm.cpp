@@ -6,9 +6,10 @@
 // CUDA does with a communication stream, events and one-thread kernels, this does on the host: it
 // waits for a receive's parts when an action consumes them (where the compute stream would wait on
 // the receive's event), and a batch's operations are posted one by one (gloo has no coalescing; it
-// needs none, since it does not serialise a group's operations). Receives an aborted step drained without consuming are waited
-// for when the next step begins (gloo writes into a receive's buffer until its Work completes);
-// an executor destroyed before that drops them, as the host path drops receives posted ahead.
+// needs none, since it does not serialise a group's operations). Receives an aborted step drained
+// without consuming are waited for when the next step begins (gloo writes into a receive's buffer
+// until its Work completes); an executor destroyed before that drops them, as the host path drops
+// receives posted ahead.
 // The streams are a ledger (stream_ledger.h): the same contract code as CUDA's (../stream_contract.h)
 // runs on it, and it refuses any use or free that a GPU's streams would not order.
 // Selected only by tests (Executor._emulate_device_comm).
