@@ -5,6 +5,12 @@ alternating timed blocks; the table gives the median ms/step of each and torch/p
 each one's first step (shapes found: torch infers them on meta tensors, pipecore learns them from
 that step's own forwards, each receive posted at its action).
 
+A third side is the floor any executor meets on this wire: a hand-written loop with no framework
+that runs the lowered schedule's actions in the same order with torch.distributed's own
+`isend`/`irecv` (a receive posted at its RECV action and waited for where its tensor is first
+used, sends waited for at the step's end; I computes the weight gradients too, W nothing). Its
+gradients are checked against pipecore's before timing, so both sides do the same work.
+
     python bench/vs_torch.py                      # overhead-dominated: 2 ranks, 32 microbatches, width 64
     python bench/vs_torch.py --width 1024 --rows 256   # larger stages
     python bench/vs_torch.py --plot out.png
@@ -24,6 +30,63 @@ from pipecore.executor.native import DEFAULT_RECV_WINDOW
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"]
 TORCH_CLASS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
                "interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+
+
+def _hand_written_step(rank, actions, stage_rank, modules, loss_fn, xs, ys):
+    """One step of `actions` (this rank's lowered program) as plain PyTorch and torch.distributed."""
+    import torch
+    import torch.distributed as dist
+
+    from pipecore import Kind
+
+    num_stages, m = len(stage_rank), len(xs)
+    last = num_stages - 1
+    held = {}     # (stage, microbatch) -> (input, output or loss)
+    inbox = {}    # (Kind.RECV_F or RECV_B, stage, microbatch) -> (buffer, Work)
+    grads = {}    # (stage, microbatch) -> the input gradient computed by its backward
+    sends = []
+
+    def tag(grad, stage, k):  # one per message: gloo matches a pair's messages by tag
+        return (int(grad) * num_stages + stage) * m + k
+
+    def received(kind, stage, k):
+        buf, work = inbox.pop((kind, stage, k))
+        work.wait()
+        return buf
+
+    for action in actions:
+        for leaf in action.leaves():
+            kind, s, k = leaf.kind, leaf.stage, leaf.microbatch
+            if kind in (Kind.RECV_F, Kind.RECV_B):
+                buf = torch.empty_like(xs[k])  # every boundary carries one (rows, width) tensor here
+                peer = stage_rank[s - 1] if kind is Kind.RECV_F else stage_rank[s + 1]
+                inbox[(kind, s, k)] = (buf, dist.irecv(buf, peer, tag=tag(kind is Kind.RECV_B, s, k)))
+            elif kind is Kind.F:
+                if s == 0:
+                    inp = xs[k]
+                elif (Kind.RECV_F, s, k) in inbox:
+                    inp = received(Kind.RECV_F, s, k).requires_grad_()
+                else:  # the previous stage is on this rank
+                    inp = held[(s - 1, k)][1].detach().requires_grad_()
+                out = modules[s](inp)
+                held[(s, k)] = (inp, loss_fn(out, ys[k]) / m if s == last else out)
+            elif kind is Kind.SEND_F:
+                sends.append(dist.isend(held[(s, k)][1].detach(), stage_rank[s + 1], tag=tag(False, s + 1, k)))
+            elif kind in (Kind.B, Kind.I):
+                inp, out = held.pop((s, k))
+                if s == last:
+                    grad = None
+                elif (Kind.RECV_B, s, k) in inbox:
+                    grad = received(Kind.RECV_B, s, k)
+                else:
+                    grad = grads.pop((s + 1, k))
+                torch.autograd.backward(out, grad)
+                if s > 0:
+                    grads[(s, k)] = inp.grad
+            elif kind is Kind.SEND_B:
+                sends.append(dist.isend(grads.pop((s, k)), stage_rank[s - 1], tag=tag(True, s - 1, k)))
+    for work in sends:
+        work.wait()
 
 
 def _bench_rank(rank, world, name, m, width, depth, rows, blocks, steps, recv_window):
@@ -61,15 +124,33 @@ def _bench_rank(rank, world, name, m, width, depth, rows, blocks, steps, recv_wi
     def run_pipecore():
         pipe.step(*((x,) if first else ()), target=y if last else None)
 
+    # the hand-written loop: its own copy of the modules, the lowered program pipecore runs
+    hand_modules = {s: copy.deepcopy(model[s]) for s in mine}
+    lowered = sched.lower().actions[rank]
+    xs, ys = x.tensor_split(m), y.tensor_split(m)
+
+    def run_hand_written():
+        _hand_written_step(rank, lowered, sched.topology.stage_rank, hand_modules, loss_fn, xs, ys)
+
+    for mod in [st.module for st in pstages] + list(hand_modules.values()):  # both compute the same gradients
+        mod.zero_grad(set_to_none=True)
+    run_pipecore()
+    run_hand_written()
+    for st, s in zip(pstages, mine):
+        for a, b in zip(st.module.parameters(), hand_modules[s].parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
     first_ms = {}
     for label, fn in (("torch", run_torch), ("pipecore", run_pipecore)):  # first steps: shapes found
         dist.barrier()
         t0 = time.perf_counter()
         fn()
         first_ms[label] = (time.perf_counter() - t0) * 1e3
-    run_torch()  # warm up both once more (allocator)
+    run_torch()  # warm up each once more (allocator)
     run_pipecore()
-    times = timed_blocks({"torch": run_torch, "pipecore": run_pipecore}, blocks, steps, dist.barrier)
+    run_hand_written()
+    times = timed_blocks({"torch": run_torch, "pipecore": run_pipecore, "hand-written": run_hand_written},
+                         blocks, steps, dist.barrier)
     return {**{k: median_ms(v) for k, v in times.items()}, **{f"{k} first": v for k, v in first_ms.items()}}
 
 
@@ -77,8 +158,9 @@ def run(schedules, world, m, width, depth, rows, blocks, steps, recv_window):
     out = []
     for name in schedules:
         per_rank = spawn(_bench_rank, world, name, m, width, depth, rows, blocks, steps, recv_window)
-        t, p, t1, p1 = (max(r[k] for r in per_rank) for k in ("torch", "pipecore", "torch first", "pipecore first"))
-        out.append((name, t, p, t1, p1))
+        t, p, h, t1, p1 = (max(r[k] for r in per_rank)
+                           for k in ("torch", "pipecore", "hand-written", "torch first", "pipecore first"))
+        out.append((name, t, p, h, t1, p1))
     return out
 
 
@@ -99,12 +181,14 @@ def main(argv=None):
     rows = run(a.schedules, a.ranks, a.microbatches, a.width, a.depth, a.rows, a.blocks, a.steps, a.recv_window)
     title = (f"{a.ranks} gloo ranks, {a.microbatches} microbatches, {a.depth} x Linear({a.width}) per stage, "
              f"batch {a.rows}; recv_window {a.recv_window}; median of {a.blocks} alternating blocks of {a.steps} steps")
-    print(table(["schedule", "torch ms", "pipecore ms", "pipecore/torch", "torch 1st ms", "pipecore 1st ms",
-                 "1st pipecore/torch"],
-                [[n, t, p, f"{p / t:.2f}x", t1, p1, f"{p1 / t1:.2f}x"] for n, t, p, t1, p1 in rows], title))
+    print(table(["schedule", "torch ms", "pipecore ms", "hand-written ms", "pipecore/torch", "pipecore/hand-written",
+                 "torch 1st ms", "pipecore 1st ms", "1st pipecore/torch"],
+                [[n, t, p, h, f"{p / t:.2f}x", f"{p / h:.2f}x", t1, p1, f"{p1 / t1:.2f}x"]
+                 for n, t, p, h, t1, p1 in rows], title))
     if a.plot:
         bar_plot(a.plot, [r[0] for r in rows], {"torch.distributed.pipelining": [r[1] for r in rows],
-                                                "pipecore": [r[2] for r in rows]}, "ms / step (median)", title)
+                                                "pipecore": [r[2] for r in rows],
+                                                "hand-written loop": [r[3] for r in rows]}, "ms / step (median)", title)
 
 
 if __name__ == "__main__":

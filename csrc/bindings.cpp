@@ -394,6 +394,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("peak_send_bytes", &pipecore::Executor::peak_send_bytes,
                              "largest sum of bytes in flight to one peer during the last run")
       .def_property_readonly("threaded_posts", &pipecore::Executor::threaded_posts)
+      .def_property_readonly("posted_here", &pipecore::Executor::posted_here)
       .def("batch_ends", &pipecore::Executor::batch_ends, py::arg("learning") = false,
            "per program index: for a SEND/RECV, one past the last action of its device batch, as a step that "
            "learns shapes posts them with learning=True (else 0)")

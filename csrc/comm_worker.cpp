@@ -73,6 +73,13 @@ void CommWorker::queue(std::shared_ptr<CommTask> task) {
   queued_.notify_one();
 }
 
+bool CommWorker::post_if_idle(CommTask& task) {
+  std::lock_guard<std::mutex> lock(mu_);  // held while posting: no other thread queues meanwhile
+  if (posting_ || !tasks_.empty()) return false;
+  post_parts(task);
+  return true;
+}
+
 void CommWorker::loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
@@ -80,6 +87,7 @@ void CommWorker::loop() {
     if (stop_) return;
     std::shared_ptr<CommTask> task = std::move(tasks_.front());
     tasks_.pop_front();
+    posting_ = true;
     lock.unlock();
     std::exception_ptr error;
     try {
@@ -89,6 +97,7 @@ void CommWorker::loop() {
     }
     task->mark_posted(error);
     lock.lock();
+    posting_ = false;
   }
 }
 

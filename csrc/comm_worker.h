@@ -90,6 +90,9 @@ class CommWorker {
   // Posts `task` after every task queued before it (operations with a peer keep their order), then
   // marks it posted.
   void queue(std::shared_ptr<CommTask> task);
+  // Posts `task` on the calling thread if nothing queued waits or is being posted (so the order with a
+  // peer is kept) and returns true; false, doing nothing, otherwise. Throws what posting throws.
+  bool post_if_idle(CommTask& task);
 
  private:
   void loop();
@@ -98,6 +101,7 @@ class CommWorker {
   std::condition_variable queued_;
   std::deque<std::shared_ptr<CommTask>> tasks_;
   bool stop_ = false;
+  bool posting_ = false;  // the worker is posting a task it took
   std::thread thread_;
 };
 

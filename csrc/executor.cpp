@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "backward.h"
 #include "comm.h"
@@ -111,6 +112,21 @@ void Executor::set_program(std::vector<int64_t> flat, std::vector<std::string> l
       send_before_recv_.push_back(it == last_send.end() ? -1 : it->second);
     }
     recvs_through_[i] = recv_instrs_.size();
+  }
+  // whether the compute action after each SEND takes a received message (the thread will wait next)
+  std::unordered_set<int64_t> received;  // (op, stage, mb) of each RECV
+  auto key_of = [&](int64_t op, const Instr& in) { return (op * num_stages_ + in.stage) * num_microbatches_ + in.mb; };
+  for (const Instr& in : program_) {
+    if (in.op == kRecvF || in.op == kRecvB) received.insert(key_of(in.op, in));
+  }
+  waits_next_.assign(program_.size(), 0);
+  bool next_waits = false;
+  for (size_t i = program_.size(); i-- > 0;) {
+    const Instr& in = program_[i];
+    if (in.op == kF) next_waits = received.count(key_of(kRecvF, in)) > 0;
+    else if (in.op == kB || in.op == kI) next_waits = received.count(key_of(kRecvB, in)) > 0;
+    else if (in.op != kSendF && in.op != kSendB && in.op != kRecvF && in.op != kRecvB) next_waits = false;
+    waits_next_[i] = next_waits;
   }
   pair_end_.assign(program_.size(), 0);
   constexpr size_t kNone = static_cast<size_t>(-1);
@@ -443,7 +459,7 @@ void Executor::reset() {
   recvs_reached_ = 0;
   ahead_bytes_ = 0;
   ahead_bytes_of_.assign(recv_instrs_.size(), 0);
-  threaded_posts_ = 0;
+  threaded_posts_ = posted_here_ = 0;
   reverse_posts_ = 0;
   sent_messages_ = sent_parts_ = grown_messages_ = 0;
   sent_to_.clear();
@@ -800,7 +816,7 @@ void Executor::set_comm_thread(bool on) {
   }
 }
 
-void Executor::post_task(const std::shared_ptr<CommTask>& task, const Instr& in, int tag) {
+void Executor::post_task(const std::shared_ptr<CommTask>& task, const Instr& in, int tag, bool here_if_idle) {
   task->peer = static_cast<int>(in.peer);
   task->tag = tag;
   task->group = pg_.get();
@@ -808,16 +824,22 @@ void Executor::post_task(const std::shared_ptr<CommTask>& task, const Instr& in,
     task->channel = reverse_.get();
     if constexpr (kTesting) ++reverse_posts_;
   }
-  if (worker_) {
+  bool here = !worker_;
+  try {
+    if (!worker_) {
+      post_parts(*task);
+    } else if (here_if_idle && task->send && message_bytes(task->parts) <= kPostHereBytes) {
+      here = worker_->post_if_idle(*task);
+      posted_here_ += here;
+    }
+  } catch (const std::exception& e) {
+    throw post_failure(*task, in, e.what());
+  }
+  if (!here) {
     task->queued = true;
     worker_->queue(task);
     ++threaded_posts_;
     return;
-  }
-  try {
-    post_parts(*task);
-  } catch (const std::exception& e) {
-    throw post_failure(*task, in, e.what());
   }
   task->mark_posted(nullptr);
 }
@@ -862,7 +884,8 @@ void Executor::send(std::vector<at::Tensor> parts, size_t index, bool budgeted, 
   }
   sent_parts_ += static_cast<int64_t>(task->parts.size());
   maybe_delay();
-  post_task(task, in, tag);
+  // the thread waits for a message next anyway: posting here spares the message the worker's wake-up
+  post_task(task, in, tag, tag == 0 && waits_next_[index]);
   last_send_posted_ = static_cast<int64_t>(index);
   sends_->track(std::move(task), bytes, where(in) + ": send to rank " + std::to_string(in.peer), timeout_,
                 /*aside=*/tag != 0);

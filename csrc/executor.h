@@ -68,6 +68,12 @@ constexpr int64_t kLargeMessageBytes = 64 << 10;
 // Bytes of sends in flight to one peer before the next send to it waits for the oldest to complete
 // (a message larger than this still goes, alone).
 constexpr int64_t kDefaultSendBudget = 64 << 20;
+// On a CPU group a send this small is posted on the compute thread, not handed to the comm worker,
+// when the thread's next compute action takes a received message (it would wait anyway) and the
+// worker has nothing queued. The hand-off's wake-up (25-50 us here) sat on every round trip of a
+// latency-bound schedule such as 2-rank 1F1B; a larger message's copy into the socket would cost the
+// thread more than it saves (bench/vs_torch.py, docs/performance.md).
+constexpr int64_t kPostHereBytes = 16 << 10;
 
 struct Instr {
   int64_t op;
@@ -310,6 +316,7 @@ class Executor {
   // Largest number of bytes in flight to one peer during the last run.
   int64_t peak_send_bytes() const;
   int64_t threaded_posts() const { return threaded_posts_; }
+  int64_t posted_here() const { return posted_here_; }
 #ifdef PIPECORE_TESTING
   int64_t reverse_posts() const { return reverse_posts_; }
   const std::vector<int64_t>& recv_posted_at() const { return recv_posted_at_; }
@@ -382,7 +389,9 @@ class Executor {
   // The CommError for a send or receive the group refused to post.
   CommError post_failure(const CommTask& task, const Instr& in, const std::string& text) const;
   // Posts `task` (with `tag`) here or through the comm worker.
-  void post_task(const std::shared_ptr<CommTask>& task, const Instr& in, int tag = 0);
+  // Posts `task` from the comm worker (CPU groups), or on this thread where there is none. A small
+  // send may be posted here when `here_if_idle` and the worker has nothing queued (kPostHereBytes).
+  void post_task(const std::shared_ptr<CommTask>& task, const Instr& in, int tag = 0, bool here_if_idle = false);
   // Waits until a queued task is posted; a posting error becomes a CommError.
   void await_posted(CommTask& task, const Instr& in);
   void check_sends();  // throws CommError if a send failed
@@ -464,6 +473,7 @@ class Executor {
   bool abort_may_wait_ = true;           // finish_aborted's `wait`
   std::vector<size_t> recv_instrs_;     // program indices of the RECV actions, in order
   std::vector<size_t> recvs_through_;   // [i]: RECV actions among program_[0..i]
+  std::vector<char> waits_next_;        // [i]: the compute action after SEND i takes a received message
   std::vector<int64_t> send_before_recv_;  // [k]: last SEND to RECV k's peer before it (-1: none)
   size_t recvs_posted_ = 0;             // RECV actions posted so far in this run
   std::vector<int64_t> recv_posted_at_;  // [k]: program index before which RECV k was posted
@@ -489,6 +499,7 @@ class Executor {
   size_t posted_through_ = 0;      // device path: every SEND/RECV before this index is posted
   int64_t large_message_bytes_ = kLargeMessageBytes;
   int64_t threaded_posts_ = 0;  // messages posted by the comm worker in the last run
+  int64_t posted_here_ = 0;     // small sends posted on the compute thread in the last run (post_task)
   int64_t reverse_posts_ = 0;   // messages posted on the reverse channel in the last run
   std::vector<int64_t> next_local_, prev_local_;
   std::vector<size_t> pair_end_;  // [i] for an OVERLAP_F_B opening bracket: its closing bracket's index

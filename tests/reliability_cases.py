@@ -258,6 +258,36 @@ def reverse_channel(rank, world):
     dist.destroy_process_group(group)
 
 
+def sends_posted_here(rank, world, name, rows):
+    """A steady step's posting: a small send whose next compute action takes a received message goes
+    out on the compute thread (when the comm worker has nothing queued), everything else through the
+    worker. Returns (posted here, sends allowed to be, threaded posts, sends and receives)."""
+    from pipecore.executor.native import OPCODES
+
+    group = dist.new_group(backend="gloo")
+    pipe, _ = _pipe(rank, world, name, m=4, group=group)
+    x, y = make_batch(rows)
+    for _ in range(3):
+        pipeline_step(pipe, x, y)
+    flat = pipe.programs[True].instructions
+    ops = [tuple(flat[i:i + 3]) for i in range(0, len(flat), 5)]  # (op, stage, microbatch)
+    received = {(op, s, k) for op, s, k in ops if op in (OPCODES["RECV_F"], OPCODES["RECV_B"])}
+    sends = (OPCODES["SEND_F"], OPCODES["SEND_B"])
+    comm = sends + (OPCODES["RECV_F"], OPCODES["RECV_B"])
+    allowed = 0
+    for i, (op, _, _) in enumerate(ops):
+        if op not in sends:
+            continue
+        nxt = next(((o, s, k) for o, s, k in ops[i + 1:] if o not in comm), None)
+        if nxt is not None and (nxt[0] == OPCODES["F"] and (OPCODES["RECV_F"], nxt[1], nxt[2]) in received or
+                                nxt[0] in (OPCODES["B"], OPCODES["I"]) and (OPCODES["RECV_B"], nxt[1], nxt[2]) in received):
+            allowed += 1
+    ex = pipe.executor
+    result = (ex.posted_here, allowed, ex.threaded_posts, sum(op in comm for op, _, _ in ops))
+    dist.destroy_process_group(group)
+    return result
+
+
 def own_error_then_peer_hangs(rank, world):
     """Rank 0's forward of microbatch 1 raises while rank 1 hangs longer than the timeout: rank 0
     cannot release rank 1 (its wait for rank 1's gradients times out), so its own error must not

@@ -10,7 +10,7 @@ from dist_pool import pool
 from reliability_cases import (BUILD_ERRORS, bad_input, build_fails_then, comm_error_aborts_an_nccl_group,
                                comm_error_keeps_gradients_held_before, construction_errors, dying_rank, failing_stage,
                                hanging_rank, memory_is_flat, mismatched_stage, no_loss_fn, one_rank_fails,
-                               own_error_then_peer_hangs, reverse_channel, stress)
+                               own_error_then_peer_hangs, reverse_channel, sends_posted_here, stress)
 
 
 @pytest.mark.parametrize("name, world, bad_rank, where", [
@@ -118,6 +118,21 @@ def test_stress_random_delays_many_steps(name, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_messages_to_lower_ranks_take_a_second_connection_on_the_same_gloo_thread(world):
     pool(world).run(reverse_channel)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b", "zbv"])
+def test_small_sends_before_a_wait_are_posted_on_the_compute_thread(name):
+    """8 rows: 2-row messages, posted on the compute thread where it waits next (kPostHereBytes);
+    1200 rows: 300 x 16 floats, over 16 KiB, always through the comm worker. Either way every other
+    message goes through the worker. (test_pipeline.py's messages are small, so every schedule's
+    results there, compared with one process's, are with this on.)"""
+    for rows, small in ((8, True), (1200, False)):
+        for rank, (here, allowed, threaded, messages) in enumerate(pool(2).run(sends_posted_here, name, rows)):
+            if small:
+                assert 0 < here <= allowed, (name, rank, here, allowed)
+            else:
+                assert here == 0, (name, rank, here)
+            assert here + threaded == messages, (name, rank, here, threaded, messages)
 
 
 def test_repeated_steps_do_not_grow_memory():

@@ -1,6 +1,7 @@
 """Which path a Pipeline's messages take, and what each path implies for a step.
 
-- gloo (the host path): every send and receive posted from a communication thread, receives posted
+- gloo (the host path): sends and receives posted from a communication thread (a small send after
+  which the compute thread waits for a message anyway is posted by that thread), receives posted
   up to a window ahead, sends within a budget per peer, and messages that carry their shapes
   (csrc/comm.h, shaped messages), so that a batch that changes shapes needs no new plan.
 - NCCL on CUDA (the device path, csrc/device_comm.h): batches on a communication stream, events,
