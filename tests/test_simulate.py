@@ -62,6 +62,49 @@ def test_cost_errors():
         s.simulate({"comm": float("nan")})
 
 
+@pytest.mark.parametrize("name, V", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zb", 2),
+                                     ("zbv", 2), ("dualpipev", 2)])
+def test_costs_per_microbatch(name, V):
+    """F, B, I and W as functions of (stage, microbatch): microbatches of their own lengths."""
+    s = pc.build_schedule(name, 2, 6, V)
+    stages = s.num_stages
+    per_stage = {"F": [1 + st for st in range(stages)], "I": [1.5] * stages, "W": [0.5 + st for st in range(stages)]}
+    # a function that ignores the microbatch simulates as the numbers do, lowered or not, its
+    # derived costs (B = I + W) included
+    as_functions = {k: (lambda st, k_, v=v: v[st]) for k, v in per_stage.items()}
+    for sched in (s, s.lower()):
+        want = sched.simulate(per_stage)
+        got = sched.simulate(as_functions)
+        assert got.makespan == pytest.approx(want.makespan) and got.busy == pytest.approx(want.busy)
+    # B = 2 F per microbatch by default; a longer microbatch costs more, busy time adds up per rank
+    lengths = [1, 4, 2, 3, 1, 2]
+    r = s.simulate({"F": lambda st, k: lengths[k]})
+    assert sum(r.busy) == pytest.approx(3 * stages * sum(lengths))
+    assert s.simulate({"F": 4}).makespan > r.makespan > s.simulate({"F": 1}).makespan
+
+
+def test_one_rank_per_microbatch_costs_add_up():
+    s = pc.build_schedule("1f1b", 1, 4)
+    lengths = [3, 1, 4, 1]
+    assert s.simulate({"F": lambda st, k: lengths[k], "B": lambda st, k: 2 * lengths[k] + 1}).makespan == \
+        pytest.approx(sum(3 * n + 1 for n in lengths))
+
+
+def test_per_microbatch_cost_errors():
+    s = pc.build_schedule("1f1b", 2, 4)
+    with pytest.raises(ValueError, match="cost 'F' of stage 0, microbatch 0 must be a finite number"):
+        s.simulate({"F": lambda st, k: -1})
+    with pytest.raises(ValueError, match=r"cost 'W \(B - I\)' of stage \d, microbatch \d must be a finite number"):
+        pc.build_schedule("interleaved_zb", 2, 4, 2).simulate({"B": 1, "I": lambda st, k: 2})  # W is priced there
+    with pytest.raises(ValueError, match="must be a finite number"):
+        s.simulate({"F": lambda st, k: float("nan")})
+    # only F, B, I and W, and only in the simulator (the auto builder searches per stage)
+    with pytest.raises(ValueError, match="cost 'comm' must be a number or one number per stage"):
+        s.simulate({"comm": lambda st, k: 1})
+    with pytest.raises(ValueError, match=r"cost 'F' must be a number or one number per stage \(2\), got <function"):
+        pc.build_schedule("zb_auto", 2, 4, costs={"F": lambda st, k: 1})
+
+
 def test_result_fields():
     r = pc.build_schedule("interleaved_1f1b", 2, 4).simulate({"F": 1, "B": 2})
     assert len(r.busy) == 2 and len(r.timeline) == 2 and len(r.idle) == 2

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pipecore.schedule.action import STAGE_MASK, STAGE_SHIFT, Kind, leaf_codes
+from pipecore.schedule.action import STAGE_MASK, STAGE_SHIFT, Kind, leaf_codes, microbatch_of, stage_of
 
 F, I, W, B = int(Kind.F), int(Kind.I), int(Kind.W), int(Kind.B)
 SEND_F, RECV_F, SEND_B, RECV_B = int(Kind.SEND_F), int(Kind.RECV_F), int(Kind.SEND_B), int(Kind.RECV_B)
@@ -118,15 +118,25 @@ class Replay:
         return [r for r in range(len(codes)) if self.pos[r] < len(codes[r])]
 
 
+def _price(per_stage, code: int) -> float:
+    """One action's cost: a number per stage, or a function of (stage, microbatch)."""
+    if per_stage is None:
+        return 0.0
+    if callable(per_stage):
+        return per_stage(stage_of(code), microbatch_of(code))
+    return per_stage[stage_of(code)]
+
+
 def replay(codes: Sequence[Sequence[int]], topo, *, lowered: bool = False, local: bool = True,
            cost: dict[int, Sequence[float]] | None = None, pair: Callable[[float, float], float] | None = None,
            comm: Sequence[float] | None = None,
            on_action: Callable[[int, int, float, float], None] | None = None) -> Replay:
     """Run `codes` by the rule: ranks in turn run every action whose inputs are done, until all are
-    done or none can move. `cost[kind][stage]` prices an action (kinds it lacks take no time; an
-    OVERLAP_F_B pair costs `pair(forward, backward)`, or both halves); data that crosses ranks
-    arrives `comm[waiting stage]` after its producer ends; `on_action(rank, code, start, end)` sees
-    each action as it runs. Actions other than F, I, W and B wait for nothing."""
+    done or none can move. `cost[kind][stage]`, or `cost[kind](stage, microbatch)`, prices an action
+    (kinds it lacks take no time; an OVERLAP_F_B pair costs `pair(forward, backward)`, or both
+    halves); data that crosses ranks arrives `comm[waiting stage]` after its producer ends;
+    `on_action(rank, code, start, end)` sees each action as it runs. Actions other than F, I, W and B
+    wait for nothing."""
     deps = _dependencies(topo, lowered, local)
     cost = cost or {}
     R = len(codes)
@@ -166,13 +176,11 @@ def replay(codes: Sequence[Sequence[int]], topo, *, lowered: bool = False, local
                     blocked[r] = need
                     break
                 if kind == OVERLAP:
-                    parts = [cost[lc & _KIND][(lc >> STAGE_SHIFT) & STAGE_MASK] if lc & _KIND in cost else 0.0
-                             for lc in leaves]
+                    parts = [_price(cost.get(lc & _KIND), lc) for lc in leaves]
                     fwd = sum(d for d, lc in zip(parts, leaves) if lc & _KIND == F)
                     t = start + (pair(fwd, sum(parts) - fwd) if pair is not None else sum(parts))
                 else:
-                    per_stage = cost.get(kind)
-                    t = start + per_stage[(c >> STAGE_SHIFT) & STAGE_MASK] if per_stage is not None else start
+                    t = start + _price(cost.get(kind), c)
                 for lc in leaves:
                     end[lc] = t
                     if lc & _KIND == I or lc & _KIND == B:

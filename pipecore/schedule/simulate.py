@@ -24,6 +24,7 @@ _EXTRA_KINDS = {int(Kind.REDUCE_GRAD): "REDUCE_GRAD", int(Kind.UNSHARD): "UNSHAR
 # how the executor runs an OVERLAP_F_B pair's halves (Pipeline's `overlap_f_b`), its default first
 OVERLAP_MODES = ("lockstep", "concurrent", "sequential")
 _COST_KEYS = ("F", "B", "I", "W", "comm", "OVERLAP_F_B", "REDUCE_GRAD", "UNSHARD", "RESHARD")
+_PER_MICROBATCH = ("F", "B", "I", "W")  # costs the simulator takes as functions of (stage, microbatch)
 
 
 @dataclass
@@ -39,38 +40,49 @@ class SimResult:
         return [self.makespan - b for b in self.busy]
 
 
-def cost_table(costs: Mapping[str, object] | None, num_stages: int) -> dict[str, list[float]]:
+def cost_table(costs: Mapping[str, object] | None, num_stages: int,
+               per_microbatch: bool = False) -> dict[str, list]:
+    """Each cost as one number per stage. With `per_microbatch` (the simulator), F, B, I and W may
+    also be functions of (stage, microbatch), for microbatches of their own lengths; then all four
+    come back as such functions."""
     costs = dict(costs or {})
     unknown = set(costs) - set(_COST_KEYS)
     if unknown:
         raise ValueError(f"unknown cost keys {sorted(unknown)}; use {_COST_KEYS}")
 
     def per_stage(name, value):
+        if per_microbatch and name in _PER_MICROBATCH and callable(value):
+            return value
         if isinstance(value, (int, float)):
             vals = [float(value)] * num_stages
         elif isinstance(value, Sequence) and len(value) == num_stages:
             vals = [float(v) for v in value]
         else:
-            raise ValueError(f"cost {name!r} must be a number or one number per stage ({num_stages}), got {value!r}")
+            functions = " or a function of (stage, microbatch)" if per_microbatch and name in _PER_MICROBATCH else ""
+            raise ValueError(f"cost {name!r} must be a number or one number per stage ({num_stages}){functions}, "
+                             f"got {value!r}")
         if not all(math.isfinite(v) and v >= 0 for v in vals):
             raise ValueError(f"cost {name!r} must be finite and not negative, got {value!r}")
         return vals
 
     table = {k: per_stage(k, v) for k, v in costs.items() if k != "OVERLAP_F_B"}
-    table.setdefault("F", [1.0] * num_stages)
-    if "B" not in table:
-        if "I" in table or "W" in table:
-            i = table.get("I") or table["W"]
-            w = table.get("W") or table["I"]
-            table["B"] = [a + b for a, b in zip(i, w)]
-        else:
-            table["B"] = [2 * f for f in table["F"]]
-    table.setdefault("I", [b / 2 for b in table["B"]])
-    if "W" not in table:
-        if any(i > b for b, i in zip(table["B"], table["I"])):
-            raise ValueError(f"cost 'I' ({costs['I']!r}) exceeds 'B' ({costs['B']!r}), so W = B - I would be negative: "
-                             f"give W, or a B of at least I")
-        table["W"] = [b - i for b, i in zip(table["B"], table["I"])]
+    if any(callable(table.get(k)) for k in _PER_MICROBATCH):
+        _per_microbatch_table(table)
+    else:
+        table.setdefault("F", [1.0] * num_stages)
+        if "B" not in table:
+            if "I" in table or "W" in table:
+                i = table.get("I") or table["W"]
+                w = table.get("W") or table["I"]
+                table["B"] = [a + b for a, b in zip(i, w)]
+            else:
+                table["B"] = [2 * f for f in table["F"]]
+        table.setdefault("I", [b / 2 for b in table["B"]])
+        if "W" not in table:
+            if any(i > b for b, i in zip(table["B"], table["I"])):
+                raise ValueError(f"cost 'I' ({costs['I']!r}) exceeds 'B' ({costs['B']!r}), so W = B - I would be "
+                                 f"negative: give W, or a B of at least I")
+            table["W"] = [b - i for b, i in zip(table["B"], table["I"])]
     for k in ("comm", "REDUCE_GRAD", "UNSHARD", "RESHARD"):
         table.setdefault(k, [0.0] * num_stages)
     if "OVERLAP_F_B" in costs:
@@ -81,17 +93,43 @@ def cost_table(costs: Mapping[str, object] | None, num_stages: int) -> dict[str,
     return table
 
 
+def _per_microbatch_table(table: dict) -> None:
+    """F, B, I and W as checked functions of (stage, microbatch), derived as cost_table derives
+    numbers: B = I + W (or 2 F), I = B / 2, W = B - I."""
+    def checked(name, fn):
+        def cost(stage, microbatch):
+            v = fn(stage, microbatch)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"cost {name!r} of stage {stage}, microbatch {microbatch} must be a finite number, "
+                                 f"not negative, got {v!r}")
+            return float(v)
+        return cost
+
+    def function(v):
+        return v if callable(v) else (lambda stage, microbatch: v[stage])
+
+    given = {k: checked(k, function(table[k])) for k in _PER_MICROBATCH if k in table}
+    f = given.get("F", lambda stage, microbatch: 1.0)
+    i, w = given.get("I"), given.get("W")
+    b = given.get("B") or (checked("B", lambda s, k: (i or w)(s, k) + (w or i)(s, k)) if i or w
+                           else (lambda s, k: 2 * f(s, k)))
+    i = i or (lambda s, k: b(s, k) / 2)
+    w = w or checked("W (B - I)", lambda s, k: b(s, k) - i(s, k))
+    table.update(F=f, B=b, I=i, W=w)
+
+
 def simulate(schedule, costs: Mapping[str, object] | None = None, overlap: str = "lockstep") -> SimResult:
     """`overlap`: how the executor runs an OVERLAP_F_B pair's halves (Pipeline's `overlap_f_b`,
     default "lockstep"): "concurrent", at once, costs the longer half; "lockstep" and "sequential"
     cost the sum (lockstep hides communication inside a stage, which these costs do not model). A
-    callable cost "OVERLAP_F_B"(forward, backward) prices pairs instead."""
+    callable cost "OVERLAP_F_B"(forward, backward) prices pairs instead. F, B, I and W may be
+    functions of (stage, microbatch): microbatches of their own lengths (`step_microbatches`)."""
     if overlap not in OVERLAP_MODES:
         raise ValueError(f"overlap must be one of {OVERLAP_MODES}, got {overlap!r}")
     topo = schedule.topology
     codes = schedule.codes
     num_ranks = len(codes)
-    cost = cost_table(costs, topo.num_stages)
+    cost = cost_table(costs, topo.num_stages, per_microbatch=True)
     by_kind = {F: cost["F"], I: cost["I"], W: cost["W"], B: cost["B"]}
     by_kind.update({kind: cost[name] for kind, name in _EXTRA_KINDS.items()})
     pair = cost.get("OVERLAP_F_B") or (max if overlap == "concurrent" else None)
