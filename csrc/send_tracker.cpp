@@ -35,13 +35,16 @@ bool SendTracker::reserve(int peer, int64_t bytes, int64_t budget, std::chrono::
   auto it = lanes_.find(peer);
   if (it == lanes_.end()) return true;
   const Lane& lane = it->second;
-  return changed_.wait_for(lock, timeout, [&] {
-    return lane.in_flight == 0 || lane.in_flight + bytes <= budget || failed_;
-  });
+  auto room = [&] { return lane.in_flight == 0 || lane.in_flight + bytes <= budget || failed_; };
+  if (room()) return true;
+  changed_.notify_all();  // small sends in the lane may wait for their thread to wake
+  return changed_.wait_for(lock, timeout, room);
 }
 
 void SendTracker::track(std::shared_ptr<CommTask> task, int64_t bytes, std::string what,
                         std::chrono::milliseconds timeout, bool aside) {
+  // one part: a buffer the message was packed into (comm.h), never a tensor of the sender's
+  const bool wake = aside || bytes > kWakeForSendBytes || task->parts.size() != 1;
   {
     std::lock_guard<std::mutex> lock(mu_);
     const int key = aside ? -2 - task->peer : task->peer;
@@ -53,7 +56,7 @@ void SendTracker::track(std::shared_ptr<CommTask> task, int64_t bytes, std::stri
     ++pending_;
     if (lane.in_flight > peak_) peak_ = lane.in_flight;
   }
-  changed_.notify_all();
+  if (wake) changed_.notify_all();
 }
 
 namespace {
@@ -145,6 +148,7 @@ void SendTracker::loop(int key) {
 
 bool SendTracker::drain(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
+  changed_.notify_all();  // small sends wait for their thread to wake
   return changed_.wait_for(lock, timeout, [&] { return pending_ == 0; });
 }
 

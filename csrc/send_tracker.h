@@ -7,6 +7,12 @@
 // completion is waited for, not polled. Sends to one peer complete in posting order (one channel per
 // direction), so one thread per peer waits for them in that order; a slow peer does not hold back the
 // freeing of another peer's messages.
+//
+// A send of one part and at most kWakeForSendBytes does not wake its peer's thread: the thread
+// collects it when it next wakes (for another send, a wait for the budget, or the drain at every
+// run's end). A one-part message is the buffer it was packed into (comm.h), never a tensor of the
+// sender's, so only those few bytes live on, at most until the run's end; a thread wake-up per
+// message cost the compute thread 10-20% of a step of small messages here (docs/performance.md).
 #pragma once
 
 #include <atomic>
@@ -24,6 +30,8 @@
 
 namespace pipecore {
 
+constexpr int64_t kWakeForSendBytes = 16 << 10;
+
 class SendTracker {
  public:
   SendTracker() = default;
@@ -36,8 +44,8 @@ class SendTracker {
   // `budget` (a message always goes when nothing else is in flight to its peer). False if `timeout`
   // passed first.
   bool reserve(int peer, int64_t bytes, int64_t budget, std::chrono::milliseconds timeout);
-  // A posted (or queued) send of `bytes`: waited for and released by its peer's thread. `what` names
-  // it in an error. `aside`: a lane of its own per peer, outside the budget: a grown message's second
+  // A posted (or queued) send of `bytes`: waited for and released by its peer's thread (woken for it
+  // unless it is small and packed, above). `what` names it in an error. `aside`: a lane of its own per peer, outside the budget: a grown message's second
   // sending (comm.h), which completes when the receiver reads the message, not in posting order.
   void track(std::shared_ptr<CommTask> task, int64_t bytes, std::string what, std::chrono::milliseconds timeout,
              bool aside = false);

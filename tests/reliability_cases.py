@@ -261,14 +261,18 @@ def reverse_channel(rank, world):
 def sends_posted_here(rank, world, name, rows):
     """A steady step's posting: a small send whose next compute action takes a received message goes
     out on the compute thread (when the comm worker has nothing queued), everything else through the
-    worker. Returns (posted here, sends allowed to be, threaded posts, sends and receives)."""
+    worker. Returns, for 5 steps, (posted here, threaded posts), and the sends allowed to be posted
+    here and the sends and receives of one step."""
     from pipecore.executor.native import OPCODES
 
     group = dist.new_group(backend="gloo")
-    pipe, _ = _pipe(rank, world, name, m=4, group=group)
+    pipe, _ = _pipe(rank, world, name, m=8, group=group)
     x, y = make_batch(rows)
-    for _ in range(3):
+    pipeline_step(pipe, x, y)  # learns the shapes
+    steps = []
+    for _ in range(5):  # whether the worker is idle at a send varies: several steps
         pipeline_step(pipe, x, y)
+        steps.append((pipe.executor.posted_here, pipe.executor.threaded_posts))
     flat = pipe.programs[True].instructions
     ops = [tuple(flat[i:i + 3]) for i in range(0, len(flat), 5)]  # (op, stage, microbatch)
     received = {(op, s, k) for op, s, k in ops if op in (OPCODES["RECV_F"], OPCODES["RECV_B"])}
@@ -282,10 +286,8 @@ def sends_posted_here(rank, world, name, rows):
         if nxt is not None and (nxt[0] == OPCODES["F"] and (OPCODES["RECV_F"], nxt[1], nxt[2]) in received or
                                 nxt[0] in (OPCODES["B"], OPCODES["I"]) and (OPCODES["RECV_B"], nxt[1], nxt[2]) in received):
             allowed += 1
-    ex = pipe.executor
-    result = (ex.posted_here, allowed, ex.threaded_posts, sum(op in comm for op, _, _ in ops))
     dist.destroy_process_group(group)
-    return result
+    return steps, allowed, sum(op in comm for op, _, _ in ops)
 
 
 def own_error_then_peer_hangs(rank, world):
