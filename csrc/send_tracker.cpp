@@ -44,14 +44,20 @@ bool SendTracker::reserve(int peer, int64_t bytes, int64_t budget, std::chrono::
 void SendTracker::track(std::shared_ptr<CommTask> task, int64_t bytes, std::string what,
                         std::chrono::milliseconds timeout, bool aside) {
   // one part: a buffer the message was packed into (comm.h), never a tensor of the sender's
-  const bool wake = aside || bytes > kWakeForSendBytes || task->parts.size() != 1;
+  bool wake = aside || bytes > kWakeForSendBytes || task->parts.size() != 1;
   {
     std::lock_guard<std::mutex> lock(mu_);
     const int key = aside ? -2 - task->peer : task->peer;
     auto [it, fresh] = lanes_.try_emplace(key);
     Lane& lane = it->second;
     if (fresh) lane.thread = std::thread([this, key] { loop(key); });
-    lane.queue.push_back(Entry{std::move(task), bytes, std::move(what), timeout});
+    if (!wake) {
+      lane.uncollected += bytes;
+      wake = lane.uncollected > kUncollectedBytes;
+    }
+    if (wake) lane.uncollected = 0;
+    lane.queue.push_back(
+        Entry{std::move(task), bytes, std::move(what), timeout, std::chrono::steady_clock::now() + timeout});
     lane.in_flight += bytes;
     ++pending_;
     if (lane.in_flight > peak_) peak_ = lane.in_flight;
@@ -85,7 +91,14 @@ std::string SendTracker::wait_entry(const Entry& e) {
 
 std::string SendTracker::wait_posted_and_sent(const Entry& e) {
   CommTask& task = *e.task;
-  if (!task.wait_posted(e.timeout)) {
+  // what is left of the send's timeout, which started at its posting (a small send is collected late);
+  // at least 1 ms: c10d reads a zero timeout as "none"
+  auto left = [&] {
+    using std::chrono::milliseconds;
+    return std::max(std::chrono::duration_cast<milliseconds>(e.deadline - std::chrono::steady_clock::now()),
+                    milliseconds(1));
+  };
+  if (!task.wait_posted(left())) {
     std::ostringstream os;
     os << e.what << " was not posted within " << e.timeout.count() / 1000.0 << " s (the group is stuck)";
     return os.str();
@@ -102,8 +115,8 @@ std::string SendTracker::wait_posted_and_sent(const Entry& e) {
     if (!work) continue;
     try {
       if (on_device) {
-        if (!poll_until_completed(*work, e.timeout, stop_)) text = "timed out";
-      } else if (!work->wait(e.timeout)) {
+        if (!poll_until_completed(*work, left(), stop_)) text = "timed out";
+      } else if (!work->wait(left())) {
         text = "the wait was aborted";
       }
     } catch (const std::exception& ex) {

@@ -1,7 +1,8 @@
 // Sends in flight, per peer. Each posted send is handed to a thread of its peer's, which waits for
 // the transfer to complete and then drops the message's buffers and the Works that hold them: a sent
 // activation is freed when it has left, not at its backward or the end of the step, and the compute
-// thread never waits for it unless the peer's budget of bytes in flight is used up.
+// thread never waits for it unless the peer's budget of bytes in flight is used up. (Small packed
+// messages are collected in bulk: below.)
 //
 // gloo's send Works report completion only to a waiter (isCompleted stays false until wait), so
 // completion is waited for, not polled. Sends to one peer complete in posting order (one channel per
@@ -9,10 +10,12 @@
 // freeing of another peer's messages.
 //
 // A send of one part and at most kWakeForSendBytes does not wake its peer's thread: the thread
-// collects it when it next wakes (for another send, a wait for the budget, or the drain at every
-// run's end). A one-part message is the buffer it was packed into (comm.h), never a tensor of the
-// sender's, so only those few bytes live on, at most until the run's end; a thread wake-up per
-// message cost the compute thread 10-20% of a step of small messages here (docs/performance.md).
+// collects it when it next wakes (for another send, a wait for the budget, the drain at every run's
+// end, or once kUncollectedBytes of such sends wait in the lane). A one-part message is the buffer it
+// was packed into (comm.h), never a tensor of the sender's, so only those buffers live on, at most
+// kUncollectedBytes of them per peer beyond what is in flight; each still times out from its own
+// posting. A thread wake-up per message cost the compute thread 10-20% of a step of small messages
+// here (docs/performance.md).
 #pragma once
 
 #include <atomic>
@@ -31,6 +34,7 @@
 namespace pipecore {
 
 constexpr int64_t kWakeForSendBytes = 16 << 10;
+constexpr int64_t kUncollectedBytes = 1 << 20;
 
 class SendTracker {
  public:
@@ -45,8 +49,9 @@ class SendTracker {
   // passed first.
   bool reserve(int peer, int64_t bytes, int64_t budget, std::chrono::milliseconds timeout);
   // A posted (or queued) send of `bytes`: waited for and released by its peer's thread (woken for it
-  // unless it is small and packed, above). `what` names it in an error. `aside`: a lane of its own per peer, outside the budget: a grown message's second
-  // sending (comm.h), which completes when the receiver reads the message, not in posting order.
+  // unless it is small and packed, above). `what` names it in an error. `aside`: a lane of its own
+  // per peer, outside the budget: a grown message's second sending (comm.h), which completes when
+  // the receiver reads the message, not in posting order.
   void track(std::shared_ptr<CommTask> task, int64_t bytes, std::string what, std::chrono::milliseconds timeout,
              bool aside = false);
   // Blocks until every tracked send completed or failed; false if `timeout` passed first.
@@ -56,7 +61,8 @@ class SendTracker {
   bool failed() const { return failed_; }
   void clear_failure();
 
-  // Largest sum of bytes in flight to one peer since the last reset_peak().
+  // Largest sum of bytes not yet released to one peer (in flight, or small sends not collected yet)
+  // since the last reset_peak().
   int64_t peak_bytes() const;
   void reset_peak();
 
@@ -66,10 +72,12 @@ class SendTracker {
     int64_t bytes;
     std::string what;
     std::chrono::milliseconds timeout;
+    std::chrono::steady_clock::time_point deadline;  // its posting + timeout
   };
   struct Lane {
     std::deque<Entry> queue;  // front: being waited for
     int64_t in_flight = 0;
+    int64_t uncollected = 0;  // bytes of small sends queued since the thread was last woken
     std::thread thread;
   };
   void loop(int lane);  // lanes_'s key: a peer, or -2 - peer for its `aside` lane

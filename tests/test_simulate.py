@@ -80,6 +80,7 @@ def test_costs_per_microbatch(name, V):
     lengths = [1, 4, 2, 3, 1, 2]
     r = s.simulate({"F": lambda st, k: lengths[k]})
     assert sum(r.busy) == pytest.approx(3 * stages * sum(lengths))
+    assert s.lower().simulate({"F": lambda st, k: lengths[k]}).makespan == pytest.approx(r.makespan)
     assert s.simulate({"F": 4}).makespan > r.makespan > s.simulate({"F": 1}).makespan
 
 
