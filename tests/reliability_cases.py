@@ -193,6 +193,8 @@ def construction_errors(rank, world):
     out["bad_schedule"] = _outcome(lambda: pc.Pipeline(pc.PipelineStage(model[0], rank, 2), bad, 2))
     out["bad_recv_window"] = _outcome(lambda: pc.Pipeline(pc.PipelineStage(model[0], rank, 2), "1f1b", 2,
                                                           recv_window=-1))
+    out["endless_timeout"] = _outcome(lambda: pc.Pipeline(pc.PipelineStage(model[0], rank, 2), "1f1b", 2,
+                                                          timeout=float("inf")))
     return out
 
 

@@ -107,6 +107,7 @@ def test_construction_errors_say_what_is_wrong():
     assert out["too_few_microbatches"][0] == "ValueError" and "at least 2 * ranks" in out["too_few_microbatches"][1]
     assert out["bad_schedule"][0] == "ScheduleError" and "deadlock" in out["bad_schedule"][1]
     assert out["bad_recv_window"][0] == "ValueError" and "recv_window must be" in out["bad_recv_window"][1]
+    assert out["endless_timeout"][0] == "ValueError" and "finite number of seconds" in out["endless_timeout"][1]
 
 
 @pytest.mark.parametrize("name, world", [("1f1b", 2), ("interleaved_zb", 2), ("zbv", 2), ("dualpipev", 2),

@@ -75,9 +75,10 @@ class Pipeline:
     much longer.
 
     `send_budget`: bytes of sends in flight to one peer. A sent message is freed as soon as its
-    transfer completes (small packed copies in bulk, at most 1 MiB of them per peer); a send that would exceed the budget first waits for earlier sends to that
-    peer (a larger message goes alone). It bounds what a rank holds for a peer that is behind, e.g.
-    a GPipe first stage whose sends would otherwise pile up.
+    transfer completes (small packed copies in bulk, at most 1 MiB of them per peer); a send that
+    would exceed the budget first waits for earlier sends to that peer (a larger message goes
+    alone). It bounds what a rank holds for a peer that is behind, e.g. a GPipe first stage whose
+    sends would otherwise pile up.
 
     `dp_group`: data-parallel replicas of this pipeline (`pc.init_mesh(dp, pp).get_group("dp")`; see
     pipecore/training/data_parallel.py). Each replica steps its share of the global batch and `.grad` becomes
@@ -183,8 +184,8 @@ class Pipeline:
         self.timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
         self.trace_enabled = trace
         self.check_finite = check_finite
-        if self.timeout <= 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        if not 0 < self.timeout < float("inf"):  # (not NaN either)
+            raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
         if isinstance(recv_window, bool) or not isinstance(recv_window, int) or recv_window < 0:
             raise ValueError(f"recv_window must be an integer >= 0 (receives posted ahead), got {recv_window!r}")
         if isinstance(send_budget, bool) or not isinstance(send_budget, int) or send_budget < 0:
