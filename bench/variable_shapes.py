@@ -247,7 +247,8 @@ def main(argv=None):
              f"uniform in [{a.max_len // 4}, {a.max_len}]; median ms per step of {a.blocks} alternating blocks of "
              f"{a.steps} steps, slowest rank; sends per transfer: padded / variable (/ megatron)")
     print(table(["schedule", "padded ms", "variable ms", "repeating ms", "megatron ms", "shuffled ms",
-                 "padded/variable", "simulated", "shuffled/repeating", "megatron/variable", "sends per transfer", "grown"], rows,
+                 "padded/variable", "simulated", "shuffled/repeating", "megatron/variable", "sends per transfer",
+                 "grown"], rows,
                 title))
 
 

@@ -392,8 +392,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   executor.def("set_delays", &pipecore::Executor::set_delays, py::arg("max_us"), py::arg("seed"))
       .def_property_readonly("freed_outputs", &pipecore::Executor::freed_outputs)
       .def_property_readonly("peak_send_bytes", &pipecore::Executor::peak_send_bytes,
-                             "largest sum of bytes not yet released to one peer during the last run (in flight, or small "
-                             "packed sends not collected yet: send_tracker.h)")
+                             "largest sum of bytes not yet released to one peer during the last run (in flight, "
+                             "or small packed sends not collected yet: send_tracker.h)")
       .def_property_readonly("threaded_posts", &pipecore::Executor::threaded_posts)
       .def_property_readonly("posted_here", &pipecore::Executor::posted_here)
       .def("batch_ends", &pipecore::Executor::batch_ends, py::arg("learning") = false,

@@ -10,8 +10,9 @@
 //
 // Shaped messages (Executor::set_shapes_travel) carry their tensors' shapes, so that the receiver
 // need not know them: a header of int64 words [status, magic, the step's batch rows, the message's
-// bytes as sent, its follow-up's key (below), each tensor's dims] comes first, and receives are posted at a capacity (per tensor,
-// the most elements that crossed that boundary so far, as a shape [n, 1, ...] of the tensor's rank).
+// bytes as sent, its follow-up's key (below), each tensor's dims] comes first, and receives are
+// posted at a capacity (per tensor, the most elements that crossed that boundary so far, as a shape
+// [n, 1, ...] of the tensor's rank).
 // The capacity picks the layout:
 // - packed (payload capacity under `large`): one buffer, the header then the tensors (each 16-byte
 //   aligned at its actual size);

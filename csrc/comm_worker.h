@@ -77,6 +77,11 @@ struct CommTask {
   bool posted_ = false;
 };
 
+// What is left until `deadline` (none or less: zero or negative).
+inline std::chrono::milliseconds time_left(std::chrono::steady_clock::time_point deadline) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+}
+
 // The message of a stored exception ("unknown error" if it is not a std::exception).
 std::string error_text(const std::exception_ptr& error);
 

@@ -333,8 +333,8 @@ void Executor::read_header(CommTask& task, const Instr& consumer, bool draining)
     // its data follows as a message of its own shapes (comm.h): on gloo at its own size on a tag of
     // its own, on the device path through the store
     const std::vector<TensorSpec> layout = with_shapes(task.layout, task.shapes);
-    std::vector<at::Tensor> parts = exact ? follow_up_from_store(task, consumer, header.follow_up, draining)
-                                          : follow_up_by_tag(task, layout, consumer, draining);
+    std::vector<at::Tensor> parts = exact ? follow_up_from_store(task, consumer, what, header.follow_up, draining)
+                                          : follow_up_by_tag(task, layout, consumer, what, draining);
     ShapedHeader second;
     const bool same = draining || (read_shaped(parts, layout, exact ? kAlwaysPacked : large_message_bytes_, exact,
                                                second) == kMessageOk &&
@@ -362,9 +362,8 @@ std::string Executor::follow_up_key(int64_t from, int64_t to, int64_t key) {
 }
 
 std::vector<at::Tensor> Executor::follow_up_by_tag(const CommTask& task, const std::vector<TensorSpec>& layout,
-                                                   const Instr& consumer, bool draining) {
+                                                   const Instr& consumer, const char* what, bool draining) {
   const Instr& in = program_[task.action];
-  const char* what = in.op == kRecvF ? "activations" : "output gradients";
   auto again = std::make_shared<CommTask>();
   again->send = false;
   again->layout = layout;
@@ -381,10 +380,8 @@ std::vector<at::Tensor> Executor::follow_up_by_tag(const CommTask& task, const s
   return std::move(again->parts);
 }
 
-std::vector<at::Tensor> Executor::follow_up_from_store(CommTask& task, const Instr& consumer, int64_t key,
-                                                       bool draining) {
-  const Instr& in = program_[task.action];
-  const char* what = in.op == kRecvF ? "activations" : "output gradients";
+std::vector<at::Tensor> Executor::follow_up_from_store(CommTask& task, const Instr& consumer, const char* what,
+                                                       int64_t key, bool draining) {
   TORCH_CHECK(follow_up_store_, where(consumer),
               ": a grown message on the device path, and no store for its follow-up");
   if (task.follow_up_taken) return {};  // (a failure after taking it, e.g. out of memory: this is its drain)
@@ -828,7 +825,7 @@ void Executor::post_task(const std::shared_ptr<CommTask>& task, const Instr& in,
   try {
     if (!worker_) {
       post_parts(*task);
-    } else if (here_if_idle && task->send && message_bytes(task->parts) <= kPostHereBytes) {
+    } else if (here_if_idle) {
       here = worker_->post_if_idle(*task);
       posted_here_ += here;
     }
@@ -885,7 +882,7 @@ void Executor::send(std::vector<at::Tensor> parts, size_t index, bool budgeted, 
   sent_parts_ += static_cast<int64_t>(task->parts.size());
   maybe_delay();
   // the thread waits for a message next anyway: posting here spares the message the worker's wake-up
-  post_task(task, in, tag, tag == 0 && waits_next_[index]);
+  post_task(task, in, tag, tag == 0 && waits_next_[index] && bytes <= kPostHereBytes);
   last_send_posted_ = static_cast<int64_t>(index);
   sends_->track(std::move(task), bytes, where(in) + ": send to rank " + std::to_string(in.peer), timeout_,
                 /*aside=*/tag != 0);

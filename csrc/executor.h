@@ -388,9 +388,8 @@ class Executor {
   void wait_task(CommTask& task, const Instr& in, const char* what);
   // The CommError for a send or receive the group refused to post.
   CommError post_failure(const CommTask& task, const Instr& in, const std::string& text) const;
-  // Posts `task` (with `tag`) here or through the comm worker.
-  // Posts `task` from the comm worker (CPU groups), or on this thread where there is none. A small
-  // send may be posted here when `here_if_idle` and the worker has nothing queued (kPostHereBytes).
+  // Posts `task` (with `tag`) from the comm worker (CPU groups), or on this thread where there is none;
+  // `here_if_idle`: on this thread if the worker has nothing queued (a small send: kPostHereBytes).
   void post_task(const std::shared_ptr<CommTask>& task, const Instr& in, int tag = 0, bool here_if_idle = false);
   // Waits until a queued task is posted; a posting error becomes a CommError.
   void await_posted(CommTask& task, const Instr& in);
@@ -417,10 +416,11 @@ class Executor {
   // The parts of grown message `task`'s follow-up, a message laid out by `layout` (its own shapes):
   // on gloo received on the follow-up tag (into the abort scratch when `draining`); on the device path
   // taken from the store under `key`, a packed message on the host (none when `draining`, or taken
-  // already: the drain after a failure that came after taking it).
+  // already: the drain after a failure that came after taking it). `what` names its data in errors.
   std::vector<at::Tensor> follow_up_by_tag(const CommTask& task, const std::vector<TensorSpec>& layout,
-                                           const Instr& consumer, bool draining);
-  std::vector<at::Tensor> follow_up_from_store(CommTask& task, const Instr& consumer, int64_t key, bool draining);
+                                           const Instr& consumer, const char* what, bool draining);
+  std::vector<at::Tensor> follow_up_from_store(CommTask& task, const Instr& consumer, const char* what, int64_t key,
+                                               bool draining);
   // Shaped messages: the capacity of (stage, mb)'s receive of activations (kRecvF) or output gradients
   // (kRecvB), or of its send (kSendF, kSendB).
   std::vector<TensorSpec> capacity(const Instr& in) const;

@@ -95,11 +95,7 @@ std::string SendTracker::wait_posted_and_sent(const Entry& e) {
   CommTask& task = *e.task;
   // what is left of the send's timeout, which started at its posting (a small send is collected late);
   // at least 1 ms: c10d reads a zero timeout as "none"
-  auto left = [&] {
-    using std::chrono::milliseconds;
-    return std::max(std::chrono::duration_cast<milliseconds>(e.deadline - std::chrono::steady_clock::now()),
-                    milliseconds(1));
-  };
+  auto left = [&] { return std::max(time_left(e.deadline), std::chrono::milliseconds(1)); };
   if (!task.wait_posted(left())) {
     std::ostringstream os;
     os << e.what << " was not posted within " << e.timeout.count() / 1000.0 << " s (the group is stuck)";

@@ -266,6 +266,7 @@ def sends_posted_here(rank, world, name, rows):
     worker. Returns, for 5 steps, (posted here, threaded posts), and the sends allowed to be posted
     here and the sends and receives of one step."""
     from pipecore.executor.native import OPCODES
+    from shaped_message_cases import actions_in_program
 
     group = dist.new_group(backend="gloo")
     pipe, _ = _pipe(rank, world, name, m=8, group=group)
@@ -285,11 +286,13 @@ def sends_posted_here(rank, world, name, rows):
         if op not in sends:
             continue
         nxt = next(((o, s, k) for o, s, k in ops[i + 1:] if o not in comm), None)
-        if nxt is not None and (nxt[0] == OPCODES["F"] and (OPCODES["RECV_F"], nxt[1], nxt[2]) in received or
-                                nxt[0] in (OPCODES["B"], OPCODES["I"]) and (OPCODES["RECV_B"], nxt[1], nxt[2]) in received):
-            allowed += 1
+        if nxt is None:
+            continue
+        takes = OPCODES["RECV_F"] if nxt[0] == OPCODES["F"] else OPCODES["RECV_B"] if nxt[0] in (
+            OPCODES["B"], OPCODES["I"]) else None
+        allowed += (takes, nxt[1], nxt[2]) in received
     dist.destroy_process_group(group)
-    return steps, allowed, sum(op in comm for op, _, _ in ops)
+    return steps, allowed, actions_in_program(pipe, "SEND_F", "SEND_B", "RECV_F", "RECV_B")
 
 
 def own_error_then_peer_hangs(rank, world):

@@ -150,7 +150,7 @@ class HostDeviceComm final : public DeviceComm {
     bool ok = true;
     for (auto& work : receives) {
       if (!first_wait(*work)) continue;
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      const auto left = time_left(deadline);
       try {
         ok = ok && left.count() > 0 && work->wait(left);
       } catch (const std::exception&) {

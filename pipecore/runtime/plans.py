@@ -3,11 +3,11 @@
 The batch signature is a digest of the first stages' inputs: where messages carry their shapes and
 the batch's rows (csrc/comm.h, shaped messages: gloo, or NCCL with variable_shapes=True), their
 structure (tensors' dtypes and ranks, other values); elsewhere, their shapes. The ranks agree on it
-with one small all-reduce whenever a first stage's batch changed signature. The first step of each signature learns every
-boundary's message (pipecore/runtime/discovery.py) while it runs; once every rank ran it, the plan is
-kept, and later steps load it: the executor then knows every message's shapes (shaped messages:
-its structure and the sizes to post receives at, which it widens to what crossed since) before it
-arrives and posts receives early.
+with one small all-reduce whenever a first stage's batch changed signature. The first step of each
+signature learns every boundary's message (pipecore/runtime/discovery.py) while it runs; once every
+rank ran it, the plan is kept, and later steps load it: the executor then knows every message's
+shapes (shaped messages: its structure and the sizes to post receives at, which it widens to what
+crossed since) before it arrives and posts receives early.
 """
 
 from __future__ import annotations
