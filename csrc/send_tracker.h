@@ -12,10 +12,9 @@
 // A send of one part and at most kWakeForSendBytes does not wake its peer's thread: the thread
 // collects it when it next wakes (for another send, a wait for the budget, the drain at every run's
 // end, or once kUncollectedBytes of such sends wait in the lane). A one-part message is the buffer it
-// was packed into (comm.h), never a tensor of the sender's, so only those buffers live on, at most
-// kUncollectedBytes of them per peer beyond what is in flight; each still times out from its own
-// posting. A thread wake-up per message cost the compute thread 10-20% of a step of small messages
-// here (docs/performance.md).
+// was packed into (comm.h), never a tensor of the sender's, so only those buffers live on until the
+// thread wakes; each still times out from its own posting. A thread wake-up per message cost up to
+// 10-20% of a step of small messages here (docs/performance.md).
 #pragma once
 
 #include <atomic>

@@ -75,7 +75,7 @@ class Pipeline:
     much longer.
 
     `send_budget`: bytes of sends in flight to one peer. A sent message is freed as soon as its
-    transfer completes (small packed copies in bulk, at most 1 MiB of them per peer); a send that
+    transfer completes (small packed copies in bulk, once 1 MiB of them wait); a send that
     would exceed the budget first waits for earlier sends to that peer (a larger message goes
     alone). It bounds what a rank holds for a peer that is behind, e.g. a GPipe first stage whose
     sends would otherwise pile up.
