@@ -27,14 +27,17 @@ processes (all their threads, `time.process_time`): where the ranks outnumber th
 default run on a 2-core machine, throughput is bounded by it, so torch/pipecore CPU is the most
 tokens/s that cutting pipecore's own work could give over torch there.
 
-Memory (CPU, /proc/self/status): glibc is told to serve blocks >= 64 KiB by mmap and to trim on
-free (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_, as bench/memory.py does), so freed tensors
-leave the resident set. Before each timed block the peak RSS (VmHWM) is reset to the current RSS;
-after it, VmHWM is read. "peak MiB" is the largest VmHWM over that side's blocks: the process's
-whole resident set at its peak, which includes both sides' weights and AdamW states and torch
-itself (each rank holds both pipelines), so only the difference between the two columns is the
-executor's. "step +MiB" is the largest (VmHWM - RSS at the block's start) over that side's
-blocks: what one side's steps add on top of what is resident between steps (activations,
+The timed blocks run under glibc's default allocator, as users' processes do. Memory (CPU,
+/proc/self/status) is measured afterwards in `--memory-blocks` blocks of its own (A B A B ...):
+first glibc is told (mallopt) to serve blocks >= 64 KiB by mmap and to trim on free, as
+bench/memory.py does, so freed tensors leave the resident set. That makes every large tensor a
+fresh mmap whose pages fault in, which cost both sides 30-40% more CPU per step in this
+configuration, so no timing is taken under it. Before each memory block the peak RSS (VmHWM) is
+reset to the current RSS; after it, VmHWM is read. "peak MiB" is the largest VmHWM over that
+side's blocks: the process's whole resident set at its peak, which includes both sides' weights
+and AdamW states and torch itself (each rank holds both pipelines), so only the difference
+between the two columns is the executor's. "step +MiB" is the largest (VmHWM - RSS at the block's
+start) over that side's blocks: what one side's steps add on top of what is resident between steps (activations,
 gradients, messages in flight, receive buffers allocated during the block). Per rank, r0/r1/...
 
     python bench/gpt.py                                  # 1f1b, interleaved_1f1b, zbv on 4 ranks
@@ -55,7 +58,7 @@ import traceback
 
 import _harness  # noqa: F401  (puts the repo on sys.path)
 from _harness import ROOT, bar_plot, spawn, table
-from memory import _reset_peak, _status_mib, resident_follows_tensors
+from memory import _reset_peak, _status_mib, resident_follows_tensors_from_now
 from vs_torch import TORCH_CLASS
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zbv"]
@@ -68,14 +71,14 @@ def _say(rank: int, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def _rank(rank, world, name, cfg_kw, m, rows, steps, warmup, blocks, torch_timeout):
+def _rank(rank, world, name, cfg_kw, m, rows, steps, warmup, blocks, memory_blocks, torch_timeout):
     try:
-        return _bench_rank(rank, world, name, cfg_kw, m, rows, steps, warmup, blocks, torch_timeout)
+        return _bench_rank(rank, world, name, cfg_kw, m, rows, steps, warmup, blocks, memory_blocks, torch_timeout)
     except Exception:  # noqa: BLE001  (returned, so that the parent reports it instead of waiting forever)
         return {"fatal": traceback.format_exc()}
 
 
-def _bench_rank(rank, world, name, cfg_kw, m, rows, steps, warmup, blocks, torch_timeout):
+def _bench_rank(rank, world, name, cfg_kw, m, rows, steps, warmup, blocks, memory_blocks, torch_timeout):
     from datetime import timedelta
 
     import torch
@@ -221,35 +224,56 @@ def _bench_rank(rank, world, name, cfg_kw, m, rows, steps, warmup, blocks, torch
                 torch_error = failed
                 runners.pop("torch", None)
 
-    import gc
-
-    gc.collect()
-    rss_before = _status_mib("VmRSS")
     times = {k: [] for k in runners}
     cpu = {k: [] for k in runners}  # this process's CPU time (all its threads) per step
-    peak = {k: 0.0 for k in runners}
+    peak = {k: 0.0 for k in runners}  # MiB, from the memory blocks
     growth = {k: 0.0 for k in runners}
+
+    def drop_torch(failed, where):
+        nonlocal torch_error
+        torch_error = f"in {where}: {failed}"
+        for d in (times, cpu, peak, growth):
+            d.pop("torch", None)
+        runners.pop("torch")
+
+    # timed blocks, under glibc's default allocator (as users run)
     for b in range(blocks):
         for label in list(runners):
-            run = runners[label]
             dist.barrier()
-            base = _status_mib("VmRSS")
-            _reset_peak()
             t0, c0 = time.perf_counter(), time.process_time()
-            failed = _run_steps(label, run, steps, dist, world)
+            failed = _run_steps(label, runners[label], steps, dist, world)
             if failed is not None:
-                torch_error = f"in timed block {b}: {failed}"
-                runners.pop("torch")
-                times.pop("torch")
-                cpu.pop("torch")
+                drop_torch(failed, f"timed block {b}")
                 continue
             dist.barrier()
             times[label].append((time.perf_counter() - t0) / steps)
             cpu[label].append((time.process_time() - c0) / steps)
+        _say(rank, f"  {name}: block {b + 1}/{blocks} done")
+
+    # memory, in blocks of its own: glibc now returns freed blocks, so the resident set follows tensors
+    import gc
+
+    gc.collect()
+    resident_follows_tensors_from_now()
+    for label in list(runners):  # a step of each under the new setting, so both start from the same heap
+        failed = _run_steps(label, runners[label], 1, dist, world)
+        if failed is not None:
+            drop_torch(failed, "the step before the memory blocks")
+    rss_before = _status_mib("VmRSS")
+    for b in range(memory_blocks):
+        for label in list(runners):
+            dist.barrier()
+            base = _status_mib("VmRSS")
+            _reset_peak()
+            failed = _run_steps(label, runners[label], steps, dist, world)
+            if failed is not None:
+                drop_torch(failed, f"memory block {b}")
+                continue
+            dist.barrier()
             hwm = _status_mib("VmHWM")
             peak[label] = max(peak[label], hwm)
             growth[label] = max(growth[label], hwm - base)
-        _say(rank, f"  {name}: block {b + 1}/{blocks} done")
+    _say(rank, f"  {name}: memory measured")
     return {"times": times, "cpu": cpu, "peak": peak, "growth": growth, "rss before": rss_before, "check": check,
             "torch error": torch_error, "params": sum(p.numel() for p in model.parameters())}
 
@@ -283,7 +307,6 @@ def _per_rank(values) -> str:
 
 
 def main(argv=None):
-    resident_follows_tensors()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--schedules", nargs="*", default=DEFAULT_SCHEDULES, choices=SCHEDULES)
     ap.add_argument("--ranks", type=int, default=4)
@@ -297,10 +320,14 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3, help="steps per timed block")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps of each side after the checked first step")
     ap.add_argument("--blocks", type=int, default=4, help="timed blocks of each side, alternating")
+    ap.add_argument("--memory-blocks", type=int, default=2,
+                    help="blocks of each side, alternating, after the timed ones, that measure memory")
     ap.add_argument("--torch-timeout", type=float, default=300.0,
                     help="seconds a torch communication may wait before the torch side is reported as failed")
     ap.add_argument("--plot", default=None)
     a = ap.parse_args(argv)
+    if a.memory_blocks < 1:
+        ap.error("--memory-blocks must be at least 1")
     if a.rows % a.microbatches:
         ap.error(f"--rows {a.rows} must be a multiple of --microbatches {a.microbatches}")
     cfg_kw = dict(width=a.width, layers=a.layers, heads=a.heads, seq_len=a.seq_len)
@@ -311,7 +338,7 @@ def main(argv=None):
     for name in a.schedules:
         print(f"gpt: {name} on {a.ranks} ranks ...", file=sys.stderr, flush=True)
         res = spawn(_rank, a.ranks, name, cfg_kw, a.microbatches, a.rows, a.steps, a.warmup, a.blocks,
-                    a.torch_timeout)
+                    a.memory_blocks, a.torch_timeout)
         fatal = [f"rank {r}:\n{x['fatal']}" for r, x in enumerate(res) if "fatal" in x]
         if fatal:
             raise RuntimeError(f"bench/gpt.py {name} failed:\n" + "\n".join(fatal))
@@ -352,7 +379,7 @@ def main(argv=None):
     title = (f"GPT {n_params / 1e6:.2f}M params ({a.layers} blocks, width {a.width}, {a.heads} heads, context "
              f"{a.seq_len}), {a.ranks} gloo ranks, {a.microbatches} microbatches, {tokens} tokens/step; step = "
              f"pipeline + tie + clip + AdamW; median of {a.blocks} alternating blocks of {a.steps} steps; "
-             f"MiB per rank r0/r1/..")
+             f"MiB per rank r0/r1/.. from {a.memory_blocks} more blocks each")
     print(table(["schedule", "pipecore ms", "pipecore tok/s", "torch ms", "torch tok/s", "pipecore/torch",
                  "pipecore CPU ms", "torch CPU ms", "torch/pipecore CPU", "pipecore peak MiB", "torch peak MiB", "pipecore step +MiB", "torch step +MiB"], rows, title))
     for line in checks + errors:

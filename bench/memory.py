@@ -111,6 +111,21 @@ def resident_follows_tensors() -> None:
     os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", "0")
 
 
+def resident_follows_tensors_from_now() -> None:
+    """The same in a running process (glibc's mallopt), after returning what its heap keeps cached.
+    It costs time (every large tensor a fresh mmap, its pages faulted in), so a benchmark that times
+    steps times them before it calls this."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallopt"):
+        raise RuntimeError("measuring resident memory by tensor needs glibc's mallopt")
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    if not (libc.mallopt(m_mmap_threshold, 65536) and libc.mallopt(m_trim_threshold, 0)):
+        raise RuntimeError("glibc's mallopt refused the mmap and trim thresholds")
+    libc.malloc_trim(0)
+
+
 def main(argv=None):
     resident_follows_tensors()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -11,7 +11,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 CASES = {
     "gpt": ["--schedules", "1f1b", "--width", "32", "--layers", "2", "--heads", "2", "--seq-len", "16",
-            "--microbatches", "4", "--rows", "8", "--steps", "1", "--warmup", "0", "--blocks", "1"],
+            "--microbatches", "4", "--rows", "8", "--steps", "1", "--warmup", "0", "--blocks", "1",
+            "--memory-blocks", "1"],
     "build": ["--schedules", "1f1b", "zbv", "--ranks", "4", "--microbatches", "8", "--repeats", "1"],
     "schedules": ["--ranks", "4", "--microbatches", "8"],
     "overhead": ["--stages", "2", "--microbatches", "4", "--repeats", "2"],
