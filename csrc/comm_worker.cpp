@@ -1,5 +1,8 @@
 #include "comm_worker.h"
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <stdexcept>
 
 namespace pipecore {
@@ -51,7 +54,23 @@ bool CommTask::posted() const {
   return posted_;
 }
 
-CommWorker::CommWorker() { thread_ = std::thread([this] { loop(); }); }
+void become_helper_thread(const char* name) {
+#ifdef __linux__
+  pthread_setname_np(pthread_self(), name);  // (at most 15 characters)
+  sched_param param{};
+  param.sched_priority = 0;
+  pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);  // allowed unprivileged; on failure it stays as it was
+#else
+  (void)name;
+#endif
+}
+
+CommWorker::CommWorker() {
+  thread_ = std::thread([this] {
+    become_helper_thread("pipecore-post");
+    loop();
+  });
+}
 
 CommWorker::~CommWorker() {
   {

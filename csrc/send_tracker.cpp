@@ -50,7 +50,10 @@ void SendTracker::track(std::shared_ptr<CommTask> task, int64_t bytes, std::stri
     const int key = aside ? -2 - task->peer : task->peer;
     auto [it, fresh] = lanes_.try_emplace(key);
     Lane& lane = it->second;
-    if (fresh) lane.thread = std::thread([this, key] { loop(key); });
+    if (fresh) lane.thread = std::thread([this, key] {
+      become_helper_thread("pipecore-sends");
+      loop(key);
+    });
     if (!wake) {
       lane.uncollected += bytes;
       wake = lane.uncollected > kUncollectedBytes;

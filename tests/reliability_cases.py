@@ -295,6 +295,31 @@ def sends_posted_here(rank, world, name, rows):
     return steps, allowed, actions_in_program(pipe, "SEND_F", "SEND_B", "RECV_F", "RECV_B")
 
 
+def helper_threads(rank, world):
+    """After a gloo step: pipecore's own threads of this process, as (name, scheduling policy) read from
+    /proc (policy 3 is SCHED_BATCH)."""
+    import os
+
+    group = dist.new_group(backend="gloo")
+    pipe, _ = _pipe(rank, world, "1f1b", m=4, group=group)
+    x, y = make_batch(8)
+    pipeline_step(pipe, x, y)
+    pipeline_step(pipe, x, y)
+    found = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+        if name.startswith("pipecore"):
+            found.append((name, int(fields[38])))  # field 41 of stat; fields[0] is field 3
+    dist.destroy_process_group(group)
+    return sorted(found)
+
+
 def own_error_then_peer_hangs(rank, world):
     """Rank 0's forward of microbatch 1 raises while rank 1 hangs longer than the timeout: rank 0
     cannot release rank 1 (its wait for rank 1's gradients times out), so its own error must not

@@ -3,13 +3,14 @@ other ranks by message, not by a timeout: their Pipelines have one no test waits
 only the tests of timeouts themselves bound how long an error took."""
 
 import re
+import sys
 
 import pytest
 
 from dist_pool import pool
 from reliability_cases import (BUILD_ERRORS, bad_input, build_fails_then, comm_error_aborts_an_nccl_group,
                                comm_error_keeps_gradients_held_before, construction_errors, dying_rank, failing_stage,
-                               hanging_rank, memory_is_flat, mismatched_stage, no_loss_fn, one_rank_fails,
+                               hanging_rank, helper_threads, memory_is_flat, mismatched_stage, no_loss_fn, one_rank_fails,
                                own_error_then_peer_hangs, reverse_channel, sends_posted_here, stress)
 
 
@@ -135,6 +136,17 @@ def test_small_sends_before_a_wait_are_posted_on_the_compute_thread(name):
                 assert here + threaded == messages, (name, rank, here, threaded, messages)
         if small:  # the worker was idle at some of those sends
             assert sum(here for steps, _, _ in results for here, _ in steps) > 0, (name, results)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names and policies are read from /proc")
+def test_helper_threads_are_named_and_never_preempt_compute():
+    """The comm worker and the send tracker's threads show their names in profilers and run SCHED_BATCH:
+    woken, they wait for an idle core or the scheduler's tick instead of preempting the compute thread."""
+    sched_batch = 3
+    for rank, threads in enumerate(pool(2).run(helper_threads)):
+        names = [name for name, _ in threads]
+        assert names.count("pipecore-post") == 1 and "pipecore-sends" in names, (rank, threads)
+        assert all(policy == sched_batch for _, policy in threads), (rank, threads)
 
 
 def test_repeated_steps_do_not_grow_memory():
