@@ -31,13 +31,14 @@ The timed blocks run under glibc's default allocator, as users' processes do. Me
 /proc/self/status) is measured afterwards in `--memory-blocks` blocks of its own (A B A B ...):
 first glibc is told (mallopt) to serve blocks >= 64 KiB by mmap and to trim on free, as
 bench/memory.py does, so freed tensors leave the resident set. That makes every large tensor a
-fresh mmap whose pages fault in, which cost both sides 30-40% more CPU per step in this
-configuration, so no timing is taken under it. Before each memory block the peak RSS (VmHWM) is
-reset to the current RSS; after it, VmHWM is read. "peak MiB" is the largest VmHWM over that
-side's blocks: the process's whole resident set at its peak, which includes both sides' weights
-and AdamW states and torch itself (each rank holds both pipelines), so only the difference
-between the two columns is the executor's. "step +MiB" is the largest (VmHWM - RSS at the block's
-start) over that side's blocks: what one side's steps add on top of what is resident between steps (activations,
+fresh mmap whose pages fault in (in this configuration a step took 1.45-1.69x the CPU time, both
+sides), so no timing is taken under it; one step of each side runs first, so both start from the
+same heap. Before each memory block the peak RSS (VmHWM) is reset to the current RSS; after it,
+VmHWM is read. "peak MiB" is the largest VmHWM over that side's blocks: the process's whole
+resident set at its peak, which includes both sides' weights and AdamW states and torch itself
+(each rank holds both pipelines), so only the difference between the two columns is the
+executor's. "step +MiB" is the largest (VmHWM - RSS at the block's start) over that side's
+blocks: what one side's steps add on top of what is resident between steps (activations,
 gradients, messages in flight, receive buffers allocated during the block). Per rank, r0/r1/...
 
     python bench/gpt.py                                  # 1f1b, interleaved_1f1b, zbv on 4 ranks
