@@ -28,18 +28,19 @@ default run on a 2-core machine, throughput is bounded by it, so torch/pipecore 
 tokens/s that cutting pipecore's own work could give over torch there.
 
 The timed blocks run under glibc's default allocator, as users' processes do. Memory (CPU,
-/proc/self/status) is measured afterwards in `--memory-blocks` blocks of its own (A B A B ...):
-first glibc is told (mallopt) to serve blocks >= 64 KiB by mmap and to trim on free, as
-bench/memory.py does, so freed tensors leave the resident set. That makes every large tensor a
-fresh mmap whose pages fault in (in this configuration a step took 1.45-1.69x the CPU time, both
-sides), so no timing is taken under it; one step of each side runs first, so both start from the
-same heap. Before each memory block the peak RSS (VmHWM) is reset to the current RSS; after it,
-VmHWM is read. "peak MiB" is the largest VmHWM over that side's blocks: the process's whole
-resident set at its peak, which includes both sides' weights and AdamW states and torch itself
-(each rank holds both pipelines), so only the difference between the two columns is the
-executor's. "step +MiB" is the largest (VmHWM - RSS at the block's start) over that side's
-blocks: what one side's steps add on top of what is resident between steps (activations,
-gradients, messages in flight, receive buffers allocated during the block). Per rank, r0/r1/...
+/proc/self/status) is measured in ranks spawned a second time for it, which run the same first
+step and warm-up and then `--memory-blocks` blocks of each side (A B A B ...), with glibc told from
+their start (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_, as bench/memory.py does) to serve
+blocks >= 64 KiB by mmap and to trim on free, so freed tensors leave the resident set. That makes
+every large tensor a fresh mmap whose pages fault in (a step took 1.45-1.69x the CPU time of one
+with the thresholds raised to 32 and 128 MiB, both sides), so no timing is taken under it.
+Before each memory block the peak RSS (VmHWM) is reset to the current RSS; after it, VmHWM is read.
+"peak MiB" is the largest VmHWM over that side's blocks: the process's whole resident set at its
+peak, which includes both sides' weights and AdamW states and torch itself (each rank holds both
+pipelines), so only the difference between the two columns is the executor's. "step +MiB" is the
+largest (VmHWM - RSS at the block's start) over that side's blocks: what one side's steps add on top
+of what is resident between steps (activations, gradients, messages in flight, receive buffers
+allocated during the block). Per rank, r0/r1/...
 
     python bench/gpt.py                                  # 1f1b, interleaved_1f1b, zbv on 4 ranks
     python bench/gpt.py --schedules 1f1b gpipe --width 256 --layers 6 --rows 64
@@ -59,7 +60,7 @@ import traceback
 
 import _harness  # noqa: F401  (puts the repo on sys.path)
 from _harness import ROOT, bar_plot, spawn, table
-from memory import _reset_peak, _status_mib, resident_follows_tensors_from_now
+from memory import _reset_peak, _status_mib, resident_follows_tensors_in_spawned
 from vs_torch import TORCH_CLASS
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zbv"]
@@ -251,16 +252,10 @@ def _bench_rank(rank, world, name, cfg_kw, m, rows, steps, warmup, blocks, memor
             cpu[label].append((time.process_time() - c0) / steps)
         _say(rank, f"  {name}: block {b + 1}/{blocks} done")
 
-    # memory, in blocks of its own: glibc now returns freed blocks, so the resident set follows tensors
+    # memory blocks (in ranks spawned with glibc told to return freed blocks: the resident set follows tensors)
     import gc
 
     gc.collect()
-    resident_follows_tensors_from_now()
-    for label in list(runners):  # a step of each under the new setting, so both start from the same heap
-        failed = _run_steps(label, runners[label], 1, dist, world)
-        if failed is not None:
-            drop_torch(failed, "the step before the memory blocks")
-    rss_before = _status_mib("VmRSS")
     for b in range(memory_blocks):
         for label in list(runners):
             dist.barrier()
@@ -274,8 +269,9 @@ def _bench_rank(rank, world, name, cfg_kw, m, rows, steps, warmup, blocks, memor
             hwm = _status_mib("VmHWM")
             peak[label] = max(peak[label], hwm)
             growth[label] = max(growth[label], hwm - base)
-    _say(rank, f"  {name}: memory measured")
-    return {"times": times, "cpu": cpu, "peak": peak, "growth": growth, "rss before": rss_before, "check": check,
+    if memory_blocks:
+        _say(rank, f"  {name}: memory measured")
+    return {"times": times, "cpu": cpu, "peak": peak, "growth": growth, "check": check,
             "torch error": torch_error, "params": sum(p.numel() for p in model.parameters())}
 
 
@@ -303,6 +299,15 @@ def _first_error(dist, world, error):
     return None
 
 
+def _spawn_checked(name, a, cfg_kw, blocks, memory_blocks):
+    res = spawn(_rank, a.ranks, name, cfg_kw, a.microbatches, a.rows, a.steps, a.warmup, blocks, memory_blocks,
+                a.torch_timeout)
+    fatal = [f"rank {r}:\n{x['fatal']}" for r, x in enumerate(res) if "fatal" in x]
+    if fatal:
+        raise RuntimeError(f"bench/gpt.py {name} failed:\n" + "\n".join(fatal))
+    return res
+
+
 def _per_rank(values) -> str:
     return "/".join(f"{v:.0f}" for v in values)
 
@@ -322,7 +327,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps of each side after the checked first step")
     ap.add_argument("--blocks", type=int, default=4, help="timed blocks of each side, alternating")
     ap.add_argument("--memory-blocks", type=int, default=2,
-                    help="blocks of each side, alternating, after the timed ones, that measure memory")
+                    help="blocks of each side, alternating, that measure memory (in ranks spawned for it)")
     ap.add_argument("--torch-timeout", type=float, default=300.0,
                     help="seconds a torch communication may wait before the torch side is reported as failed")
     ap.add_argument("--plot", default=None)
@@ -338,13 +343,14 @@ def main(argv=None):
     t_start = time.perf_counter()
     for name in a.schedules:
         print(f"gpt: {name} on {a.ranks} ranks ...", file=sys.stderr, flush=True)
-        res = spawn(_rank, a.ranks, name, cfg_kw, a.microbatches, a.rows, a.steps, a.warmup, a.blocks,
-                    a.memory_blocks, a.torch_timeout)
-        fatal = [f"rank {r}:\n{x['fatal']}" for r, x in enumerate(res) if "fatal" in x]
-        if fatal:
-            raise RuntimeError(f"bench/gpt.py {name} failed:\n" + "\n".join(fatal))
+        res = _spawn_checked(name, a, cfg_kw, a.blocks, 0)  # timed, under glibc's defaults
+        with resident_follows_tensors_in_spawned():
+            mem = _spawn_checked(name, a, cfg_kw, 0, a.memory_blocks)
         n_params = res[0]["params"]
         terr = res[0]["torch error"]
+        mem_torch = "torch" in mem[0]["peak"]
+        if mem[0]["torch error"] and not terr:
+            errors.append(f"{name}: torch failed while memory was measured: {mem[0]['torch error']}")
         ms = {k: max(statistics.median(x["times"][k]) for x in res) * 1e3 if k in res[0]["times"] else None
               for k in SIDES}
         tps = {k: tokens / (v / 1e3) if v else None for k, v in ms.items()}
@@ -357,10 +363,10 @@ def main(argv=None):
                     f"{cpu['torch'] / cpu['pipecore']:.2f}x"]
         else:
             row += ["failed", "-", "-", cpu["pipecore"], "-", "-"]
-        row += [_per_rank(x["peak"]["pipecore"] for x in res),
-                _per_rank(x["peak"]["torch"] for x in res) if ms["torch"] is not None else "-",
-                _per_rank(x["growth"]["pipecore"] for x in res),
-                _per_rank(x["growth"]["torch"] for x in res) if ms["torch"] is not None else "-"]
+        row += [_per_rank(x["peak"]["pipecore"] for x in mem),
+                _per_rank(x["peak"]["torch"] for x in mem) if mem_torch else "-",
+                _per_rank(x["growth"]["pipecore"] for x in mem),
+                _per_rank(x["growth"]["torch"] for x in mem) if mem_torch else "-"]
         rows.append(row)
         plot["pipecore"].append(tps["pipecore"])
         plot["torch.distributed.pipelining"].append(tps["torch"] or 0.0)

@@ -20,6 +20,7 @@ GPU per rank) it is the caching allocator's peak of allocated bytes above what w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 
@@ -111,19 +112,20 @@ def resident_follows_tensors() -> None:
     os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", "0")
 
 
-def resident_follows_tensors_from_now() -> None:
-    """The same in a running process (glibc's mallopt), after returning what its heap keeps cached.
-    It costs time (every large tensor a fresh mmap, its pages faulted in), so a benchmark that times
-    steps times them before it calls this."""
-    import ctypes
-
-    libc = ctypes.CDLL(None)
-    if not hasattr(libc, "mallopt"):
-        raise RuntimeError("measuring resident memory by tensor needs glibc's mallopt")
-    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-    if not (libc.mallopt(m_mmap_threshold, 65536) and libc.mallopt(m_trim_threshold, 0)):
-        raise RuntimeError("glibc's mallopt refused the mmap and trim thresholds")
-    libc.malloc_trim(0)
+@contextlib.contextmanager
+def resident_follows_tensors_in_spawned():
+    """Within: processes spawned get `resident_follows_tensors`' setting (glibc reads it at start);
+    this process's environment is restored after."""
+    saved = {k: os.environ.get(k) for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
+    resident_follows_tensors()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def main(argv=None):

@@ -238,12 +238,26 @@ def memory_is_flat(rank, world, steps):
     return rss() - before
 
 
+def threads_of_this_process():
+    """(name, scheduling policy) of each thread of this process, read from /proc (policy 3 is SCHED_BATCH)."""
+    found = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the name: fields[0] is field 3
+        except OSError:  # a thread that ended meanwhile
+            continue
+        found.append((name, int(fields[38])))  # field 41: the policy
+    return found
+
+
 def reverse_channel(rank, world):
     """The reverse channel opens at the first step, once, over the pipeline's group, on that group's
     own gloo device (no extra event-loop thread)."""
     def loop_threads():
-        return sum(open(f"/proc/self/task/{t}/comm").read().strip() == "gloo_tcp_loop"
-                   for t in os.listdir("/proc/self/task"))
+        return sum(name == "gloo_tcp_loop" for name, _ in threads_of_this_process())
 
     group = dist.new_group(backend="gloo")
     before = loop_threads()
@@ -296,28 +310,18 @@ def sends_posted_here(rank, world, name, rows):
 
 
 def helper_threads(rank, world):
-    """After a gloo step: pipecore's own threads of this process, as (name, scheduling policy) read from
-    /proc (policy 3 is SCHED_BATCH)."""
-    import os
+    """After a gloo step: pipecore's own threads of this process, as (name, scheduling policy)."""
+    import gc
 
     group = dist.new_group(backend="gloo")
     pipe, _ = _pipe(rank, world, "1f1b", m=4, group=group)
     x, y = make_batch(8)
     pipeline_step(pipe, x, y)
     pipeline_step(pipe, x, y)
-    found = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read().strip()
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except FileNotFoundError:  # a thread that ended meanwhile
-            continue
-        if name.startswith("pipecore"):
-            found.append((name, int(fields[38])))  # field 41 of stat; fields[0] is field 3
+    gc.collect()  # (Pipelines of earlier tests in this pooled process: their threads end with them)
+    found = sorted(t for t in threads_of_this_process() if t[0].startswith("pipecore"))
     dist.destroy_process_group(group)
-    return sorted(found)
+    return found
 
 
 def own_error_then_peer_hangs(rank, world):

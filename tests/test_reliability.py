@@ -139,13 +139,14 @@ def test_small_sends_before_a_wait_are_posted_on_the_compute_thread(name):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names and policies are read from /proc")
-def test_helper_threads_are_named_and_never_preempt_compute():
+def test_helper_threads_are_named_and_do_not_preempt_compute_when_woken():
     """The comm worker and the send tracker's threads show their names in profilers and run SCHED_BATCH:
-    woken, they wait for an idle core or the scheduler's tick instead of preempting the compute thread."""
+    woken, they wait for an idle core, a wait of the compute thread or the scheduler's tick instead of
+    preempting the compute thread."""
     sched_batch = 3
     for rank, threads in enumerate(pool(2).run(helper_threads)):
         names = [name for name, _ in threads]
-        assert names.count("pipecore-post") == 1 and "pipecore-sends" in names, (rank, threads)
+        assert "pipecore-post" in names and "pipecore-sends" in names, (rank, threads)
         assert all(policy == sched_batch for _, policy in threads), (rank, threads)
 
 
