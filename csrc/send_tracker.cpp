@@ -59,10 +59,7 @@ void SendTracker::track(std::shared_ptr<CommTask> task, int64_t bytes, std::stri
       wake = lane.uncollected > kUncollectedBytes;
     }
     if (wake) lane.uncollected = 0;
-    const auto now = std::chrono::steady_clock::now();
-    const auto end_of_clock = std::chrono::steady_clock::time_point::max();  // a timeout of centuries never ends
-    const bool ends = timeout < std::chrono::duration_cast<std::chrono::milliseconds>(end_of_clock - now);
-    lane.queue.push_back(Entry{std::move(task), bytes, std::move(what), timeout, ends ? now + timeout : end_of_clock});
+    lane.queue.push_back(Entry{std::move(task), bytes, std::move(what), timeout, deadline_after(timeout)});
     lane.in_flight += bytes;
     ++pending_;
     if (lane.in_flight > peak_) peak_ = lane.in_flight;
@@ -72,7 +69,7 @@ void SendTracker::track(std::shared_ptr<CommTask> task, int64_t bytes, std::stri
 
 namespace {
 bool poll_until_completed(c10d::Work& work, std::chrono::milliseconds timeout, const std::atomic<bool>& stop) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto deadline = deadline_after(timeout);
   auto pause = std::chrono::microseconds(20);
   while (!work.isCompleted()) {
     if (stop || std::chrono::steady_clock::now() > deadline) return false;

@@ -146,7 +146,7 @@ class HostDeviceComm final : public DeviceComm {
       receives.swap(receives_);
     }
     // the Works stay alive until the set is cleared: no address in it is reused meanwhile
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    const auto deadline = deadline_after(timeout);
     bool ok = true;
     for (auto& work : receives) {
       if (!first_wait(*work)) continue;
