@@ -73,14 +73,14 @@ def _say(rank: int, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def _rank(rank, world, name, cfg_kw, m, rows, steps, warmup, blocks, memory_blocks, torch_timeout):
+def _rank(rank, world, name, cfg_kw, m, rows, steps, warmup, blocks, torch_timeout):
     try:
-        return _bench_rank(rank, world, name, cfg_kw, m, rows, steps, warmup, blocks, memory_blocks, torch_timeout)
+        return _bench_rank(rank, world, name, cfg_kw, m, rows, steps, warmup, blocks, torch_timeout)
     except Exception:  # noqa: BLE001  (returned, so that the parent reports it instead of waiting forever)
         return {"fatal": traceback.format_exc()}
 
 
-def _bench_rank(rank, world, name, cfg_kw, m, rows, steps, warmup, blocks, memory_blocks, torch_timeout):
+def _bench_rank(rank, world, name, cfg_kw, m, rows, steps, warmup, blocks, torch_timeout):
     from datetime import timedelta
 
     import torch
@@ -226,51 +226,32 @@ def _bench_rank(rank, world, name, cfg_kw, m, rows, steps, warmup, blocks, memor
                 torch_error = failed
                 runners.pop("torch", None)
 
-    times = {k: [] for k in runners}
-    cpu = {k: [] for k in runners}  # this process's CPU time (all its threads) per step
-    peak = {k: 0.0 for k in runners}  # MiB, from the memory blocks
-    growth = {k: 0.0 for k in runners}
-
-    def drop_torch(failed, where):
-        nonlocal torch_error
-        torch_error = f"in {where}: {failed}"
-        for d in (times, cpu, peak, growth):
-            d.pop("torch", None)
-        runners.pop("torch")
-
-    # timed blocks, under glibc's default allocator (as users run)
-    for b in range(blocks):
-        for label in list(runners):
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            failed = _run_steps(label, runners[label], steps, dist, world)
-            if failed is not None:
-                drop_torch(failed, f"timed block {b}")
-                continue
-            dist.barrier()
-            times[label].append((time.perf_counter() - t0) / steps)
-            cpu[label].append((time.process_time() - c0) / steps)
-        _say(rank, f"  {name}: block {b + 1}/{blocks} done")
-
-    # memory blocks (in ranks spawned with glibc told to return freed blocks: the resident set follows tensors)
     import gc
 
     gc.collect()
-    for b in range(memory_blocks):
+    times = {k: [] for k in runners}
+    cpu = {k: [] for k in runners}  # this process's CPU time (all its threads) per step
+    peak = {k: 0.0 for k in runners}
+    growth = {k: 0.0 for k in runners}
+    for b in range(blocks):
         for label in list(runners):
             dist.barrier()
             base = _status_mib("VmRSS")
             _reset_peak()
+            t0, c0 = time.perf_counter(), time.process_time()
             failed = _run_steps(label, runners[label], steps, dist, world)
             if failed is not None:
-                drop_torch(failed, f"memory block {b}")
+                torch_error = f"in block {b}: {failed}"
+                for d in (runners, times, cpu, peak, growth):
+                    d.pop("torch")
                 continue
             dist.barrier()
+            times[label].append((time.perf_counter() - t0) / steps)
+            cpu[label].append((time.process_time() - c0) / steps)
             hwm = _status_mib("VmHWM")
             peak[label] = max(peak[label], hwm)
             growth[label] = max(growth[label], hwm - base)
-    if memory_blocks:
-        _say(rank, f"  {name}: memory measured")
+        _say(rank, f"  {name}: block {b + 1}/{blocks} done")
     return {"times": times, "cpu": cpu, "peak": peak, "growth": growth, "check": check,
             "torch error": torch_error, "params": sum(p.numel() for p in model.parameters())}
 
@@ -299,9 +280,8 @@ def _first_error(dist, world, error):
     return None
 
 
-def _spawn_checked(name, a, cfg_kw, blocks, memory_blocks):
-    res = spawn(_rank, a.ranks, name, cfg_kw, a.microbatches, a.rows, a.steps, a.warmup, blocks, memory_blocks,
-                a.torch_timeout)
+def _spawn_checked(name, a, cfg_kw, blocks):
+    res = spawn(_rank, a.ranks, name, cfg_kw, a.microbatches, a.rows, a.steps, a.warmup, blocks, a.torch_timeout)
     fatal = [f"rank {r}:\n{x['fatal']}" for r, x in enumerate(res) if "fatal" in x]
     if fatal:
         raise RuntimeError(f"bench/gpt.py {name} failed:\n" + "\n".join(fatal))
@@ -343,9 +323,9 @@ def main(argv=None):
     t_start = time.perf_counter()
     for name in a.schedules:
         print(f"gpt: {name} on {a.ranks} ranks ...", file=sys.stderr, flush=True)
-        res = _spawn_checked(name, a, cfg_kw, a.blocks, 0)  # timed, under glibc's defaults
+        res = _spawn_checked(name, a, cfg_kw, a.blocks)  # times and CPU, under glibc's defaults
         with resident_follows_tensors_in_spawned():
-            mem = _spawn_checked(name, a, cfg_kw, 0, a.memory_blocks)
+            mem = _spawn_checked(name, a, cfg_kw, a.memory_blocks)  # memory
         n_params = res[0]["params"]
         terr = res[0]["torch error"]
         mem_torch = "torch" in mem[0]["peak"]

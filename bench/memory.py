@@ -105,18 +105,22 @@ def _peak_rank(rank, world, variant, name, m, width, rows, steps, device="cpu", 
     return _status_mib("VmHWM") - base
 
 
+# glibc's settings (read at a process's start) for large blocks straight from mmap, returned on free
+RESIDENT_FOLLOWS_TENSORS = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
 def resident_follows_tensors() -> None:
     """Large blocks straight from mmap, returned on free: the resident set then follows live tensors
     instead of what glibc's heap keeps cached (inherited by the ranks spawned afterwards)."""
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", "0")
+    for k, v in RESIDENT_FOLLOWS_TENSORS.items():
+        os.environ.setdefault(k, v)
 
 
 @contextlib.contextmanager
 def resident_follows_tensors_in_spawned():
     """Within: processes spawned get `resident_follows_tensors`' setting (glibc reads it at start);
     this process's environment is restored after."""
-    saved = {k: os.environ.get(k) for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
+    saved = {k: os.environ.get(k) for k in RESIDENT_FOLLOWS_TENSORS}
     resident_follows_tensors()
     try:
         yield
