@@ -16,6 +16,7 @@ new temporary folder each time); ccache is used where it is installed.
 import glob
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
 
@@ -69,6 +70,26 @@ def _use_cuda(cuda_home):
     return os.path.isfile(nvcc) and os.access(nvcc, os.X_OK)
 
 
+def _libstdcxx_link_args(cxx=None):
+    """The libstdc++ this process loaded with torch, named to the linker where the C++ compiler finds no
+    shared libstdc++ of its own: it would link its static one without a word, and an extension with a
+    copy of libstdc++'s streams beside torch's crashes the first time it formats a message (seen with
+    a GPU image's /opt/gcc; `python -m pipecore.tools.build_check` looks for such a copy)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    cxx = cxx or os.environ.get("CXX") or "c++"
+    try:
+        found = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
+                               timeout=60).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if os.path.isabs(found):  # the compiler links a shared libstdc++ itself
+        return []
+    with open("/proc/self/maps") as maps:
+        loaded = sorted({line.split()[-1] for line in maps if "/libstdc++.so" in line})
+    return loaded[:1]
+
+
 def _testing():
     """A test build (`make test`): the executor's test hooks and csrc/testing/ compiled in."""
     return os.environ.get("PIPECORE_TESTING", "0") not in ("", "0")
@@ -83,7 +104,7 @@ def _extensions(cuda_home, use_cuda):
     include_dirs = []
     # rpath to torch's lib dir so `import pipecore._C` works even before
     # `import torch` (otherwise the loader cannot find libc10.so/libtorch*.so).
-    extra_link_args = [f"-Wl,-rpath,{d}" for d in cpp_extension.library_paths()]
+    extra_link_args = [f"-Wl,-rpath,{d}" for d in cpp_extension.library_paths()] + _libstdcxx_link_args()
     cxx_flags = ["-O2", CXX_STD]
     nvcc_flags = ["-O2", CXX_STD]
 

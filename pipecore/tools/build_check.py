@@ -3,20 +3,25 @@
 
 An extension compiled by a C++ compiler whose libstdc++ differs from the one loaded with torch can
 import fine and crash later, in the middle of a training step, the first time it formats an error
-message. That happened on a GPU image whose first g++ on PATH (/opt/gcc) was newer than the
-system's: the extension crashed in std::ostringstream; built with /usr/bin/g++ it ran. This runs
-what breaks first (a stream, an exception thrown across the module's boundary) and, if the process
-dies, says which compiler built the extension, which libstdc++ the process loaded, and what to do."""
+message. That happened on a GPU image whose first g++ on PATH (/opt/gcc) has only a static libstdc++:
+linked with it, the extension carried its own copy of libstdc++'s streams beside the shared one torch
+loads, and crashed in std::ostringstream the first time it reported a failed send (seen again in
+November 2026, while this self-check passed: it imported the extension before torch). This runs what
+breaks first (a stream, an exception thrown across the module's boundary, with torch imported first
+as users do), looks for a copy of libstdc++'s streams inside the extension, and, if either fails,
+says which compiler built the extension, which libstdc++ the process loaded, and what to do."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
 import sys
 
-# what a healthy extension does: format, throw, translate; and where libstdc++ came from
+# what a healthy extension does, with torch loaded first as users have it: format, throw, translate
 PROBE = """
+import torch
 import pipecore._C as C
 try:
     C._self_check(7)
@@ -40,8 +45,53 @@ def loaded_libstdcxx() -> str:
     return out.stdout.strip()
 
 
-def check(probe: str = PROBE) -> str | None:
-    """None if the extension passes `probe` in a fresh process, else what went wrong and the fix."""
+# std::ostream::_M_insert<long>, which formats the numbers of an error message: defined by the shared
+# libstdc++, and by an extension linked with the static one
+STREAMS_SYMBOL = "_ZNSo9_M_insertIlEERSoT_"
+
+# the file that `library`'s stream code comes from, after torch loaded its libstdc++ (sys.argv[1])
+_WHERE_STREAMS = f"""
+import ctypes, sys
+import torch
+
+class DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+library = ctypes.CDLL(sys.argv[1])
+address = ctypes.cast(getattr(library, "{STREAMS_SYMBOL}"), ctypes.c_void_p).value
+info = DlInfo()
+ctypes.CDLL(None).dladdr(ctypes.c_void_p(address), ctypes.byref(info))
+print(info.dli_fname.decode())
+"""
+
+
+def streams_come_from(library: str) -> str:
+    """The file that `library`'s std::ostream code resolves to in a process that imported torch first
+    (Linux; '' where it cannot be told): `library` itself when it was linked with a static libstdc++."""
+    try:
+        out = subprocess.run([sys.executable, "-c", _WHERE_STREAMS, library], capture_output=True, text=True,
+                             timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def extension_path() -> str:
+    return importlib.util.find_spec("pipecore._C").origin
+
+
+def check(probe: str = PROBE, library: str | None = None) -> str | None:
+    """None if the extension passes `probe` in a fresh process and uses the libstdc++ torch loaded,
+    else what went wrong and the fix. `library`: the extension's file (the installed one by default)."""
+    library = library or extension_path()
+    source = streams_come_from(library)
+    if source and os.path.realpath(source) == os.path.realpath(library):
+        return (f"{library} carries its own copy of libstdc++'s streams (linked from a static libstdc++: its "
+                "compiler found no shared one), beside the libstdc++ torch loads "
+                f"({loaded_libstdcxx() or 'unknown'}): it crashes the first time it formats a message.\n"
+                "Rebuild with a compiler that links the shared libstdc++, for example:\n"
+                "  CC=/usr/bin/gcc CXX=/usr/bin/g++ make install")
     try:
         run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
