@@ -4,7 +4,9 @@ When one rank fails, torchrun stops every other rank, and a rank blocked in a co
 gloo's "Connection closed by peer" (NCCL: a timeout): a wall of tracebacks that hides the error that came
 first. Here the first rank to fail posts its error in torchrun's store. A thread on every rank watches
 that store, so the other ranks print that error within a fraction of a second, wherever they are blocked.
-Every rank leaves once all have printed (10 s at most): torchrun stops the rest as soon as one exits.
+Every rank leaves once all have printed: torchrun stops the rest as soon as one exits, so no rank may leave
+before the others said they stopped (each under a key of its own), or 30 s passed (a rank that cannot
+print at all, say one stuck in a call that holds the GIL).
 
     watch = FirstFailure()            # after torchrun started this process
     try:
@@ -33,11 +35,12 @@ DERIVED = (pc.PeerFailedError, pc.CommunicationError)
 
 
 class FirstFailure:
-    def __init__(self, poll_seconds: float = 0.2, wait_seconds: float = 10.0):
+    def __init__(self, poll_seconds: float = 0.2, wait_seconds: float = 30.0, derived_seconds: float = 5.0):
         self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        self.error_key, self.heard_key = f"first_failure/{run}/error", f"first_failure/{run}/heard"
-        self.poll, self.wait = poll_seconds, wait_seconds
+        self.error_key, self.stopped_prefix = f"first_failure/{run}/error", f"first_failure/{run}/stopped/"
+        # wait: for every rank to say it stopped; derived: for the error a derived one follows from
+        self.poll, self.wait, self.derived_wait = poll_seconds, wait_seconds, derived_seconds
         # clients of their own on torchrun's store (MASTER_ADDR:MASTER_PORT): the process group's client is
         # shared with the Pipeline, and the watching thread must not hold it
         self.store, watch_store = (dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
@@ -54,19 +57,20 @@ class FirstFailure:
         self.done.set()
         mine = f"rank {self.rank} failed: {type(error).__name__}: {error}"
         derived = isinstance(error, DERIVED) or "Connection closed by peer" in str(error)
-        first = self._first(mine, wait=self.wait / 2 if derived else 0.0)
+        first = self._first(mine, wait=self.derived_wait if derived else 0.0)
         if first == mine:
             traceback.print_exception(error)
             print(f"[rank {self.rank}] {mine}", file=sys.stderr, flush=True)
-            if not self._all_heard(self.store):
-                print(f"[rank {self.rank}] not every rank said it stopped within {self.wait:.0f} s", file=sys.stderr,
-                      flush=True)
+            missing = self._wait_for_the_others(self.store)
+            if missing:
+                print(f"[rank {self.rank}] not every rank said it stopped within {self.wait:.0f} s: not {missing}",
+                      file=sys.stderr, flush=True)
         else:
             if not derived:  # an error of its own beside the first one: show it too
                 traceback.print_exception(error)
             own = f"{type(error).__name__}: {error}".splitlines()[0][:100]
             print(f"[rank {self.rank}] stopped: {first} (here: {own})", file=sys.stderr, flush=True)
-            self._heard(self.store)
+            self._stopped(self.store, first)
         sys.exit(1)
 
     def _first(self, mine: str, wait: float) -> str:
@@ -79,25 +83,29 @@ class FirstFailure:
         except Exception:  # noqa: BLE001 - torchrun's store is gone: say what this rank knows
             return mine
 
-    def _all_heard(self, store) -> bool:
-        """Waits (`wait` seconds at most) until every rank but the first said it stopped."""
+    def _wait_for_the_others(self, store, first: str | None = None) -> list[int]:
+        """Waits (`wait` seconds at most) until every rank but the first (this one, when `first` is None)
+        said it stopped; returns those that did not."""
+        first_rank = self.rank if first is None else int(first.split()[1])  # "rank N failed: ..."
+        others = [r for r in range(self.world) if r != first_rank]
         deadline = time.monotonic() + self.wait
-        try:
-            while store.add(self.heard_key, 0) < self.world - 1:
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(self.poll / 4)
-        except Exception:  # noqa: BLE001 - torchrun's store is gone: nobody left to wait for
-            pass
-        return True
+        while True:
+            try:
+                missing = [r for r in others if not store.check([f"{self.stopped_prefix}{r}"])]
+            except Exception:  # noqa: BLE001 - torchrun's store is gone: nobody left to wait for
+                return []
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(self.poll / 4)
 
-    def _heard(self, store) -> None:
-        """This rank said it stopped; it leaves once every other rank has too."""
+    def _stopped(self, store, first: str) -> None:
+        """This rank said it stopped (a key of its own: saying it twice counts once); it leaves once
+        every other rank has too."""
         try:
-            store.add(self.heard_key, 1)
+            store.set(f"{self.stopped_prefix}{self.rank}", "1")
         except Exception:  # noqa: BLE001 - torchrun's store is gone
             return
-        self._all_heard(store)
+        self._wait_for_the_others(store, first)
 
     def _watch(self, store) -> None:
         """Another rank's error ends this rank at once, wherever its main thread is blocked."""
@@ -106,12 +114,12 @@ class FirstFailure:
                 if not store.check([self.error_key]):
                     continue
                 first = store.get(self.error_key).decode()
-            except Exception:  # noqa: BLE001 - torchrun's store is gone: nothing left to watch
-                return
+            except Exception:  # noqa: BLE001 - a store call that failed once: watch on (torchrun ends this
+                continue  # process if its store is gone for good)
             if self.done.is_set() or first.startswith(f"rank {self.rank} "):
                 return  # this rank's main thread is reporting
             print(f"[rank {self.rank}] stopped: {first}", file=sys.stderr, flush=True)
             try:
-                self._heard(store)
+                self._stopped(store, first)
             finally:
                 os._exit(1)
