@@ -7,6 +7,8 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 # steps of `make demo` (CI runs a short one: make demo STEPS=20)
 STEPS ?= 200
+# more pytest arguments for `make test`, e.g. TEST_ARGS="-m exactness" (what .ci/run runs a second time)
+TEST_ARGS ?=
 DEMO_DIR ?= build/demo
 
 # What each target needs beyond torch. setuptools>=70.1 and wheel: a fresh venv's setuptools 65
@@ -84,7 +86,7 @@ demo: install
 		--timeline $(DEMO_DIR)/gpt_timeline.png
 
 test: install-test
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q tests $(TEST_ARGS)
 
 bench:
 	$(PYTHON) bench/build.py

@@ -132,8 +132,12 @@ def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def lm_loss(logits, targets):
-    """Mean next-token cross entropy (in fp32 also when the logits are bf16)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    """Mean next-token cross entropy, in fp32 at least (bf16 logits are widened, float64 ones kept)."""
+    return F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten())
+
+
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def stdlib_bytes(max_bytes: int = 4_000_000) -> torch.Tensor:

@@ -27,7 +27,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import pipecore as pc  # noqa: E402
-from gpt import stdlib_bytes  # noqa: E402
+from gpt import at_least_fp32, stdlib_bytes  # noqa: E402
 from launch import init_gloo, under_torchrun  # noqa: E402
 
 IGNORE = -100
@@ -95,7 +95,7 @@ def packed_row(text: torch.Tensor, g: torch.Generator, max_len: int, max_doc: in
 
 
 def loss_fn(logits, target):
-    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE, reduction="sum")
+    return F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), target.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpt_cases import relative_difference  # examples/gpt.py's, the tests' one measure
+from exactness import difference
 
 LOOP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_style_loop.py")
 TORCH_IMPORTS = ("from torch.distributed.pipelining import PipelineStage\n",
@@ -215,7 +215,7 @@ def torch_stage_objects(rank, world):
         else:
             runner = compat.Schedule1F1B(stage, 4, loss_fn=nn.MSELoss())
         runner.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
-        results[how] = max(relative_difference(p.grad, q.grad)
+        results[how] = max(difference(p.grad, q.grad)
                            for p, q in zip(mod.parameters(), ref[rank].parameters()))
     return results
 
@@ -500,7 +500,7 @@ def dw_builder_data_parallel(rank, world):
             mod.dw_builder()()
         for s in ids:
             for (n, p), q in zip(mods[s].named_parameters(), ref[s].parameters()):
-                worst = max(worst, relative_difference(p.grad, q.grad))
+                worst = max(worst, difference(p.grad, q.grad))
     return worst
 
 
@@ -547,5 +547,5 @@ def fsdp2_stages(rank, world, schedule_name, steps=2, m=4):
     worst = 0.0
     for a, b in zip(results["torch"], results["pipecore"]):
         for s in a:
-            worst = max([worst] + [relative_difference(q, p) for p, q in zip(a[s], b[s])])
+            worst = max([worst] + [difference(q, p) for p, q in zip(a[s], b[s])])
     return worst

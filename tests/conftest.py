@@ -5,8 +5,10 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
-# torch's own schedule builders for side-by-side checks live with the benchmarks (bench/torch_schedules.py)
-sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+# torch's own schedule builders for side-by-side checks live with the benchmarks (bench/torch_schedules.py), the
+# example GPT and its measure of a difference with the examples (examples/gpt.py)
+for folder in ("bench", "examples"):
+    sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), folder))
 
 import pytest
 from hypothesis import settings
@@ -20,6 +22,13 @@ settings.register_profile("pipecore", database=None)
 settings.load_profile("pipecore")
 HYPOTHESIS_HOME = tempfile.mkdtemp(prefix="pipecore-hypothesis-")
 set_hypothesis_home_dir(HYPOTHESIS_HOME)
+
+# exactness is tested in float64 (tests/exactness.py); every difference from one process measured in this
+# session, in any process, lands in this folder for the summary at the end
+import exactness  # noqa: E402
+
+DIFFERENCES = tempfile.mkdtemp(prefix="pipecore-differences-")
+os.environ[exactness.RECORD_DIR] = DIFFERENCES
 
 
 def _tree_state() -> set[str] | None:
@@ -38,6 +47,9 @@ def _tree_state() -> set[str] | None:
 def pytest_sessionstart(session):
     session.config._tree_before = _tree_state()
     try:
+        import torch  # before the extension: it links torch's libraries, which torch itself loads first
+
+        exactness.use_exact_dtype()
         import pipecore._C as C
     except ImportError as exc:
         pytest.exit(f"pipecore._C does not load ({exc}): run `make test`, which builds it", returncode=4)
@@ -45,6 +57,17 @@ def pytest_sessionstart(session):
         pytest.exit("pipecore._C is a production build: the suite drives the executor's test hooks (delays, the "
                     "device protocol on the host), which only the test variant has. Run `make test` (or "
                     "`make install-test` and then pytest)", returncode=4)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The largest difference from one process that this session measured, by dtype."""
+    for dtype, (n, worst) in sorted(exactness.summary(DIFFERENCES).items()):
+        terminalreporter.write_line(f"exactness: {dtype}: {n} comparisons with one process, largest difference "
+                                    f"{worst:.2e} of the largest entry")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(DIFFERENCES, ignore_errors=True)  # after the terminal summary read it
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -25,6 +25,9 @@ def _worker(rank, world, port, tasks, results):
     import torch
     import torch.distributed as dist
 
+    from exactness import use_exact_dtype
+
+    use_exact_dtype()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     while True:

@@ -5,18 +5,14 @@ the single-process run."""
 from __future__ import annotations
 
 import copy
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-
-import pipecore as pc  # noqa: E402
-from models import pipeline_step  # noqa: E402
-from gpt import (GPTConfig, build_gpt, get_batch, lm_loss, pipeline_stages, relative_difference,  # noqa: E402
-                 stdlib_bytes)
+import pipecore as pc
+from exactness import EXACT_DTYPE, after_adamw, difference, transformer_terms
+from models import pipeline_step
+from gpt import GPTConfig, at_least_fp32, build_gpt, get_batch, lm_loss, pipeline_stages, stdlib_bytes
 
 _TEXT: torch.Tensor | None = None
 
@@ -35,9 +31,15 @@ def small_config(schedule: pc.Schedule, **overrides) -> GPTConfig:
     return GPTConfig(**options)
 
 
+def gradient_terms(cfg: GPTConfig, tokens: int) -> int:
+    """The longest sum behind one of the example GPT's gradient entries (exactness.transformer_terms)."""
+    return transformer_terms(tokens=tokens, width=cfg.width, mlp_width=4 * cfg.width, layers=cfg.layers,
+                             head_width=cfg.width // cfg.heads, seq_len=cfg.seq_len, vocab=cfg.vocab)
+
+
 def sum_loss(logits, targets):
     """Token-level loss summed over a microbatch's tokens, padding (-100) ignored."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum")
+    return F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100, reduction="sum")
 
 
 def padded(y: torch.Tensor, step: int) -> torch.Tensor:
@@ -55,15 +57,19 @@ def train_gpt(rank: int, world: int, name: str, m: int, options: dict | None = N
 
 def _train_gpt(rank: int, world: int, name: str, m: int, steps: int = 3, max_norm: float = 0.05,
                tokens: bool = False, stages_per_rank: int | None = None, stage_options: dict | None = None,
-               norm_type: float = 2.0, accumulate: bool = False) -> dict:
+               norm_type: float = 2.0, accumulate: bool = False, dtype: torch.dtype | None = None,
+               by_microbatch: bool = False) -> dict:
     """`steps` AdamW steps with clipping through the pipeline and in one process. Returns the worst
     relative differences seen on this rank: gradients (after clipping) of every parameter of its
     stages, the clipping norm, and its losses. `accumulate`: the optimizer steps every second step,
-    so the odd steps add their gradients to what .grad holds."""
+    so the odd steps add their gradients to what .grad holds. `dtype`: the model's (the default dtype,
+    float64 in the tests, when None). `by_microbatch`: one process runs the pipeline's microbatches one
+    after another, a backward each (each loss weighted 1/m), so that each kernel sees the shapes it
+    sees in the pipeline and the microbatches' gradients add up in .grad, as there."""
     sched = pc.build_schedule(name, world, m, stages_per_rank)
     stage_options = stage_options or {}
     cfg = small_config(sched)
-    model = build_gpt(cfg, seed=1)
+    model = build_gpt(cfg, seed=1).to(dtype or torch.get_default_dtype())
     reference = copy.deepcopy(model)
     stages = pipeline_stages(model, sched, rank, **stage_options)
     loss_fn = sum_loss if tokens else lm_loss
@@ -80,22 +86,23 @@ def _train_gpt(rank: int, world: int, name: str, m: int, steps: int = 3, max_nor
         x, y = get_batch(text(), step, 2 * m, cfg.seq_len, seed=7)
         if tokens:
             y = padded(y, step)
-        # single process, whole batch
-        with autocast():
-            logits = reference(x)
-            ref_loss = (sum_loss(logits, y) / (y != -100).sum()) if tokens else lm_loss(logits, y)
-        ref_loss.backward()
+        # single process: the whole batch, or its microbatches one after another
+        for xc, yc in zip(x.tensor_split(m), y.tensor_split(m)) if by_microbatch else [(x, y)]:
+            with autocast():
+                logits = reference(xc)
+                ref_loss = (sum_loss(logits, yc) / (y != -100).sum()) if tokens else lm_loss(logits, yc)
+            (ref_loss / m if by_microbatch else ref_loss).backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm, norm_type=norm_type)
         # the pipeline
         losses: list = []
         extra = {"loss_divisor": (y != -100).sum()} if tokens else {}
         pipeline_step(pipe, x, y, losses=losses, **extra)
         norm = pc.clip_grad_norm_(pipe, max_norm, norm_type=norm_type)
-        worst["norm"] = max(worst["norm"], relative_difference(norm, ref_norm))
+        worst["norm"] = max(worst["norm"], difference(norm, ref_norm))
         for s in stages:
             for pname, p in s.module.named_parameters():
                 want = reference.get_parameter(pname).grad
-                err = relative_difference(p.grad, want)
+                err = difference(p.grad, want)
                 if err > worst["grad"]:
                     worst["grad"], worst["where"] = err, f"step {step} {pname}"
         losses_by_step.append([None if v is None else float(v) for v in losses])
@@ -104,7 +111,7 @@ def _train_gpt(rank: int, world: int, name: str, m: int, steps: int = 3, max_nor
                 rows = slice(2 * mb, 2 * mb + 2)
                 with torch.no_grad(), autocast():
                     want = loss_fn(reference(x[rows]), y[rows])
-                worst["loss"] = max(worst["loss"], abs(float(v) - float(want)) / abs(float(want)))
+                worst["loss"] = max(worst["loss"], difference(v.detach(), want))
         if accumulate and step % 2 == 0:
             continue
         opt.step()
@@ -113,10 +120,11 @@ def _train_gpt(rank: int, world: int, name: str, m: int, steps: int = 3, max_nor
         ref_opt.zero_grad(set_to_none=True)
         for s in stages:  # tied copies stay equal: the same as the reference's one parameter, bit for bit apart
             for p in s.tied.values():
-                # under bf16 autocast, AdamW moves entries whose gradients differ in sign by +-lr: weights
-                # are compared through their gradients only
-                bound = float("inf") if "autocast" in stage_options else 1e-4
-                drift = relative_difference(p.detach(), reference.embed.tok.weight.detach())
+                # AdamW's amplification of rounding (exactness.after_adamw) is bounded from float64's;
+                # in fp32 it moves entries whose gradients differ in sign by +-lr: compared through the
+                # gradients only
+                bound = after_adamw(lr=1e-3, steps=step + 1) if p.dtype == EXACT_DTYPE else float("inf")
+                drift = difference(p.detach(), reference.embed.tok.weight.detach())
                 worst["tied_drift"] = max(worst.get("tied_drift", 0.0), drift)
                 worst["tied_equal"] &= drift < bound
     worst["losses"] = losses_by_step
@@ -231,10 +239,10 @@ def tied_as_one_parameter(rank: int, world: int, name: str, declared: bool) -> d
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
         pipeline_step(pipe, x, y)
         norm = pc.clip_grad_norm_(pipe, 0.05)
-        worst["norm"] = max(worst["norm"], relative_difference(norm, ref_norm))
+        worst["norm"] = max(worst["norm"], difference(norm, ref_norm))
         for s in stages:
             for pname, p in s.module.named_parameters():
-                worst["grad"] = max(worst["grad"], relative_difference(p.grad, reference.get_parameter(pname).grad))
+                worst["grad"] = max(worst["grad"], difference(p.grad, reference.get_parameter(pname).grad))
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad(set_to_none=True)

@@ -9,6 +9,7 @@ import copy
 import torch
 
 import pipecore as pc
+from exactness import difference
 
 VOCAB = 61
 
@@ -98,14 +99,14 @@ def train_hf(rank: int, world: int, family: str, name: str, steps: int = 3, left
             pipe.step(target=labels, losses=losses, loss_divisor=tokens)
         if losses:
             got = sum(float(v) for v in losses) / float(tokens)  # each microbatch's sum, as loss_fn gave it
-            worst["loss"] = max(worst["loss"], abs(got - ref_loss) / abs(ref_loss))
+            worst["loss"] = max(worst["loss"], difference(torch.tensor(got), torch.tensor(ref_loss)))
         for s in stages:
             for n, p in s.module.named_parameters():
                 for key, ref in (("grad", reference), ("whole_batch_grad", whole if step == 0 else None)):
                     if ref is None:
                         continue
                     want = ref.get_parameter(names[s.stage_index][n]).grad
-                    err = float((p.grad - want).abs().max() / want.abs().max().clamp(min=1e-12))
+                    err = difference(p.grad, want)
                     if err > worst.get(key, 0.0):
                         worst[key], worst[f"{key}_where"] = err, f"step {step} stage {s.stage_index} {n}"
         for o in (opt, ref_opt):

@@ -12,12 +12,13 @@ from torch import nn
 import pipecore as pc
 from memory_probe import probe
 from models import NEVER, make_batch, make_stages, reference_forward, pipeline_step
+from exactness import EXACT_DTYPE, assert_matches
 from reliability_cases import _outcome, _pipe
-from pipeline_cases import _assert_grads_close, set_messages
+from pipeline_cases import set_messages
 
 WIDTH = 128
 ROWS_PER_MB = 512
-UNIT = ROWS_PER_MB * WIDTH * 4  # bytes of one microbatch's activation: 256 KiB
+UNIT = ROWS_PER_MB * WIDTH * EXACT_DTYPE.itemsize  # bytes of one microbatch's activation: 512 KiB
 
 
 def _linear_stages(n, width=WIDTH, seed=0):
@@ -28,7 +29,7 @@ def _linear_stages(n, width=WIDTH, seed=0):
 def _check_grads(stages, ref_stages, topo, what):
     for s in stages:
         for (n, p), (_, q) in zip(s.module.named_parameters(), ref_stages[topo.model_stage[s.stage_index]].named_parameters()):
-            _assert_grads_close(p.grad, q.grad, f"{what}: stage {s.stage_index} {n}")
+            assert_matches(p.grad, q.grad, f"{what}: stage {s.stage_index} {n}")
 
 
 def first_stage_memory(rank, world, m, budget_units):
@@ -97,9 +98,9 @@ def last_stage_memory(rank, world, m, return_outputs):
     loss_fn(reference_forward(ref, x), y, weight).backward()
     _check_grads(pipe.stages, ref, sched.topology, "1f1b")
     if pipe.has_last:
-        torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-6, atol=1e-7)
+        assert_matches(torch.stack(losses), torch.stack(want_losses), "losses")
         if return_outputs:
-            torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+            assert_matches(out, want, "outputs")
         else:
             assert out is None
     return held, pipe.executor.peak_send_bytes
@@ -178,9 +179,10 @@ def stray_message_puts_the_channel_out_of_step(rank, world, messages="default"):
     set_messages(pipe, messages)
     x, y = make_batch(8)
     pipeline_step(pipe, x, y)
-    if rank == 0:  # 2 rows x 16 floats + 16 bytes: within the first activation's receive buffer (a larger
+    if rank == 0:  # 2 rows x 16 values + 16 bytes: the first activation's receive buffer, whole (a larger
         # message would make gloo abort the process), not a message of pipecore's
-        dist.send(torch.zeros(2 * 16 * 4 + 16, dtype=torch.uint8), dist.get_global_rank(group, 1), group=group)
+        stray = torch.zeros(2 * 16 * x.element_size() + 16, dtype=torch.uint8)
+        dist.send(stray, dist.get_global_rank(group, 1), group=group)
     first = _outcome(lambda: pipeline_step(pipe, x, y))
     after = _outcome(lambda: pipeline_step(pipe, x, y))
     dist.destroy_process_group(group)

@@ -14,7 +14,8 @@ from torch import nn
 
 import pipecore as pc
 from models import make_batch, make_stages, reference_forward, pipeline_step
-from pipeline_cases import _assert_grads_close, set_messages
+from exactness import assert_matches
+from pipeline_cases import set_messages
 
 MODES = ("sequential", "concurrent", "lockstep")
 
@@ -44,7 +45,7 @@ def _values(losses):
 
 def modes_match(rank, world, name, m, kind, steps=3, messages="default"):
     """Every mode gives the same losses and gradients, to the last bit, as each other; and those of
-    single-process training (within 1e-6) at every step. `messages`: see set_messages."""
+    single-process training (within exactness.FLOAT64_BOUND) at every step. `messages`: see set_messages."""
     model = _model(kind, name, world)
     ref = copy.deepcopy(model)
     pipes = {mode: _build(rank, world, name, m, model, mode) for mode in MODES}
@@ -70,7 +71,7 @@ def modes_match(rank, world, name, m, kind, steps=3, messages="default"):
         for s in seq.stages:
             ref_stage = ref[topo.model_stage[s.stage_index]]
             for (n, p), (_, q) in zip(s.module.named_parameters(), ref_stage.named_parameters()):
-                _assert_grads_close(p.grad, q.grad, f"rank {rank} stage {s.stage_index} {n} step {step}")
+                assert_matches(p.grad, q.grad, f"rank {rank} stage {s.stage_index} {n} step {step}")
     pairs = len(_pairs_of(pipes["sequential"][0]))
     # the first step of a batch shape learns its shapes: its pairs run in program order; lock-step
     # pairs that never hand over run on one thread
@@ -244,7 +245,7 @@ def failing_half(rank, world, name, where):
 
 
 def _step_matches_one_process(pipe, topo, model, x, y, steps):
-    """`steps` steps from zero gradients; then every gradient matches one process's (within 1e-6)."""
+    """`steps` steps from zero gradients; then every gradient matches one process's (within exactness.FLOAT64_BOUND)."""
     for _ in range(steps):
         for s in pipe.stages:
             s.module.zero_grad(set_to_none=True)
@@ -253,7 +254,7 @@ def _step_matches_one_process(pipe, topo, model, x, y, steps):
     nn.CrossEntropyLoss()(reference_forward(ref, x), y).backward()
     for s in pipe.stages:
         for p, q in zip(s.module.parameters(), ref[topo.model_stage[s.stage_index]].parameters()):
-            _assert_grads_close(p.grad, q.grad, f"stage {s.stage_index}")
+            assert_matches(p.grad, q.grad, f"stage {s.stage_index}")
 
 
 def hooks_get_their_pairs(rank, world, name, how):

@@ -13,7 +13,7 @@ from torch import nn
 import pipecore as pc
 from models import NEVER, make_batch, pipeline_step
 from pipecore.stage.boundary import as_call
-from pipeline_cases import _assert_grads_close
+from exactness import assert_matches, default_dtype, rounding_bound
 from reliability_cases import _outcome
 
 WIDTH, CLASSES = 16, 5
@@ -92,14 +92,14 @@ def _per_microbatch_reference(ref, x, y, m, loss_fn=nn.CrossEntropyLoss(), rng_s
     return losses
 
 
-def _compare(pipe, ref, losses, ref_losses, what, rtol=1e-6):
+def _compare(pipe, ref, losses, ref_losses, what, bound=None):
     topo = pipe.schedule.topology
     for s in pipe.stages:
         for (n, p), q in zip(s.module.named_parameters(), ref[topo.model_stage[s.stage_index]].parameters()):
-            _assert_grads_close(p.grad, q.grad, f"{what} stage {s.stage_index} {n}", rtol)
+            assert_matches(p.grad, q.grad, f"{what} stage {s.stage_index} {n}", bound)
     if pipe.has_last:
         for mb, (a, b) in enumerate(zip(losses, ref_losses)):
-            torch.testing.assert_close(a, b, rtol=rtol, atol=1e-7, msg=f"{what} loss of microbatch {mb}")
+            assert_matches(a, b, f"{what} loss of microbatch {mb}", bound)
 
 
 def values_reach_the_next_stage(rank, world, name, V, m):
@@ -123,18 +123,21 @@ def values_reach_the_next_stage(rank, world, name, V, m):
 
 def autocast_bf16(rank, world, name, V, m):
     """Stages whose outputs are bf16 under torch.autocast("cpu", torch.bfloat16) train as one process
-    under the same autocast does."""
+    under the same autocast does, one microbatch after another: fp32 weights, as autocast needs (it
+    leaves float64 alone). Each kernel sees the shapes it sees in the pipeline, so bf16 rounds alike;
+    what is left is fp32's sum of the m microbatches' gradients in the schedule's order."""
     sched = pc.build_schedule(name, world, m, V)
-    model = _stages(AutocastStage, sched.num_stages)
+    with default_dtype(torch.float32):
+        model = _stages(AutocastStage, sched.num_stages)
+        x, y = make_batch(2 * m)
     ref = copy.deepcopy(model)
     mine = [pc.PipelineStage(copy.deepcopy(model[s]), s, sched.num_stages) for s in sched.rank_stages(rank)]
     pipe = pc.Pipeline(mine, sched, m, loss_fn=nn.CrossEntropyLoss(), timeout=60)
-    x, y = make_batch(2 * m)
     losses: list = []
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = pipeline_step(pipe, x, y, losses=losses)
         ref_losses = _per_microbatch_reference(ref, x, y, m)
-    _compare(pipe, ref, losses, ref_losses, f"rank {rank}", rtol=1e-2)
+    _compare(pipe, ref, losses, ref_losses, f"rank {rank}", rounding_bound(torch.float32, m))
     sent = {str(b.tensors[0].dtype) for p in pipe.plans.kept() for st in p.values() for b in st.outputs.values()}
     return sorted(sent), None if out is None else str(out.dtype)
 
@@ -182,10 +185,10 @@ def fsdp2_stages(rank, world, m):
     ref_losses = _per_microbatch_reference(ref, x, y, m)
     for (n, p), q in zip(module.named_parameters(), ref[rank].parameters()):
         assert type(p).__name__ == "DTensor", (n, type(p))
-        _assert_grads_close(p.grad.full_tensor(), q.grad, f"rank {rank} {n}")
+        assert_matches(p.grad.full_tensor(), q.grad, f"rank {rank} {n}")
     if pipe.has_last:
         for a, b in zip(losses, ref_losses):
-            torch.testing.assert_close(a, b)
+            assert_matches(a, b, f"rank {rank} loss")
     return True
 
 
@@ -226,10 +229,10 @@ def compiled_stage(rank, world, m, workdir):
         os.chdir(cwd)
     ref_losses = _per_microbatch_reference(ref, x, y, m)
     for (n, p), q in zip(module.block.named_parameters(), ref[rank].parameters()):
-        _assert_grads_close(p.grad, q.grad, f"rank {rank} {n}")
+        assert_matches(p.grad, q.grad, f"rank {rank} {n}")
     if pipe.has_last:
         for a, b in zip(losses, ref_losses):
-            torch.testing.assert_close(a, b)
+            assert_matches(a, b, f"rank {rank} loss")
     return sorted(set(seen))
 
 
@@ -262,7 +265,7 @@ def slipped_configuration(rank, world, slip):
     if slip == "computed_input":  # an embedding computed outside the pipeline, with its graph
         x = nn.Linear(WIDTH, WIDTH)(x)
     mine = [pc.PipelineStage(model[s], s, n) for s in sched.rank_stages(rank)]
-    loss = lambda out, t: out.float().pow(2).mean()  # noqa: E731
+    loss = lambda out, t: out.pow(2).mean()  # noqa: E731
     pipe = pc.Pipeline(mine, sched, m, loss_fn=loss, timeout=NEVER)  # what arrives was sent
     call = pipe.eval if slip == "mode" and rank == 1 else pipe.step
     run = lambda: call(*((x,) if pipe.has_first else ()), target=x if pipe.has_last else None)  # noqa: E731

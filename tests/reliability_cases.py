@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipecore as pc
+from exactness import assert_matches
 from models import NEVER, make_batch, make_stages, model_stage_count, rank_stages, reference_forward, pipeline_step
 from pipecore.errors import CommunicationError, InputError, PeerFailedError
 from pipeline_cases import set_messages
@@ -80,7 +81,7 @@ def failing_stage(rank, world, name, bad_rank, where, messages="default"):
     topo = pipe.schedule.topology
     for s in pipe.stages:
         for p, q in zip(s.module.parameters(), ref[topo.model_stage[s.stage_index]].parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+            assert_matches(p.grad, q.grad, f"rank {rank} stage {s.stage_index}")
     dist.destroy_process_group(group)
     return first, second
 
@@ -214,7 +215,7 @@ def stress(rank, world, name, steps, max_delay_us, seed):
         nn.CrossEntropyLoss()(reference_forward(ref, x), y).backward()
         for s in pipe.stages:
             for p, q in zip(s.module.parameters(), ref[topo.model_stage[s.stage_index]].parameters()):
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+                assert_matches(p.grad, q.grad, f"stage {s.stage_index} step {step}")
         opt.step()
         ref_opt.step()
         opt.zero_grad(set_to_none=True)

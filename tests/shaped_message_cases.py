@@ -26,7 +26,7 @@ class MaskedStage(nn.Module):
 
     def forward(self, h, keep=None):
         if self.first:
-            keep = (h[..., 0] > -10).float()
+            keep = (h[..., 0] > -10).to(h.dtype)
         return torch.tanh(self.lin(h)) * keep.unsqueeze(-1), keep
 
 

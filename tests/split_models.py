@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 import pipecore as pc
 from models import reference_forward
-from pipeline_cases import _assert_grads_close
+from exactness import assert_matches
 
 WIDTH, CLASSES = 8, 3
 COUNTS: Counter = Counter()  # per process: how often each piece of user code ran
@@ -327,7 +327,7 @@ def train_split_model(rank, world, name, kind, m):
     ref_counts = dict(COUNTS)
     for s in mine:
         for (n, p), q in zip(s.module.named_parameters(), ref[topo.model_stage[s.stage_index]].parameters()):
-            _assert_grads_close(p.grad, q.grad, f"rank {rank} stage {s.stage_index} {n}")
+            assert_matches(p.grad, q.grad, f"rank {rank} stage {s.stage_index} {n}")
     warned = [str(w.message) for w in caught if "pipecore: stage" in str(w.message)]
     return {
         "counts": counts,
@@ -367,7 +367,7 @@ def _check_two_stages(first, block, ref, x):
     ref[1](ref[0](x)).pow(2).mean().backward()  # the pipeline's two microbatches weigh one half each
     for mod, want in zip((first, block), ref):
         for (n, p), q in zip(mod.named_parameters(), want.parameters()):
-            _assert_grads_close(p.grad, q.grad, n)
+            assert_matches(p.grad, q.grad, n)
 
 
 # 1I0 and 1W0 apart (1F1 in between); 1I1 and 1W1 adjacent with stage 0 local: run as one B
@@ -404,7 +404,7 @@ def deferred_closures_run_at_w(rank, world):
     assert seen_at_f[1] == {"function backward": 1}, seen_at_f
     assert dict(COUNTS) == {"function backward": 2, "deferred closure": 2}, COUNTS
     _check_two_stages(first, block, ref, x)
-    _assert_grads_close(block.weight.main_grad, ref[1].weight.main_grad, "main_grad")
+    assert_matches(block.weight.main_grad, ref[1].weight.main_grad, "main_grad")
     return True
 
 

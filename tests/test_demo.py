@@ -9,9 +9,20 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+from exactness import default_dtype, rounding_bound
+from gpt import GPTConfig
+from gpt_cases import gradient_terms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt.py")
+
+
+# the demo's model (train_gpt.py's defaults: 6 blocks of width 128, 4 heads, 64 tokens, 32 rows a step) in
+# fp32: its first step's gradients are within the rounding of its longest sums (25,728 terms: 3.1e-3)
+DEMO_BOUND = rounding_bound(torch.float32, gradient_terms(GPTConfig(seq_len=64, width=128, heads=4, layers=6),
+                                                          tokens=32 * 64))
 
 
 def demo_command(steps: int, demo_dir: str) -> list[str]:
@@ -42,7 +53,7 @@ def test_demo_trains_writes_its_files_and_resumes(tmp_path):
     first = run(demo_command(4, demo_dir), work)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     grads = re.search(r"gradients of step 0 within ([0-9.e+-]+)", first.stdout)
-    assert grads and float(grads.group(1)) <= 1e-5, first.stdout
+    assert grads and float(grads.group(1)) <= DEMO_BOUND, first.stdout
     timeline = work / demo_dir / "gpt_timeline.png"
     assert timeline.stat().st_size > 10_000, "the timeline picture is missing or empty"
     assert str(timeline) in first.stdout  # the demo names where it wrote it
@@ -92,8 +103,6 @@ def test_readme_quickstart_is_the_example_file():
 def test_quickstart_trains_as_one_process_would(tmp_path):
     """The quickstart on 2 ranks (torchrun, as the README says to run it) prints the losses of the same
     model trained in one process: its model and data lines run here, the loop as one process would."""
-    import torch
-
     out = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", QUICKSTART],
               tmp_path, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -104,16 +113,17 @@ def test_quickstart_trains_as_one_process_would(tmp_path):
     definitions = source[:source.index("dist.init_process_group")]  # imports and the model's classes
     setup = source[source.index("torch.manual_seed(0)"):source.index("sched = ")]  # the model and the teacher
     scope = {}
-    exec(definitions + setup, scope)
-    model, teacher = scope["model"], scope["teacher"]
-    opt = torch.optim.AdamW(model.parameters(), lr=float(re.search(r"lr=([0-9.e-]+)", source).group(1)))
     expected = {}
-    for step in range(100):
-        x = torch.randn(32, 64)
-        loss = torch.nn.functional.mse_loss(model(x), teacher(x))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        expected[step + 1] = loss.item()
+    with default_dtype(torch.float32):  # the quickstart's dtype
+        exec(definitions + setup, scope)
+        model, teacher = scope["model"], scope["teacher"]
+        opt = torch.optim.AdamW(model.parameters(), lr=float(re.search(r"lr=([0-9.e-]+)", source).group(1)))
+        for step in range(100):
+            x = torch.randn(32, 64)
+            loss = torch.nn.functional.mse_loss(model(x), teacher(x))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            expected[step + 1] = loss.item()
     for step, value in printed:  # printed to 4 decimals; the two runs' rounding may differ in the last bits
         assert abs(float(value) - expected[int(step)]) <= 1e-4, (step, value, expected[int(step)])

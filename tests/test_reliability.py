@@ -84,7 +84,7 @@ def test_a_dead_rank_is_noticed():
     ("unsplittable", 0, "SplitError", "cannot split a batch of 3 rows into 4 microbatches"),
     ("no_target", 1, "InputError", "needs target="),
     ("nan", 1, "FloatingPointError", "loss of microbatch 0 is nan"),
-    ("rank", 0, "InputError", "[('3-d', 'torch.float32', 'grad')] where [('2-d', 'torch.float32', 'grad')] "
+    ("rank", 0, "InputError", "[('3-d', 'torch.float64', 'grad')] where [('2-d', 'torch.float64', 'grad')] "
                               "were expected"),
 ])
 def test_bad_input_gets_a_specific_error_on_every_rank(case, bad_rank, bad_kind, needle):
@@ -163,7 +163,7 @@ def test_a_stage_that_cannot_take_its_inputs_fails_every_rank_at_once(name, worl
             if rank == bad_rank:  # the module's own error, with a note saying where it ran
                 assert kind == "RuntimeError" and "mat1" in msg, msg
                 assert f"stage {bad_stage}'s forward of microbatch 0 on rank {bad_rank}" in notes, notes
-                assert "inputs [((2, 16), 'torch.float32'" in notes, notes
+                assert "inputs [((2, 16), 'torch.float64'" in notes, notes
             else:
                 assert kind == "PeerFailedError" and f"rank {bad_rank} failed in PP:{bad_stage}F0" in msg, (rank, msg)
                 assert "mat1" in msg, msg

@@ -9,6 +9,7 @@ SCHEDULES = [("gpipe", 4), ("1f1b", 4), ("interleaved_1f1b", 2), ("looped_bfs", 
              ("zbv", 2), ("dualpipev", 2)]
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("name, world", SCHEDULES)
 def test_unusual_stage_modules_match_single_process(name, world, kind):

@@ -82,7 +82,7 @@ def stage_ids(rank: int, world: int, stages_per_rank: int, v_style: bool) -> lis
 
 
 def cross_entropy(pred, labels, ignore_index=-100):
-    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=ignore_index)
+    return F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1), ignore_index=ignore_index)
 
 
 def batches(steps: int, rows: int, seed: int):

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import pipecore as pc
-from gpt_cases import relative_difference, small_config, sum_loss, text
+from exactness import difference
+from gpt_cases import small_config, sum_loss, text
 from gpt import build_gpt, pipeline_stages
 from shaped_message_cases import actions_in_program
 
@@ -89,7 +90,7 @@ def train_variable(rank: int, world: int, name: str, steps: int = 5, dp: int = 1
         for s in stages:
             for n, p in s.module.named_parameters():
                 want = reference.get_parameter(model_name[s.stage_index][n]).grad
-                worst["grad"] = max(worst["grad"], relative_difference(p.grad, want))
+                worst["grad"] = max(worst["grad"], difference(p.grad, want))
                 p.grad = None
         reference.zero_grad(set_to_none=True)
     return worst
@@ -145,7 +146,7 @@ def tagged_values(rank: int, world: int, name: str, compat: bool = False) -> flo
             (loss_fn(value, y) / (4 if compat else 1)).backward()
         for s in stages:
             for p, q in zip(s.module.parameters(), reference[s.stage_index].parameters()):
-                worst = max(worst, relative_difference(p.grad, q.grad))
+                worst = max(worst, difference(p.grad, q.grad))
                 p.grad = None
         for layer in reference:
             layer.zero_grad(set_to_none=True)
@@ -198,10 +199,10 @@ def keyword_microbatches(rank: int, world: int) -> dict:
                            [y for _, _, y in mbs] if pipe.has_last else None, loss_divisor=1.0)
     for x, s, y in mbs:
         ((forward(x, s) - y) ** 2).sum().backward()
-    grad = max(relative_difference(p.grad, q.grad)
+    grad = max(difference(p.grad, q.grad)
                for p, q in zip(pipe.stages[0].module.parameters(), reference[rank].parameters()))
     out = pipe.eval_microbatches([(x,) for x, _, _ in mbs] if pipe.has_first else None,
                                  [{"scale": s} for _, s, _ in mbs])
     with torch.no_grad():
-        outputs = None if out is None else max(relative_difference(o, forward(x, s)) for o, (x, s, _) in zip(out, mbs))
+        outputs = None if out is None else max(difference(o, forward(x, s)) for o, (x, s, _) in zip(out, mbs))
     return {"grad": grad, "outputs": outputs}

@@ -14,7 +14,7 @@ import pipecore as pc
 from models import pipeline_step
 from pipecore.errors import InputError, PipelineError
 from pipecore.training.wrapped_stages import WrappedStage
-from gpt_cases import relative_difference  # examples/gpt.py's, the tests' one measure
+from exactness import difference
 
 WIDTH = 16
 
@@ -235,12 +235,12 @@ def train(rank: int, world: int, kind: str, name: str, m: int = 4, options: dict
             tags.append([mod.tag.item() for mod in plain])
 
             for mb in range(m):
-                worst["loss"] = max(worst["loss"], relative_difference(losses[mb].detach(), ref_mb_losses[mb]))
+                worst["loss"] = max(worst["loss"], difference(losses[mb].detach(), ref_mb_losses[mb]))
             grad = 0.0
             for w, r in zip(wrapped, reference):
                 for (pname, p), q in zip(w.named_parameters(), r.parameters()):
                     assert p.grad is not None, f"{pname} has no gradient"
-                    grad = max(grad, relative_difference(_full(p.grad), q.grad))
+                    grad = max(grad, difference(_full(p.grad), q.grad))
             worst["grad"] = max(worst["grad"], grad)
             grad_by_step.append(grad)
             if options.get("accumulate"):  # the next step adds to .grad, as loss.backward() twice
@@ -251,7 +251,7 @@ def train(rank: int, world: int, kind: str, name: str, m: int = 4, options: dict
             ref_opt.zero_grad()
             for w, r in zip(wrapped, reference):
                 for p, q in zip(w.parameters(), r.parameters()):
-                    worst["weight"] = max(worst["weight"], relative_difference(_full(p.detach()), q.detach()))
+                    worst["weight"] = max(worst["weight"], difference(_full(p.detach()), q.detach()))
     finally:
         counter.close()
     # the module still works outside the pipeline: a plain forward/backward reduces as usual
@@ -458,7 +458,7 @@ def pipeline_train(rank: int, world: int, kind: str, name: str, m: int = 4, opti
             ref_norm = torch.nn.utils.clip_grad_norm_([p for r in reference for p in r.parameters()],
                                                       options["max_norm"])
             assert ref_norm > options["max_norm"], ref_norm
-            result.setdefault("norm", []).append(relative_difference(norm, ref_norm))
+            result.setdefault("norm", []).append(difference(norm, ref_norm))
         loss = 0.0
         if pipe.has_last:
             with torch.no_grad():
@@ -466,16 +466,16 @@ def pipeline_train(rank: int, world: int, kind: str, name: str, m: int = 4, opti
                     h = xm
                     for mod in reference:
                         h = mod(h)
-                    loss = max(loss, relative_difference(losses[mb].detach(), F.mse_loss(h, ym)))
+                    loss = max(loss, difference(losses[mb].detach(), F.mse_loss(h, ym)))
         grad = 0.0
         for s, w in wrapped.items():
             for p, q in zip(w.parameters(), reference[topo.model_stage[s]].parameters()):
-                grad = max(grad, relative_difference(_full(p.grad), q.grad))
+                grad = max(grad, difference(_full(p.grad), q.grad))
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-        weight = max(relative_difference(_full(p.detach()), q.detach()) for s, w in wrapped.items()
+        weight = max(difference(_full(p.detach()), q.detach()) for s, w in wrapped.items()
                      for p, q in zip(w.parameters(), reference[topo.model_stage[s]].parameters()))
         result["grad"].append(grad)
         result["loss"].append(loss)
@@ -520,7 +520,7 @@ def ddp_armed_late(rank: int, world: int) -> dict:
     stage.reduce_grad(True)
     stage.end_step(failed=False)
     reference(torch.cat(xs)).sum().mul(2 / world).backward()
-    grad = max(relative_difference(p.grad, q.grad) for p, q in zip(module.parameters(), reference.parameters()))
+    grad = max(difference(p.grad, q.grad) for p, q in zip(module.parameters(), reference.parameters()))
     return {"message": message, "grad": grad, "early": early}
 
 
@@ -542,16 +542,16 @@ def fsdp_adapter_made_while_unsharded(rank: int, world: int) -> bool:
 def ddp_sums_exactly(rank: int, world: int) -> dict:
     """dp = `world` replicas (3: not a power of two) of a one-stage pipeline whose stage is a DDP
     Linear, with integer inputs and a sum loss divided by loss_divisor=1: each replica's gradient is
-    integers, so the replicas' sum is exact in fp32. .grad must be exactly that sum (DDP's own hook
-    divides by dp, which multiplied back is exact only when dp is a power of two)."""
+    integers, so the replicas' sum is exact in fp32, the dtype this case is about. .grad must be exactly
+    that sum (DDP's own hook divides by dp, which multiplied back is exact only when dp is a power of two)."""
     mesh = _mesh(world, 1)
     torch.manual_seed(0)
-    layer = torch.nn.Linear(8, 8, bias=False)
+    layer = torch.nn.Linear(8, 8, bias=False, dtype=torch.float32)
     ddp = torch.nn.parallel.DistributedDataParallel(layer, process_group=mesh.get_group("dp"))
     pipe = pc.Pipeline(pc.PipelineStage(ddp, 0, 1), "1f1b", 2, loss_fn=lambda out: out.sum(),
                        group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"), timeout=60)
     g = torch.Generator().manual_seed(7)
-    X = torch.randint(-50, 50, (world * 4, 8), generator=g).float()
+    X = torch.randint(-50, 50, (world * 4, 8), generator=g).float()  # fp32 on purpose
     pipe.step(X.chunk(world)[rank], loss_divisor=1.0)
     want = X.sum(0).expand(8, 8)  # d(sum(X W^T))/dW: every row of W gets the column sums of X
     return {"exact": bool(torch.equal(layer.weight.grad, want)),
