@@ -20,6 +20,7 @@ print at all, say one stuck in a call that holds the GIL).
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -49,8 +50,13 @@ class FirstFailure:
         threading.Thread(target=self._watch, args=(watch_store,), daemon=True, name="first-failure").start()
 
     def close(self) -> None:
-        """Training ended well on this rank: stop watching."""
+        """Training ended well on this rank: stop watching (and nobody waits for this rank to say it
+        stopped)."""
         self.done.set()
+        try:
+            self.store.set(f"{self.stopped_prefix}{self.rank}", "ended")
+        except Exception:  # noqa: BLE001 - torchrun's store is gone
+            pass
 
     def failed(self, error: Exception) -> None:
         """This rank's error: name the first error of the run on this rank's output, then exit(1)."""
@@ -86,17 +92,18 @@ class FirstFailure:
     def _wait_for_the_others(self, store, first: str | None = None) -> list[int]:
         """Waits (`wait` seconds at most) until every rank but the first (this one, when `first` is None)
         said it stopped; returns those that did not."""
-        first_rank = self.rank if first is None else int(first.split()[1])  # "rank N failed: ..."
-        others = [r for r in range(self.world) if r != first_rank]
+        found = re.match(r"rank (\d+) failed", first or "")
+        first_rank = int(found.group(1)) if found else self.rank
+        keys = {r: f"{self.stopped_prefix}{r}" for r in range(self.world) if r != first_rank}
         deadline = time.monotonic() + self.wait
-        while True:
-            try:
-                missing = [r for r in others if not store.check([f"{self.stopped_prefix}{r}"])]
-            except Exception:  # noqa: BLE001 - torchrun's store is gone: nobody left to wait for
-                return []
-            if not missing or time.monotonic() > deadline:
-                return missing
-            time.sleep(self.poll / 4)
+        try:
+            while not store.check(list(keys.values())):  # one request for all of them
+                if time.monotonic() > deadline:
+                    return [r for r, key in keys.items() if not store.check([key])]
+                time.sleep(self.poll / 4)
+        except Exception:  # noqa: BLE001 - torchrun's store is gone: nobody left to wait for
+            pass
+        return []
 
     def _stopped(self, store, first: str) -> None:
         """This rank said it stopped (a key of its own: saying it twice counts once); it leaves once

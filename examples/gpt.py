@@ -125,8 +125,8 @@ def pipeline_stages(model: nn.Sequential, schedule: pc.Schedule, rank: int, *, m
 
 
 def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Largest |got - want| relative to want's largest entry: how the example and the tests compare
-    a pipeline's tensors with one process's."""
+    """Largest |got - want| relative to want's largest entry: how the examples compare a pipeline's
+    tensors with one process's (the tests' tests/exactness.py measures the same)."""
     got, want = got.detach().double(), want.detach().double()
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 

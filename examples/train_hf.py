@@ -27,13 +27,13 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import pipecore as pc  # noqa: E402
-from gpt import stdlib_bytes  # noqa: E402
+from gpt import relative_difference, stdlib_bytes  # noqa: E402
 from launch import init_gloo, under_torchrun  # noqa: E402
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", default="llama", choices=FAMILIES)
     ap.add_argument("--config", default=None, help="a config.json (or a folder holding one) instead of --family")
@@ -46,7 +46,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--lr", type=float, default=3e-3)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.rows % args.microbatches:
         ap.error(f"--rows {args.rows} must be a multiple of --microbatches {args.microbatches}")
     return args
@@ -111,9 +111,7 @@ def main() -> None:
             loss = pc.hf.causal_lm_loss(reference(input_ids=ids, attention_mask=mask).logits, labels) / tokens
             loss.backward()
             by_id = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-            worst = max(float((p.grad - reference.get_parameter(by_id[id(p)]).grad).abs().max()
-                              / reference.get_parameter(by_id[id(p)]).grad.abs().max().clamp(min=1e-12))
-                        for p in params)
+            worst = max(relative_difference(p.grad, reference.get_parameter(by_id[id(p)]).grad) for p in params)
             worst_all = torch.tensor([worst])
             dist.all_reduce(worst_all, op=dist.ReduceOp.MAX)
             if rank == 0:

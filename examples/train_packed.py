@@ -27,7 +27,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import pipecore as pc  # noqa: E402
-from gpt import at_least_fp32, stdlib_bytes  # noqa: E402
+from gpt import at_least_fp32, relative_difference, stdlib_bytes  # noqa: E402
 from launch import init_gloo, under_torchrun  # noqa: E402
 
 IGNORE = -100
@@ -139,7 +139,7 @@ def main() -> None:
                 part = parts[topo.model_stage[s.stage_index]]
                 for (_, p), (_, q) in zip(s.module.named_parameters(), part.named_parameters()):
                     want = reference.get_parameter(name_of[id(q)]).grad
-                    worst = max(worst, float((p.grad - want).abs().max() / want.abs().max().clamp(min=1e-12)))
+                    worst = max(worst, relative_difference(p.grad, want))
             worst_all = torch.tensor([worst])
             dist.all_reduce(worst_all, op=dist.ReduceOp.MAX)
             if rank == 0:

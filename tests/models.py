@@ -97,6 +97,13 @@ def reference_forward(stages: list[nn.Module], x):
     return value
 
 
+def stack_terms(rows: int, stages: int, width: int = 16) -> int:
+    """The longest sum behind a gradient of make_stages' models, for exactness.rounding_bound: a weight
+    gradient sums over the batch's rows, and its factors went through every stage's sums, forward and
+    backward (a LayerNorm's two over the width, Linear layers over at most twice the width)."""
+    return rows + 2 * stages * 6 * width
+
+
 def make_batch(rows: int, width: int = 16, classes: int = 5, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(rows, width, generator=g), torch.randint(0, classes, (rows,), generator=g)

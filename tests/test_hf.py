@@ -111,12 +111,16 @@ def test_the_example_trains_a_causal_lm():
                           "--family", "qwen3", "--seq-len", "24"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     found = re.search(r"step 0's gradients within ([0-9.e+-]+)", out.stdout)
-    # fp32, as users run the example: 8 rows of up to 24 tokens, qwen3 of 4 layers of width 64 (MLP 128,
-    # 4 heads of 16), 256 tokens in the vocabulary: 7,744 terms in its longest sums, 9.2e-4
+    # fp32, as users run the example: its rows of up to 24 tokens, qwen3 of its layers and width (its
+    # config: an MLP twice as wide, 4 heads, 256 tokens in the vocabulary): 7,744 terms in its longest
+    # sums with the defaults, 9.2e-4
     import torch
+    import train_hf
 
-    bound = rounding_bound(torch.float32, transformer_terms(tokens=8 * 24, width=64, mlp_width=128, layers=4,
-                                                            head_width=16, seq_len=24, vocab=256))
+    args = train_hf.parse_args(["--family", "qwen3", "--seq-len", "24"])
+    bound = rounding_bound(torch.float32, transformer_terms(
+        tokens=args.rows * args.seq_len, width=args.hidden, mlp_width=2 * args.hidden, layers=args.layers,
+        head_width=args.hidden // 4, seq_len=args.seq_len, vocab=256))
     assert found and float(found.group(1)) <= bound, out.stdout
     assert "step 5: loss" in out.stdout, out.stdout
 
@@ -143,3 +147,18 @@ def test_the_layers_of_a_stage_share_one_mask_and_one_rotary_embedding():
         assert torch.equal(logits, model(input_ids=ids, attention_mask=mask, position_ids=pos).logits)
         masks, rotaries = {id(m) for m, _ in seen[:4]}, {id(r) for _, r in seen[:4]}
         assert len(seen) == 8 and len(masks) == 1 and len(rotaries) == 1 and seen[0][0] is not None, seen
+
+
+def test_causal_lm_loss_widens_low_precision_and_keeps_float64():
+    import torch
+
+    import pipecore as pc
+
+    labels = torch.tensor([[1, 2, -100, 3]])
+    for dtype, want in [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                        (torch.float32, torch.float32), (torch.float64, torch.float64)]:
+        logits = torch.randn(1, 4, 5, dtype=torch.float64).to(dtype)
+        loss = pc.hf.causal_lm_loss(logits, labels)
+        assert loss.dtype == want, (dtype, loss.dtype)
+        wide = torch.nn.functional.cross_entropy(logits[0, :-1].double(), labels[0, 1:], reduction="sum")
+        assert float(loss) == pytest.approx(float(wide), rel=torch.finfo(want).eps * 10)

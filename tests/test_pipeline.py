@@ -45,12 +45,14 @@ def test_receives_posted_ahead(name, world, V, window, max_bytes, past_sends):
 @pytest.mark.parametrize("name, world, V", [("gpipe", 4, 1), ("1f1b", 2, 1), ("interleaved_1f1b", 2, 2),
                                             ("interleaved_zb", 2, 2), ("zbv", 2, 2), ("dualpipe", 2, 2)])
 @pytest.mark.parametrize("messages", ["large", "direct", "device"])
-def test_message_paths(name, world, V, messages):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_message_paths(name, world, V, messages, dtype):
     # every message as large ones go (tensors from their own storage, then a trailer), every send
     # and receive posted by the compute thread (as on NCCL), or the device path's protocol run by the
-    # host (csrc/host_device_comm.cpp): 2 steps with an optimizer
+    # host (csrc/host_device_comm.cpp): 2 steps with an optimizer; in fp32 too, as users send it (4-byte
+    # elements in the messages' packing, sizes and alignment)
     pool(world).run(train_and_compare, name, 2 * world, V, "multi", 4 * world + 1, 2, True, True, False, None,
-                    messages)
+                    messages, None, dtype)
 
 
 @pytest.mark.parametrize("name", ["1f1b", "interleaved_zb", "zbv", "dualpipev", "dualpipe"])

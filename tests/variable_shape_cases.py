@@ -83,10 +83,10 @@ def train_variable(rank: int, world: int, name: str, steps: int = 5, dp: int = 1
                 loss = sum_loss(reference(x), y)
                 (loss / tokens).backward()
                 if r == replica:
-                    want_losses.append(float(loss.detach()))
+                    want_losses.append(loss.detach())
         for got, want in zip(losses, want_losses):  # (dualpipe: None where the other direction's last stage is)
             if got is not None:
-                worst["loss"] = max(worst["loss"], abs(float(got) - want) / abs(want))
+                worst["loss"] = max(worst["loss"], difference(got, want))
         for s in stages:
             for n, p in s.module.named_parameters():
                 want = reference.get_parameter(model_name[s.stage_index][n]).grad

@@ -40,9 +40,9 @@ IGNORE_INDEX = -100  # Hugging Face's label for "no loss here" (padding)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The summed next-token cross entropy of a causal LM, as Hugging Face computes it (logits in
-    fp32 at least: bf16 and fp16 are widened, float64 is kept; position t predicts labels[t + 1],
-    labels equal to -100 ignored). A sum: give the step `loss_divisor=(labels[:, 1:] != -100).sum()`
+    """The summed next-token cross entropy of a causal LM, as Hugging Face computes it (position t
+    predicts labels[t + 1], labels equal to -100 ignored, bf16 and fp16 logits widened to fp32),
+    except that float64 logits stay float64 (Hugging Face casts them to fp32). A sum: give the step `loss_divisor=(labels[:, 1:] != -100).sum()`
     for the mean over the batch's target tokens."""
     logits = logits[:, :-1].flatten(0, 1)
     return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels[:, 1:].flatten(),
