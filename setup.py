@@ -15,6 +15,7 @@ new temporary folder each time); ccache is used where it is installed.
 
 import glob
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -77,17 +78,20 @@ def _libstdcxx_link_args(cxx=None):
     a GPU image's /opt/gcc; `python -m pipecore.tools.build_check` looks for such a copy)."""
     if not sys.platform.startswith("linux"):
         return []
-    cxx = cxx or os.environ.get("CXX") or "c++"
+    command = shlex.split(cxx or os.environ.get("CXX") or "c++")  # "ccache g++" too
     try:
-        found = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
+        found = subprocess.run([*command, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
                                timeout=60).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return []
     if os.path.isabs(found):  # the compiler links a shared libstdc++ itself
         return []
     with open("/proc/self/maps") as maps:
-        loaded = sorted({line.split()[-1] for line in maps if "/libstdc++.so" in line})
-    return loaded[:1]
+        loaded = [line.split()[-1] for line in maps if "/libstdc++.so" in line]
+    if not loaded:
+        print(f"pipecore: {command[0]} finds no shared libstdc++ and torch loaded none here: the extension may "
+              "carry a copy of its own (python -m pipecore.tools.build_check will say)", file=sys.stderr)
+    return loaded[:1]  # its first mapped segment (a process loads one libstdc++)
 
 
 def _testing():

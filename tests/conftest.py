@@ -6,7 +6,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 # torch's own schedule builders for side-by-side checks live with the benchmarks (bench/torch_schedules.py), the
-# example GPT and its measure of a difference with the examples (examples/gpt.py)
+# example GPT and the example scripts' arguments with the examples (examples/gpt.py)
 for folder in ("bench", "examples"):
     sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), folder))
 

@@ -3,6 +3,7 @@
 import ast
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -93,7 +94,7 @@ def test_setup_links_torchs_libstdcxx_where_the_compiler_has_only_a_static_one(t
     source = open(os.path.join(ROOT, "setup.py")).read()
     helper = next(node for node in ast.parse(source).body
                   if isinstance(node, ast.FunctionDef) and node.name == "_libstdcxx_link_args")
-    scope = {"os": os, "sys": sys, "subprocess": subprocess}
+    scope = {"os": os, "sys": sys, "subprocess": subprocess, "shlex": shlex}
     exec(compile(ast.Module([helper], type_ignores=[]), "setup.py", "exec"), scope)
     static_only = tmp_path / "c++"
     static_only.write_text("#!/bin/sh\necho libstdc++.so\n")

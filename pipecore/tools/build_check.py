@@ -68,7 +68,8 @@ print(info.dli_fname.decode())
 
 def streams_come_from(library: str) -> str:
     """The file that `library`'s std::ostream code resolves to in a process that imported torch first
-    (Linux; '' where it cannot be told): `library` itself when it was linked with a static libstdc++."""
+    (Linux; '' where it cannot be told, and then nothing is refused): `library` itself when it was linked
+    with a static libstdc++ (unless that copy's symbols were hidden from the dynamic table)."""
     try:
         out = subprocess.run([sys.executable, "-c", _WHERE_STREAMS, library], capture_output=True, text=True,
                              timeout=120)
@@ -78,7 +79,10 @@ def streams_come_from(library: str) -> str:
 
 
 def extension_path() -> str:
-    return importlib.util.find_spec("pipecore._C").origin
+    spec = importlib.util.find_spec("pipecore._C")
+    if spec is None:
+        raise SystemExit("pipecore._C is not built: make install (or pip install --no-build-isolation -e .)")
+    return spec.origin
 
 
 def check(probe: str = PROBE, library: str | None = None) -> str | None:
