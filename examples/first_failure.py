@@ -35,6 +35,14 @@ import pipecore as pc
 DERIVED = (pc.PeerFailedError, pc.CommunicationError)
 
 
+def say(line: str) -> None:
+    """One line on stderr, in one write. The ranks print at once into one pipe, and print() writes a line
+    and its newline apart where Python runs unbuffered (PYTHONUNBUFFERED=1, common in containers and
+    CI): another rank's line then lands between them, in the middle of this one."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 class FirstFailure:
     def __init__(self, poll_seconds: float = 0.2, wait_seconds: float = 30.0, derived_seconds: float = 5.0):
         self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -66,16 +74,15 @@ class FirstFailure:
         first = self._first(mine, wait=self.derived_wait if derived else 0.0)
         if first == mine:
             traceback.print_exception(error)
-            print(f"[rank {self.rank}] {mine}", file=sys.stderr, flush=True)
+            say(f"[rank {self.rank}] {mine}")
             missing = self._wait_for_the_others(self.store)
             if missing:
-                print(f"[rank {self.rank}] not every rank said it stopped within {self.wait:.0f} s: not {missing}",
-                      file=sys.stderr, flush=True)
+                say(f"[rank {self.rank}] not every rank said it stopped within {self.wait:.0f} s: not {missing}")
         else:
             if not derived:  # an error of its own beside the first one: show it too
                 traceback.print_exception(error)
             own = f"{type(error).__name__}: {error}".splitlines()[0][:100]
-            print(f"[rank {self.rank}] stopped: {first} (here: {own})", file=sys.stderr, flush=True)
+            say(f"[rank {self.rank}] stopped: {first} (here: {own})")
             self._stopped(self.store, first)
         sys.exit(1)
 
@@ -125,7 +132,7 @@ class FirstFailure:
                 continue  # process if its store is gone for good)
             if self.done.is_set() or first.startswith(f"rank {self.rank} "):
                 return  # this rank's main thread is reporting
-            print(f"[rank {self.rank}] stopped: {first}", file=sys.stderr, flush=True)
+            say(f"[rank {self.rank}] stopped: {first}")
             try:
                 self._stopped(store, first)
             finally:

@@ -96,6 +96,33 @@ def test_one_rank_failing_is_named_on_every_rank(tmp_path):
     assert "not every rank said it stopped" not in out.stderr, out.stderr[-4000:]
 
 
+def test_a_rank_says_its_line_in_one_write(monkeypatch):
+    """Every rank prints its line at once into torchrun's one pipe. Where Python runs unbuffered
+    (PYTHONUNBUFFERED=1, as here and in many containers), print() writes a line and its newline apart,
+    and another rank's line landed in between: '[rank 2] stopped: ...[rank 3] stopped: ...' (the test
+    above failed so in 1 of 26 runs beside two CPU burners). say() writes each line whole."""
+    import io
+
+    import first_failure
+
+    class Writes(io.RawIOBase):
+        def __init__(self):
+            self.seen = []
+
+        def writable(self):
+            return True
+
+        def write(self, data):
+            self.seen.append(bytes(data))
+            return len(data)
+
+    unbuffered = Writes()  # what PYTHONUNBUFFERED=1 makes of sys.stderr: no buffer, every write goes out
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(unbuffered, write_through=True))
+    print("[rank 2] stopped: print", file=sys.stderr, flush=True)
+    first_failure.say("[rank 2] stopped: say")
+    assert unbuffered.seen == [b"[rank 2] stopped: print", b"\n", b"[rank 2] stopped: say\n"], unbuffered.seen
+
+
 QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")
 
 
