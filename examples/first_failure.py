@@ -5,7 +5,7 @@ gloo's "Connection closed by peer" (NCCL: a timeout): a wall of tracebacks that 
 first. Here the first rank to fail posts its error in torchrun's store. A thread on every rank watches
 that store, so the other ranks print that error within a fraction of a second, wherever they are blocked.
 Every rank leaves once all have printed: torchrun stops the rest as soon as one exits, so no rank may leave
-before the others said they stopped (each under a key of its own), or 30 s passed (a rank that cannot
+before the others said they stopped (each under a key of its own), or 10 s passed (a rank that cannot
 print at all, say one stuck in a call that holds the GIL).
 
     watch = FirstFailure()            # after torchrun started this process
@@ -44,7 +44,7 @@ def say(line: str) -> None:
 
 
 class FirstFailure:
-    def __init__(self, poll_seconds: float = 0.2, wait_seconds: float = 30.0, derived_seconds: float = 5.0):
+    def __init__(self, poll_seconds: float = 0.2, wait_seconds: float = 10.0, derived_seconds: float = 5.0):
         self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self.error_key, self.stopped_prefix = f"first_failure/{run}/error", f"first_failure/{run}/stopped/"
