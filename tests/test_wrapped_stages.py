@@ -145,6 +145,30 @@ def test_through_the_pipeline_matches_single_process(kind, name):
             {"stage_events": r["pairs"] * (steps - 1)} if r["pairs"] else {}), r["overlap_fallbacks"]
 
 
+WRAPPERS = {"ddp": ("ddp", {}), "fsdp": ("fsdp", {}),
+            "fsdp_kept_unsharded": ("fsdp", {"reshard_after_forward": False})}
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev", "dualpipe",
+                                  "weights_last"])
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_every_schedule_and_dp_size_matches_single_process(wrapper, name, dp):
+    """2 pipeline ranks, dp in {1, 2}, every stage module wrapped (DDP; FSDP2 resharding after each
+    forward or not) and no dp_group given, as TorchTitan builds them (it wraps in FSDP2 at dp=1 too):
+    under every schedule, the zero-bubble ones (whose W actions run after a stage's last I) and a
+    user's CSV schedule with the I/W split included, each gradient, loss and weight of two SGD steps
+    equals one process's."""
+    kind, options = WRAPPERS[wrapper]
+    options = {**options, "dp": dp, "infer_dp_group": True}
+    for rank, r in enumerate(pool(2 * dp).run(cases.pipeline_train, kind, name, 4, options, timeout=180)):
+        for step, (g, loss, w) in enumerate(zip(r["grad"], r["loss"], r["weight"])):
+            assert g <= FLOAT64_BOUND, f"rank {rank} step {step}: gradients differ from one process by {g:.2e} (relative)"
+            assert loss <= FLOAT64_BOUND, f"rank {rank} step {step}: losses differ by {loss:.2e}"
+            assert w <= FLOAT64_BOUND, f"rank {rank} step {step}: weights differ by {w:.2e}"
+
+
 @pytest.mark.parametrize("kind, name", [("ddp", "1f1b"), ("fsdp", "zbv")])
 def test_the_wrappers_group_is_the_data_parallel_group_when_none_is_given(kind, name):
     """As torch's schedules: pc.Pipeline(...) without dp_group takes the group DDP/FSDP2 reduce over."""

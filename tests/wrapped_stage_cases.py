@@ -408,23 +408,54 @@ def _mesh(dp: int, pp: int):
     return _MESH[(dp, pp)]
 
 
+def weights_last(pp: int, m: int) -> pc.Schedule:
+    """A user's CSV schedule with the I/W split: 1F1B whose backwards are input backwards (I), each
+    rank's weight backwards (W) all after its last I, the last microbatch's first."""
+    import tempfile
+
+    rows = []
+    for r in range(pp):
+        warmup = min(pp - 1 - r, m)
+        row = [f"{r}F{mb}" for mb in range(warmup)]
+        for mb in range(m):
+            if mb + warmup < m:
+                row.append(f"{r}F{mb + warmup}")
+            row.append(f"{r}I{mb}")
+        rows.append(",".join(row + [f"{r}W{mb}" for mb in reversed(range(m))]))
+    with tempfile.TemporaryDirectory() as folder:
+        path = f"{folder}/weights_last.csv"
+        with open(path, "w") as f:
+            f.write("\n".join(rows) + "\n")
+        return pc.Schedule.from_csv(path)
+
+
+def schedule(name: str, pp: int, m: int) -> pc.Schedule:
+    """Schedule `name` on `pp` ranks (2 stages per rank where it takes a number), or "weights_last"."""
+    if name == "weights_last":
+        return weights_last(pp, m)
+    return pc.build_schedule(name, pp, m, None if name in ("1f1b", "gpipe", "dualpipe") else 2)
+
+
 def pipeline_train(rank: int, world: int, kind: str, name: str, m: int = 4, options: dict | None = None) -> dict:
     """`steps` SGD steps through pc.Pipeline with every stage module wrapped in DDP (over the dp
-    group) or FSDP2 (over the dp mesh dimension), next to one process training the whole model on
+    group) or FSDP2 (over the dp mesh dimension; options "dp": its size, 2 unless given, and
+    "reshard_after_forward"), next to one process training the whole model on
     the whole global batch. Returns the worst relative differences per step."""
     import copy
 
     from torch.distributed.fsdp import fully_shard
 
     options = options or {}
-    dp, pp = 2, world // 2
+    dp = options.get("dp", 2)
+    pp = world // dp
     mesh = _mesh(dp, pp)
     replica, position = divmod(rank, pp)
-    sched = pc.build_schedule(name, pp, m, None if name in ("1f1b", "gpipe") else 2)
+    sched = schedule(name, pp, m)
     topo = sched.topology
     model = stage_modules(len(set(topo.model_stage)))
     reference = copy.deepcopy(model)
     wrapped = {}
+    reshard = options.get("reshard_after_forward", True)
     for s in sched.rank_stages(position):
         module = copy.deepcopy(model[topo.model_stage[s]])
         if kind == "ddp":
@@ -433,8 +464,8 @@ def pipeline_train(rank: int, world: int, kind: str, name: str, m: int = 4, opti
             if options.get("nested"):
                 for layer in module:
                     if isinstance(layer, torch.nn.Linear):
-                        fully_shard(layer, mesh=mesh["dp"])
-            module = fully_shard(module, mesh=mesh["dp"])
+                        fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
+            module = fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
         wrapped[s] = module
     stages = [pc.PipelineStage(wrapped[s], s, sched.num_stages) for s in sched.rank_stages(position)]
     pipe = pc.Pipeline(stages, sched, m, loss_fn=torch.nn.MSELoss(), group=mesh.get_group("pp"),
@@ -463,6 +494,8 @@ def pipeline_train(rank: int, world: int, kind: str, name: str, m: int = 4, opti
         if pipe.has_last:
             with torch.no_grad():
                 for mb, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
+                    if losses[mb] is None:  # dualpipe: computed by the other direction's last stage
+                        continue
                     h = xm
                     for mod in reference:
                         h = mod(h)

@@ -7,9 +7,9 @@ first.
 
 from __future__ import annotations
 
-import sys
-
 import torch
+
+from pipecore.training.wrapped_stages import is_sharded, local_part
 
 
 def clip_grad_norm_(pipe, max_norm: float, norm_type: float = 2.0,
@@ -31,8 +31,8 @@ def clip_grad_norm_(pipe, max_norm: float, norm_type: float = 2.0,
     comm, dp = pipe.comm, pipe.gradients.dp
     device = comm.device_for()
     inf = norm_type == float("inf")
-    sharded = [_local(g) for g in counted if _is_sharded(g)]
-    local = _norm_part([g for g in counted if not _is_sharded(g)], norm_type, device)
+    sharded = [local_part(g) for g in counted if is_sharded(g)]
+    local = _norm_part([g for g in counted if not is_sharded(g)], norm_type, device)
     if sharded:  # FSDP2 stages: each replica holds a shard of the gradient; the same on every replica
         part = _norm_part(sharded, norm_type, comm.device_for(dp.group))
         part = comm.all_reduce_tensor(part.reshape(1), "max" if inf else "sum",
@@ -50,9 +50,9 @@ def clip_grad_norm_(pipe, max_norm: float, norm_type: float = 2.0,
                            "so it cannot be clipped (error_if_nonfinite=True)")
     clip = (max_norm / (total.double() + 1e-6)).clamp(max=1.0)
     for g in every:
-        g = _local(g.detach())
+        g = local_part(g.detach())
         g.mul_(clip.to(device=g.device, dtype=g.dtype))
-    return total.to(_local(every[0]).device) if every else total
+    return total.to(local_part(every[0]).device) if every else total
 
 
 def _norm_part(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
@@ -61,23 +61,6 @@ def _norm_part(grads: list[torch.Tensor], norm_type: float, device: torch.device
         return torch.zeros((), dtype=torch.float64, device=device)
     norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).to(device) for g in grads]).double()
     return norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
-
-
-def _dtensor():
-    """torch.distributed.tensor once imported (no gradient can be a DTensor before; importing it
-    costs a second)."""
-    return sys.modules.get("torch.distributed.tensor")
-
-
-def _is_sharded(g: torch.Tensor) -> bool:
-    """A DTensor gradient sharded over the data-parallel group (FSDP2)."""
-    dt = _dtensor()
-    return dt is not None and isinstance(g, dt.DTensor) and any(isinstance(p, dt.Shard) for p in g.placements)
-
-
-def _local(g: torch.Tensor) -> torch.Tensor:
-    dt = _dtensor()
-    return g.to_local() if dt is not None and isinstance(g, dt.DTensor) else g
 
 
 def _is_pipeline(obj) -> bool:

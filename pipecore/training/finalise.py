@@ -36,6 +36,7 @@ import torch
 from pipecore.executor.comm import Comm
 from pipecore.training.data_parallel import DataParallel
 from pipecore.training.ties import TiedWeights
+from pipecore.training.wrapped_stages import local_part
 
 
 class GradFinalisation:
@@ -120,7 +121,9 @@ class GradFinalisation:
                        for name, p in s.module.named_parameters() if p.requires_grad}.values())
         if not params:  # the partner holds the same model stages: it has none either
             return
-        mine = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, _, p in params]
+        # an FSDP2 stage's parameters are DTensors: the partner's copy holds the same shard (the same
+        # dp rank), so the local shards are summed
+        mine = [local_part(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, _, p in params]
         # after the gradients, one flag per parameter: 1 where this copy got a gradient
         got = torch.tensor([p.grad is not None for _, _, p in params], dtype=mine[0].dtype, device=mine[0].device)
         flat = torch.cat(mine + [got])
@@ -128,6 +131,11 @@ class GradFinalisation:
         anyone_got = total[-len(params):].tolist()
         offset = 0
         for (_, _, p), got_one in zip(params, anyone_got):
-            n = p.numel()
-            p.grad = total[offset:offset + n].view_as(p).clone() if got_one else None
+            n = local_part(p).numel()
+            if got_one:
+                grad = torch.zeros_like(p) if p.grad is None else p.grad
+                local_part(grad).copy_(total[offset:offset + n].view_as(local_part(grad)))
+                p.grad = grad
+            else:
+                p.grad = None
             offset += n

@@ -36,6 +36,24 @@ def _fsdp_module() -> type | tuple:
     return getattr(fsdp, "FSDPModule", ()) if fsdp is not None else ()
 
 
+def _dtensor():
+    """torch.distributed.tensor once imported (no tensor can be a DTensor before; importing it costs a
+    second)."""
+    return sys.modules.get("torch.distributed.tensor")
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """A DTensor sharded over the data-parallel group (an FSDP2 parameter or gradient)."""
+    dt = _dtensor()
+    return dt is not None and isinstance(t, dt.DTensor) and any(isinstance(p, dt.Shard) for p in t.placements)
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `t`: a DTensor's local shard, any other tensor itself."""
+    dt = _dtensor()
+    return t.to_local() if dt is not None and isinstance(t, dt.DTensor) else t
+
+
 def _ranks(group) -> list[int]:
     return sorted(dist.get_process_group_ranks(group))
 
@@ -102,9 +120,11 @@ class WrappedStage:
     @staticmethod
     def common_group(modules: list[torch.nn.Module]):
         """The data-parallel group that the DDP/FSDP2-wrapped modules among `modules` reduce over
-        (DDP's process_group, FSDP2's 1-D mesh); None when none is wrapped or each reduces over this
-        rank alone. Raises InputError when they reduce over different groups, or over a mesh of more
-        dimensions (HSDP), where the Pipeline needs dp_group."""
+        (DDP's process_group, FSDP2's 1-D mesh), None when none is wrapped. A group of this rank alone
+        counts (TorchTitan wraps in FSDP2 at dp=1): the wrapper is driven by the step's events at any
+        size, or its hooks would reduce at the end of each input backward, before that microbatch's
+        weight backward (W) ran. Raises InputError when they reduce over different groups, or over a
+        mesh of more dimensions (HSDP), where the Pipeline needs dp_group."""
         found: dict[tuple[int, ...], object] = {}
         FSDPModule = _fsdp_module()
         for module in modules:
@@ -121,7 +141,6 @@ class WrappedStage:
                 continue
             for group in groups:
                 found.setdefault(tuple(_ranks(group)), group)
-        found = {ranks: g for ranks, g in found.items() if len(ranks) > 1}
         if len(found) > 1:
             raise InputError(f"this rank's wrapped stage modules reduce over different groups (ranks "
                              f"{' and '.join(str(list(r)) for r in found)}): wrap every stage over the one "
