@@ -417,6 +417,71 @@ def misuse(rank, world, case, tmp):
             pipe = pc.Pipeline(pc.PipelineStage(nn.Linear(WIDTH, WIDTH), rank, world), "1f1b", 4, loss_fn=nn.MSELoss())
             pipe.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None,
                       **({"scale": torch.ones(8, 1)} if rank == 1 else {}))
+        elif case == "keyword_step":
+            # a newer torch's (and TorchTitan's) step(arg_mbs=, kwarg_mbs=, target_mbs=): microbatches the caller
+            # split, the same gradients and losses as _step_microbatches over them, bit for bit
+            runs = []
+            for form in ("keyword", "method"):
+                torch.manual_seed(1)
+                mod = nn.Linear(WIDTH, WIDTH)
+                sched = Schedule1F1B(PipelineStage(mod, rank, world), 4, loss_fn=nn.MSELoss(), scale_grads=False)
+                arg_mbs = [(c,) for c in x.chunk(4)] if rank == 0 else None
+                target_mbs = list(y.chunk(4)) if rank == world - 1 else None
+                kwarg_mbs = [{} for _ in range(4)]  # TorchTitan passes them on every rank
+                losses = [] if rank == world - 1 else None
+                if form == "keyword":
+                    out = sched.step(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs, losses=losses,
+                                     return_outputs=False)
+                    assert out is None, out
+                else:
+                    sched._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses)
+                runs.append((mod.weight.grad.clone(), [float(v) for v in losses or []]))
+            assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1], runs
+            assert rank != world - 1 or len(runs[0][1]) == 4, runs
+            try:
+                sched.step(x, arg_mbs=[(x,)])
+                raise AssertionError("a batch and its microbatches accepted together")
+            except TypeError as exc:
+                assert "not both" in str(exc), exc
+        elif case == "submod_and_get_mesh":
+            # torch's get_mesh= is taken; submod re-points the stage until a schedule holds it (TorchTitan sets
+            # it after wrapping each stage's module)
+            called = []
+            stage = PipelineStage(nn.Linear(WIDTH, WIDTH), rank, world, get_mesh=lambda *a: called.append(a))
+            wrapped = nn.Sequential(nn.Linear(WIDTH, WIDTH))
+            stage.submod = wrapped
+            assert stage.submod is wrapped and stage.module is wrapped
+            sched = Schedule1F1B(stage, 4, loss_fn=nn.MSELoss())
+            sched.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
+            assert wrapped[0].weight.grad is not None and not called
+            try:
+                stage.submod = nn.Linear(WIDTH, WIDTH)
+                raise AssertionError("submod re-pointed under a schedule")
+            except RuntimeError as exc:
+                assert "set submod before building the schedule" in str(exc), exc
+            try:
+                PipelineStage(nn.Linear(WIDTH, WIDTH), rank, world, get_mesh=3)
+                raise AssertionError("a get_mesh that is no callable accepted")
+            except TypeError as exc:
+                assert "get_mesh must be a callable" in str(exc), exc
+        elif case == "dtensor_boundary":
+            # a stage that returns a DTensor (tensor-parallel activations) is refused with the fix
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import DTensor, Replicate
+
+            mesh = init_device_mesh("cpu", (world,))
+
+            class ToDTensor(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.lin = nn.Linear(WIDTH, WIDTH)
+
+                def forward(self, h):
+                    return DTensor.from_local(self.lin(h), mesh, [Replicate()], run_check=False)
+
+            module = ToDTensor() if rank == 0 else nn.Linear(WIDTH, WIDTH)
+            sched = Schedule1F1B(PipelineStage(module, rank, world), 4, loss_fn=nn.MSELoss())
+            sched.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
         elif case == "options":
             # pipecore's own options pass through; torch's defer_pp_recv posts each receive at its action
             for bad, words in (({"group": dist.group.WORLD}, "pass group= to PipelineStage"),

@@ -5,21 +5,49 @@ pipelining switches to pipecore by changing its imports
     from torch.distributed.pipelining.schedules import get_schedule_class
                                                                       ->  from pipecore.compat.schedules import ...
 
-`PipelineStage` is pipecore's stage (torch's constructor arguments, `.submod`, `.is_first`,
-`.is_last`); the schedule classes (pipecore/compat/schedules.py) take torch's constructor
-arguments and also accept torch's own stage objects. Tracing front ends (`pipeline`, `pipe_split`,
-`SplitPoint`, `Pipe`) and the microbatch specs are torch's own, re-exported.
+or, for code the user does not edit (TorchTitan), by one line in the launcher, before it is imported:
+
+    pipecore.compat.patch_torch_pipelining()
+
+`PipelineStage` is pipecore's stage (torch's constructor arguments, `get_mesh=` included, `.submod`
+settable, `.is_first`, `.is_last`); the schedule classes (pipecore/compat/schedules.py) take torch's
+constructor arguments and also accept torch's own stage objects. Tracing front ends (`pipeline`,
+`pipe_split`, `SplitPoint`, `Pipe`), the microbatch specs and any other name pipecore does not run
+are torch's own (pipecore/compat/_fallback.py).
 """
+
+import sys
 
 from torch.distributed.pipelining import Pipe, SplitPoint, pipe_split, pipeline
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
+from pipecore.compat._fallback import torch_fallback
 from pipecore.stage.pipeline_stage import PipelineStage
 from pipecore.compat.schedules import (PipelineScheduleMulti, PipelineScheduleSingle, Schedule1F1B, ScheduleDualPipe,
                         ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
                         ScheduleLoopedBFS, ScheduleZBVZeroBubble, get_schedule_class)
 
-__all__ = ["Pipe", "pipe_split", "SplitPoint", "pipeline", "PipelineStage", "TensorChunkSpec", "Schedule1F1B",
+__getattr__ = torch_fallback("torch.distributed.pipelining", __name__)
+
+_ALIASED = ("", ".schedules", ".stage", ".microbatch")  # torch's modules and pipecore's of the same name
+
+
+def patch_torch_pipelining() -> None:
+    """Makes `torch.distributed.pipelining` and its `.schedules`, `.stage` and `.microbatch` resolve to
+    pipecore.compat's modules for this process, so that code importing torch's (TorchTitan's
+    pipeline_llm, its schedule builder) runs on pipecore unedited. Call it before that code is
+    imported: a module that already imported torch's classes keeps them. Idempotent."""
+    import importlib
+
+    import torch.distributed
+
+    ours = {suffix: importlib.import_module(__name__ + suffix) for suffix in _ALIASED}  # each holds torch's own
+    for suffix, module in ours.items():
+        sys.modules["torch.distributed.pipelining" + suffix] = module
+    torch.distributed.pipelining = ours[""]
+
+
+__all__ = ["patch_torch_pipelining", "Pipe", "pipe_split", "SplitPoint", "pipeline", "PipelineStage", "TensorChunkSpec", "Schedule1F1B",
            "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble",
            "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "ScheduleDualPipe", "PipelineScheduleSingle",
            "PipelineScheduleMulti", "get_schedule_class"]

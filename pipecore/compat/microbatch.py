@@ -5,3 +5,7 @@ from torch.distributed.pipelining.microbatch import (TensorChunkSpec, merge_chun
                                                      split_args_kwargs_into_chunks)
 
 __all__ = ["TensorChunkSpec", "split_args_kwargs_into_chunks", "merge_chunks"]
+
+from pipecore.compat._fallback import torch_fallback  # noqa: E402
+
+__getattr__ = torch_fallback("torch.distributed.pipelining.microbatch", __name__)

@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pipecore.compat._fallback import torch_fallback
 from pipecore.schedule import Schedule, ScheduleError, build_schedule
 from pipecore.stage.pipeline_stage import PipelineStage, is_torch_stage
 
@@ -86,11 +87,23 @@ class _PipelineSchedule:
         return _torch_actions(self.schedule) if self.schedule is not None else {}
 
     def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
-             loss_kwargs: dict | None = None, **kwargs):
+             loss_kwargs: dict | None = None, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
+             target_mbs: list | None = None, **kwargs):
         """One iteration over the whole batch, as torch's `step`: inputs on the rank(s) holding a first
         stage, `target` on those holding a last stage; `losses` is filled with the per-microbatch losses
-        there; keyword arguments go to every stage of this rank; returns the merged last-stage outputs there (`return_outputs`), None elsewhere.
-        Without a `loss_fn` it runs the forwards only, as torch does."""
+        there; keyword arguments go to every stage of this rank; returns the merged last-stage outputs
+        there (`return_outputs`), None elsewhere. Without a `loss_fn` it runs the forwards only, as
+        torch does.
+
+        Or, in the keyword form of a newer torch that TorchTitan calls, the microbatches the caller
+        split: `arg_mbs` (a tuple of positional inputs per microbatch, on ranks with a first stage),
+        `kwarg_mbs` (a dict per microbatch) and `target_mbs` (ranks with a last stage), as
+        `_step_microbatches` takes them; it returns the outputs as a list, one per microbatch."""
+        if arg_mbs is not None or kwarg_mbs is not None or target_mbs is not None:
+            if args or kwargs or target is not None:
+                raise TypeError("step() takes a batch (inputs, target=, keyword inputs) or its microbatches (arg_mbs=, "
+                                "kwarg_mbs=, target_mbs=), not both")
+            return self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs)
         pipe = self._pipeline()
         if not self._has_backward:  # (torch's forwards keep a graph nothing will use; these build none)
             return pipe.eval(*args, target=target, losses=losses, return_outputs=return_outputs,
@@ -350,3 +363,7 @@ def _torch_actions(schedule: Schedule) -> dict[int, list]:
     from torch.distributed.pipelining.schedules import _Action
 
     return {rank: [_Action.from_str(str(a)) for a in row] for rank, row in enumerate(schedule.actions)}
+
+
+# torch's names that pipecore does not run (its _Action, _ComputationType, ...): torch's own
+__getattr__ = torch_fallback("torch.distributed.pipelining.schedules", __name__)

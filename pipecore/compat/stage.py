@@ -4,3 +4,7 @@ constructor arguments."""
 from pipecore.stage.pipeline_stage import PipelineStage
 
 __all__ = ["PipelineStage"]
+
+from pipecore.compat._fallback import torch_fallback  # noqa: E402
+
+__getattr__ = torch_fallback("torch.distributed.pipelining.stage", __name__)

@@ -22,6 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from pipecore.errors import InputError
+from pipecore.stage.dtensor import is_dtensor
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,16 @@ class Boundary:
     @staticmethod
     def of(out: Any, what: str) -> "Boundary":
         """The boundary of output `out` (`what` names it in errors)."""
+        leaves = tree_flatten(out)[0]
+        if any(is_dtensor(x) for x in leaves):
+            # torch's PipelineStage sends the local tensor with its placements and rebuilds the DTensor
+            # on the mesh get_mesh returns; pipecore's messages carry plain tensors only
+            raise InputError(f"{what} holds a DTensor (tensor-parallel activations): pipecore sends plain tensors "
+                             "between stages and does not rebuild DTensors there (torch's get_mesh). Return "
+                             "x.to_local() or x.full_tensor() from the stage, e.g. with use_local_output=True in "
+                             "the last parallelize_module plan of the stage")
         tree = describe(out)
-        values = _values(tree_flatten(out)[0])
+        values = _values(leaves)
         if not values:
             return Boundary(tree)
         size = len(_pickled(values, what))

@@ -45,12 +45,17 @@ class PipelineStage:
     (Zero-bubble schedules then give this stage's whole backward at I: the split is reported.)
     `autocast=torch.bfloat16` runs the forward, and on a last stage the loss, under
     `torch.autocast` on the stage's device, as single-process mixed-precision training does.
+    `get_mesh` is taken as torch's stage takes it (TorchTitan always passes one) and kept: torch calls
+    it to rebuild DTensor activations received from the previous stage. pipecore's messages carry
+    plain tensors, so a stage output that is a DTensor is refused with the fix, and the callback is
+    not called.
     """
 
     def __init__(self, module: nn.Module, stage_index: int, num_stages: int, device: torch.device | str | None = None,
                  input_args: Any = None, output_args: Any = None, *, group=None,
                  dw_builder: Callable[[], Callable[[], None]] | None = None, tied: dict[str, nn.Parameter] | None = None,
-                 activation_checkpointing: bool = False, autocast: torch.dtype | None = None):
+                 activation_checkpointing: bool = False, autocast: torch.dtype | None = None,
+                 get_mesh: Callable | None = None):
         if not isinstance(module, nn.Module):
             raise TypeError(f"PipelineStage needs an nn.Module, got {type(module).__name__}")
         if dw_builder is not None and not callable(dw_builder):
@@ -59,14 +64,19 @@ class PipelineStage:
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed ProcessGroup (the pipeline's group) or None for "
                             f"the default group, got {type(group).__name__}")
+        if get_mesh is not None and not callable(get_mesh):
+            raise TypeError(f"get_mesh must be a callable (mesh_dim_names, mesh_layout) -> DeviceMesh, as torch's "
+                            f"PipelineStage takes it, got {type(get_mesh).__name__}")
         self.group = group
         self.dw_builder = dw_builder
+        self.get_mesh = get_mesh
         self._role: tuple[bool, bool] | None = None  # (first, last) under the schedule of a Pipeline
         for label, value in (("stage_index", stage_index), ("num_stages", num_stages)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{label} must be an int, got {value!r}")
         if num_stages < 1 or not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index must be in 0..num_stages-1 = 0..{num_stages - 1}, got {stage_index}")
+        self._declared_tied = tied
         self.tied = _tied_parameters(module, tied, stage_index)
         if not isinstance(activation_checkpointing, bool):
             raise TypeError(f"activation_checkpointing must be True or False, got {activation_checkpointing!r}")
@@ -101,8 +111,20 @@ class PipelineStage:
     # torch.distributed.pipelining's stage attributes
     @property
     def submod(self) -> nn.Module:
-        """The stage's module (torch's name for `module`)."""
+        """The stage's module (torch's name for `module`). Setting it re-points the stage at another
+        module, as TorchTitan does after wrapping each stage's module (FSDP2, torch.compile), before
+        a Pipeline (a schedule) holds the stage."""
         return self.module
+
+    @submod.setter
+    def submod(self, module: nn.Module) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"submod must be an nn.Module, got {type(module).__name__}")
+        if self._role is not None:
+            raise RuntimeError(f"stage {self.stage_index} is held by a Pipeline (a schedule was built over it), which "
+                               "took its module's parameters and wrappers: set submod before building the schedule")
+        self.tied = _tied_parameters(module, self._declared_tied, self.stage_index)
+        self.module = module
 
     @property
     def is_first(self) -> bool:

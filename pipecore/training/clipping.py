@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pipecore.training.wrapped_stages import is_sharded, local_part
+from pipecore.stage.dtensor import is_sharded, local_part
 
 
 def clip_grad_norm_(pipe, max_norm: float, norm_type: float = 2.0,

@@ -34,9 +34,9 @@ from __future__ import annotations
 import torch
 
 from pipecore.executor.comm import Comm
+from pipecore.stage.dtensor import local_part
 from pipecore.training.data_parallel import DataParallel
 from pipecore.training.ties import TiedWeights
-from pipecore.training.wrapped_stages import local_part
 
 
 class GradFinalisation:

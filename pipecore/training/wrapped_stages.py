@@ -36,24 +36,6 @@ def _fsdp_module() -> type | tuple:
     return getattr(fsdp, "FSDPModule", ()) if fsdp is not None else ()
 
 
-def _dtensor():
-    """torch.distributed.tensor once imported (no tensor can be a DTensor before; importing it costs a
-    second)."""
-    return sys.modules.get("torch.distributed.tensor")
-
-
-def is_sharded(t: torch.Tensor) -> bool:
-    """A DTensor sharded over the data-parallel group (an FSDP2 parameter or gradient)."""
-    dt = _dtensor()
-    return dt is not None and isinstance(t, dt.DTensor) and any(isinstance(p, dt.Shard) for p in t.placements)
-
-
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of `t`: a DTensor's local shard, any other tensor itself."""
-    dt = _dtensor()
-    return t.to_local() if dt is not None and isinstance(t, dt.DTensor) else t
-
-
 def _ranks(group) -> list[int]:
     return sorted(dist.get_process_group_ranks(group))
 

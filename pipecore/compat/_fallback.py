@@ -1,0 +1,27 @@
+"""Names of torch.distributed.pipelining that pipecore does not run (helpers, data types, tracing),
+served by torch's own module, so that a module aliased by `patch_torch_pipelining` imports whatever
+it imported from torch's. A schedule class pipecore does not have is refused instead: served by
+torch's, it would run on torch's runtime while the user believes it runs on pipecore."""
+
+from __future__ import annotations
+
+import importlib
+
+
+def torch_fallback(torch_module: str, ours: str):
+    """A module-level `__getattr__` for module `ours` that serves names from `torch_module`, torch's
+    own module, held from now on (once patched, its name in sys.modules is pipecore's)."""
+    torch_own = importlib.import_module(torch_module)
+
+    def __getattr__(name: str):
+        if "Schedule" in name:
+            raise AttributeError(f"{ours} has no {name}: it is a torch schedule pipecore does not run (its "
+                                 f"schedules: pipecore.compat.schedules.__all__)")
+        if name.startswith("__"):
+            raise AttributeError(name)
+        try:
+            return getattr(torch_own, name)
+        except AttributeError:
+            raise AttributeError(f"neither {ours} nor {torch_module} has {name!r}") from None
+
+    return __getattr__
