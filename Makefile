@@ -19,6 +19,12 @@ DEMO_DEPS := numpy matplotlib
 # a range pip resolves without touching torch (transformers does not require it)
 HF_SPEC := "transformers>=5.0,<6"
 TEST_DEPS := pytest hypothesis nvtx $(HF_SPEC)
+# TorchTitan's own pipeline code, the real client tests/test_torchtitan.py trains, with what its pipeline and
+# model modules import (triton too, installed only where none is: a CUDA torch brings its own); --no-deps, so
+# pip never resolves torch. Its trainer's datasets, tokenizers and tensorboard are not needed.
+TITAN_DEPS := torchtitan==0.3.0 spmd_types==0.3.1 tyro==1.0.17 docstring_parser==0.18.0 \
+	torchdata==0.11.0
+TRITON_SPEC := triton==3.9.0
 
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
@@ -79,6 +85,9 @@ install-test:
 	@PIPECORE_TESTING=1 $(MAKE) --no-print-directory install
 	@$(PYTHON) -c "import pytest, hypothesis, nvtx, transformers; assert transformers.__version__.startswith('5.')" \
 		2>/dev/null || $(PIP) install -q $(TEST_DEPS)
+	@$(PYTHON) -c "import triton" 2>/dev/null || $(PIP) install -q --no-deps $(TRITON_SPEC)
+	@$(PYTHON) -c "import importlib.metadata as m; assert m.version('torchtitan') == '0.3.0'; \
+		import torchtitan.distributed.pipeline_parallel" 2>/dev/null || $(PIP) install -q --no-deps $(TITAN_DEPS)
 
 # pipeline-parallel training of a GPT on 4 CPU processes (torchrun), its timeline and a checkpoint
 demo: install

@@ -1,4 +1,5 @@
-"""A pool of gloo ranks (spawned once per world size) that runs test cases on every rank.
+"""A pool of gloo ranks (spawned once per world size) that runs test cases on every rank, and
+`run_fresh` for a case that needs processes of its own.
 
 Each case is a module-level function `fn(rank, world, *args)` run on all ranks at once; the pool
 returns the per-rank results or raises with every failing rank's traceback. A case that does not
@@ -100,6 +101,60 @@ class RankPool:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+
+
+def _fresh_worker(rank, world, port, timeout, fn, args, out_path):
+    import datetime
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from exactness import use_exact_dtype
+
+    use_exact_dtype()
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout))
+        result = (True, fn(rank, world, *args))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        result = (False, traceback.format_exc())
+    torch.save(result, out_path)
+    os._exit(0)  # no teardown: a failed peer could block it; the peers see this process end
+
+
+def run_fresh(world: int, fn, *args, timeout: float = 180.0):
+    """fn(rank, world, *args) on `world` new processes (gloo, a free port), for a case that changes its
+    process for good (pipecore.compat.patch_torch_pipelining, TorchTitan's module state). Returns the
+    per-rank results, or raises with every failing rank's traceback."""
+    import tempfile
+    import time
+
+    import torch
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as folder:
+        outs = [os.path.join(folder, f"rank{r}.pt") for r in range(world)]
+        procs = [ctx.Process(target=_fresh_worker, args=(r, world, port, timeout, fn, args, outs[r]))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        late = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        got = [torch.load(o, weights_only=False) if os.path.exists(o) else None for o in outs]
+    errors = {r: (f"did not finish within {timeout} s" if r in late else "died without a result") if g is None
+              else g[1] for r, g in enumerate(got) if g is None or not g[0]}
+    if errors:
+        raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+    return [g[1] for g in got]
 
 
 _POOLS: dict[int, RankPool] = {}

@@ -99,10 +99,7 @@ class _PipelineSchedule:
         split: `arg_mbs` (a tuple of positional inputs per microbatch, on ranks with a first stage),
         `kwarg_mbs` (a dict per microbatch) and `target_mbs` (ranks with a last stage), as
         `_step_microbatches` takes them; it returns the outputs as a list, one per microbatch."""
-        if arg_mbs is not None or kwarg_mbs is not None or target_mbs is not None:
-            if args or kwargs or target is not None:
-                raise TypeError("step() takes a batch (inputs, target=, keyword inputs) or its microbatches (arg_mbs=, "
-                                "kwarg_mbs=, target_mbs=), not both")
+        if _microbatches_given("step", args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs):
             return self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs)
         pipe = self._pipeline()
         if not self._has_backward:  # (torch's forwards keep a graph nothing will use; these build none)
@@ -112,8 +109,13 @@ class _PipelineSchedule:
                          loss_kwargs=loss_kwargs, **kwargs)
 
     def eval(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
-             loss_kwargs: dict | None = None, **kwargs):
-        """Forward passes only, as torch's `eval`: losses are computed where a target and loss_fn are."""
+             loss_kwargs: dict | None = None, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
+             target_mbs: list | None = None, **kwargs):
+        """Forward passes only, as torch's `eval`: losses are computed where a target and loss_fn are.
+        Or over the caller's microbatches, in the keyword form TorchTitan's validator calls (as `step`)."""
+        if _microbatches_given("eval", args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs):
+            return self._pipeline().eval_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses=losses,
+                                                      return_outputs=return_outputs, loss_kwargs=loss_kwargs)
         return self._pipeline().eval(*args, target=target, losses=losses, return_outputs=return_outputs,
                                      loss_kwargs=loss_kwargs, **kwargs)
 
@@ -313,6 +315,16 @@ _BY_NAME = {
     "DualPipeV": ScheduleDualPipeV,
     "DualPipe": ScheduleDualPipe,
 }
+
+
+def _microbatches_given(call: str, args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs) -> bool:
+    """Did step()/eval() get the caller's microbatches (the keyword form) rather than a batch?"""
+    if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+        return False
+    if args or kwargs or target is not None:
+        raise TypeError(f"{call}() takes a batch (inputs, target=, keyword inputs) or its microbatches (arg_mbs=, "
+                        "kwarg_mbs=, target_mbs=), not both")
+    return True
 
 
 def get_schedule_class(schedule_name: str) -> type:
