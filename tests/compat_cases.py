@@ -420,24 +420,33 @@ def misuse(rank, world, case, tmp):
         elif case == "keyword_step":
             # a newer torch's (and TorchTitan's) step(arg_mbs=, kwarg_mbs=, target_mbs=): microbatches the caller
             # split, the same gradients and losses as _step_microbatches over them, bit for bit
+            # a newer torch's (and TorchTitan's) step(arg_mbs=, kwarg_mbs=, target_mbs=) and eval(...) over the
+            # microbatches a batch splits into: the batch form's gradients, losses and eval losses, bit for bit
+            last = rank == world - 1
             runs = []
-            for form in ("keyword", "method"):
+            for form in ("keyword", "batch"):
                 torch.manual_seed(1)
                 mod = nn.Linear(WIDTH, WIDTH)
-                sched = Schedule1F1B(PipelineStage(mod, rank, world), 4, loss_fn=nn.MSELoss(), scale_grads=False)
-                arg_mbs = [(c,) for c in x.chunk(4)] if rank == 0 else None
-                target_mbs = list(y.chunk(4)) if rank == world - 1 else None
-                kwarg_mbs = [{} for _ in range(4)]  # TorchTitan passes them on every rank
-                losses = [] if rank == world - 1 else None
+                sched = Schedule1F1B(PipelineStage(mod, rank, world), 4, loss_fn=nn.MSELoss())
+                losses, eval_losses = ([], []) if last else (None, None)
                 if form == "keyword":
-                    out = sched.step(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs, losses=losses,
-                                     return_outputs=False)
+                    mbs = {"arg_mbs": [(c,) for c in x.chunk(4)] if rank == 0 else None,
+                           "kwarg_mbs": [{} for _ in range(4)],  # TorchTitan passes them on every rank
+                           "target_mbs": list(y.chunk(4)) if last else None}
+                    out = sched.step(**mbs, losses=losses, return_outputs=False)
                     assert out is None, out
+                    outputs = sched.eval(**mbs, losses=eval_losses)
+                    outputs = torch.cat(outputs) if last else outputs
                 else:
-                    sched._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses)
-                runs.append((mod.weight.grad.clone(), [float(v) for v in losses or []]))
-            assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1], runs
-            assert rank != world - 1 or len(runs[0][1]) == 4, runs
+                    batch = {"target": y if last else None}
+                    sched.step(*((x,) if rank == 0 else ()), **batch, losses=losses, return_outputs=False)
+                    outputs = sched.eval(*((x,) if rank == 0 else ()), **batch, losses=eval_losses)
+                runs.append((mod.weight.grad.clone(), [float(v) for v in losses or []],
+                             [float(v) for v in eval_losses or []], outputs))
+            (g, l, e, o), (g2, l2, e2, o2) = runs
+            assert torch.equal(g, g2) and l == l2 and e == e2, runs
+            assert (o is None and o2 is None) or torch.equal(o, o2), (o, o2)
+            assert not last or (len(l) == 4 and len(e) == 4), runs
             try:
                 sched.step(x, arg_mbs=[(x,)])
                 raise AssertionError("a batch and its microbatches accepted together")

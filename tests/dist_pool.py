@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
 import traceback
 
@@ -23,10 +24,15 @@ def free_port() -> int:
 
 
 def _worker(rank, world, port, tasks, results):
+    import faulthandler
+    import signal
+
     import torch
     import torch.distributed as dist
 
     from exactness import use_exact_dtype
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a case that hangs: where each thread is
 
     use_exact_dtype()
     torch.set_num_threads(1)
@@ -82,6 +88,9 @@ class RankPool:
                 if time.monotonic() > deadline:
                     self.broken = True
                     missing = sorted(set(range(self.world)) - set(out) - set(errors))
+                    for r in missing:  # their stacks, on the test's captured stderr
+                        os.kill(self.procs[r].pid, signal.SIGUSR1)
+                    time.sleep(1.0)
                     raise AssertionError(f"ranks {missing} did not finish within {timeout}s; errors so far: {errors}")
                 continue
             if case_id != self.case:
@@ -115,8 +124,9 @@ def _fresh_worker(rank, world, port, timeout, fn, args, out_path):
     use_exact_dtype()
     torch.set_num_threads(1)
     try:
+        # collectives time out before the parent's deadline, so that a rank hung in one reports where
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout))
+                                timeout=datetime.timedelta(seconds=0.8 * timeout))
         result = (True, fn(rank, world, *args))
     except BaseException:  # noqa: BLE001 - reported to the test
         result = (False, traceback.format_exc())

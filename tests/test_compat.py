@@ -252,11 +252,22 @@ assert PipelineStage is stage_class is pipecore.compat.PipelineStage
 assert ScheduleZBVZeroBubble is pipecore.compat.ScheduleZBVZeroBubble and get_schedule_class is pipecore.compat.get_schedule_class
 assert torchs_own.__module__ == "torch.distributed.pipelining.schedules"
 assert _Action.__module__ == build_stage.__module__.rsplit(".", 1)[0] + ".schedules"  # torch's own helpers
+import torch.distributed.pipelining._schedule_visualizer  # a torch submodule not loaded before the patch
+import warnings
+assert hasattr(sys.modules["torch.distributed.pipelining.schedules"], "__getattr__")
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    try:  # torch 2.13 has it, pipecore does not: refused, not served by torch's runtime
+        from torch.distributed.pipelining.schedules import _ScheduleForwardOnly
+        raise SystemExit("a schedule pipecore does not run was served by torch")
+    except ImportError:
+        pass
+assert any("torch schedule pipecore does not run" in str(w.message) for w in said), [str(w.message) for w in said]
 try:
-    from torch.distributed.pipelining.schedules import ScheduleNotInPipecore
-    raise SystemExit("a schedule pipecore does not run was served by torch")
-except ImportError:
-    pass
+    schedules._ScheduleForwardOnly
+    raise SystemExit("served by attribute")
+except AttributeError as exc:
+    assert "_ScheduleForwardOnly: it is a torch schedule pipecore does not run" in str(exc), exc
 print("patched")
 """
 

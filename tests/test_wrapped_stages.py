@@ -169,6 +169,24 @@ def test_every_schedule_and_dp_size_matches_single_process(wrapper, name, dp):
             assert w <= FLOAT64_BOUND, f"rank {rank} step {step}: weights differ by {w:.2e}"
 
 
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_a_wrapper_over_one_rank_adds_no_collective_and_keeps_what_worked(kind, tmp_path):
+    """dp=1: the wrappers are driven by the step's events, and nothing else changes: no data-parallel
+    replicas (no collective of theirs: the pipeline's other rank holds plain stages here), clipping
+    over FSDP2's shards, a checkpoint saved and loaded, and a step that fails on rank 0 fails on every
+    rank with the error named, leaving .grad as it was, the next step right."""
+    options = {"dp": 1, "infer_dp_group": True, "plain_positions": [1], "max_norm": 0.05, "fail_first_step": True,
+               "checkpoint_dir": str(tmp_path / "checkpoint")}
+    for rank, r in enumerate(pool(2).run(cases.pipeline_train, kind, "zbv", 4, options, timeout=180)):
+        assert not r["dp_replicas"], f"rank {rank}: a DataParallel over one rank"
+        said = r["first_step"]
+        assert said.startswith("RuntimeError: mat1 and mat2") if rank == 0 else (
+            said.startswith("PeerFailedError") and "rank 0" in said and "mat1 and mat2" in said), (rank, said)
+        assert max(r["grad"]) <= FLOAT64_BOUND and max(r["weight"]) <= FLOAT64_BOUND, (rank, r)
+        assert max(r["norm"]) <= FLOAT64_BOUND, (rank, r["norm"])
+        assert r["checkpoint"] == 0.0, (rank, r["checkpoint"])
+
+
 @pytest.mark.parametrize("kind, name", [("ddp", "1f1b"), ("fsdp", "zbv")])
 def test_the_wrappers_group_is_the_data_parallel_group_when_none_is_given(kind, name):
     """As torch's schedules: pc.Pipeline(...) without dp_group takes the group DDP/FSDP2 reduce over."""

@@ -458,7 +458,9 @@ def pipeline_train(rank: int, world: int, kind: str, name: str, m: int = 4, opti
     reshard = options.get("reshard_after_forward", True)
     for s in sched.rank_stages(position):
         module = copy.deepcopy(model[topo.model_stage[s]])
-        if kind == "ddp":
+        if position in options.get("plain_positions", ()):  # this rank's stages left plain
+            pass
+        elif kind == "ddp":
             module = torch.nn.parallel.DistributedDataParallel(module, process_group=mesh.get_group("dp"))
         else:
             if options.get("nested"):
@@ -472,13 +474,21 @@ def pipeline_train(rank: int, world: int, kind: str, name: str, m: int = 4, opti
                        dp_group=None if options.get("infer_dp_group") else mesh.get_group("dp"), timeout=60)
     opt = torch.optim.SGD([p for w in wrapped.values() for p in w.parameters()], lr=0.1)
     ref_opt = torch.optim.SGD([p for r in reference for p in r.parameters()], lr=0.1)
-    result = {"grad": [], "loss": [], "weight": []}
+    result = {"grad": [], "loss": [], "weight": [], "dp_replicas": pipe.gradients.dp is not None}
     for step in range(options.get("steps", 2)):
         g = torch.Generator().manual_seed(100 + step)
         X = torch.randn(dp * m * 2, WIDTH, generator=g)
         Y = torch.randn(dp * m * 2, WIDTH, generator=g)
         x, y = X.chunk(dp)[replica], Y.chunk(dp)[replica]
         losses: list = []
+        if step == 0 and options.get("fail_first_step"):  # rank 0's input is bad: every rank fails the step
+            try:
+                pipeline_step(pipe, x[:, :3] if rank == 0 else x, y, losses=losses)
+            except Exception as exc:  # noqa: BLE001 - reported
+                result["first_step"] = f"{type(exc).__name__}: {exc}"
+            else:
+                result["first_step"] = "ok"
+            assert all(p.grad is None for w in wrapped.values() for p in w.parameters())
         pipeline_step(pipe, x, y, losses=losses)
         h = X
         for mod in reference:
@@ -513,6 +523,16 @@ def pipeline_train(rank: int, world: int, kind: str, name: str, m: int = 4, opti
         result["grad"].append(grad)
         result["loss"].append(loss)
         result["weight"].append(weight)
+    if options.get("checkpoint_dir"):  # saved and loaded back: the weights as they were
+        before = {(s, n): _full(p.detach()).clone() for s, w in wrapped.items() for n, p in w.named_parameters()}
+        pc.save_checkpoint(options["checkpoint_dir"], pipe, opt)
+        with torch.no_grad():
+            for w in wrapped.values():
+                for p in w.parameters():
+                    p.zero_()
+        pc.load_checkpoint(options["checkpoint_dir"], pipe, opt)
+        result["checkpoint"] = max(difference(_full(p.detach()), before[s, n]) for s, w in wrapped.items()
+                                   for n, p in w.named_parameters())
     # OVERLAP_F_B pairs of wrapped stages run in sequence (their hooks expect one backward at a time)
     result["pairs"] = sum(a.kind is pc.Kind.OVERLAP_F_B for a in pipe.schedule.lower().actions[position])
     result["overlap_fallbacks"], result["overlapped"] = pipe.overlap_fallbacks, pipe.overlapped_pairs

@@ -38,16 +38,22 @@ def patch_torch_pipelining() -> None:
     pipeline_llm, its schedule builder) runs on pipecore unedited. Call it before that code is
     imported: a module that already imported torch's classes keeps them. Idempotent."""
     import importlib
+    import pkgutil
 
     import torch.distributed
+    import torch.distributed.pipelining as torchs
 
+    # torch's other submodules first, under their own names: once the package's name is pipecore's,
+    # an import of one not yet loaded would look in pipecore/compat/
+    for info in pkgutil.iter_modules(torchs.__path__):
+        importlib.import_module(f"torch.distributed.pipelining.{info.name}")
     ours = {suffix: importlib.import_module(__name__ + suffix) for suffix in _ALIASED}  # each holds torch's own
     for suffix, module in ours.items():
         sys.modules["torch.distributed.pipelining" + suffix] = module
     torch.distributed.pipelining = ours[""]
 
 
-__all__ = ["patch_torch_pipelining", "Pipe", "pipe_split", "SplitPoint", "pipeline", "PipelineStage", "TensorChunkSpec", "Schedule1F1B",
+__all__ = ["patch_torch_pipelining", "build_stage", "Pipe", "pipe_split", "SplitPoint", "pipeline", "PipelineStage", "TensorChunkSpec", "Schedule1F1B",
            "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble",
            "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "ScheduleDualPipe", "PipelineScheduleSingle",
            "PipelineScheduleMulti", "get_schedule_class"]

@@ -6,6 +6,7 @@ torch's, it would run on torch's runtime while the user believes it runs on pipe
 from __future__ import annotations
 
 import importlib
+import warnings
 
 
 def torch_fallback(torch_module: str, ours: str):
@@ -15,8 +16,11 @@ def torch_fallback(torch_module: str, ours: str):
 
     def __getattr__(name: str):
         if "Schedule" in name:
-            raise AttributeError(f"{ours} has no {name}: it is a torch schedule pipecore does not run (its "
-                                 f"schedules: pipecore.compat.schedules.__all__)")
+            said = (f"{ours} has no {name}: it is a torch schedule pipecore does not run (its schedules: "
+                    "pipecore.compat.schedules.__all__)")
+            # `from ... import name` replaces an AttributeError's text with Python's own: said once more here
+            warnings.warn(said, stacklevel=2)
+            raise AttributeError(said)
         if name.startswith("__"):
             raise AttributeError(name)
         try:

@@ -35,7 +35,7 @@ from pipecore.stage.pipeline_stage import PipelineStage, pipeline_group, stage_l
 from pipecore.training.data_parallel import DEFAULT_BUCKET_BYTES, DataParallel
 from pipecore.training.finalise import GradFinalisation
 from pipecore.training.ties import TiedWeights, check_shared_parameters
-from pipecore.training.wrapped_stages import WrappedStage
+from pipecore.training.wrapped_stages import WrappedStage, WrapperEvents
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -198,22 +198,30 @@ class Pipeline:
         device = self.stages[0].device
         self.comm = Comm(self.group, self.timeout, device)  # talks to the other ranks (pipecore/executor/comm.py)
         # data-parallel replicas (pipecore/training/data_parallel.py): checked here, before any communication
-        if dp_group is None:  # DDP/FSDP2 stages know the group they reduce over
+        given = dp_group is not None
+        if dp_group is None:  # DDP/FSDP2 stages know the group they reduce over (this rank alone included)
             dp_group = WrappedStage.common_group([s.module for s in self.stages])
-        self._dp = DataParallel(self.comm, self.stages, dp_group, bucket_bytes) if dp_group is not None else None
         if dp_group is None:
-            for s in self.stages:  # a DDP/FSDP2 stage reduces over a group this Pipeline must know
+            for s in self.stages:  # a DDP/FSDP2 stage nested in a stage module is refused with the fix
                 WrappedStage.of(s.module, None)
-        self.gradients = GradFinalisation(self.comm, self.stages, topo, self._dp)
+        # DDP/FSDP2 stages are driven by the step's events at any dp size; replicas (a group of more
+        # ranks, or one given) also exchange their buckets and flags. A wrapper over this rank alone
+        # adds no collective: the pipeline's other ranks may hold plain stages
+        self._wrappers = WrapperEvents(self.stages, dp_group) if dp_group is not None else None
+        if self._wrappers is not None and not self._wrappers.wrapped:
+            self._wrappers = None
+        replicas = dp_group is not None and (given or dist.get_world_size(dp_group) > 1)
+        self._dp = DataParallel(self.comm, self.stages, dp_group, bucket_bytes, self._wrappers) if replicas else None
+        self.gradients = GradFinalisation(self.comm, self.stages, topo, self._dp, self._wrappers)
         lowered = {True: schedule.lower(), False: forward_only(schedule).lower()}
         self._trains = schedule.has_backward  # a forward-only schedule serves eval() only
         # FSDP2 stages get UNSHARD/RESHARD in this rank's row only, after lowering: they do not communicate
         # within the pipeline, and the sends and receives must be placed alike on every rank (lowering
         # with them places those differently). The ranks agree below on the program without them.
         run = dict(lowered)
-        if self._dp is not None and self._dp.sharded:
+        if self._wrappers is not None and self._wrappers.sharded:
             rows = [list(row) for row in lowered[True].codes]
-            rows[self.rank] = add_unshard_reshard(rows[self.rank], self._dp.sharded, max_active=3)
+            rows[self.rank] = add_unshard_reshard(rows[self.rank], self._wrappers.sharded, max_active=3)
             run[True] = Schedule._from_codes(rows, lowered[True].topology, lowered[True].name)
         self.programs = {training: encode(v, self.rank, local_index) for training, v in run.items()}
         # what every rank must agree on before the first step (checked at the first agreement)
@@ -262,6 +270,8 @@ class Pipeline:
             learn_ties(ties > 0)
         if self._dp is not None:
             self._dp.attach(self.executor, self.programs[True], summary)
+        if self._wrappers is not None:
+            self._wrappers.attach(self.executor)
 
     def _set_weight_builders(self) -> None:
         """Stages with torch's dw_builder: whole backward at I, the builder's runner at W."""
@@ -453,7 +463,7 @@ class Pipeline:
         # 3. the step (the first one of a batch signature learns its plan: pipecore/runtime/discovery.py)
         self.executor.batch_rows = rows if self.has_first else -1
         run = StepRun(self, plans, batch, training, return_outputs, loss_kwargs, loss_divisor,
-                      self._dp.wrapped if self._dp is not None else {},
+                      self._wrappers.wrapped if self._wrappers is not None else {},
                       self._dp.size if self._dp is not None else 1, self._rollback.before_forward)
         if training:
             self.gradients.set_aside()

@@ -33,11 +33,13 @@ def clip_grad_norm_(pipe, max_norm: float, norm_type: float = 2.0,
     inf = norm_type == float("inf")
     sharded = [local_part(g) for g in counted if is_sharded(g)]
     local = _norm_part([g for g in counted if not is_sharded(g)], norm_type, device)
-    if sharded:  # FSDP2 stages: each replica holds a shard of the gradient; the same on every replica
-        part = _norm_part(sharded, norm_type, comm.device_for(dp.group))
-        part = comm.all_reduce_tensor(part.reshape(1), "max" if inf else "sum",
-                                      "clip_grad_norm_: summing the sharded gradients' norms over the data-parallel "
-                                      "group (call it on every rank)", group=dp.group)[0].to(device)
+    if sharded:  # FSDP2 stages: each replica holds a shard of the gradient (a wrapper over this rank
+        # alone: all of it); the shards' norms are summed over the replicas, the same on each
+        part = _norm_part(sharded, norm_type, device if dp is None else comm.device_for(dp.group))
+        if dp is not None:
+            part = comm.all_reduce_tensor(part.reshape(1), "max" if inf else "sum",
+                                          "clip_grad_norm_: summing the sharded gradients' norms over the "
+                                          "data-parallel group (call it on every rank)", group=dp.group)[0].to(device)
         local = torch.maximum(local, part) if inf else local + part
     local = local.reshape(1)
     if pipe.world > 1:

@@ -28,16 +28,15 @@ ones) tells its replicas at the replicas' agreement, which follows its first tra
 from __future__ import annotations
 
 import os
-import weakref
 
 import torch
 import torch.distributed as dist
 
 from pipecore.errors import InputError, PeerFailedError, PipelineError
 from pipecore.executor.comm import Comm, cannot_meet, leave_first
-from pipecore.executor.native import STAGE_EVENTS, C, CommError
+from pipecore.executor.native import C, CommError
 from pipecore.executor.program import Program
-from pipecore.training.wrapped_stages import WrappedStage
+from pipecore.training.wrapped_stages import WrapperEvents
 
 DEFAULT_BUCKET_BYTES = 25 << 20  # torch DDP's bucket_cap_mb
 AGREEING = "data-parallel replicas agreeing on their pipelines"
@@ -47,7 +46,7 @@ class DataParallel:
     """The data-parallel side of one Pipeline: its group, the buckets of its plain stages, the
     wrappers of the others."""
 
-    def __init__(self, comm: Comm, stages: list, dp_group, bucket_bytes: int):
+    def __init__(self, comm: Comm, stages: list, dp_group, bucket_bytes: int, wrappers: WrapperEvents | None):
         check_groups(comm.group, dp_group)
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes!r}")
@@ -56,12 +55,8 @@ class DataParallel:
         self.rank = dist.get_rank(dp_group)
         self._comm = comm
         self._stages = stages
-        self.wrapped = {}
-        for local, stage in enumerate(stages):
-            adapter = WrappedStage.of(stage.module, dp_group)
-            if adapter is not None:
-                self.wrapped[local] = adapter
-        self.sharded = frozenset(stages[local].stage_index for local, a in self.wrapped.items() if a.sharded)
+        self._wrappers = wrappers  # the Pipeline's, made over dp_group
+        self.wrapped = wrappers.wrapped if wrappers is not None else {}
         self._bucket_bytes = bucket_bytes
         self.agreed = False
         self.refused: str | None = None  # the replicas cannot agree: every later step says it again
@@ -95,9 +90,6 @@ class DataParallel:
         if self.reducer.num_buckets == 0:  # every stage reduces through its wrapper: the failure flag goes alone
             self.reducer.add_bucket(-1, [], torch.empty(0, device=self._comm.device_for(self.group)))
         executor.set_grad_reducer(self.reducer)
-        if self.wrapped:  # weakly: the executor's callback must not keep this Pipeline alive (a cycle via C++)
-            event = weakref.WeakMethod(self._event)
-            executor.set_stage_events(sorted(self.wrapped), lambda kind, local: event()(kind, local))
 
     # -- a step ------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -105,19 +97,8 @@ class DataParallel:
         self._concluded = False
         self._reduced = False  # the step's reductions finished (finish() returned)
         self.reducer.begin_step()
-        for adapter in self.wrapped.values():
-            adapter.begin_step()
-
-    def _event(self, event: int, local: int) -> None:
-        adapter = self.wrapped[local]
-        if event == STAGE_EVENTS["UNSHARD"]:
-            adapter.unshard()
-        elif event == STAGE_EVENTS["RESHARD"]:
-            adapter.reshard()
-        elif event == STAGE_EVENTS["LAST_BACKWARD"]:
-            adapter.before_last_backward()
-        elif event == STAGE_EVENTS["REDUCE_GRAD"]:
-            adapter.reduce_grad(average=False)  # the 1/dp is in the loss seeds
+        if self._wrappers is not None:
+            self._wrappers.begin_step()
 
     # A training step ends the same way on every rank of every replica: the buckets' flags tell the
     # ranks of one pipeline position whether a replica failed, then one small all-reduce over the
@@ -164,8 +145,8 @@ class DataParallel:
             pass  # the step's own error says what happened
         finally:
             self.reducer.restore(False)
-            for adapter in self.wrapped.values():
-                adapter.end_step(failed=True)
+            if self._wrappers is not None:
+                self._wrappers.end_step(failed=True)
 
     def discard_round(self) -> None:
         """The device path, a first stage's batch changed shape: this rank's pass over stand-in messages
@@ -223,8 +204,8 @@ class DataParallel:
         """After a kept step (the last part of the gradient finalisation): the gradients .grad held
         before it are added back."""
         self.reducer.restore(True)
-        for adapter in self.wrapped.values():
-            adapter.end_step(failed=False)
+        if self._wrappers is not None:
+            self._wrappers.end_step(failed=False)
 
     def trace(self) -> list[dict]:
         return [{"rank": self._comm.rank, "name": f"DP:reduce {self._stages[s].stage_index}/{b} ({n} B)" if s >= 0

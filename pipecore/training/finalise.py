@@ -37,14 +37,19 @@ from pipecore.executor.comm import Comm
 from pipecore.stage.dtensor import local_part
 from pipecore.training.data_parallel import DataParallel
 from pipecore.training.ties import TiedWeights
+from pipecore.training.wrapped_stages import WrapperEvents
 
 
 class GradFinalisation:
-    def __init__(self, comm: Comm, stages: list, topology, dp: DataParallel | None):
+    def __init__(self, comm: Comm, stages: list, topology, dp: DataParallel | None,
+                 wrappers: WrapperEvents | None = None):
         self._comm = comm
         self._stages = stages
         self._topology = topology
         self._dp = dp
+        # DDP/FSDP2 stages without replicas (a wrapper over this rank alone): driven here as the
+        # replicas' DataParallel drives its own
+        self._wrappers = wrappers if dp is None else None
         self.ties: TiedWeights | None = None  # learnt at the first agreement (building a Pipeline is no collective)
         self._mirrored = topology.style == "dualpipe"
         self._mirror_stash: dict | None = None
@@ -60,6 +65,8 @@ class GradFinalisation:
         self._active = True
         if self._dp is not None:
             self._dp.begin_step()
+        if self._wrappers is not None:
+            self._wrappers.begin_step()
 
     def discard_round(self) -> None:
         """The device path, a first stage's batch changed shape: the replicas' round of reductions
@@ -96,6 +103,8 @@ class GradFinalisation:
         self._mirror_stash = self._tie_stash = None
         if self._dp is not None:
             self._dp.restore()
+        if self._wrappers is not None:
+            self._wrappers.end_step(failed=False)
         self._active = False
 
     def abandon(self, error: BaseException) -> None:
@@ -110,6 +119,11 @@ class GradFinalisation:
                 p.grad = prev
         if self._dp is not None:
             self._dp.abandon(error)
+        if self._wrappers is not None:
+            try:
+                self._wrappers.end_step(failed=True)
+            except Exception as exc:  # noqa: BLE001 - the step's own error is the one raised
+                error.add_note(f"pipecore: resetting the DDP/FSDP2 stages after it failed as well: {exc!r}")
 
     def _sum_mirrors(self) -> None:
         """Each mirrored parameter's .grad := the two copies' gradients of this step (None where

@@ -130,8 +130,6 @@ class WrappedStage:
         return next(iter(found.values()), None)
 
     def _check_group(self, wrapper: str, ranks: list[int] | None, dp_group, fix: str) -> None:
-        if dp_group is None and ranks is not None and len(ranks) == 1:
-            return  # a wrapper over this rank alone has nothing to reduce (e.g. FSDP2 for DTensor parameters)
         if dp_group is None:  # a Pipeline takes the wrapper's group (common_group): only a direct call gets here
             raise InputError(f"the stage module is wrapped in {wrapper}, but no dp_group was given: pass "
                              "dp_group=mesh.get_group('dp'), the group the wrapper reduces over")
@@ -153,6 +151,51 @@ class WrappedStage:
     def reduce_grad(self, average: bool) -> None: ...
 
     def end_step(self, failed: bool) -> None: ...
+
+
+class WrapperEvents:
+    """The DDP/FSDP2-wrapped stages of one Pipeline, driven through the step's events at any dp size
+    (the wrapper's group, this rank alone included): whole backwards at I, gradient accumulation
+    without communication, the reduction at REDUCE_GRAD after the stage's last W. Left to their own
+    hooks, FSDP2's reduce at the end of each input backward, before that microbatch's W ran (issue
+    49: TorchTitan wraps in FSDP2 at dp=1)."""
+
+    def __init__(self, stages: list, dp_group):
+        self.wrapped: dict[int, WrappedStage] = {}  # local stage -> its adapter
+        for local, stage in enumerate(stages):
+            adapter = WrappedStage.of(stage.module, dp_group)
+            if adapter is not None:
+                self.wrapped[local] = adapter
+        self.sharded = frozenset(stages[local].stage_index for local, a in self.wrapped.items() if a.sharded)
+
+    def attach(self, executor) -> None:
+        """The executor calls event() for these stages (weakly: its callback must not keep the
+        Pipeline alive, a cycle through C++)."""
+        import weakref
+
+        event = weakref.WeakMethod(self.event)
+        executor.set_stage_events(sorted(self.wrapped), lambda kind, local: event()(kind, local))
+
+    def event(self, kind: int, local: int) -> None:
+        from pipecore.executor.native import STAGE_EVENTS
+
+        adapter = self.wrapped[local]
+        if kind == STAGE_EVENTS["UNSHARD"]:
+            adapter.unshard()
+        elif kind == STAGE_EVENTS["RESHARD"]:
+            adapter.reshard()
+        elif kind == STAGE_EVENTS["LAST_BACKWARD"]:
+            adapter.before_last_backward()
+        elif kind == STAGE_EVENTS["REDUCE_GRAD"]:
+            adapter.reduce_grad(average=False)  # the 1/dp is in the loss seeds
+
+    def begin_step(self) -> None:
+        for adapter in self.wrapped.values():
+            adapter.begin_step()
+
+    def end_step(self, failed: bool) -> None:
+        for adapter in self.wrapped.values():
+            adapter.end_step(failed=failed)
 
 
 class _DDPStage(WrappedStage):
@@ -328,8 +371,10 @@ class _FSDPStage(WrappedStage):
     def end_step(self, failed: bool) -> None:
         if failed:
             # waits for in-flight collectives, reshards and clears FSDP's iteration state; the
-            # step's unsharded gradients (kept on the unsharded parameters) are dropped as well
-            self.module.reset_iter_state()
+            # step's unsharded gradients (kept on the unsharded parameters) are dropped as well.
+            # A root that never ran a forward (lazy init sets _is_root) has no state to reset.
+            if self.module._get_fsdp_state()._is_root is not None:
+                self.module.reset_iter_state()
             self._pending = []
             for g in self._groups:
                 for p in g.fsdp_params:
