@@ -53,7 +53,7 @@ def patch_torch_pipelining() -> None:
     torch.distributed.pipelining = ours[""]
 
 
-__all__ = ["patch_torch_pipelining", "build_stage", "Pipe", "pipe_split", "SplitPoint", "pipeline", "PipelineStage", "TensorChunkSpec", "Schedule1F1B",
-           "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble",
-           "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "ScheduleDualPipe", "PipelineScheduleSingle",
-           "PipelineScheduleMulti", "get_schedule_class"]
+__all__ = ["patch_torch_pipelining", "build_stage", "Pipe", "pipe_split", "SplitPoint", "pipeline", "PipelineStage",
+           "TensorChunkSpec", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+           "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "ScheduleDualPipe",
+           "PipelineScheduleSingle", "PipelineScheduleMulti", "get_schedule_class"]
