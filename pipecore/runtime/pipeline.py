@@ -211,7 +211,8 @@ class Pipeline:
         if self._wrappers is not None and not self._wrappers.wrapped:
             self._wrappers = None
         replicas = dp_group is not None and (given or dist.get_world_size(dp_group) > 1)
-        self._dp = DataParallel(self.comm, self.stages, dp_group, bucket_bytes, self._wrappers) if replicas else None
+        self._dp = DataParallel(self.comm, self.stages, dp_group, bucket_bytes,
+                                self._wrappers.wrapped if self._wrappers is not None else {}) if replicas else None
         self.gradients = GradFinalisation(self.comm, self.stages, topo, self._dp, self._wrappers)
         lowered = {True: schedule.lower(), False: forward_only(schedule).lower()}
         self._trains = schedule.has_backward  # a forward-only schedule serves eval() only

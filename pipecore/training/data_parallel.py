@@ -36,7 +36,6 @@ from pipecore.errors import InputError, PeerFailedError, PipelineError
 from pipecore.executor.comm import Comm, cannot_meet, leave_first
 from pipecore.executor.native import C, CommError
 from pipecore.executor.program import Program
-from pipecore.training.wrapped_stages import WrapperEvents
 
 DEFAULT_BUCKET_BYTES = 25 << 20  # torch DDP's bucket_cap_mb
 AGREEING = "data-parallel replicas agreeing on their pipelines"
@@ -46,7 +45,7 @@ class DataParallel:
     """The data-parallel side of one Pipeline: its group, the buckets of its plain stages, the
     wrappers of the others."""
 
-    def __init__(self, comm: Comm, stages: list, dp_group, bucket_bytes: int, wrappers: WrapperEvents | None):
+    def __init__(self, comm: Comm, stages: list, dp_group, bucket_bytes: int, wrapped: dict):
         check_groups(comm.group, dp_group)
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes!r}")
@@ -55,8 +54,7 @@ class DataParallel:
         self.rank = dist.get_rank(dp_group)
         self._comm = comm
         self._stages = stages
-        self._wrappers = wrappers  # the Pipeline's, made over dp_group
-        self.wrapped = wrappers.wrapped if wrappers is not None else {}
+        self.wrapped = wrapped  # local stage -> its DDP/FSDP2 adapter (WrapperEvents, driven by finalise.py)
         self._bucket_bytes = bucket_bytes
         self.agreed = False
         self.refused: str | None = None  # the replicas cannot agree: every later step says it again
@@ -97,8 +95,6 @@ class DataParallel:
         self._concluded = False
         self._reduced = False  # the step's reductions finished (finish() returned)
         self.reducer.begin_step()
-        if self._wrappers is not None:
-            self._wrappers.begin_step()
 
     # A training step ends the same way on every rank of every replica: the buckets' flags tell the
     # ranks of one pipeline position whether a replica failed, then one small all-reduce over the
@@ -145,8 +141,6 @@ class DataParallel:
             pass  # the step's own error says what happened
         finally:
             self.reducer.restore(False)
-            if self._wrappers is not None:
-                self._wrappers.end_step(failed=True)
 
     def discard_round(self) -> None:
         """The device path, a first stage's batch changed shape: this rank's pass over stand-in messages
@@ -204,8 +198,6 @@ class DataParallel:
         """After a kept step (the last part of the gradient finalisation): the gradients .grad held
         before it are added back."""
         self.reducer.restore(True)
-        if self._wrappers is not None:
-            self._wrappers.end_step(failed=False)
 
     def trace(self) -> list[dict]:
         return [{"rank": self._comm.rank, "name": f"DP:reduce {self._stages[s].stage_index}/{b} ({n} B)" if s >= 0

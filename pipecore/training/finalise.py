@@ -47,9 +47,7 @@ class GradFinalisation:
         self._stages = stages
         self._topology = topology
         self._dp = dp
-        # DDP/FSDP2 stages without replicas (a wrapper over this rank alone): driven here as the
-        # replicas' DataParallel drives its own
-        self._wrappers = wrappers if dp is None else None
+        self._wrappers = wrappers  # DDP/FSDP2 stages, with replicas or over this rank alone
         self.ties: TiedWeights | None = None  # learnt at the first agreement (building a Pipeline is no collective)
         self._mirrored = topology.style == "dualpipe"
         self._mirror_stash: dict | None = None
@@ -117,13 +115,15 @@ class GradFinalisation:
         for stash in (tie_stash, mirror_stash):  # the reverse of set_aside()
             for p, prev in (stash or {}).values():
                 p.grad = prev
-        if self._dp is not None:
-            self._dp.abandon(error)
-        if self._wrappers is not None:
-            try:
-                self._wrappers.end_step(failed=True)
-            except Exception as exc:  # noqa: BLE001 - the step's own error is the one raised
-                error.add_note(f"pipecore: resetting the DDP/FSDP2 stages after it failed as well: {exc!r}")
+        try:
+            if self._dp is not None:
+                self._dp.abandon(error)
+        finally:
+            if self._wrappers is not None:
+                try:
+                    self._wrappers.end_step(failed=True)
+                except Exception as exc:  # noqa: BLE001 - the step's own error is the one raised
+                    error.add_note(f"pipecore: resetting the DDP/FSDP2 stages after it failed as well: {exc!r}")
 
     def _sum_mirrors(self) -> None:
         """Each mirrored parameter's .grad := the two copies' gradients of this step (None where
