@@ -121,9 +121,9 @@ struct ExecutorDeleter {
   void operator()(pipecore::Executor* executor) const {
     if (PyGILState_Check()) {
       py::gil_scoped_release no_gil;
-      executor->stop_threads();
+      executor->join_threads();
     } else {
-      executor->stop_threads();
+      executor->join_threads();
     }
     delete executor;
   }
@@ -178,6 +178,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   overlap_modes["concurrent"] = static_cast<int64_t>(pipecore::OverlapMode::kConcurrent);
   overlap_modes["lockstep"] = static_cast<int64_t>(pipecore::OverlapMode::kLockstep);
   m.attr("OVERLAP_MODES") = overlap_modes;
+  m.attr("INSTRUCTION_FIELDS") = pipecore::kInstructionFields;
   m.attr("DEFAULT_RECV_WINDOW") = pipecore::kDefaultRecvWindow;
   m.attr("DEFAULT_SEND_BUDGET") = pipecore::kDefaultSendBudget;
 
@@ -239,7 +240,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("set_links", &pipecore::Executor::set_links, py::arg("stage"), py::arg("next_local"),
            py::arg("prev_local"))
-      .def("set_timeout", &pipecore::Executor::set_timeout, py::arg("seconds"))
       .def("set_free_outputs", &pipecore::Executor::set_free_outputs, py::arg("free"))
       .def("set_grad_reducer", &pipecore::Executor::set_grad_reducer, py::arg("reducer"))
       .def(

@@ -8,7 +8,8 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "executor.h"  // CommError
+#include "diagnostics.h"
+#include "errors.h"
 
 namespace pipecore {
 
@@ -26,11 +27,12 @@ std::vector<int64_t> to_values(const at::Tensor& t) {
 
 void wait(const c10::intrusive_ptr<c10d::Work>& work, const c10d::ProcessGroup& group, double timeout_s,
           const std::string& what) {
+  const std::chrono::milliseconds timeout(static_cast<int64_t>(timeout_s * 1000));
   try {
-    work->wait(std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+    work->wait(timeout);
   } catch (const std::exception& e) {
     std::ostringstream os;
-    os << "rank " << group.getRank() << ": " << what << " failed within " << timeout_s << " s (" << e.what() << ")";
+    os << "rank " << group.getRank() << ": " << what << " failed within " << seconds(timeout) << " (" << e.what() << ")";
     throw CommError(os.str());
   }
 }

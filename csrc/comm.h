@@ -25,10 +25,9 @@
 // capacity's layout. On gloo it then follows at its own size (its shapes as the capacity) on a tag of
 // its own, kFollowUpTag + the message's ordinal among those sent to that peer in the step (the
 // receiver counts its receives from that peer alike: gloo matches them in that order), so that each
-// rank may read its grown messages in any order. NCCL matches a pair's messages in posting order
-// only, where a receive posted ahead would take the follow-up, and has no tags: there the follow-up
-// goes through the group's store instead, as a packed message of its own shapes on the host, under a
-// key its header names (Executor::set_follow_up_store).
+// rank may read its grown messages in any order. On the device path the follow-up goes through the
+// group's store instead ([Note: NCCL pair order] in device_comm.h), as a packed message of its own
+// shapes on the host, under a key its header names (Executor::set_follow_up_store).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -37,10 +36,14 @@
 #include <functional>
 #include <vector>
 
-#include "executor.h"
 #include "message_status.h"
+#include "tensor_spec.h"
 
 namespace pipecore {
+
+// Messages of at least this many payload bytes are sent from their tensors' own storage (below
+// this, one packed send costs less than a send per tensor).
+constexpr int64_t kLargeMessageBytes = 64 << 10;
 
 // Writes a 16-byte trailer (a byte tensor on the message's device) in place of the default "ok" one.
 using TrailerWriter = std::function<void(at::Tensor& trailer)>;

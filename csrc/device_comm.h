@@ -17,6 +17,20 @@
 //   the device: each received trailer folds into a step status on the device, each sent trailer
 //   carries that status on, and a last stage's loss seed is zero unless it is ok, so a failed step
 //   adds nothing to any gradient. The host reads the status once, when the step ends.
+//
+// [Note: NCCL pair order]
+// NCCL runs the point-to-point operations between two ranks in posting order, and matches a receive
+// with the pair's next send by that order alone: it has no tags. gloo runs each operation on its own
+// and matches by tag. Three rules follow; each place that applies one names this note:
+//  - a receive posted ahead of an earlier send to the same peer would wait for that send's receiver,
+//    which may wait for it in turn: on in-order backends the receive window keeps receives behind sends
+//    (RecvWindow, pipecore/runtime/message_path.py), and the device path posts a receive with its batch;
+//  - posted one by one, a send and a receive that cross between two ranks would wait for each other:
+//    a batch (a run of consecutive SEND/RECV actions) goes as one group, in the order
+//    pipecore/schedule/p2p_order.py proves cannot deadlock, a discovery run cutting a batch before each
+//    later receive of activations (its rule 5);
+//  - a grown shaped message cannot follow on a tag of its own as on gloo (a receive posted ahead would
+//    take it): on the device path it follows through the group's store (comm.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,4 +1,19 @@
 // pipecore executor: the per-rank action loop (dispatch, P2P, freeing, backward).
+//
+// The class is one object; its members are defined in a file per job (docs/architecture.md draws them):
+//   run.cpp             the run and its abort protocol (the driver)
+//   dispatch.cpp        one dispatch of an action, in a normal or an aborted run
+//   compute.cpp         F, B, I, W and the stage events
+//   receive.cpp         receives: allocation, the window, waiting, reading shaped headers, follow-ups
+//   send.cpp            sends: what a SEND sends, its message, the budget, draining
+//   posting.cpp         the one posting path of every message (host and device)
+//   device_batches.cpp  the device path's batches and its step status
+//   discovery.cpp       the shapes a first step learns, and the spec setters
+//   tracing.cpp         per-action trace events
+//   executor_overlap.cpp  OVERLAP_F_B pairs
+//   executor.cpp        construction and settings
+// with the objects it holds: Program (program.h), MessageSpecs (message_specs.h, capacities.cpp),
+// RecvWindow (recv_window.h), SendTracker, CommWorker, DeviceComm.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -7,32 +22,35 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "backward.h"
+#include "comm.h"
+#include "errors.h"
+#include "message_specs.h"
 #include "overlap.h"
+#include "program.h"
+#include "recv_window.h"
 #include "step_profile.h"
 #include "tensor_spec.h"
 
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
+#include <exception>
 #include <functional>
-#include <string>
-#include <memory>
-#include <tuple>
-#include <unordered_map>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <random>
-#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <unordered_map>
 #include <vector>
 
 namespace pipecore {
 
-class ActionScope;
+class DeviceComm;
 class DeviceTimer;
 class GradReducer;
 class CommWorker;
-class DeviceComm;
 class SendTracker;
 struct CommTask;
 
@@ -45,26 +63,8 @@ constexpr bool kTesting = true;
 constexpr bool kTesting = false;
 #endif
 
-// Instruction opcodes: the schedule's action kinds, plus the bracket of an OVERLAP_F_B container.
-enum Op : int64_t {
-  kF = 0, kI = 1, kW = 2, kB = 3,
-  kSendF = 4, kRecvF = 5, kSendB = 6, kRecvB = 7,
-  kUnshard = 8, kReshard = 9, kReduceGrad = 10,
-  kOverlapBegin = 11, kOverlapEnd = 12,
-};
-// Stage events told to Python for stages whose module reduces its own gradients (torch DDP,
-// FSDP2): the schedule's UNSHARD, RESHARD, REDUCE_GRAD, and this one, before the stage's last
-// backward of the step (its last B, or I: such a stage's backward runs whole at I).
-constexpr int64_t kLastBackwardEvent = 13;
 using StageEventFn = std::function<void(int64_t event, int64_t stage)>;
 
-// How many RECV actions ahead of the program point receives are posted by default, and how many
-// bytes of buffers they may hold before the program reaches them.
-constexpr int64_t kDefaultRecvWindow = 32;
-constexpr int64_t kRecvWindowBytes = 16 << 20;
-// Messages of at least this many payload bytes are sent from their tensors' own storage (below
-// this, one packed send costs less than a send per tensor).
-constexpr int64_t kLargeMessageBytes = 64 << 10;
 // Bytes of sends in flight to one peer before the next send to it waits for the oldest to complete
 // (a message larger than this still goes, alone).
 constexpr int64_t kDefaultSendBudget = 64 << 20;
@@ -74,14 +74,6 @@ constexpr int64_t kDefaultSendBudget = 64 << 20;
 // latency-bound schedule such as 2-rank 1F1B; a larger message's copy into the socket would cost the
 // thread more than it saves (bench/vs_torch.py, docs/performance.md).
 constexpr int64_t kPostHereBytes = 16 << 10;
-
-struct Instr {
-  int64_t op;
-  int64_t stage;  // index into this rank's stages
-  int64_t mb;     // microbatch (global index)
-  int64_t peer;   // group rank for SEND/RECV, else -1
-  int64_t label;  // index into labels ("PP:1F0")
-};
 
 // A posted receive: the buffers of its message's parts and their pending Works.
 struct Inbox {
@@ -102,21 +94,8 @@ struct Slot {
   std::vector<at::Tensor> input_grads;      // to be sent back
   WeightWork weight;                        // what I left for W
   bool has_loss = false;
-};
-
-// A peer's step failed: its messages say so. This rank ran its program to the end without compute.
-struct PeerAbort : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-// A first stage's batch changed shape: this step was not run; agree on the new shapes, run again.
-struct PeerReplan : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-// A wait timed out or a peer's connection broke: the group cannot be trusted any more.
-struct CommError : std::runtime_error {
-  using std::runtime_error::runtime_error;
+  // An aborted step's: drops graphs and activations, keeps the receives posted (they are drained).
+  void drop_compute();
 };
 
 // Told once when this rank's own action fails (before its peers are told), with the error text.
@@ -139,15 +118,24 @@ using SpecFn = std::function<int64_t(int64_t stage, int64_t mb, int64_t op, bool
 using ForwardFn = std::function<void(int64_t stage, int64_t mb, std::vector<at::Tensor>& inputs,
                                      std::vector<at::Tensor>& outputs, at::Tensor& loss, double& seed)>;
 
+// How an action runs (dispatch.cpp): normally, or in an aborted step, with only its communication,
+// sends carrying `status` (message_status.h), receives waited for and drained only if `wait`.
+struct RunMode {
+  bool aborted = false;
+  bool wait = true;
+  int64_t status = 0;
+};
+
 class Executor {
  public:
-  ~Executor();
-  // Joins the threads it owns (the comm worker, the send tracker's lanes, aborting sends still in
-  // flight) before it is destroyed. Python's deleter calls it with the GIL released: a tensor those
-  // threads free may need the GIL. Nothing may use the executor afterwards.
-  void stop_threads();
   Executor(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t num_stages, int64_t num_microbatches,
            double timeout_s);
+  ~Executor();
+  // Joins the threads it owns (the comm worker, the send tracker's lanes, aborting sends still in
+  // flight, and the overlap pairs' backward thread) before it is destroyed. Python's deleter calls it
+  // with the GIL released: a tensor those threads free may need the GIL. Nothing may use the executor
+  // afterwards.
+  void join_threads();
 
   void set_program(std::vector<int64_t> flat, std::vector<std::string> labels);
   // What (stage, mb) receives from the previous stage (recv_f) and sends to the next one (send_f);
@@ -157,36 +145,32 @@ class Executor {
   void set_input_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> recv_f, at::TensorOptions options);
   void set_output_specs(int64_t stage, int64_t mb, std::vector<TensorSpec> send_f, at::TensorOptions options);
   // Every message's shapes unknown, to be learnt by a discovery run.
-  void forget_specs();
+  void forget_specs() { specs_.forget(); }
   // Messages carry their tensors' shapes (comm.h, shaped messages), so that microbatches may change
-  // shapes at every step without a discovery run. The shapes set (set_specs) are then capacities: at
-  // each run's start every boundary's receives take, per tensor, the most elements that its
-  // microbatches were set or that crossed it in an earlier run (the sender and the receiver of a
-  // boundary see the same messages, so both sides widen alike). A message that outgrows them goes as
-  // its header, then, on the host path, at its own size (kMessageGrown): one extra message, until the
-  // boundary's capacity has grown. On the device path every message goes at its capacity's size (NCCL
-  // receives need their exact size), the host reads each received header (device_comm.h), and a
-  // message that outgrows its capacity follows through the store (set_follow_up_store).
-  // Every rank of the group must set the same, between steps.
-  void set_shapes_travel(bool on);
+  // shapes at every step without a discovery run. The shapes set (set_specs) are then capacities
+  // (message_specs.h). A message that outgrows them goes as its header, then, on the host path, at its
+  // own size (kMessageGrown): one extra message, until the boundary's capacity has grown. On the device
+  // path every message goes at its capacity's size (NCCL receives need their exact size), the host reads
+  // each received header (device_comm.h), and a message that outgrows its capacity follows through the
+  // store (set_follow_up_store). Every rank of the group must set the same, between steps.
+  void set_shapes_travel(bool on) { shaped_.travel = on; }
   // The device path's shaped messages: a store shared by the group's ranks (a prefix of their own),
   // through which a message that outgrew its capacity follows, as a packed message on the host under
-  // the key its header names (comm.h): NCCL matches a pair's messages in posting order only, where a
-  // receive posted ahead would take a second sending. Costs a device-to-host copy at the sender and
-  // the store's round trip and a host-to-device copy at the receiver, for each message of a step that
-  // outgrows the capacity the step started with (activations and their gradients alike).
-  void set_follow_up_store(c10::intrusive_ptr<c10d::Store> store) { follow_up_store_ = std::move(store); }
-  bool shapes_travel() const { return shapes_travel_; }
+  // the key its header names (comm.h; [Note: NCCL pair order] in device_comm.h says why not by tag). Costs
+  // a device-to-host copy at the sender and the store's round trip and a host-to-device copy at the
+  // receiver, for each message of a step that outgrows the capacity the step started with.
+  void set_follow_up_store(c10::intrusive_ptr<c10d::Store> store) { shaped_.store = std::move(store); }
+  bool shapes_travel() const { return shaped_.travel; }
   // Shaped messages carry the step's batch rows (the first stages' batch size, 0 if it has none)
   // from the ranks holding a first stage, which set it before each run, to the others, which set -1
   // and learn it from the first activations they receive: the last stage weighs its losses by it
   // without an agreement when only the shapes changed.
-  void set_batch_rows(int64_t rows) { batch_rows_ = rows; }
-  int64_t batch_rows() const { return batch_rows_; }
+  void set_batch_rows(int64_t rows) { shaped_.batch_rows = rows; }
+  int64_t batch_rows() const { return shaped_.batch_rows; }
   // Messages sent in the last run: (messages, their parts, i.e. point-to-point sends; messages that
   // outgrew their capacity and went a second time).
   std::tuple<int64_t, int64_t, int64_t> message_counts() const {
-    return {sent_messages_, sent_parts_, grown_messages_};
+    return {counts_.sent_messages, counts_.sent_parts, counts_.grown_messages};
   }
 #ifdef PIPECORE_TESTING
   // Tests: sleep a random 0..max_us before every send and receive.
@@ -195,19 +179,9 @@ class Executor {
     rng_.seed(seed);
   }
 #endif
-  void set_timeout(double seconds);
-  // Receives are posted up to `n` RECV actions ahead of the program point (0: each at its own
-  // action), holding at most `max_bytes` of buffers ahead (the next receive is always allowed).
-  // gloo and NCCL move a message's data only once its receive is posted, so a receive posted just
-  // before its data is needed costs a round trip; posted early, the data is already there. Each
-  // receive posted early holds its buffer that much longer. Backends that run a peer pair's
-  // operations in posting order (NCCL: one stream per pair) would deadlock on a receive posted
-  // before an earlier send to the same peer: `past_sends` = false keeps receives behind those.
+  // The receive window of the host path (recv_window.h).
   void set_recv_window(int64_t n, bool past_sends, int64_t max_bytes = kRecvWindowBytes) {
-    TORCH_CHECK(n >= 0, "pipecore: the receive window must be >= 0, got ", n);
-    recv_window_ = n;
-    recv_past_sends_ = past_sends;
-    recv_window_bytes_ = max_bytes;
+    window_.configure(n, past_sends, max_bytes);
   }
 #ifdef PIPECORE_TESTING
   // Messages of at least `min_bytes` payload go as their tensors plus a trailer (see comm.h). Every
@@ -243,7 +217,7 @@ class Executor {
   }
   // Data-parallel gradient reduction of plain stages (grad_reduce.h): armed before each stage's last
   // backward, its REDUCE_GRAD sends what is left. Null: none.
-  void set_grad_reducer(std::shared_ptr<GradReducer> reducer) { reducer_ = std::move(reducer); }
+  void set_grad_reducer(std::shared_ptr<GradReducer> reducer) { stages_.reducer = std::move(reducer); }
   // Stages whose events go to `fn` (the bindings take the GIL for it), and whose backward runs whole
   // at I (their W does nothing): DDP's and FSDP2's autograd hooks expect a microbatch's weight
   // gradients within one backward.
@@ -258,7 +232,7 @@ class Executor {
   using OverlapHook = std::function<void(int64_t bracket)>;
   // `device`: the stages' device (the backward half's thread issues onto the step's stream there).
   void set_overlap(OverlapMode mode, OverlapHook hook, c10::Device device);
-  // For the hook of the pair whose OVERLAP_F_B bracket is program_[bracket]: runs one half (0: its
+  // For the hook of the pair whose OVERLAP_F_B bracket is program[bracket]: runs one half (0: its
   // forwards, 1: its backwards), once, on the calling thread; or both, as `mode` says (the
   // executor's own rules apply: a pair that must not overlap runs in sequence). Throws the half's
   // error (also kept for the step).
@@ -289,7 +263,7 @@ class Executor {
   // Where the last run's host time went, by part (step_profile.h), when enabled.
   void set_profile(bool on) { profile_on_ = on; }
   const StepProfile& profile() const { return profile_; }
-  const std::string& label(int64_t i) const { return labels_[i]; }
+  const std::string& label(int64_t i) const { return program_.labels[i]; }
   // Stages that hand their data over on this rank, without communication (-1: none).
   void set_links(int64_t stage, int64_t next_local, int64_t prev_local);
   // Runs the program once. `forward` is called for every F. When an action fails, the rest of the
@@ -311,29 +285,159 @@ class Executor {
 
   int64_t rank() const { return rank_; }
   // Stats of the last run, for tests and benchmarks.
-  int64_t freed_outputs() const { return freed_outputs_; }
+  int64_t freed_outputs() const { return counts_.freed_outputs; }
   const std::string& last_comm_failure() const { return comm_failure_; }
   // Largest number of bytes in flight to one peer during the last run.
   int64_t peak_send_bytes() const;
-  int64_t threaded_posts() const { return threaded_posts_; }
-  int64_t posted_here() const { return posted_here_; }
+  int64_t threaded_posts() const { return counts_.threaded_posts; }
+  int64_t posted_here() const { return counts_.posted_here; }
 #ifdef PIPECORE_TESTING
-  int64_t reverse_posts() const { return reverse_posts_; }
+  int64_t reverse_posts() const { return counts_.reverse_posts; }
   const std::vector<int64_t>& recv_posted_at() const { return recv_posted_at_; }
 #endif
   // Per program index: for a SEND/RECV, one past the last action of its device batch (`learning`:
   // as a discovery run posts them); else 0.
-  const std::vector<size_t>& batch_ends(bool learning) const { return learning ? learning_end_ : batch_end_; }
+  const std::vector<size_t>& batch_ends(bool learning) const {
+    return learning ? program_.learning_end : program_.batch_end;
+  }
   // Per stage, since construction: microbatches whose I computed weight gradients (or all of its
   // backward) because of a node that cannot be split, by (node, why).
   const std::vector<std::map<SplitFallback, int64_t>>& split_fallbacks() const { return split_fallbacks_; }
-  const std::vector<Instr>& program() const { return program_; }
+  const std::vector<Instr>& program() const { return program_.instrs; }
 
  private:
-  Slot& slot(int64_t stage, int64_t mb) { return slots_[stage * num_microbatches_ + mb]; }
-  void exec(size_t index, const ForwardFn& forward);
-  // OVERLAP_F_B (executor_overlap.cpp): runs the pair whose bracket is program_[index]; returns the
-  // index of its closing bracket. On failure `index` becomes the first failed action's.
+  // --- run.cpp: the driver and its abort protocol
+  // What stopped a run's program, by what it means for the rest of the step.
+  struct Failure {
+    enum Kind { kNone, kOrigin, kPeer, kReplan, kComm } kind = kNone;
+    std::exception_ptr origin;  // kOrigin: this rank's own error
+    std::string text;           // the others: what happened
+    size_t at = 0;              // the program index it stopped at
+  };
+  void begin_run(const ForwardFn& forward);
+  Failure execute_program();
+  Failure explained_by_step_status(Failure failure);
+  void tell_abort(const Failure& failure, const AbortFn& on_abort);
+  std::string release_peers(const Failure& failure);
+  [[noreturn]] void rethrow(const Failure& failure, const std::string& comm_failure);
+  void end_step();
+  // Runs program[from..] aborted; returns the first communication failure met (empty if none).
+  std::string finish_aborted(size_t from, bool wait, int64_t status);
+  std::string action_name(size_t index) const;
+
+  // --- dispatch.cpp
+  void exec(size_t index, const RunMode& mode);
+  void exec_traced(size_t index);
+
+  // --- compute.cpp
+  void do_forward(const Instr& in);
+  void do_backward(const Instr& in, bool split);
+  void do_weight(const Instr& in);
+  void stage_event(int64_t event, int64_t stage);
+  bool evented(int64_t stage) const { return in_mask(stages_.evented, stage); }
+  bool builds_weight(int64_t stage) const { return stages_.weight_builder && in_mask(stages_.builds_weight, stage); }
+  static bool in_mask(const std::vector<uint8_t>& mask, int64_t stage) {
+    return stage >= 0 && stage < static_cast<int64_t>(mask.size()) && mask[stage];
+  }
+  std::vector<uint8_t> stage_mask(const std::vector<int64_t>& stages) const;  // [stage]: 1 for these
+  // One gradient per input that needs one, in input order (zeros where none flowed); the slot lets go.
+  std::vector<at::Tensor> take_input_grads(Slot& s);
+
+  // --- receive.cpp
+  // RECV_F / RECV_B: its buffers allocated and set in the slot, to be posted (null: nothing to receive)
+  std::shared_ptr<CommTask> make_recv(const Instr& in, bool aborted);
+  // Host path, before program[at]: posts receives up to ordinal `end` (aborted: into the scratch)
+  void post_recvs_until(size_t end, size_t at, bool aborted = false);
+  void prefetch_recvs(size_t at);  // host path, before program[at]: posts the receive window
+  // The parts of a received message, once waited for (host) or ordered on the device.
+  const std::vector<at::Tensor>& receive(Inbox& inbox, const Instr& in, const char* what);
+  // An aborted step's consuming action: waits for and drops what it would have read.
+  void drain(Inbox& inbox, const Instr& in, const char* what, bool wait);
+  // Waits for every part of the receive `task` (`what`: "activations" / "output gradients" for the error).
+  void wait_task(CommTask& task, const Instr& in, const char* what);
+  void check_message(const std::vector<at::Tensor>& parts, const Instr& in, const char* what);
+  // Throws what a received message's status other than ok says (PeerReplan, PeerAbort).
+  void check_message_status(int64_t status, const Instr& in, const char* what);
+  // Shaped messages: reads a received message's header (once); a grown one is received again at its
+  // own size (comm.h). Records what crossed the boundary. Unless `draining` (an aborted run's
+  // receive, dropped), a status other than ok throws as check_message does. The two halves of an
+  // OVERLAP_F_B pair may settle at once.
+  void settle(CommTask& task, const Instr& in, const char* what, bool draining);
+  // settle's reading of one message for action `consumer` (waits for it; a grown one's follow-up too,
+  // its data into the scratch when `draining`).
+  void read_header(CommTask& task, const Instr& consumer, bool draining);
+  // The parts of grown message `task`'s follow-up, a message laid out by `layout` (its own shapes):
+  // on gloo received on the follow-up tag (into the scratch when `draining`); on the device path
+  // taken from the store under `key`, a packed message on the host (none when `draining`, or taken
+  // already: the drain after a failure that came after taking it). `what` names its data in errors.
+  std::vector<at::Tensor> follow_up_by_tag(const CommTask& task, const std::vector<TensorSpec>& layout,
+                                           const Instr& consumer, const char* what, bool draining);
+  std::vector<at::Tensor> follow_up_from_store(CommTask& task, const Instr& consumer, const char* what, int64_t key,
+                                               bool draining);
+  // The store key of the follow-up `key` from rank `from` to rank `to`.
+  static std::string follow_up_key(int64_t from, int64_t to, int64_t key);
+
+  // --- send.cpp
+  // SEND_F / SEND_B on the host path: its message (and a grown one's follow-up) posted.
+  void send_action(size_t index, const RunMode& mode);
+  // What SEND action `in` sends: the stage's outputs (let go of by the slot) or its input gradients.
+  std::vector<at::Tensor> outgoing(const Instr& in);
+  // The parts of SEND action `in`'s message (empty: nothing to send): what it sends, or (`aborted`) a
+  // message of the same size whose trailer carries `status`. A shaped message that outgrew its
+  // capacity is its header; `follow_up` then gets the message at its own size.
+  // `crossing`: the shapes of a shaped SEND_F's tensors, to record once it is posted.
+  // On the device path `follow_up` is a packed message on the host, for the store, and `key` its key
+  // (set_follow_up_store).
+  std::vector<at::Tensor> message_of(const Instr& in, bool aborted, int64_t status = 0,
+                                     std::vector<at::Tensor>* follow_up = nullptr,
+                                     std::vector<TensorSpec>* crossing = nullptr, int64_t* key = nullptr);
+  // Posts a message within the peer's send budget (unless `budgeted` is off); the send tracker frees it
+  // once sent. `tag` 0: a message of the program; else a grown message's follow-up.
+  void send(std::vector<at::Tensor> parts, size_t index, bool budgeted, bool aborted, int tag = 0);
+  void drain_sends();  // waits for every send in flight; throws CommError
+  void check_sends();  // throws CommError if a send failed
+  // Bytes for messages whose contents do not matter: aborted messages' payloads, the receives an aborted
+  // step drops, and the padding of a grown message's header on the device path. One buffer each for sends
+  // and receives, so that a rank out of memory can still release its peers.
+  at::Tensor scratch(const at::TensorOptions& options, int64_t bytes, bool for_sends);
+
+  // --- posting.cpp: the one posting path
+  // Posts `tasks` (program order; `actions[k]` is tasks[k]'s action), addressed to their action's peer
+  // on `tag`: on the device path as one group, on the host from the comm worker or (none, or
+  // `here_if_idle` and it has nothing queued) this thread. Counts them, and hands sends to the tracker,
+  // which frees them once complete (`aside`: a follow-up, outside the budget).
+  void post(const std::vector<std::shared_ptr<CommTask>>& tasks, const std::vector<size_t>& actions, int tag = 0,
+            bool here_if_idle = false);
+  // Waits until a queued task is posted; a posting error becomes a CommError.
+  void await_posted(CommTask& task, const Instr& in);
+  // The CommError for a send or receive the group refused to post.
+  CommError post_failure(const CommTask& task, const Instr& in, const std::string& text) const;
+#ifdef PIPECORE_TESTING
+  void maybe_delay();
+#else
+  void maybe_delay() {}
+#endif
+
+  // --- device_batches.cpp
+  // Device path: posts the batch of SEND/RECV actions that starts at program[index] (if not posted
+  // yet); `mode.aborted`: sends carry its status and receives land in the scratch.
+  void post_batch(size_t index, const RunMode& mode);
+  // Device path, end of step: waits (polling, up to the timeout) until the compute stream's work of the
+  // step is done, then reads the step's message status; throws what it says.
+  void await_step_status();
+
+  // --- discovery.cpp
+  // Are the shapes of RECV_F/SEND_F `in` known? In a discovery run, asks the spec source for them (may
+  // wait for the peer's forward); false: no message travels (a receive that is not aborted throws
+  // PeerAbort then).
+  bool learn_specs(const Instr& in, bool aborted);
+  // Shapes of what SEND action `in` sends, for an aborted message of the same size (a SEND_F's may be
+  // learnt: waits as learn_specs does).
+  std::vector<TensorSpec> learn_send_specs(const Instr& in);
+
+  // --- executor_overlap.cpp: OVERLAP_F_B
+  // Runs the pair whose bracket is program[index]; returns the index of its closing bracket. On failure
+  // `index` becomes the first failed action's.
   size_t exec_pair(size_t& index);
   struct PairRun;
   // Runs `actions` of `half` up to the first failure, which `pair` keeps; traced in `lane`.
@@ -348,161 +452,84 @@ class Executor {
   bool pair_recomputes(const PairRun& pair);
   // Does the backward action `in` recompute a checkpointed region (walks the graph it will run)?
   bool backward_recomputes(const Instr& in);
-  void exec_traced(size_t index, const ForwardFn& forward);
-  // An action of an aborted step: only its communication, with payloads that do not matter. Safe to
-  // run on an action that already posted its message (nothing is posted twice).
-  void exec_aborted(size_t index, bool wait, int64_t status);
-  // Runs program_[from..] aborted; returns the first communication failure met (empty if none).
-  std::string finish_aborted(size_t from, bool wait, int64_t status);
-  // A byte buffer of at least `bytes` on `options`' device for aborted messages' payloads: one
-  // buffer for all of them, so that a rank out of memory can still release its peers.
-  // `for_sends`: the sends' own (aborted or grown messages' data parts).
-  at::Tensor abort_scratch(const at::TensorOptions& options, int64_t bytes, bool for_sends = false);
-  void check_message(const std::vector<at::Tensor>& parts, const Instr& in, const char* what);
-  // Throws what a received message's status other than ok says (PeerReplan, PeerAbort).
-  void check_message_status(int64_t status, const Instr& in, const char* what);
-#ifdef PIPECORE_TESTING
-  void maybe_delay();
-#else
-  void maybe_delay() {}
-#endif
-  // RECV_F / RECV_B: its buffers allocated and set in the slot, to be posted (null: nothing to receive)
-  std::shared_ptr<CommTask> make_recv(const Instr& in, bool aborted);
-  // before program_[at]: posts receives up to ordinal `end` (aborted: into the abort scratch)
-  void post_recvs_until(size_t end, size_t at, bool aborted = false);
-  void prefetch_recvs(size_t at);                  // before program_[at]: posts the receive window
-  // Device path: posts the batch of SEND/RECV actions that starts at program_[index] (if not posted
-  // yet); `aborted`: sends carry `status` and receives land in the abort scratch.
-  void post_batch(size_t index, bool aborted, int64_t status = 0);
-  // The parts of a received message, once waited for (host) or ordered on the device.
-  const std::vector<at::Tensor>& receive(Inbox& inbox, const Instr& in, const char* what);
-  // Posts a message (within the peer's send budget unless `budgeted` is off) and hands it to the
-  // send tracker, which frees it once sent.
-  void send(std::vector<at::Tensor> parts, size_t index, bool budgeted = true, bool aborted = false, int tag = 0);
-  void drain_sends();  // waits for every send in flight; throws CommError
-  void do_forward(const Instr& in, const ForwardFn& forward);
-  void do_backward(const Instr& in, bool split);
-  void do_weight(const Instr& in);
-  void wait_recv(Inbox& inbox, const Instr& in, const char* what);
-  // Waits for every part of the receive `task` (`what`: "activations" / "output gradients" for the error).
-  void wait_task(CommTask& task, const Instr& in, const char* what);
-  // The CommError for a send or receive the group refused to post.
-  CommError post_failure(const CommTask& task, const Instr& in, const std::string& text) const;
-  // Posts `task` (with `tag`) from the comm worker (CPU groups), or on this thread where there is none;
-  // `here_if_idle`: on this thread if the worker has nothing queued (a small send: kPostHereBytes).
-  void post_task(const std::shared_ptr<CommTask>& task, const Instr& in, int tag = 0, bool here_if_idle = false);
-  // Waits until a queued task is posted; a posting error becomes a CommError.
-  void await_posted(CommTask& task, const Instr& in);
-  void check_sends();  // throws CommError if a send failed
-  std::vector<at::Tensor> take_input_grads(Slot& s);
-  // What SEND action `in` sends: the stage's outputs (let go of by the slot) or its input gradients.
-  std::vector<at::Tensor> outgoing(const Instr& in);
-  // Shapes of what SEND action `in` sends (for an aborted message of the same size).
-  std::vector<TensorSpec> send_specs(const Instr& in);
-  // Are the shapes of RECV_F/SEND_F `in` known? In a discovery run, asks the spec source for them;
-  // false: no message travels (a receive that is not aborted throws PeerAbort then).
-  bool learn_specs(const Instr& in, bool aborted);
-  // The parts of SEND action `in`'s message (empty: nothing to send): what it sends, or (`aborted`) a
-  // message of the same size whose trailer carries `status`. A shaped message that outgrew its
-  // capacity is its header; `follow_up` then gets the message at its own size.
-  // `crossing`: the shapes of a shaped SEND_F's tensors, to record once it is posted.
-  // On the device path `follow_up` is a packed message on the host, for the store, and `key` its key
-  // (set_follow_up_store).
-  std::vector<at::Tensor> message_of(const Instr& in, bool aborted, int64_t status = 0,
-                                     std::vector<at::Tensor>* follow_up = nullptr,
-                                     std::vector<TensorSpec>* crossing = nullptr, int64_t* key = nullptr);
-  // The store key of the follow-up `key` from rank `from` to rank `to`.
-  static std::string follow_up_key(int64_t from, int64_t to, int64_t key);
-  // The parts of grown message `task`'s follow-up, a message laid out by `layout` (its own shapes):
-  // on gloo received on the follow-up tag (into the abort scratch when `draining`); on the device path
-  // taken from the store under `key`, a packed message on the host (none when `draining`, or taken
-  // already: the drain after a failure that came after taking it). `what` names its data in errors.
-  std::vector<at::Tensor> follow_up_by_tag(const CommTask& task, const std::vector<TensorSpec>& layout,
-                                           const Instr& consumer, const char* what, bool draining);
-  std::vector<at::Tensor> follow_up_from_store(CommTask& task, const Instr& consumer, const char* what, int64_t key,
-                                               bool draining);
-  // Shaped messages: the capacity of (stage, mb)'s receive of activations (kRecvF) or output gradients
-  // (kRecvB), or of its send (kSendF, kSendB).
-  std::vector<TensorSpec> capacity(const Instr& in) const;
-  // Shaped messages: reads a received message's header (once); a grown one is received again at its
-  // own size (comm.h). Records what crossed the boundary. Unless `draining` (an aborted run's
-  // receive, dropped), a status other than ok throws as check_message does. The two halves of an
-  // OVERLAP_F_B pair may settle at once.
-  void settle(CommTask& task, const Instr& in, const char* what, bool draining);
-  // settle's reading of one message for action `consumer` (waits for it; a grown one's follow-up too,
-  // its data into the abort scratch when `draining`).
-  void read_header(CommTask& task, const Instr& consumer, bool draining);
-  // Each boundary's capacity at a run's start (set_shapes_travel).
-  void widen_capacities();
-  // Device path, end of step: reads the step's message status; throws what it says.
-  void check_device_status();
-  // The message of a failed or timed-out wait for `what` (activations, output gradients) of `in`.
-  std::string wait_failure(const Instr& in, const char* what, int peer, const char* why) const;
-  // What a step status other than ok means, for this rank's error message.
-  std::string device_status_text(int64_t status) const;
-  std::string where(const Instr& in) const;
 
+  // --- tracing.cpp
+  void begin_trace();   // a run's start: no events yet
+  double trace_time();  // host time now, or an event index on an accelerator
+
+  // "pipecore rank R, action L": where an error happened.
+  std::string where(const Instr& in) const;
+  Slot& slot(const Instr& in) { return slots_[grid_.key(in)]; }
+  Slot& slot(int64_t stage, int64_t mb) { return slots_[grid_.key(stage, mb)]; }
+
+  // The group. reverse_ is declared before the threads that post on it: it outlives them.
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
-  c10::intrusive_ptr<c10d::Backend> reverse_;  // declared before worker_: it outlives the posting thread
+  c10::intrusive_ptr<c10d::Backend> reverse_;
   int64_t rank_;
-  int64_t num_stages_;
-  int64_t num_microbatches_;
   std::chrono::milliseconds timeout_;
-  std::vector<Instr> program_;
-  std::vector<std::string> labels_;
-  std::vector<Slot> slots_;
-  std::vector<std::vector<TensorSpec>> recv_f_specs_;  // [stage * M + mb]
-  std::vector<std::vector<TensorSpec>> recv_b_specs_;
-  std::vector<std::vector<TensorSpec>> send_f_specs_;
-  std::vector<at::TensorOptions> options_;             // [stage * M + mb]
-  std::vector<uint8_t> input_known_;   // [stage * M + mb]: recv_f specs set
-  std::vector<uint8_t> output_known_;  // [stage * M + mb]: send_f and recv_b specs set
-  const SpecFn* spec_source_ = nullptr;  // during a discovery run
-  bool shapes_travel_ = false;           // see set_shapes_travel
-  int64_t batch_rows_ = -1;              // see set_batch_rows
-  // [stage]: per tensor, the most elements that crossed its boundary from the previous stage (in) or
-  // to the next one (out), in any run so far, as capacities (empty: none yet)
-  std::vector<std::vector<TensorSpec>> crossed_in_, crossed_out_;
-  // per peer, in this run: messages sent to it and receives posted from it (on the tag that matches
-  // them in order), whose counts name a grown message's follow-up tag (comm.h)
-  std::unordered_map<int, int> sent_to_, received_from_;
-  c10::intrusive_ptr<c10d::Store> follow_up_store_;
-  std::unordered_map<int, int64_t> follow_ups_to_;  // per peer: follow-ups sent through the store so far
-  std::mutex settle_mu_;  // crossed_in_, batch_rows_ and posting, from the halves of a pair
-  int64_t sent_messages_ = 0, sent_parts_ = 0, grown_messages_ = 0;  // see message_counts()
-  bool abort_may_wait_ = true;           // finish_aborted's `wait`
-  std::vector<size_t> recv_instrs_;     // program indices of the RECV actions, in order
-  std::vector<size_t> recvs_through_;   // [i]: RECV actions among program_[0..i]
-  std::vector<char> waits_next_;        // [i]: the compute action after SEND i takes a received message
-  std::vector<int64_t> send_before_recv_;  // [k]: last SEND to RECV k's peer before it (-1: none)
-  size_t recvs_posted_ = 0;             // RECV actions posted so far in this run
-  std::vector<int64_t> recv_posted_at_;  // [k]: program index before which RECV k was posted
-  int64_t recv_window_ = kDefaultRecvWindow;
-  int64_t recv_window_bytes_ = kRecvWindowBytes;
-  bool recv_past_sends_ = true;
-  std::vector<int64_t> ahead_bytes_of_;  // [k]: buffer bytes of RECV k if it was posted ahead
-  int64_t ahead_bytes_ = 0;             // of receives posted ahead and not reached yet
-  size_t recvs_reached_ = 0;
+
+  // The program, its slots and what their messages carry.
+  SlotGrid grid_;
+  Program program_;
+  std::vector<Slot> slots_;  // [grid_.key]
+  MessageSpecs specs_;
+  std::vector<int64_t> next_local_, prev_local_;  // [stage]: see set_links
+  const ForwardFn* forward_ = nullptr;            // during run()
+
+  // Shaped messages (set_shapes_travel).
+  struct ShapedMessages {
+    bool travel = false;
+    int64_t batch_rows = -1;  // see set_batch_rows
+    c10::intrusive_ptr<c10d::Store> store;       // device path: follow-ups (set_follow_up_store)
+    std::unordered_map<int, int64_t> follow_ups_to;  // per peer: follow-ups sent through the store so far
+  } shaped_;
+  std::mutex settle_mu_;  // specs_' crossings, batch rows and posting, from the halves of a pair
+
+  // What the last run sent and posted (reset at each run's start).
+  struct Counts {
+    int64_t sent_messages = 0, sent_parts = 0, grown_messages = 0;  // see message_counts()
+    int64_t threaded_posts = 0;  // messages posted by the comm worker
+    int64_t posted_here = 0;     // small sends posted on the compute thread (kPostHereBytes)
+    int64_t reverse_posts = 0;   // messages posted on the reverse channel
+    int64_t freed_outputs = 0;
+    // per peer: messages sent to it and receives posted from it (on the tag that matches them in
+    // order), whose counts name a grown message's follow-up tag (comm.h)
+    std::unordered_map<int, int> sent_to, received_from;
+  } counts_;
+  std::vector<int64_t> recv_posted_at_;  // tests: [k]: program index before which RECV k was posted
+
+  // Posting and the messages in flight.
+  RecvWindow window_;
   // after reverse_ (whose Works it may still wait on) and before worker_ (which marks the tasks it
   // drops as posted, waking their waiters): destroyed in that order
   std::unique_ptr<SendTracker> sends_;
   int64_t send_budget_ = kDefaultSendBudget;
   int64_t last_send_posted_ = -1;  // program index of the latest SEND that posted its message
-  std::string comm_failure_;       // see last_comm_failure()
-  at::Tensor abort_scratch_;
-  at::Tensor abort_send_scratch_;
   std::unique_ptr<CommWorker> worker_;
   std::unique_ptr<DeviceComm> device_comm_;
-  bool host_reads_ = false;  // a discovery run on the device path: the host waits for and reads each message
-  std::vector<size_t> batch_end_;  // [i] for a SEND/RECV: one past the last action of its batch
-  std::vector<size_t> learning_end_;  // the same in a discovery run (cut before each later RECV_F)
-  size_t posted_through_ = 0;      // device path: every SEND/RECV before this index is posted
+  bool host_reads_ = false;    // a discovery run on the device path: the host waits for and reads each message
+  size_t posted_through_ = 0;  // device path: every SEND/RECV before this index is posted
   int64_t large_message_bytes_ = kLargeMessageBytes;
-  int64_t threaded_posts_ = 0;  // messages posted by the comm worker in the last run
-  int64_t posted_here_ = 0;     // small sends posted on the compute thread in the last run (post_task)
-  int64_t reverse_posts_ = 0;   // messages posted on the reverse channel in the last run
-  std::vector<int64_t> next_local_, prev_local_;
-  std::vector<size_t> pair_end_;  // [i] for an OVERLAP_F_B opening bracket: its closing bracket's index
+  at::Tensor recv_scratch_, send_scratch_;  // see scratch()
+  std::string comm_failure_;                // see last_comm_failure()
+
+  // Discovery (learn_specs).
+  const SpecFn* spec_source_ = nullptr;  // during a discovery run
+  bool abort_may_wait_ = true;           // finish_aborted's `wait`
+
+  // Stages with hooks of their own.
+  struct StageHooks {
+    std::shared_ptr<GradReducer> reducer;
+    StageEventFn event;
+    std::vector<uint8_t> evented;        // [stage]: its events go to `event`
+    WeightBuilderFn weight_builder;
+    std::vector<uint8_t> builds_weight;  // [stage]: weight_builder makes its W
+  } stages_;
+  std::vector<std::map<SplitFallback, int64_t>> split_fallbacks_;  // [stage]
+  bool free_outputs_ = true;
+  std::vector<at::Tensor> kept_;  // sent outputs when free_outputs_ is off
+
+  // OVERLAP_F_B pairs.
   OverlapMode overlap_mode_ = OverlapMode::kLockstep;
   OverlapHook overlap_hook_;
   c10::Device overlap_device_{c10::kCPU};
@@ -510,43 +537,21 @@ class Executor {
   PairRun* pair_ = nullptr;  // the pair whose hook runs (guarded by pair_mu_)
   std::mutex pair_mu_;
   std::condition_variable pair_idle_;  // a hook's half ended
-  const ForwardFn* forward_ = nullptr;  // during run()
   int64_t overlapped_pairs_ = 0;
   std::map<std::string, int64_t> overlap_fallbacks_;
-  std::mutex trace_mu_;  // the two halves of a pair trace at once
-  int64_t freed_outputs_ = 0;
-  bool free_outputs_ = true;
+
+  // Tracing and profiling.
   bool trace_on_ = false;
+  std::vector<TraceEvent> trace_;
+  std::unique_ptr<DeviceTimer> timer_;  // accelerators: trace_ times are event indices until read
+  bool trace_resolved_ = true;
+  std::mutex trace_mu_;  // the two halves of a pair trace at once
   bool profile_on_ = false;
   StepProfile profile_;
 #ifdef PIPECORE_TESTING
   int64_t delay_us_ = 0;
   std::mt19937_64 rng_;
 #endif
-  std::vector<TraceEvent> trace_;
-  std::unique_ptr<DeviceTimer> timer_;  // accelerators: trace_ times are event indices until read
-  bool trace_resolved_ = true;
-  double trace_time();  // host time now, or an event index on an accelerator
-  std::vector<at::Tensor> kept_;  // sent outputs when free_outputs_ is off
-  std::vector<std::map<SplitFallback, int64_t>> split_fallbacks_;  // [stage]
-  std::shared_ptr<GradReducer> reducer_;
-  StageEventFn stage_event_;
-  std::vector<uint8_t> evented_;            // [stage]: its events go to stage_event_
-  WeightBuilderFn weight_builder_;
-  std::vector<uint8_t> builds_weight_;      // [stage]: weight_builder_ makes its W
-  static bool in_mask(const std::vector<uint8_t>& mask, int64_t stage) {
-    return stage >= 0 && stage < static_cast<int64_t>(mask.size()) && mask[stage];
-  }
-  bool evented(int64_t stage) const { return in_mask(evented_, stage); }
-  bool builds_weight(int64_t stage) const { return weight_builder_ && in_mask(builds_weight_, stage); }
-  std::vector<int64_t> last_backward_of_;   // [program index]: the stage whose last backward it is, or -1
-  void mark_last_backwards();
-  std::vector<uint8_t> stage_mask(const std::vector<int64_t>& stages) const;  // [stage]: 1 for these
-  void stage_event(int64_t event, int64_t stage) {
-    if (stage_event_ && evented(stage)) {
-      stage_event_(event, stage);
-    }
-  }
 };
 
 }  // namespace pipecore

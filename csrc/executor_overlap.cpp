@@ -60,7 +60,7 @@ void Executor::run_half(PairRun& pair, int half, const std::vector<size_t>& acti
   for (size_t j : actions) {
     try {
       if (!trace_on_) {
-        exec(j, *forward_);
+        exec(j, RunMode());
         continue;
       }
       double t0;
@@ -68,7 +68,7 @@ void Executor::run_half(PairRun& pair, int half, const std::vector<size_t>& acti
         std::lock_guard<std::mutex> lock(trace_mu_);  // a device timer records its events in order
         t0 = trace_time();
       }
-      exec(j, *forward_);
+      exec(j, RunMode());
       std::lock_guard<std::mutex> lock(trace_mu_);
       pair.traced[j - pair.begin - 1] = {program_[j].label, t0, trace_time(), lane};
     } catch (...) {
@@ -191,7 +191,7 @@ void Executor::run_halves(PairRun& pair, OverlapMode mode) {
 size_t Executor::exec_pair(size_t& index) {
   PairRun pair;
   pair.begin = index;
-  pair.end = pair_end_[index];
+  pair.end = program_.pair_end[index];
   for (size_t j = pair.begin + 1; j < pair.end; ++j) pair.halves[program_[j].op == kF ? 0 : 1].push_back(j);
   if (trace_on_) pair.traced.assign(pair.end - pair.begin - 1, TraceEvent{-1, 0.0, 0.0, 0});
   pair.compute = current_stream(overlap_device_);
@@ -203,7 +203,7 @@ size_t Executor::exec_pair(size_t& index) {
   }
   std::exception_ptr hook_error;
   {
-    ActionScope scope(labels_[bracket.label]);  // spans both halves
+    ActionScope scope(program_.label(bracket));  // spans both halves
     if (overlap_hook_ && !spec_source_) {
       {
         std::lock_guard<std::mutex> lock(pair_mu_);
@@ -241,7 +241,7 @@ size_t Executor::exec_pair(size_t& index) {
   }
   if (hook_error) std::rethrow_exception(hook_error);
   for (int h = 0; h < 2; ++h) {
-    TORCH_CHECK(pair.ran[h] || pair.halves[h].empty(), "pipecore: the overlap hook of ", labels_[bracket.label],
+    TORCH_CHECK(pair.ran[h] || pair.halves[h].empty(), "pipecore: the overlap hook of ", program_.label(bracket),
                 " returned without running its ", h == 0 ? "forward" : "backward",
                 " half: call pair.run(), or pair.run_forward() and pair.run_backward(), once each");
   }
@@ -254,7 +254,7 @@ Executor::PairRun& Executor::claim_pair(int64_t bracket, bool first, bool second
               "pipecore: an OVERLAP_F_B pair runs only from the overlap hook it was given to, before the hook "
               "returns");
   PairRun& pair = *pair_;
-  const std::string& label = labels_[program_[pair.begin].label];
+  const std::string& label = program_.label(program_[pair.begin]);
   TORCH_CHECK(!(first && pair.ran[0]) && !(second && pair.ran[1]), "pipecore: the ",
               first && second ? "halves" : first ? "forward half" : "backward half", " of ", label,
               " already ran: each half runs once");

@@ -8,7 +8,8 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "executor.h"  // CommError
+#include "diagnostics.h"
+#include "errors.h"
 
 namespace pipecore {
 
@@ -192,7 +193,7 @@ bool GradReducer::finish(bool failed, double scale) {
   if (!broken.empty()) {
     std::ostringstream os;
     os << "rank " << group_->getRank() << " of the data-parallel group: reducing the gradients failed within "
-       << timeout_ms_ / 1000.0 << " s (" << broken << ")";
+       << seconds(std::chrono::milliseconds(timeout_ms_)) << " (" << broken << ")";
     succeeded_ = false;
     throw CommError(os.str());
   }

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <sstream>
 
+#include "diagnostics.h"
+
 namespace pipecore {
 
 SendTracker::~SendTracker() {
@@ -98,7 +100,7 @@ std::string SendTracker::wait_posted_and_sent(const Entry& e) {
   auto left = [&] { return std::max(time_left(e.deadline), std::chrono::milliseconds(1)); };
   if (!task.wait_posted(left())) {
     std::ostringstream os;
-    os << e.what << " was not posted within " << e.timeout.count() / 1000.0 << " s (the group is stuck)";
+    os << e.what << " was not posted within " << seconds(e.timeout) << " (the group is stuck)";
     return os.str();
   }
   if (task.error) return e.what + " failed to post: " + error_text(task.error);
@@ -122,7 +124,7 @@ std::string SendTracker::wait_posted_and_sent(const Entry& e) {
     }
     if (!text.empty()) {
       std::ostringstream os;
-      os << e.what << " failed (timeout " << e.timeout.count() / 1000.0 << " s): " << text;
+      os << e.what << " failed (timeout " << seconds(e.timeout) << "): " << text;
       return os.str();
     }
   }
@@ -186,3 +188,5 @@ void SendTracker::reset_peak() {
 }
 
 }  // namespace pipecore
+
+

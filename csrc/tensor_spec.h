@@ -23,4 +23,14 @@ inline int64_t elements(const std::vector<int64_t>& shape) {
   return n;
 }
 
+// The gradients that come back for a message of tensors like `specs`: one for each tensor that needs one,
+// in order (what a SEND_B sends and a RECV_B receives for a SEND_F's message).
+inline std::vector<TensorSpec> needing_grad(const std::vector<TensorSpec>& specs) {
+  std::vector<TensorSpec> out;
+  for (const auto& sp : specs) {
+    if (sp.requires_grad) out.push_back(sp);
+  }
+  return out;
+}
+
 }  // namespace pipecore

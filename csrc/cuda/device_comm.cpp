@@ -13,7 +13,7 @@
 #include <algorithm>
 #include <thread>
 
-#include "../executor.h"
+#include "../errors.h"
 #include "../message_status.h"
 #include "../stream_contract.h"
 #include "status_kernels.h"
@@ -53,7 +53,10 @@ class CudaComm final : public DeviceComm {
  public:
   explicit CudaComm(const c10::Device& device)
       : device_(device),
-        // high priority: a transfer's wait never queues behind compute kernels
+        // The communication stream carries the batches' waits on compute, their header copies and their
+        // ready events; NCCL's kernels run on c10d's own stream, which waits on this one at posting (and this
+        // one on it after a batch with receives). Its high priority orders only that small work of its own
+        // ahead of compute kernels; it does not make the transfers themselves preempt compute.
         comm_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index())),
         streams_(std::make_shared<CudaStreams>(device, comm_)),
         status_(at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(device))),

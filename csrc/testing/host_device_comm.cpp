@@ -21,9 +21,10 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "../diagnostics.h"
 #include "../comm.h"
 #include "../device_comm.h"
-#include "../executor.h"
+#include "../errors.h"
 #include "../message_status.h"
 #include "../stream_contract.h"
 #include "stream_ledger.h"
@@ -42,8 +43,7 @@ class HostDeviceComm final : public DeviceComm {
     // an aborted step leaves receives it drained without consuming: they land before the next step
     if (!drain(timeout_)) {
       std::ostringstream os;
-      os << "pipecore: messages of the previous (aborted) step did not arrive within " << timeout_.count() / 1000.0
-         << " s";
+      os << "pipecore: messages of the previous (aborted) step did not arrive within " << seconds(timeout_);
       throw CommError(os.str());
     }
     status_ = kMessageOk;

@@ -1,0 +1,24 @@
+// The errors the executor and its communication raise, by what the caller must do about them. Every
+// file that throws or catches one includes this header alone (not the executor's).
+#pragma once
+
+#include <stdexcept>
+
+namespace pipecore {
+
+// A peer's step failed: its messages say so. This rank ran its program to the end without compute.
+struct PeerAbort : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// A first stage's batch changed shape: this step was not run; agree on the new shapes, run again.
+struct PeerReplan : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// A wait timed out or a peer's connection broke: the group cannot be trusted any more.
+struct CommError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+}  // namespace pipecore

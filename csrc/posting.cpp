@@ -1,0 +1,101 @@
+// The one posting path of every message, host and device alike (as DualPipe's _commit_and_wait_comm
+// owns post, wait and free): each message is addressed here, posted (on the device path as one group,
+// on the host from the comm worker or this thread), counted, and a send handed to the send tracker,
+// which frees it once it completed.
+#include <sstream>
+#include <thread>
+
+#include "comm.h"
+#include "comm_worker.h"
+#include "device_comm.h"
+#include "diagnostics.h"
+#include "executor.h"
+#include "send_tracker.h"
+
+namespace pipecore {
+
+void Executor::post(const std::vector<std::shared_ptr<CommTask>>& tasks, const std::vector<size_t>& actions, int tag,
+                    bool here_if_idle) {
+  for (size_t k = 0; k < tasks.size(); ++k) {
+    CommTask& task = *tasks[k];
+    const Instr& in = program_[actions[k]];
+    task.peer = static_cast<int>(in.peer);
+    task.tag = tag;
+    task.group = pg_.get();
+    // travels to a lower rank (the host path: a device batch is one group, on the group)
+    if (reverse_ && !device_comm_ && (task.send ? in.peer < rank_ : in.peer > rank_)) {
+      task.channel = reverse_.get();
+      if constexpr (kTesting) ++counts_.reverse_posts;
+    }
+  }
+  maybe_delay();
+  if (device_comm_) {
+    try {
+      device_comm_->post_batch(*pg_, tasks);
+    } catch (const std::exception& e) {
+      throw post_failure(*tasks.front(), program_[actions.front()], e.what());
+    }
+  } else {
+    for (size_t k = 0; k < tasks.size(); ++k) {
+      const std::shared_ptr<CommTask>& task = tasks[k];
+      bool here = !worker_;
+      try {
+        if (!worker_) {
+          post_parts(*task);
+        } else if (here_if_idle) {
+          here = worker_->post_if_idle(*task);
+          counts_.posted_here += here;
+        }
+      } catch (const std::exception& e) {
+        throw post_failure(*task, program_[actions[k]], e.what());
+      }
+      if (here) {
+        task->mark_posted(nullptr);
+      } else {
+        task->queued = true;
+        worker_->queue(task);
+        ++counts_.threaded_posts;
+      }
+    }
+  }
+  for (size_t k = 0; k < tasks.size(); ++k) {
+    if (!tasks[k]->send) continue;
+    const Instr& in = program_[actions[k]];
+    if (tag == 0) {
+      ++counts_.sent_messages;
+      ++counts_.sent_to[static_cast<int>(in.peer)];  // (a grown message's follow-up tag)
+    } else {
+      ++counts_.grown_messages;
+    }
+    counts_.sent_parts += static_cast<int64_t>(tasks[k]->parts.size());
+    last_send_posted_ = static_cast<int64_t>(actions[k]);
+    const int64_t bytes = message_bytes(tasks[k]->parts);
+    sends_->track(tasks[k], bytes, where(in) + ": send to rank " + std::to_string(in.peer), timeout_,
+                  /*aside=*/tag != 0);
+  }
+}
+
+CommError Executor::post_failure(const CommTask& task, const Instr& in, const std::string& text) const {
+  return CommError(where(in) + ": " + (task.send ? "sending to" : "receiving from") + " rank " +
+                   std::to_string(task.peer) + " failed: " + text);
+}
+
+void Executor::await_posted(CommTask& task, const Instr& in) {
+  if (!task.wait_posted(timeout_)) {
+    std::ostringstream os;
+    os << where(in) << ": " << (task.send ? "a send to" : "a receive from") << " rank " << task.peer
+       << " was not posted within " << seconds(timeout_) << " (the group's posting is stuck)";
+    throw CommError(os.str());
+  }
+  if (task.error) throw post_failure(task, in, error_text(task.error));
+}
+
+#ifdef PIPECORE_TESTING
+void Executor::maybe_delay() {
+  if (delay_us_ <= 0) return;
+  std::uniform_int_distribution<int64_t> dist(0, delay_us_);
+  std::this_thread::sleep_for(std::chrono::microseconds(dist(rng_)));
+}
+#endif
+
+}  // namespace pipecore

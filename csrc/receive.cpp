@@ -1,0 +1,241 @@
+// Receives: their buffers, the host path's window of receives posted ahead, waiting for them, and
+// reading what arrived (a trailer's status, a shaped message's header, a grown message's follow-up).
+#include <c10/util/Exception.h>
+
+#include <cstring>
+
+#include "comm.h"
+#include "comm_worker.h"
+#include "device_comm.h"
+#include "diagnostics.h"
+#include "executor.h"
+
+namespace pipecore {
+
+std::shared_ptr<CommTask> Executor::make_recv(const Instr& in, bool aborted) {
+  const bool activations = in.op == kRecvF;
+  // output gradients whose shapes were never learnt: this stage's forward did not run, nothing comes
+  if (activations ? !learn_specs(in, aborted) : !specs_.output_known(grid_.key(in))) return nullptr;
+  const auto& specs = specs_.received(in);
+  if (specs.empty()) return nullptr;  // nothing of the message needs a gradient, or it never comes
+  const at::TensorOptions& options = specs_.options(in);
+  auto task = std::make_shared<CommTask>();
+  task->send = false;
+  // allocated before anything records the receive as posted: a failed allocation leaves it unposted
+  const at::Tensor dropped = aborted ? scratch(options, payload_bytes(specs), /*for_sends=*/false) : at::Tensor();
+  task->parts = shaped_.travel ? alloc_shaped(specs, options, large_message_bytes_, dropped)
+                               : alloc_frame(specs, options, large_message_bytes_, dropped);
+  if (shaped_.travel) {
+    task->layout = specs;
+    if (device_comm_) task->header_bytes = shaped_header_bytes(specs);  // read by the host (device_comm.h)
+  }
+  Slot& s = slot(in);
+  (activations ? s.recv_f : s.recv_b).task = task;
+  return task;
+}
+
+void Executor::post_recvs_until(size_t end, size_t at, bool aborted) {
+  if (window_.posted() >= end) return;
+  SpentOn spent(profile_, Spent::kPost);
+  while (window_.posted() < end) {
+    const size_t k = window_.posted();
+    const size_t index = program_.recv_instrs[k];
+    const Instr& in = program_[index];
+    // a failed allocation leaves the receive unposted (an aborted step posts it); once posting
+    // starts it counts as posted: a posting failure breaks the group, and parts must not go twice
+    std::shared_ptr<CommTask> task = make_recv(in, aborted);
+    if constexpr (kTesting) recv_posted_at_[k] = static_cast<int64_t>(at);
+    window_.mark_posted(k);
+    if (!task) continue;
+    maybe_delay();
+    task->action = static_cast<int64_t>(index);
+    task->ordinal = counts_.received_from[static_cast<int>(in.peer)]++;  // (a grown message's follow-up tag)
+    post({task}, {index});
+  }
+}
+
+void Executor::prefetch_recvs(size_t at) {
+  auto bytes_of = [this](size_t k) { return payload_bytes(specs_.received(program_[program_.recv_instrs[k]])); };
+  post_recvs_until(window_.post_through(program_, at, bytes_of), at);
+}
+
+const std::vector<at::Tensor>& Executor::receive(Inbox& inbox, const Instr& in, const char* what) {
+  CommTask& task = *inbox.task;
+  if (device_comm_ && !host_reads_) {
+    if (shaped_.travel) settle(task, in, what, /*draining=*/false);  // the host reads its header
+    try {
+      SpentOn spent(profile_, Spent::kWait);
+      device_comm_->consume(task);  // (a trailer's status folds on the device, read at the step's end)
+    } catch (const CommError& e) {  // a consume that waits on the host (host_device_comm.cpp)
+      throw CommError(wait_failure(where(in), what, in.mb, task.peer, timeout_, e.what()));
+    }
+  } else if (shaped_.travel) {
+    settle(task, in, what, /*draining=*/false);  // (waits for it)
+  } else {
+    wait_task(task, in, what);
+    Instr from = in;  // (a consuming action names no peer)
+    from.peer = task.peer;
+    check_message(task.parts, from, what);
+  }
+  return task.follow_up_parts.empty() ? task.parts : task.follow_up_parts;
+}
+
+void Executor::drain(Inbox& inbox, const Instr& in, const char* what, bool wait) {
+  if (wait && inbox.task) {
+    if (shaped_.travel) {
+      // waited for and read: its header says whether it comes again (grown) and what crossed, as the
+      // sender counts it
+      settle(*inbox.task, in, what, /*draining=*/true);
+    } else if (!device_comm_ || host_reads_) {  // (the device waits on its own)
+      wait_task(*inbox.task, in, what);
+    }
+  }
+  inbox = Inbox();
+}
+
+void Executor::wait_task(CommTask& task, const Instr& in, const char* what) {
+  SpentOn spent(profile_, Spent::kWait);
+  if (task.queued) await_posted(task, in);
+  if (device_comm_) device_comm_->waited_on_host(task);  // (only a discovery run waits here on that path)
+  for (auto& work : task.works) {
+    if (!work) continue;
+    try {
+      work->wait(timeout_);
+    } catch (const std::exception& e) {
+      throw CommError(wait_failure(where(in), what, in.mb, task.peer, timeout_, e.what()));
+    }
+    work.reset();
+  }
+  task.works.clear();
+}
+
+void Executor::check_message(const std::vector<at::Tensor>& parts, const Instr& in, const char* what) {
+  const int64_t status = message_status(parts);
+  if (status == kMessageUnknown) {  // not this rank's error: the channel to the peer is out of step
+    throw CommError(out_of_step(where(in), what, in.mb, in.peer, "do not end with pipecore's trailer"));
+  }
+  check_message_status(status, in, what);
+}
+
+void Executor::check_message_status(int64_t status, const Instr& in, const char* what) {
+  if (status == kMessageReplan) {
+    throw PeerReplan(where(in) + ": the " + what + " of microbatch " + std::to_string(in.mb) +
+                     " say a first stage's batch changed shape");
+  }
+  if (status == kMessageAborted) {
+    throw PeerAbort(where(in) + ": the " + what + " of microbatch " + std::to_string(in.mb) +
+                    " say the sender's step was aborted");
+  }
+}
+
+void Executor::settle(CommTask& task, const Instr& action, const char* what, bool draining) {
+  Instr in = action;  // the action that consumes the message (F, B, I): it came from the task's peer
+  in.peer = task.peer;
+  if (!task.settled) read_header(task, in, draining);
+  if (draining) return;
+  if (task.status == kMessageUnknown) {
+    throw CommError(out_of_step(where(in), what, in.mb, in.peer,
+                                task.follow_up_failed ? "came again (grown) with other shapes than their header said"
+                                                      : "do not start with pipecore's header"));
+  }
+  check_message_status(task.status, in, what);
+}
+
+void Executor::read_header(CommTask& task, const Instr& consumer, bool draining) {
+  if (task.settled) return;
+  const Instr& in = program_[task.action];  // its RECV (waits are the consuming action's, in errors)
+  const char* what = in.op == kRecvF ? "activations" : "output gradients";
+  const bool exact = device_comm_ != nullptr;  // NCCL: every message at its capacity's size (comm.h)
+  ShapedHeader header;
+  if (device_comm_ && !host_reads_) {  // its header's copy on the host, not the data on the device
+    at::Tensor bytes;
+    {
+      SpentOn spent(profile_, Spent::kWait);
+      try {
+        bytes = device_comm_->read_header(task, timeout_);
+      } catch (const CommError& e) {
+        throw CommError(wait_failure(where(consumer), what, consumer.mb, task.peer, timeout_, e.what()));
+      }
+    }
+    task.status = read_shaped_header(bytes, task.layout, large_message_bytes_, message_bytes(task.parts), exact,
+                                     header);
+  } else {
+    wait_task(task, consumer, what);
+    task.status = read_shaped(task.parts, task.layout, large_message_bytes_, exact, header);
+  }
+  task.shapes = header.shapes;
+  if (task.status == kMessageGrown) {
+    // its data follows as a message of its own shapes (comm.h): on gloo at its own size on a tag of
+    // its own, on the device path through the store ([Note: NCCL pair order])
+    const std::vector<TensorSpec> layout = with_shapes(task.layout, task.shapes);
+    std::vector<at::Tensor> parts = exact ? follow_up_from_store(task, consumer, what, header.follow_up, draining)
+                                          : follow_up_by_tag(task, layout, consumer, what, draining);
+    ShapedHeader second;
+    const bool same = draining || (read_shaped(parts, layout, exact ? kAlwaysPacked : large_message_bytes_, exact,
+                                               second) == kMessageOk &&
+                                   second.shapes == task.shapes);
+    task.status = same ? kMessageOk : kMessageUnknown;
+    task.follow_up_failed = !same;
+    if (same && !draining) {
+      // the store's is on the host: to the device on the compute stream, which reads it next (once per
+      // boundary's growth)
+      task.follow_up_parts = exact ? std::vector<at::Tensor>{parts[0].to(specs_.options(in).device())}
+                                   : std::move(parts);
+      task.layout = layout;
+    }
+  }
+  task.settled = true;
+  if (task.status == kMessageOk && in.op == kRecvF) {
+    std::lock_guard<std::mutex> lock(settle_mu_);
+    specs_.crossed_in(in.stage, with_shapes(task.layout, task.shapes));
+    if (shaped_.batch_rows < 0) shaped_.batch_rows = header.rows;  // (set_batch_rows)
+  }
+}
+
+std::string Executor::follow_up_key(int64_t from, int64_t to, int64_t key) {
+  return std::to_string(from) + ">" + std::to_string(to) + "/" + std::to_string(key);
+}
+
+std::vector<at::Tensor> Executor::follow_up_by_tag(const CommTask& task, const std::vector<TensorSpec>& layout,
+                                                   const Instr& consumer, const char* what, bool draining) {
+  const Instr& in = program_[task.action];
+  auto again = std::make_shared<CommTask>();
+  again->send = false;
+  again->layout = layout;
+  const at::TensorOptions& options = specs_.options(in);
+  // dropped unread: as an aborted step's receives, its data into the scratch, so that a rank out of
+  // memory still releases its peer
+  const at::Tensor dropped = draining ? scratch(options, payload_bytes(layout), /*for_sends=*/false) : at::Tensor();
+  again->parts = alloc_shaped(layout, options, large_message_bytes_, dropped);
+  {
+    std::lock_guard<std::mutex> lock(settle_mu_);  // (the halves of an OVERLAP_F_B pair settle at once)
+    post({again}, {static_cast<size_t>(task.action)}, kFollowUpTag + task.ordinal);
+  }
+  wait_task(*again, consumer, what);
+  return std::move(again->parts);
+}
+
+std::vector<at::Tensor> Executor::follow_up_from_store(CommTask& task, const Instr& consumer, const char* what,
+                                                       int64_t key, bool draining) {
+  TORCH_CHECK(shaped_.store, where(consumer), ": a grown message on the device path, and no store for its follow-up");
+  if (task.follow_up_taken) return {};  // (a failure after taking it, e.g. out of memory: this is its drain)
+  const std::string name = follow_up_key(task.peer, rank_, key);
+  std::vector<uint8_t> bytes;
+  {
+    SpentOn spent(profile_, Spent::kWait);
+    try {
+      shaped_.store->wait({name}, timeout_);  // set by the sender before it posted the header
+      bytes = shaped_.store->get(name);
+      shaped_.store->deleteKey(name);
+    } catch (const std::exception& e) {
+      throw CommError(wait_failure(where(consumer), what, consumer.mb, task.peer, timeout_, e.what()));
+    }
+  }
+  task.follow_up_taken = true;
+  if (draining) return {};  // taken from the store, not read
+  auto host = at::empty({static_cast<int64_t>(bytes.size())}, at::TensorOptions().dtype(at::kByte));
+  std::memcpy(host.data_ptr(), bytes.data(), bytes.size());
+  return {host};
+}
+
+}  // namespace pipecore

@@ -1,0 +1,197 @@
+// The run: the program executed once, and when an action fails the abort protocol that releases every
+// peer (the rest of the program without compute, its messages carrying the step's status) before the
+// failure is rethrown as what it means for the caller.
+#include "device_comm.h"
+#include "diagnostics.h"
+#include "executor.h"
+#include "message_status.h"
+#include "send_tracker.h"
+
+namespace pipecore {
+
+void Slot::drop_compute() {
+  out_edges.clear();
+  loss_edge = torch::autograd::Edge();
+  outputs.clear();
+  weight = WeightWork();
+  input_grads.clear();
+  out_grads.clear();
+}
+
+void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const SpecFn* discover) {
+  // A discovery run posts no receive ahead: a receive's shapes are known only once its sender's
+  // forward ran. On the device path its batches still go as one group each, at their first action
+  // ([Note: NCCL pair order]), their receives' shapes learnt first; the host reads each message (its
+  // trailer says whether the peer's step was aborted or its shapes changed) and waits for it.
+  // Everything is put back however the run ends.
+  struct Discovering {
+    Executor& ex;
+    int64_t window;
+    ~Discovering() {
+      ex.host_reads_ = false;
+      ex.window_.set_receives(window);
+      ex.spec_source_ = nullptr;
+    }
+  } discovering{*this, window_.receives()};
+  if (discover) {
+    window_.set_receives(0);
+    spec_source_ = discover;
+    host_reads_ = device_comm_ != nullptr;
+  }
+  struct Profiled {  // the run's time, however it ends
+    StepProfile& profile;
+    ~Profiled() { profile.end(); }
+  } profiled{profile_};
+  begin_run(forward);
+  Failure failure = explained_by_step_status(execute_program());
+  if (failure.kind == Failure::kNone) return end_step();
+  tell_abort(failure, on_abort);
+  rethrow(failure, release_peers(failure));
+}
+
+void Executor::run_aborted(int64_t status) {
+  reset();
+  if (shaped_.travel) specs_.widen_to_capacities();
+  const std::string comm_failure = finish_aborted(0, /*wait=*/true, status);
+  if (!comm_failure.empty()) throw CommError(comm_failure);
+}
+
+void Executor::reset() {
+  window_.reset(program_.recv_instrs.size());
+  counts_ = Counts();
+  if constexpr (kTesting) recv_posted_at_.assign(program_.recv_instrs.size(), -1);
+  for (auto& s : slots_) s = Slot();
+  sends_->clear_failure();
+  sends_->reset_peak();
+  last_send_posted_ = -1;
+  posted_through_ = 0;
+  kept_.clear();
+}
+
+void Executor::begin_run(const ForwardFn& forward) {
+  reset();
+  if (shaped_.travel) specs_.widen_to_capacities();
+  profile_.begin(profile_on_);
+  comm_failure_.clear();
+  begin_trace();
+  forward_ = &forward;
+  if (device_comm_) device_comm_->begin_step();
+}
+
+Executor::Failure Executor::execute_program() {
+  Failure failure;
+  size_t& i = failure.at;
+  try {
+    for (; i < program_.size(); ++i) {
+      check_sends();
+      if (!device_comm_) prefetch_recvs(i);  // the device path posts receives with their batch
+      if (program_[i].op == kOverlapBegin) {
+        i = exec_pair(i);  // on failure, i is the failed action's
+      } else {
+        exec_traced(i);
+      }
+    }
+    drain_sends();
+    if (device_comm_) await_step_status();
+  } catch (const PeerAbort& e) {
+    failure.kind = Failure::kPeer;
+    failure.text = e.what();
+  } catch (const PeerReplan& e) {
+    failure.kind = Failure::kReplan;
+    failure.text = e.what();
+  } catch (const CommError& e) {
+    failure.kind = Failure::kComm;
+    failure.text = e.what();
+  } catch (...) {
+    failure.kind = Failure::kOrigin;
+    failure.origin = std::current_exception();
+  }
+  return failure;
+}
+
+Executor::Failure Executor::explained_by_step_status(Failure failure) {
+  // The device path computes on what arrived before its status is known: on a peer's aborted or
+  // "shapes changed" message (zeros of the old shapes) a stage or the loss may fail (this step's
+  // targets against the old shapes). Then the status says what happened; this error is its echo.
+  if (failure.kind != Failure::kOrigin || !device_comm_) return failure;
+  int64_t status = kMessageOk;
+  try {
+    if (!device_comm_->finish_step(timeout_, status) || status == kMessageOk) return failure;
+  } catch (...) {
+    return failure;  // the status cannot be read: this rank's error stands
+  }
+  failure.kind = status == kMessageReplan    ? Failure::kReplan
+                 : status == kMessageAborted ? Failure::kPeer
+                                             : Failure::kComm;
+  failure.text = step_status_text(rank_, status) + " (here that made action " + action_name(failure.at) +
+                 " fail: " + error_text(failure.origin) + ")";
+  return failure;
+}
+
+void Executor::end_step() {
+  for (auto& s : slots_) s = Slot();  // the step is done: drop graphs, buffers, received tensors
+  kept_.clear();
+  send_scratch_ = at::Tensor();  // (grown device messages' parts: sends in flight keep theirs)
+}
+
+void Executor::tell_abort(const Failure& failure, const AbortFn& on_abort) {
+  if (failure.kind != Failure::kOrigin || !on_abort) return;
+  try {
+    on_abort(error_text(failure.origin), action_name(failure.at));
+  } catch (...) {
+  }
+}
+
+std::string Executor::release_peers(const Failure& failure) {
+  for (auto& s : slots_) s.drop_compute();  // graphs and activations are not needed any more
+  // After a broken connection or a timeout, waiting again could take a timeout per receive: only the
+  // sends are posted then. The failed action runs again aborted: it may have failed before posting.
+  const std::string comm_failure = finish_aborted(failure.at, /*wait=*/failure.kind != Failure::kComm,
+                                                  failure.kind == Failure::kReplan ? kMessageReplan : kMessageAborted);
+  kept_.clear();
+  return comm_failure;
+}
+
+void Executor::rethrow(const Failure& failure, const std::string& comm_failure) {
+  switch (failure.kind) {
+    case Failure::kOrigin:
+      comm_failure_ = comm_failure;
+      std::rethrow_exception(failure.origin);
+    case Failure::kComm:
+      throw CommError(failure.text);
+    default:
+      if (!comm_failure.empty()) throw CommError(failure.text + "; then: " + comm_failure);
+      if (failure.kind == Failure::kReplan) throw PeerReplan(failure.text);
+      throw PeerAbort(failure.text);
+  }
+}
+
+std::string Executor::finish_aborted(size_t from, bool wait, int64_t status) {
+  // The rest of the program without compute: receives posted and drained, sends carry `status`.
+  std::string comm_failure;
+  abort_may_wait_ = wait;
+  const RunMode aborted{/*aborted=*/true, wait, status};
+  for (size_t j = from; j < program_.size(); ++j) {
+    try {
+      exec(j, aborted);
+    } catch (const std::exception& e) {
+      if (comm_failure.empty()) comm_failure = e.what();
+    }
+  }
+  if (wait) {
+    try {
+      drain_sends();
+    } catch (const std::exception& e) {
+      if (comm_failure.empty()) comm_failure = e.what();
+    }
+  }
+  for (auto& s : slots_) s = Slot();
+  recv_scratch_ = send_scratch_ = at::Tensor();  // in-flight sends keep theirs alive as long as needed
+  return comm_failure;
+}
+
+std::string Executor::action_name(size_t index) const {
+  return index < program_.size() ? program_.label(program_[index]) : std::string("end of step");
+}
+
+}  // namespace pipecore
