@@ -27,14 +27,6 @@ std::string error_text(const std::exception_ptr& error) {
   }
 }
 
-CommTask::~CommTask() {
-  if (!release) return;
-  try {
-    release(*this);
-  } catch (...) {  // a checker's refusal is kept by the checker; a destructor must not throw
-  }
-}
-
 void CommTask::mark_posted(std::exception_ptr failure) {
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -36,11 +36,6 @@ struct CommTask {
   bool queued = false;                  // posted by the comm worker (else by the thread that made it)
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::exception_ptr error;
-  // device receives (stream_contract.h): the event after their batch, whether the compute stream
-  // read them, and what dropping them must do first
-  std::shared_ptr<StreamMarker> ready;
-  bool consumed = false;
-  std::function<void(CommTask&)> release;
   // shaped receives (comm.h), once settled: the header's status and shapes, and the capacity the parts
   // are laid out by (a grown message's: its own shapes)
   int64_t action = -1;  // the program index of its RECV
@@ -63,7 +58,7 @@ struct CommTask {
   CommTask() = default;
   CommTask(const CommTask&) = delete;
   CommTask& operator=(const CommTask&) = delete;
-  ~CommTask();
+  ~CommTask() = default;
 
   // Once the parts are posted (or posting failed): `works` or `error` are set and may be read.
   void mark_posted(std::exception_ptr failure);

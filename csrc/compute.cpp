@@ -22,7 +22,7 @@ void Executor::do_forward(const Instr& in) {
     for (size_t k = 0; k < specs.size(); ++k) {
       if (specs[k].requires_grad) s.inputs[k].requires_grad_(true);
     }
-    s.recv_f = Inbox();
+    let_go(s.recv_f);
   }
   at::Tensor loss;
   double seed = 1.0;
@@ -75,7 +75,7 @@ void Executor::do_backward(const Instr& in, bool split) {
       const auto& parts = receive(s.recv_b, in, "output gradients");
       s.out_grads = shaped_.travel ? unframe_shaped(parts, s.recv_b.task->layout, s.recv_b.task->shapes)
                                    : unframe(parts, specs_.received(in));
-      s.recv_b = Inbox();
+      let_go(s.recv_b);
     }
     TORCH_CHECK(s.out_grads.size() == s.out_edges.size(), where(in), ": received ", s.out_grads.size(),
                 " output gradients for ", s.out_edges.size(), " outputs that need one");

@@ -20,13 +20,16 @@ void Executor::post_batch(size_t index, const RunMode& mode) {
   SpentOn spent(profile_, Spent::kPost);
   std::vector<std::shared_ptr<CommTask>> tasks;
   std::vector<size_t> actions;  // tasks[k] is program[actions[k]]'s message
+  std::vector<Inbox*> inboxes;  // a receive's, where its ready marker goes
   std::vector<std::pair<int64_t, std::vector<TensorSpec>>> crossings;  // shaped SEND_Fs': (stage, shapes)
   std::vector<std::pair<std::string, at::Tensor>> follow_ups;  // grown messages': (store key, bytes)
   for (size_t j = index; j < end; ++j) {
     const Instr& in = program_[j];
     std::shared_ptr<CommTask> task;
+    Inbox* inbox = nullptr;
     if (is_recv(in.op)) {
       task = make_recv(in, mode.aborted);
+      inbox = in.op == kRecvF ? &slot(in).recv_f : &slot(in).recv_b;
       if constexpr (kTesting) recv_posted_at_[program_.recvs_through[j] - 1] = static_cast<int64_t>(index);
       if (task) task->action = static_cast<int64_t>(j);
     } else {
@@ -43,6 +46,7 @@ void Executor::post_batch(size_t index, const RunMode& mode) {
     if (!task) continue;
     tasks.push_back(std::move(task));
     actions.push_back(j);
+    inboxes.push_back(inbox);
   }
   posted_through_ = end;  // once posting starts nothing of it is posted again
   // in the store before their headers go: their receivers wait for them
@@ -59,7 +63,10 @@ void Executor::post_batch(size_t index, const RunMode& mode) {
     ++counts_.grown_messages;
   }
   if (tasks.empty()) return;
-  post(tasks, actions);
+  const std::shared_ptr<StreamMarker> ready = post(tasks, actions);
+  for (Inbox* inbox : inboxes) {
+    if (inbox) inbox->ready = ready;
+  }
   // posted: the receivers read them, in this run or its aborted rest, and record them alike
   for (auto& [stage, crossing] : crossings) specs_.crossed_out(stage, std::move(crossing));
 }

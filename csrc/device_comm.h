@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "comm_worker.h"
+#include "stream_contract.h"
 
 namespace pipecore {
 
@@ -55,11 +56,17 @@ class DeviceComm {
   // Start of a step (on the compute stream): the step status is ok.
   virtual void begin_step() = 0;
   // Posts `tasks` (program order) as one group (c10d coalescing) on the communication stream and
-  // marks them posted; sends hold the group's Work, receives also an event for their data.
-  virtual void post_batch(c10d::ProcessGroup& group, const std::vector<std::shared_ptr<CommTask>>& tasks) = 0;
-  // Before the compute stream reads received `task`: waits (on the device) for its data and folds its
-  // trailer into the step status (a shaped message's status was read on the host).
-  virtual void consume(CommTask& task) = 0;
+  // marks them posted; sends hold the group's Work. Returns the batch's ready marker, an event on the
+  // communication stream after the group (stream_contract.h, rules 2 and 3), which the executor keeps
+  // with each of its receives until it lets go of them (null: the batch has no receive).
+  virtual std::shared_ptr<StreamMarker> post_batch(c10d::ProcessGroup& group,
+                                                   const std::vector<std::shared_ptr<CommTask>>& tasks) = 0;
+  // Before the compute stream reads received `task`: the compute stream waits on `ready` (its batch's
+  // marker) and folds its trailer into the step status (a shaped message's status was read on the host).
+  virtual void consume(CommTask& task, const StreamMarker& ready) = 0;
+  // The executor lets go of received `task`: its buffers go back to the compute stream's pool, so unless
+  // it was consumed (that stream waited already) the compute stream first waits on `ready` (rule 3).
+  virtual void release(CommTask& task, const StreamMarker& ready, bool consumed) = 0;
   // A shaped message (task.header_bytes > 0): its header's bytes on the host, waited for up to
   // `timeout` (CommError after that), not waiting for the compute stream.
   virtual at::Tensor read_header(CommTask& task, std::chrono::milliseconds timeout) = 0;

@@ -53,6 +53,7 @@ class GradReducer;
 class CommWorker;
 class SendTracker;
 struct CommTask;
+struct StreamMarker;
 
 // Test builds (PIPECORE_TESTING, `make test`) add hooks that production builds leave out: random
 // delays before posting, a forced large-message threshold, the device protocol on the host, and
@@ -75,9 +76,12 @@ constexpr int64_t kDefaultSendBudget = 64 << 20;
 // thread more than it saves (bench/vs_torch.py, docs/performance.md).
 constexpr int64_t kPostHereBytes = 16 << 10;
 
-// A posted receive: the buffers of its message's parts and their pending Works.
+// A posted receive: the buffers of its message's parts and their pending Works; on the device path its
+// batch's ready marker, which reading it (DeviceComm::consume) and letting go of it (release) take.
 struct Inbox {
   std::shared_ptr<CommTask> task;
+  std::shared_ptr<StreamMarker> ready;
+  bool consumed = false;  // the compute stream waited on `ready` to read it
   bool posted() const { return task != nullptr; }
 };
 
@@ -351,8 +355,12 @@ class Executor {
   void prefetch_recvs(size_t at);  // host path, before program[at]: posts the receive window
   // The parts of a received message, once waited for (host) or ordered on the device.
   const std::vector<at::Tensor>& receive(Inbox& inbox, const Instr& in, const char* what);
-  // An aborted step's consuming action: waits for and drops what it would have read.
+  // An aborted step's consuming action: waits for and lets go of what it would have read.
   void drain(Inbox& inbox, const Instr& in, const char* what, bool wait);
+  // Lets go of a receive (on the device path, explicitly: DeviceComm::release).
+  void let_go(Inbox& inbox);
+  // Lets go of every slot's receives and drops every slot's state.
+  void clear_slots();
   // Waits for every part of the receive `task` (`what`: "activations" / "output gradients" for the error).
   void wait_task(CommTask& task, const Instr& in, const char* what);
   void check_message(const std::vector<at::Tensor>& parts, const Instr& in, const char* what);
@@ -406,8 +414,9 @@ class Executor {
   // on `tag`: on the device path as one group, on the host from the comm worker or (none, or
   // `here_if_idle` and it has nothing queued) this thread. Counts them, and hands sends to the tracker,
   // which frees them once complete (`aside`: a follow-up, outside the budget).
-  void post(const std::vector<std::shared_ptr<CommTask>>& tasks, const std::vector<size_t>& actions, int tag = 0,
-            bool here_if_idle = false);
+  // Returns the device batch's ready marker (null on the host path, or without receives).
+  std::shared_ptr<StreamMarker> post(const std::vector<std::shared_ptr<CommTask>>& tasks,
+                                     const std::vector<size_t>& actions, int tag = 0, bool here_if_idle = false);
   // Waits until a queued task is posted; a posting error becomes a CommError.
   void await_posted(CommTask& task, const Instr& in);
   // The CommError for a send or receive the group refused to post.

@@ -14,8 +14,8 @@
 
 namespace pipecore {
 
-void Executor::post(const std::vector<std::shared_ptr<CommTask>>& tasks, const std::vector<size_t>& actions, int tag,
-                    bool here_if_idle) {
+std::shared_ptr<StreamMarker> Executor::post(const std::vector<std::shared_ptr<CommTask>>& tasks,
+                                             const std::vector<size_t>& actions, int tag, bool here_if_idle) {
   for (size_t k = 0; k < tasks.size(); ++k) {
     CommTask& task = *tasks[k];
     const Instr& in = program_[actions[k]];
@@ -29,9 +29,10 @@ void Executor::post(const std::vector<std::shared_ptr<CommTask>>& tasks, const s
     }
   }
   maybe_delay();
+  std::shared_ptr<StreamMarker> ready;
   if (device_comm_) {
     try {
-      device_comm_->post_batch(*pg_, tasks);
+      ready = device_comm_->post_batch(*pg_, tasks);
     } catch (const std::exception& e) {
       throw post_failure(*tasks.front(), program_[actions.front()], e.what());
     }
@@ -73,6 +74,7 @@ void Executor::post(const std::vector<std::shared_ptr<CommTask>>& tasks, const s
     sends_->track(tasks[k], bytes, where(in) + ": send to rank " + std::to_string(in.peer), timeout_,
                   /*aside=*/tag != 0);
   }
+  return ready;
 }
 
 CommError Executor::post_failure(const CommTask& task, const Instr& in, const std::string& text) const {

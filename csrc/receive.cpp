@@ -65,7 +65,8 @@ const std::vector<at::Tensor>& Executor::receive(Inbox& inbox, const Instr& in, 
     if (shaped_.travel) settle(task, in, what, /*draining=*/false);  // the host reads its header
     try {
       SpentOn spent(profile_, Spent::kWait);
-      device_comm_->consume(task);  // (a trailer's status folds on the device, read at the step's end)
+      device_comm_->consume(task, *inbox.ready);  // (a trailer's status folds on the device, read at the step's end)
+      inbox.consumed = true;
     } catch (const CommError& e) {  // a consume that waits on the host (host_device_comm.cpp)
       throw CommError(wait_failure(where(in), what, in.mb, task.peer, timeout_, e.what()));
     }
@@ -90,7 +91,25 @@ void Executor::drain(Inbox& inbox, const Instr& in, const char* what, bool wait)
       wait_task(*inbox.task, in, what);
     }
   }
+  let_go(inbox);
+}
+
+void Executor::let_go(Inbox& inbox) {
+  if (inbox.task && inbox.ready) {
+    try {
+      device_comm_->release(*inbox.task, *inbox.ready, inbox.consumed);
+    } catch (...) {  // the stream contract's checker keeps its refusals (stream_violations)
+    }
+  }
   inbox = Inbox();
+}
+
+void Executor::clear_slots() {
+  for (auto& s : slots_) {
+    let_go(s.recv_f);
+    let_go(s.recv_b);
+    s = Slot();
+  }
 }
 
 void Executor::wait_task(CommTask& task, const Instr& in, const char* what) {

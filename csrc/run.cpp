@@ -60,7 +60,7 @@ void Executor::reset() {
   window_.reset(program_.recv_instrs.size());
   counts_ = Counts();
   if constexpr (kTesting) recv_posted_at_.assign(program_.recv_instrs.size(), -1);
-  for (auto& s : slots_) s = Slot();
+  clear_slots();
   sends_->clear_failure();
   sends_->reset_peak();
   last_send_posted_ = -1;
@@ -129,7 +129,7 @@ Executor::Failure Executor::explained_by_step_status(Failure failure) {
 }
 
 void Executor::end_step() {
-  for (auto& s : slots_) s = Slot();  // the step is done: drop graphs, buffers, received tensors
+  clear_slots();  // the step is done: drop graphs, buffers, received tensors
   kept_.clear();
   send_scratch_ = at::Tensor();  // (grown device messages' parts: sends in flight keep theirs)
 }
@@ -185,7 +185,7 @@ std::string Executor::finish_aborted(size_t from, bool wait, int64_t status) {
       if (comm_failure.empty()) comm_failure = e.what();
     }
   }
-  for (auto& s : slots_) s = Slot();
+  clear_slots();
   recv_scratch_ = send_scratch_ = at::Tensor();  // in-flight sends keep theirs alive as long as needed
   return comm_failure;
 }

@@ -53,12 +53,14 @@ class StreamSync {
 // Rule 1 for a batch about to be posted (its tasks in program order), then its buffers as the
 // communication stream will use them.
 void before_batch(StreamSync& sync, const std::vector<std::shared_ptr<CommTask>>& tasks);
-// Once the batch's group is queued on the communication stream: the receives' ready event (rules
-// 2 and 3) and each receive's release (rule 3, run when the executor drops the task).
-void after_batch(const std::shared_ptr<StreamSync>& sync, const std::vector<std::shared_ptr<CommTask>>& tasks);
+// Once the batch's group is queued on the communication stream: its ready marker (rules 2 and 3;
+// null if it has no receive), returned to the executor, which hands it back to read or let go of one.
+std::shared_ptr<StreamMarker> after_batch(StreamSync& sync, const std::vector<std::shared_ptr<CommTask>>& tasks);
 // Rule 5, as the communication stream copies received `task`'s header to the host (before after_batch).
 void header_to_host(StreamSync& sync, const CommTask& task);
 // Rule 2, before the compute stream reads a received task.
-void before_read(StreamSync& sync, CommTask& task);
+void before_read(StreamSync& sync, const CommTask& task, const StreamMarker& ready);
+// Rule 3, as the executor lets go of a received task (`consumed`: rule 2 was kept for it already).
+void on_release(StreamSync& sync, const CommTask& task, const StreamMarker& ready, bool consumed);
 
 }  // namespace pipecore

@@ -67,11 +67,13 @@ class CudaComm final : public DeviceComm {
 
   void begin_step() override { status_.zero_(); }
 
-  void post_batch(c10d::ProcessGroup& group, const std::vector<std::shared_ptr<CommTask>>& tasks) override {
+  std::shared_ptr<StreamMarker> post_batch(c10d::ProcessGroup& group,
+                                           const std::vector<std::shared_ptr<CommTask>>& tasks) override {
     c10::cuda::CUDAGuard device_guard(device_);
     const bool recvs = std::any_of(tasks.begin(), tasks.end(), [](const auto& t) { return !t->send; });
     before_batch(*streams_, tasks);  // the communication stream waits on compute, whatever the batch holds
     c10::intrusive_ptr<c10d::Work> work;
+    std::shared_ptr<StreamMarker> ready;
     {
       // c10d's NCCL stream waits on the current stream at posting: our communication stream
       c10::cuda::CUDAStreamGuard on_comm(comm_);
@@ -89,18 +91,24 @@ class CudaComm final : public DeviceComm {
       TORCH_CHECK(work, "pipecore: the group returned no Work for a batch of sends and receives");
       if (recvs) work->wait();  // no timeout: the communication stream waits for the group; the host does not
       copy_headers(tasks);
-      after_batch(streams_, tasks);  // the receives' ready event, on the communication stream
+      ready = after_batch(*streams_, tasks);  // the receives' ready event, on the communication stream
       for (const auto& task : tasks) task->works.assign(1, work);  // coalesced operations have no Work of their own
     }
     for (const auto& task : tasks) task->mark_posted(nullptr);
+    return ready;
   }
 
-  void consume(CommTask& task) override {
+  void consume(CommTask& task, const StreamMarker& ready) override {
     c10::cuda::CUDAGuard device_guard(device_);
-    before_read(*streams_, task);
+    before_read(*streams_, task, ready);
     if (task.header_bytes > 0) return;  // a shaped message: its status was read on the host
     const at::Tensor& last = task.parts.back();
     cuda::fold_trailer(last.narrow(0, last.numel() - 16, 16), status_, compute_stream().stream());
+  }
+
+  void release(CommTask& task, const StreamMarker& ready, bool consumed) override {
+    c10::cuda::CUDAGuard device_guard(device_);
+    on_release(*streams_, task, ready, consumed);
   }
 
   at::Tensor read_header(CommTask& task, std::chrono::milliseconds timeout) override {

@@ -40,6 +40,12 @@ class HostDeviceComm final : public DeviceComm {
   c10::DeviceType device_type() const override { return c10::DeviceType::CPU; }
 
   void begin_step() override {
+    // every receive of the previous step was let go of explicitly (rule 3 is kept only where it is)
+    if (unreleased_ != 0) {
+      ledger_->note_violation(std::to_string(unreleased_.load()) +
+                            " receives of the previous step were dropped without DeviceComm::release");
+      unreleased_ = 0;
+    }
     // an aborted step leaves receives it drained without consuming: they land before the next step
     if (!drain(timeout_)) {
       std::ostringstream os;
@@ -49,7 +55,8 @@ class HostDeviceComm final : public DeviceComm {
     status_ = kMessageOk;
   }
 
-  void post_batch(c10d::ProcessGroup& group, const std::vector<std::shared_ptr<CommTask>>& tasks) override {
+  std::shared_ptr<StreamMarker> post_batch(c10d::ProcessGroup& group,
+                                           const std::vector<std::shared_ptr<CommTask>>& tasks) override {
     before_batch(*ledger_, tasks);
     for (const auto& task : tasks) {
       post_parts(*task);
@@ -61,16 +68,25 @@ class HostDeviceComm final : public DeviceComm {
     for (const auto& task : tasks) {
       if (!task->send && task->header_bytes > 0) header_to_host(*ledger_, *task);
     }
-    after_batch(ledger_, tasks);
-    for (const auto& task : tasks) task->mark_posted(nullptr);
+    std::shared_ptr<StreamMarker> ready = after_batch(*ledger_, tasks);
+    for (const auto& task : tasks) {
+      if (!task->send) ++unreleased_;
+      task->mark_posted(nullptr);
+    }
+    return ready;
   }
 
-  void consume(CommTask& task) override {
-    before_read(*ledger_, task);
+  void consume(CommTask& task, const StreamMarker& ready) override {
+    before_read(*ledger_, task, ready);
     wait_for(task, timeout_);
     if (task.header_bytes > 0) return;  // a shaped message: its status was read on the host
     const int64_t code = message_status(task.parts);
     fold(code == kMessageUnknown ? kStatusNotOurs : code);
+  }
+
+  void release(CommTask& task, const StreamMarker& ready, bool consumed) override {
+    --unreleased_;
+    on_release(*ledger_, task, ready, consumed);
   }
 
   at::Tensor read_header(CommTask& task, std::chrono::milliseconds timeout) override {
@@ -176,6 +192,7 @@ class HostDeviceComm final : public DeviceComm {
   const std::chrono::milliseconds& timeout_;
   std::shared_ptr<StreamLedger> ledger_ = std::make_shared<StreamLedger>();
   std::atomic<int64_t> status_{kMessageOk};
+  std::atomic<int64_t> unreleased_{0};  // receives posted and not released yet
   std::mutex mu_;
   std::vector<c10::intrusive_ptr<c10d::Work>> receives_;  // this step's, until it ends
   std::unordered_set<const c10d::Work*> waited_;          // those of receives_ waited for once

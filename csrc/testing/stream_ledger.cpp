@@ -24,6 +24,11 @@ void StreamLedger::refuse(std::string what) {
   throw std::logic_error(violations_.back());
 }
 
+void StreamLedger::note_violation(const std::string& what) {
+  std::lock_guard<std::mutex> lock(mu_);
+  violations_.push_back("pipecore stream contract: " + what);
+}
+
 std::shared_ptr<StreamMarker> StreamLedger::record(Lane lane) {
   std::lock_guard<std::mutex> lock(mu_);
   auto marker = std::make_shared<LedgerMarker>();

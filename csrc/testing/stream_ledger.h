@@ -38,6 +38,8 @@ class StreamLedger final : public StreamSync {
   void used(const at::Tensor& t, Lane lane, bool writes) override;
   void freed(const at::Tensor& t) override;
   std::vector<std::string> violations() const;
+  // A violation found outside the ledger's own checks (kept, not thrown).
+  void note_violation(const std::string& what);
 
  private:
   static constexpr int kLanes = 2;
