@@ -16,8 +16,10 @@
 //  3. A receive dropped without being read (an aborted step) first makes the compute stream wait on
 //     its ready event: freed, its block returns to the compute stream's pool, which must not hand
 //     it out while the transfer may still write it.
-//  4. A send's buffers are released only once its Work completed (SendTracker polls it), so no
-//     stream uses them any more.
+//  4. A send's buffers are released once its Work completed (SendTracker polls it), so no stream
+//     uses them any more; or when that wait failed or timed out: the step then raises CommError and
+//     the group is not trusted any more (a transfer still running is guarded only by the backend's
+//     own reference to its tensors).
 //  5. A shaped receive's header (comm.h) is copied to the host on the communication stream after
 //     its batch and before the batch's ready event: rules 1 and 3 then cover that read as well; the
 //     host reads the copy only after the copy's own event.

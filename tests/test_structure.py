@@ -144,3 +144,65 @@ def test_the_architecture_page_names_every_module():
         if not re.search(rf"(?<![\w./]){re.escape(os.path.basename(rel))}", page) and rel not in page:
             missing.append(rel)
     assert not missing, f"docs/architecture.md does not name {missing}"
+
+
+# --- the extension's sources (csrc/): the same rules for C++
+
+CSRC = os.path.join(ROOT, "csrc")
+CSRC_FILES = sorted(os.path.relpath(os.path.join(d, f), CSRC) for d, _, files in os.walk(CSRC) for f in files
+                    if f.endswith((".h", ".cpp", ".cu")))
+_INCLUDE = re.compile(r'^#include "([^"]+)"', re.M)
+
+
+def _csrc_includes(rel: str) -> set[str]:
+    """The csrc files `rel` includes (by path relative to csrc/)."""
+    here = os.path.dirname(rel)
+    found = set()
+    for name in _INCLUDE.findall(open(os.path.join(CSRC, rel)).read()):
+        target = os.path.normpath(os.path.join(here, name))
+        if target in CSRC_FILES:
+            found.add(target)
+    return found
+
+
+@pytest.mark.parametrize("rel", CSRC_FILES)
+def test_csrc_file_size(rel):
+    lines = sum(1 for _ in open(os.path.join(CSRC, rel)))
+    assert lines <= MAX_LINES, f"csrc/{rel} has {lines} lines (at most {MAX_LINES}: split it by concern)"
+
+
+def test_no_csrc_include_cycle():
+    graph = {rel: _csrc_includes(rel) for rel in CSRC_FILES}
+    state: dict[str, int] = {}
+
+    def visit(n: str, stack: list[str]) -> None:
+        state[n] = 1
+        for m in sorted(graph[n]):
+            if state.get(m) == 1:
+                pytest.fail("include cycle: " + " -> ".join(stack[stack.index(m):] + [n, m]))
+            if m not in state:
+                visit(m, stack + [n])
+        state[n] = 2
+
+    for n in CSRC_FILES:
+        if n not in state:
+            visit(n, [])
+
+
+def test_only_the_executor_and_its_bindings_include_executor_h():
+    """The error types live in errors.h: a file that includes executor.h defines the executor's members or
+    binds it (an include for CommError made the framing layer depend on the executor that depends on it)."""
+    offenders = [rel for rel in CSRC_FILES if "executor.h" in _csrc_includes(rel) and
+                 "Executor::" not in open(os.path.join(CSRC, rel)).read() and rel != "bindings.cpp"]
+    assert not offenders, f"{offenders} include executor.h without using the executor (errors.h has the error types)"
+
+
+def test_the_architecture_page_names_every_csrc_file():
+    page = open(os.path.join(ROOT, "docs", "architecture.md")).read()
+    def named(rel: str) -> bool:  # as `comm.cpp`, or with its header as `comm.{h,cpp}`
+        stem, ext = os.path.splitext(os.path.basename(rel))
+        return bool(re.search(rf"(?<![\w.]){re.escape(stem + ext)}", page) or
+                    re.search(rf"(?<![\w.]){re.escape(stem)}\.\{{[^}}]*\b{ext[1:]}\b[^}}]*\}}", page))
+
+    missing = [rel for rel in CSRC_FILES if not named(rel)]
+    assert not missing, f"docs/architecture.md does not name csrc/{missing}"
