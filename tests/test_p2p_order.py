@@ -22,7 +22,7 @@ def _build(name, R, m):
 @pytest.mark.parametrize("name, R, m", CONFIGS)
 def test_batches_in_program_order_never_deadlock_on_one_serialised_stream(name, R, m, learning):
     # learning: the first step of a batch shape, whose batches are cut before each later receive of
-    # activations (csrc/executor.cpp post_batch; rule 5)
+    # activations (csrc/device_batches.cpp post_batch; rule 5)
     lowered = _build(name, R, m).lower()
     replay = replay_serialized(lowered, learning)
     assert sum(replay.batches) > 0
@@ -97,7 +97,7 @@ def executor_batches(rank, world, name, R, learning=False):
 @pytest.mark.parametrize("learning", [False, True], ids=["steady", "learning"])
 @pytest.mark.parametrize("name, R", [("interleaved_1f1b", 4), ("zbv", 2), ("dualpipev", 4), ("1f1b", 3)])
 def test_executor_batches_are_the_replayed_batches(name, R, learning):
-    """The C++ executor's batches (csrc/executor.cpp, set_program) are p2p_batches' for every rank,
+    """The C++ executor's batches (csrc/program.cpp, Program::load) are p2p_batches' for every rank,
     in steady steps and in steps that learn shapes."""
     from dist_pool import pool
     got = pool(1).run(executor_batches, name, R, learning)[0]
