@@ -57,7 +57,7 @@ def defer_weight_grad(fn: Callable[[], object]) -> None:
     `fn` must compute and accumulate the weight gradients itself (`weight.grad`, `weight.main_grad`);
     it runs after the I of its microbatch and before the step ends, with whatever the closure holds
     alive until then."""
-    from pipecore import _C
+    import pipecore._C as _C
 
     _C.defer_weight_grad(fn)
 
