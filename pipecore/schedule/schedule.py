@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 
-from pipecore.schedule.action import Action, Kind, decode
+from pipecore.schedule.action import KIND_MASK, Action, Kind, decode
 from pipecore.schedule.csvio import read_csv, write_csv
 from pipecore.schedule.errors import ScheduleError
 from pipecore.schedule.lowering import lower
@@ -110,11 +110,11 @@ class Schedule:
     @property
     def is_lowered(self) -> bool:
         """True when the schedule already holds communication (or other non-compute) actions."""
-        return any((c & 0xF) not in _COMPUTE_KINDS for row in self.codes for c in row)
+        return any((c & KIND_MASK) not in _COMPUTE_KINDS for row in self.codes for c in row)
 
     @property
     def has_backward(self) -> bool:
-        return any((c & 0xF) in _BACKWARD_KINDS for row in self.codes for c in row)
+        return any((c & KIND_MASK) in _BACKWARD_KINDS for row in self.codes for c in row)
 
     # -- passes ---------------------------------------------------------------------------
     def lower(self, *, merge_iw: bool = True, reduce_grad: bool = True,
@@ -129,7 +129,7 @@ class Schedule:
 
     def compute_only(self) -> "Schedule":
         """This schedule without communication, REDUCE_GRAD and UNSHARD/RESHARD actions."""
-        codes = [[c for c in row if (c & 0xF) in _COMPUTE_KINDS] for row in self.codes]
+        codes = [[c for c in row if (c & KIND_MASK) in _COMPUTE_KINDS] for row in self.codes]
         return Schedule._from_codes(codes, self.topology, self.name)
 
     def validate(self) -> "Schedule":

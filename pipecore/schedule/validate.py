@@ -6,7 +6,8 @@ timeline around it.
 
 from __future__ import annotations
 
-from pipecore.schedule.action import MB_SHIFT, STAGE_MASK, STAGE_SHIFT, Kind, decode, leaf_codes, microbatch_of, stage_of
+from pipecore.schedule.action import (KIND_MASK, MB_SHIFT, STAGE_MASK, STAGE_SHIFT, Kind, decode, leaf_codes,
+                                      microbatch_of, stage_of)
 from pipecore.schedule.errors import ScheduleError
 from pipecore.schedule.readiness import GRAD_DONE, replay
 from pipecore.schedule.timeline import format_table
@@ -20,7 +21,7 @@ def _with_stage(code: int, stage: int) -> int:
 
 
 def _with_kind(code: int, kind: int) -> int:
-    return (code & ~0xF) | kind
+    return (code & ~KIND_MASK) | kind
 
 
 class _Reporter:
@@ -57,15 +58,15 @@ def validate(schedule) -> None:
     training = False
     for r, row in enumerate(codes):
         for k, c in enumerate(row):
-            kind = c & 0xF
+            kind = c & KIND_MASK
             if kind == OVERLAP:
                 leaves = leaf_codes(c)
-                if len(leaves) < 2 or any((lc & 0xF) not in _COMPUTE for lc in leaves):
+                if len(leaves) < 2 or any((lc & KIND_MASK) not in _COMPUTE for lc in leaves):
                     rep.fail(r, k, "OVERLAP_F_B must hold two or more compute actions")
             else:
                 leaves = (c,)
             for lc in leaves:
-                lk, s = lc & 0xF, stage_of(lc)
+                lk, s = lc & KIND_MASK, stage_of(lc)
                 if s >= num_stages:
                     rep.fail(r, k, f"stage {s} does not exist (stages 0..{num_stages - 1})")
                 if stage_rank[s] != r:
@@ -141,7 +142,7 @@ def _check_sharding(codes, rep) -> None:
     for r, row in enumerate(codes):
         state: dict[int, bool] = {}
         for k, c in enumerate(row):
-            kind = c & 0xF
+            kind = c & KIND_MASK
             if kind == UNSHARD:
                 state[stage_of(c)] = True
             elif kind == RESHARD:
@@ -153,7 +154,7 @@ def _check_sharding(codes, rep) -> None:
         sharded = set(state)
         state = {}
         for k, c in enumerate(row):
-            kind = c & 0xF
+            kind = c & KIND_MASK
             if kind == UNSHARD:
                 state[stage_of(c)] = True
             elif kind == RESHARD:
@@ -189,7 +190,7 @@ def _check_comms(schedule, where, training, rep) -> None:
     received: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for r, row in enumerate(codes):
         for k, c in enumerate(row):
-            kind = c & 0xF
+            kind = c & KIND_MASK
             s = stage_of(c)
             if kind == SEND_F:
                 sent.setdefault((r, stage_rank[next_stage[s]]), []).append(_with_stage(c, next_stage[s]) - SEND_F + RECV_F)
@@ -234,7 +235,8 @@ def _check_progress(schedule, lowered: bool, rep) -> None:
         details = []
         for r in stuck:
             need = run.blocked_on[r]
-            what = decode(need) if need & 0xF != GRAD_DONE else f"the backward of {stage_of(need)}B{microbatch_of(need)}"
+            what = (decode(need) if need & KIND_MASK != GRAD_DONE
+                    else f"the backward of {stage_of(need)}B{microbatch_of(need)}")
             holder = topo.stage_rank[stage_of(need)]
             details.append(f"rank {r} at step {run.pos[r]} ({decode(codes[r][run.pos[r]])}) waits for {what} on rank "
                            f"{holder}")
