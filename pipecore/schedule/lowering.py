@@ -61,8 +61,7 @@ def _lower(schedule, merge_iw, reduce_grad, sharded, max_active_stages):
 
 def input_grad_awaited(topo) -> frozenset[int]:
     """Stages whose input gradient another rank waits for: their previous stage lives elsewhere."""
-    prev, rank = topo.prev_stage, topo.stage_rank
-    return frozenset(s for s in range(topo.num_stages) if prev[s] >= 0 and rank[prev[s]] != rank[s])
+    return frozenset(s for s in range(topo.num_stages) if topo.crosses_ranks(s, Kind.SEND_B))
 
 
 def merge_adjacent_iw(row: list[int], keep_split: frozenset[int]) -> list[int]:

@@ -67,19 +67,16 @@ class Links:
 
     @classmethod
     def of(cls, topo) -> Links:
-        stage_rank = topo.stage_rank
         deps = _dependencies(topo, lowered=False, local=False)
         fields: dict[str, list] = {k: [] for k in cls.__dataclass_fields__}
-        for s, r in enumerate(stage_rank):
-            p, n = topo.prev_stage[s], topo.next_stage[s]
+        for s in range(topo.num_stages):
             fields["fwd_need"].append(deps[F][s][0][0] if deps[F][s] else None)
             fields["bwd_need"].append(deps[I][s][0][0] + GRAD_DONE if deps[I][s] else None)
-            cross_next = n >= 0 and stage_rank[n] != r
-            fields["fwd_peer"].append(stage_rank[n] if cross_next else -1)
-            fields["fwd_recv"].append(((n - s) << STAGE_SHIFT) + RECV_F if cross_next else 0)
-            cross_prev = p >= 0 and stage_rank[p] != r
-            fields["bwd_peer"].append(stage_rank[p] if cross_prev else -1)
-            fields["bwd_recv"].append(((p - s) << STAGE_SHIFT) + RECV_B if cross_prev else 0)
+            for send, recv, peer, offset in ((SEND_F, RECV_F, "fwd_peer", "fwd_recv"),
+                                             (SEND_B, RECV_B, "bwd_peer", "bwd_recv")):
+                crosses = topo.crosses_ranks(s, send)
+                fields[peer].append(topo.peer_rank(s, send) if crosses else -1)
+                fields[offset].append(((topo.peer_stage(s, send) - s) << STAGE_SHIFT) + recv if crosses else 0)
         return cls(**fields)
 
 

@@ -16,6 +16,8 @@ F, I, W, B = int(Kind.F), int(Kind.I), int(Kind.W), int(Kind.B)
 SEND_F, RECV_F, SEND_B, RECV_B = int(Kind.SEND_F), int(Kind.RECV_F), int(Kind.SEND_B), int(Kind.RECV_B)
 UNSHARD, RESHARD, REDUCE_GRAD, OVERLAP = int(Kind.UNSHARD), int(Kind.RESHARD), int(Kind.REDUCE_GRAD), int(Kind.OVERLAP_F_B)
 _COMPUTE = (F, I, W, B)
+_NO_PEER = {SEND_F: "sends no activations to another rank", RECV_F: "receives no activations from another rank",
+            SEND_B: "sends no gradients to another rank", RECV_B: "receives no gradients from another rank"}
 def _with_stage(code: int, stage: int) -> int:
     return (code & ~(STAGE_MASK << STAGE_SHIFT)) | (stage << STAGE_SHIFT)
 
@@ -50,7 +52,7 @@ def validate(schedule) -> None:
         raise ScheduleError(f"placement is for {topo.num_ranks} ranks but the schedule has {num_ranks}")
     if num_ranks == 0:
         raise ScheduleError("a schedule needs at least one rank")
-    stage_rank, prev_stage, next_stage = topo.stage_rank, topo.prev_stage, topo.next_stage
+    stage_rank = topo.stage_rank
 
     # -- 1. static per-action checks; where every action is ------------------------------
     where: dict[int, tuple[int, int]] = {}  # leaf code -> (rank, step)
@@ -82,15 +84,9 @@ def validate(schedule) -> None:
                 if mb not in topo.microbatches[s]:
                     mbs = topo.microbatches[s]
                     rep.fail(r, k, f"microbatch {mb} is not one of stage {s}'s ({mbs.start}..{mbs.stop - 1})")
-                if lk == SEND_F and (next_stage[s] < 0 or stage_rank[next_stage[s]] == r):
-                    rep.fail(r, k, f"stage {s} sends no activations to another rank")
-                if lk == RECV_F and (prev_stage[s] < 0 or stage_rank[prev_stage[s]] == r):
-                    rep.fail(r, k, f"stage {s} receives no activations from another rank")
-                if lk == SEND_B and (prev_stage[s] < 0 or stage_rank[prev_stage[s]] == r):
-                    rep.fail(r, k, f"stage {s} sends no gradients to another rank")
-                if lk == RECV_B and (next_stage[s] < 0 or stage_rank[next_stage[s]] == r):
-                    rep.fail(r, k, f"stage {s} receives no gradients from another rank")
-                if lk in (SEND_F, RECV_F, SEND_B, RECV_B):
+                if lk in _NO_PEER:
+                    if not topo.crosses_ranks(s, lk):
+                        rep.fail(r, k, f"stage {s} {_NO_PEER[lk]}")
                     lowered = True
                 if lk in (I, W, B):
                     training = True
@@ -176,10 +172,10 @@ def _check_comms(schedule, where, training, rep) -> None:
         for mb in topo.microbatches[s]:
             key = base | ((mb + 1) << MB_SHIFT)
             n = next_stage[s]
-            if n >= 0 and stage_rank[n] != r:
+            if topo.crosses_ranks(s, SEND_F):
                 _check_edge(key | F, key | SEND_F, _with_stage(key, n) | RECV_F, _with_stage(key, n) | F, where, rep)
             p = prev_stage[s]
-            if training and p >= 0 and stage_rank[p] != r:
+            if training and topo.crosses_ranks(s, SEND_B):
                 producer = key | B if (key | B) in where else key | I
                 consumer = _with_stage(key, p)
                 consumer = consumer | B if (consumer | B) in where else consumer | I
@@ -192,14 +188,12 @@ def _check_comms(schedule, where, training, rep) -> None:
         for k, c in enumerate(row):
             kind = c & KIND_MASK
             s = stage_of(c)
-            if kind == SEND_F:
-                sent.setdefault((r, stage_rank[next_stage[s]]), []).append(_with_stage(c, next_stage[s]) - SEND_F + RECV_F)
-            elif kind == SEND_B:
-                sent.setdefault((r, stage_rank[prev_stage[s]]), []).append(_with_stage(c, prev_stage[s]) - SEND_B + RECV_B)
-            elif kind == RECV_F:
-                received.setdefault((stage_rank[prev_stage[s]], r), []).append((c, k))
-            elif kind == RECV_B:
-                received.setdefault((stage_rank[next_stage[s]], r), []).append((c, k))
+            if kind == SEND_F or kind == SEND_B:  # as the receive it matches: the receiving stage's
+                receiver = topo.peer_stage(s, kind)
+                matching = _with_kind(_with_stage(c, receiver), RECV_F if kind == SEND_F else RECV_B)
+                sent.setdefault((r, stage_rank[receiver]), []).append(matching)
+            elif kind == RECV_F or kind == RECV_B:
+                received.setdefault((topo.peer_rank(s, kind), r), []).append((c, k))
     for (a, b), recvs in received.items():
         sends = sent.get((a, b), [])
         for idx, (c, k) in enumerate(recvs):
