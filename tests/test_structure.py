@@ -179,6 +179,120 @@ def test_the_schedule_layer_imports_no_torch():
     assert not offenders, offenders
 
 
+# -- a module cut by size rather than by concern -------------------------------------------------
+# A module split only to fit MAX_LINES leaves halves that still share their internals, so one reaches
+# into the other's underscore names. No pipecore module does: it uses no underscore name of another
+# module (imported from it, or read off an imported module or class), and imports an underscore
+# module (`builders/_codes.py`, `compat/_fallback.py`) only from inside that module's package.
+# Names of the form __name__ (`__version__`) are not private. The one exception, and why:
+PRIVATE_NAMES_SHARED = {
+    # the C++ extension's underscore names are its hooks for the build check and the tests
+    # (`C._self_check`), held by the extension module itself: there is no Python module to hold them
+    "pipecore._C": "the extension's hooks for the build check and the tests",
+}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _extension(module: str) -> bool:
+    return module == "pipecore._C" or module.startswith("pipecore._C.")
+
+
+def _private_module_outside(module: str, importer: str) -> bool:
+    """Is `module` an underscore module (or inside one) whose package `importer` is not inside?"""
+    parts = module.split(".")
+    return any(_private(part) and not _inside(importer, ".".join(parts[:i])) for i, part in enumerate(parts))
+
+
+def _reaches_into(name: str, source: str, is_package: bool = False) -> list[str]:
+    """Where module `name` uses another pipecore module's private names, as 'line N: what'."""
+    tree = ast.parse(source)
+    package = name if is_package else name.rpartition(".")[0]
+    bound: dict[str, tuple[str, str | None]] = {}  # local name -> (module, None) or (module, a name in it)
+    found = []
+
+    def private_use(line: int, module: str, attr: str | None, shown: str | None = None) -> None:
+        """`attr` (None: the module itself) of `module`, used at `line`."""
+        if module == name or any(module == m or module.startswith(m + ".") for m in PRIVATE_NAMES_SHARED):
+            return
+        if _private_module_outside(module, name):
+            found.append(f"line {line}: {module} (a private module of another package)")
+        elif attr is not None and _private(attr):
+            found.append(f"line {line}: {shown or attr} of {module}")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("pipecore"):
+                    private_use(node.lineno, a.name, None)
+                    bound[a.asname or "pipecore"] = (a.name if a.asname else "pipecore", None)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            if not base.startswith("pipecore"):
+                continue
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                if full in MODULES or _extension(full):
+                    private_use(node.lineno, full, None)
+                    bound[a.asname or a.name] = (full, None)
+                else:
+                    private_use(node.lineno, base, a.name)
+                    bound[a.asname or a.name] = (base, a.name)
+
+    def resolve(node: ast.AST) -> tuple[str, str | None] | None:
+        """What an expression names: (module, None), (module, a name in it), or None (not known)."""
+        if isinstance(node, ast.Name):
+            return bound.get(node.id)
+        if isinstance(node, ast.Attribute):
+            owner = resolve(node.value)
+            if owner is not None and owner[1] is None:  # an attribute of a module: a submodule or a name
+                full = f"{owner[0]}.{node.attr}"
+                return (full, None) if full in MODULES or _extension(full) else (owner[0], node.attr)
+        return None
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            owner = resolve(node.value)
+            if owner is None:  # self._x, or an object's: not a module's name
+                continue
+            module, held = owner
+            if held is None:  # a name (or submodule) of a module
+                private_use(node.lineno, *resolve(node))
+            else:  # an attribute of a class (or function) imported from a module
+                private_use(node.lineno, module, node.attr, f"{held}.{node.attr}")
+    return found
+
+
+@pytest.mark.parametrize("importer, source, expected", [
+    ("pipecore.schedule.builders.auto", "from pipecore.schedule.builders.v_rounds import _Stuck", 1),
+    ("pipecore.schedule.builders.auto", "from pipecore.schedule.builders.v_rounds import Stuck", 0),
+    ("pipecore.schedule.builders.gpipe", "from pipecore.schedule.builders._codes import code", 0),
+    ("pipecore.runtime.step", "from pipecore.schedule.builders._codes import code", 1),
+    ("pipecore.runtime.step", "import pipecore.schedule.builders._codes as codes", 1),
+    ("pipecore.runtime.step", "from pipecore.schedule import Schedule\nSchedule._from_codes([], None)", 1),
+    ("pipecore.runtime.step", "from pipecore.stage import boundary as wire\nwire._viewless(x)", 1),
+    ("pipecore.runtime.step", "import pipecore.stage.boundary\npipecore.stage.boundary._viewless(x)", 1),
+    ("pipecore.runtime.step", "from pipecore.version import __version__", 0),
+    ("pipecore.runtime.step", "def f(self):\n    return self._rows, other._x", 0),
+    ("pipecore.tools.build_check", "import pipecore._C as C\nC._self_check(7)", 0),
+])
+def test_what_reaches_into_privates(importer, source, expected):
+    assert len(_reaches_into(importer, source, importer in PACKAGES)) == expected
+
+
+def test_no_module_reaches_into_another_modules_privates():
+    found = {name: _reaches_into(name, open(path).read(), name in PACKAGES) for name, path in MODULES.items()}
+    found = {name: uses for name, uses in found.items() if uses}
+    assert not found, ("modules that use another module's private names (make the name public where it is that "
+                       "module's API, or move the code to the module whose concern it is):\n  " +
+                       "\n  ".join(f"{name}: {'; '.join(uses)}" for name, uses in sorted(found.items())))
+
+
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_module_size(name):
     lines = sum(1 for _ in open(MODULES[name]))

@@ -58,4 +58,4 @@ def forward_only(schedule: Schedule) -> Schedule:
     """The schedule's forwards, in its order (same placement): what eval() runs."""
     rows = [[leaf for a in row for leaf in a.leaves() if leaf.kind is Kind.F] for row in schedule.compute_only().actions]
     topo = schedule.topology
-    return Schedule._from_codes([[a.code for a in row] for row in rows], topo, (schedule.name or "") + ":forward")
+    return Schedule.from_codes([[a.code for a in row] for row in rows], topo, (schedule.name or "") + ":forward")

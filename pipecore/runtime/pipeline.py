@@ -215,7 +215,7 @@ class Pipeline:
         if self._wrappers is not None and self._wrappers.sharded:
             rows = [list(row) for row in lowered[True].codes]
             rows[self.rank] = add_unshard_reshard(rows[self.rank], self._wrappers.sharded, max_active=3)
-            run[True] = Schedule._from_codes(rows, lowered[True].topology, lowered[True].name)
+            run[True] = Schedule.from_codes(rows, lowered[True].topology, lowered[True].name)
         self.programs = {training: encode(v, self.rank, local_index) for training, v in run.items()}
         # what every rank must agree on before the first step (checked at the first agreement)
         summary = {

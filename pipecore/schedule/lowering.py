@@ -56,7 +56,7 @@ def _lower(schedule, merge_iw, reduce_grad, sharded, max_active_stages):
     if reduce_grad and any((c & KIND_MASK) in (I, W, B, OVERLAP) for row in codes for c in row):
         codes = [add_reduce_grad(row, len(topo.rank_stages(r))) for r, row in enumerate(codes)]
     codes = add_send_recv(codes, topo)
-    return type(schedule)._from_codes(codes, topo, schedule.name)
+    return type(schedule).from_codes(codes, topo, schedule.name)
 
 
 def input_grad_awaited(topo) -> frozenset[int]:

@@ -67,7 +67,10 @@ class Schedule:
         self._actions = parsed
 
     @classmethod
-    def _from_codes(cls, codes: list[list[int]], topology: Topology, name: str | None = None) -> "Schedule":
+    def from_codes(cls, codes: list[list[int]], topology: Topology, name: str | None = None) -> "Schedule":
+        """A schedule of per-rank integer action codes (pipecore/schedule/action.py) over `topology`, as
+        the builders, the passes and the executor's programs make them: taken as they are, nothing
+        parsed or checked (`validate()` checks)."""
         self = object.__new__(cls)
         self.codes = codes
         self.topology = topology
@@ -130,7 +133,7 @@ class Schedule:
     def compute_only(self) -> "Schedule":
         """This schedule without communication, REDUCE_GRAD and UNSHARD/RESHARD actions."""
         codes = [[c for c in row if (c & KIND_MASK) in _COMPUTE_KINDS] for row in self.codes]
-        return Schedule._from_codes(codes, self.topology, self.name)
+        return Schedule.from_codes(codes, self.topology, self.name)
 
     def validate(self) -> "Schedule":
         """Check completeness, placement, dependency order and deadlock freedom.

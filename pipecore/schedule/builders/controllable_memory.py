@@ -178,7 +178,7 @@ def _build(R: int, m: int, offsets, name: str) -> Schedule:
     _reorder(ranks, topo, m)
     _squeeze_cooldown_backwards(ranks, topo, m)
     codes = [[slots[t] for t in sorted(slots)] for slots in ranks]
-    return Schedule._from_codes(codes, topo, name)
+    return Schedule.from_codes(codes, topo, name)
 
 
 def build_v_half(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> Schedule:
