@@ -1,6 +1,7 @@
 """The tree keeps the layers docs/architecture.md draws: no import cycle (function-level imports
 included), nothing imports a layer above its own, the schedule layer imports no torch, no module
-over 600 lines, and the architecture page names every module.
+over 600 lines nor using another module's underscore names (a module cut by size rather than by
+concern: see PRIVATE_NAMES_SHARED), and the architecture page names every module.
 
 What a module depends on, as Python runs its imports:
 - every module an import names (`import pipecore.a.b`, `from pipecore.a.b import x`, and the
