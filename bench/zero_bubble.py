@@ -37,7 +37,7 @@ def merged_program(sched):
     from pipecore.schedule.lowering import merge_adjacent_iw
 
     codes = [merge_adjacent_iw(row, keep_split=frozenset()) for row in sched.compute_only().codes]
-    return Schedule._from_codes(codes, sched.topology, sched.name).lower(merge_iw=False)
+    return Schedule.from_codes(codes, sched.topology, sched.name).lower(merge_iw=False)
 
 
 def _rank(rank, world, name, m, compute, ms, width, rows, depth, blocks, steps):

@@ -27,7 +27,7 @@ def loopback_schedule(sched: Schedule) -> Schedule:
             elif leaf.kind in (Kind.B, Kind.I) and topo.prev_stage[leaf.stage] >= 0:
                 rows += [Action(leaf.stage, Kind.SEND_B, leaf.microbatch),
                          Action(topo.prev_stage[leaf.stage], Kind.RECV_B, leaf.microbatch)]
-    return Schedule._from_codes([[a.code for a in rows]], topo, name=f"{sched.name}-loopback")
+    return Schedule.from_codes([[a.code for a in rows]], topo, name=f"{sched.name}-loopback")
 
 
 def make_loopback(pipe: pc.Pipeline) -> None:

@@ -259,7 +259,7 @@ def test_policies_that_reserve_room_never_deadlock():
                 for limit in range(V, 2 * R * V + 1):
                     for policy in reserving[(R + m + limit) % 9::9]:
                         rows, makespan, _ = generate(topo, table, limit, policy)
-                        s = pc.Schedule._from_codes(rows, topo)
+                        s = pc.Schedule.from_codes(rows, topo)
                         assert s.simulate(table).makespan == makespan
                         assert max(s.simulate().peak_activations) <= limit
 
@@ -286,7 +286,7 @@ def test_the_zero_bubble_papers_closed_forms(p):
 
 def test_v_rounds_times_are_the_simulators():
     # the V built in rounds places every action at the time the simulator gives it, within memory
-    from pipecore.schedule.builders.v_rounds import _Stuck, build_rounds
+    from pipecore.schedule.builders.v_rounds import Stuck, build_rounds
     from pipecore.schedule.simulate import cost_table
     from pipecore.schedule.topology import Topology
 
@@ -300,10 +300,10 @@ def test_v_rounds_times_are_the_simulators():
                     for flags in ((True, True, True), (False, True, False), (True, False, True)):
                         try:
                             rows, makespan, _ = build_rounds(topo, table, limit, *flags)
-                        except _Stuck:
+                        except Stuck:
                             continue
                         built += 1
-                        s = pc.Schedule._from_codes(rows, topo)
+                        s = pc.Schedule.from_codes(rows, topo)
                         s.validate()
                         result = s.simulate(table)
                         assert result.makespan == pytest.approx(makespan)

@@ -19,6 +19,7 @@ import pipecore as pc
 from dist_pool import pool
 from models import NEVER, Head, make_batch, make_stages, pipeline_step
 from pipecore.errors import InputError
+from pipecore.executor.comm import Comm
 
 WORLD, MICROBATCHES, ROWS = 2, 4, 10
 SCHEDULES = ["1f1b", "interleaved_1f1b", "zbv", "dualpipe"]
@@ -215,6 +216,7 @@ def two_copies_on_one_rank(rank, world, root):
         stages = [pc.PipelineStage(first, rank, 4), pc.PipelineStage(second, 3 - rank, 4)]
         pipe = SimpleNamespace(stages=stages, schedule=SimpleNamespace(name="custom", topology=topology),
                                group=dist.group.WORLD, rank=rank, world=world,
+                               comm=Comm(dist.group.WORLD, NEVER, torch.device("cpu")),
                                gradients=SimpleNamespace(dp=None))
         optimizer = torch.optim.AdamW([p for s in stages for p in s.module.parameters()], lr=0.1)
         return pipe, first, second, optimizer

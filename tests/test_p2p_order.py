@@ -46,7 +46,7 @@ def _hoist_receives(lowered: Schedule, rank: int) -> Schedule:
             out.append(a)
         out.extend(row[j] for j in moved.get(i, []))
     rows[rank] = out
-    return Schedule._from_codes([[a.code for a in r] for r in rows], lowered.topology, name=lowered.name)
+    return Schedule.from_codes([[a.code for a in r] for r in rows], lowered.topology, name=lowered.name)
 
 
 def test_receives_posted_ahead_deadlock_where_the_stream_is_serialised():
@@ -66,7 +66,7 @@ def test_message_order_disagreement_is_named():
     rows = [list(r) for r in lowered.actions]
     recvs = [i for i, a in enumerate(rows[1]) if a.kind is Kind.RECV_F]
     rows[1][recvs[0]], rows[1][recvs[1]] = rows[1][recvs[1]], rows[1][recvs[0]]
-    swapped = Schedule._from_codes([[a.code for a in r] for r in rows], lowered.topology)
+    swapped = Schedule.from_codes([[a.code for a in r] for r in rows], lowered.topology)
     with pytest.raises(ScheduleError, match="matches messages by order"):
         replay_serialized(swapped)
 
@@ -137,6 +137,6 @@ def test_the_programs_data_parallel_pipelines_run_never_deadlock_on_one_serialis
     for replica in range(2):
         rows = [_rows_from_labels(labels) for rep, _, labels in sorted(runs, key=lambda r: r[1]) if rep == replica]
         assert any(a.kind is Kind.REDUCE_GRAD for row in rows for a in row)
-        replay_serialized(Schedule._from_codes([[a.code for a in row] for row in rows], lowered.topology, name=name))
+        replay_serialized(Schedule.from_codes([[a.code for a in row] for row in rows], lowered.topology, name=name))
     same = [labels for _, _, labels in sorted(runs, key=lambda r: (r[1], r[0]))]
     assert same[0] == same[1] and same[2] == same[3]  # the replicas of a position run one program

@@ -2,9 +2,11 @@
 failing rank leaves its error, and whether the group broke.
 
 The runtime and the training modules (data parallel, ties, clipping, checkpoints) talk to the other
-ranks through this object only; none of them holds the Pipeline's private state. The collectives are
+ranks through this object; none of them holds the Pipeline's private state. The small collectives are
 the executor's own (csrc/collectives.h says why they are native): a hung or dead peer ends them with
 a timeout whose message names the rank and what it waited for, and the group is then marked broken.
+The checkpoints' agreements are torch.distributed's, bounded by the group's own timeout (below:
+`patient_*`); what DCP itself reads and writes it exchanges over the group by itself.
 """
 
 from __future__ import annotations
@@ -68,6 +70,24 @@ class Comm:
             raw = b"".join(v.to_bytes(8, "little", signed=True) for v in row)[:size]
             out.append(pickle.loads(raw) if size else [])
         return out
+
+    # -- torch.distributed's collectives, at the process group's own pace -----------------------
+    # The checkpoints agree around writing and reading files, which may take longer than a step: these
+    # wait as long as the group's own timeout allows, not the Pipeline's `timeout`, and a wait that
+    # runs out does not mark this Pipeline's group broken (no step was running).
+    def patient_gather_objects(self, obj: Any, group=None) -> list[Any]:
+        """Every rank's picklable `obj`, in group rank order (torch.distributed.all_gather_object)."""
+        group = self.group if group is None else group
+        out = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    def patient_any(self, flag: bool, group=None) -> bool:
+        """Whether any rank of `group` says `flag` (one all-reduce of a small tensor)."""
+        group = self.group if group is None else group
+        anyone = torch.tensor([int(flag)], device=self.device_for(group))
+        dist.all_reduce(anyone, group=group)
+        return bool(anyone)
 
     def _call(self, fn, *args, what: str, group=None, on_device: bool = False):
         group = self.group if group is None else group

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 try:
-    from pipecore import _C as C
+    import pipecore._C as C
 except ImportError as exc:  # pragma: no cover - a checkout whose extension was never built
     raise ImportError(f"pipecore's C++ extension (pipecore._C) is not built or does not load ({exc}). In a checkout run "
                       "`make install`; otherwise `pip install --no-build-isolation .` (docs/install.md)") from exc

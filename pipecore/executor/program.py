@@ -49,11 +49,7 @@ def encode(lowered: Schedule, rank: int, local_index: dict[int, int]) -> Program
                 emit(sub.kind.name, local_index[sub.stage], sub.microbatch, -1, f"PP:{sub}")
             emit("OVERLAP_END", 0, 0, -1, f"PP:{a}")
             continue
-        peer = -1
-        if a.kind in (Kind.SEND_F, Kind.RECV_B):
-            peer = topo.stage_rank[topo.next_stage[a.stage]]
-        elif a.kind in (Kind.SEND_B, Kind.RECV_F):
-            peer = topo.stage_rank[topo.prev_stage[a.stage]]
+        peer = topo.peer_rank(a.stage, a.kind) if a.kind.is_comm else -1
         emit(a.kind.name, local_index[a.stage], a.microbatch if a.microbatch is not None else 0, peer, f"PP:{a}")
     return Program(flat, labels)
 
@@ -62,4 +58,4 @@ def forward_only(schedule: Schedule) -> Schedule:
     """The schedule's forwards, in its order (same placement): what eval() runs."""
     rows = [[leaf for a in row for leaf in a.leaves() if leaf.kind is Kind.F] for row in schedule.compute_only().actions]
     topo = schedule.topology
-    return Schedule._from_codes([[a.code for a in row] for row in rows], topo, (schedule.name or "") + ":forward")
+    return Schedule.from_codes([[a.code for a in row] for row in rows], topo, (schedule.name or "") + ":forward")

@@ -160,12 +160,13 @@ class PairRunner:
     def fallbacks(self) -> dict[str, int]:
         return dict(self._executor.overlap_fallbacks())
 
-    def warn_fallbacks(self) -> None:
+    def warn_fallbacks(self, *, stacklevel: int) -> None:
+        """One warning per reason not warned about yet; `stacklevel` names the caller of step() from here."""
         for why in self._executor.overlap_fallbacks():
             if why not in self._warned:
                 self._warned.add(why)
                 warnings.warn(f"pipecore: OVERLAP_F_B pairs run in sequence, not overlapped: {_WHY.get(why, why)} "
-                              "(Pipeline.overlap_fallbacks counts them)", stacklevel=5)
+                              "(Pipeline.overlap_fallbacks counts them)", stacklevel=stacklevel)
 
 
 __all__ = ["MODES", "OverlappedPair", "PairRunner", "overlap_handoff"]

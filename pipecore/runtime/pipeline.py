@@ -10,27 +10,29 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
-from pipecore.errors import CommunicationError, InputError, PeerFailedError
+from pipecore.errors import CommunicationError, InputError
 from pipecore.executor.comm import Comm
 from pipecore.executor.native import (DEFAULT_RECV_WINDOW, DEFAULT_SEND_BUDGET, MESSAGE_STATUS, C, CommError, PeerAbort,
                                       PeerReplan)
 from pipecore.executor.program import encode, forward_only
 from pipecore.runtime.agreement import Agreement, shares_build_failure
+from pipecore.runtime.failures import group_broke, own_error, peer_failed
 from pipecore.runtime.message_path import computes_on_stand_ins, configure_messages
+from pipecore.runtime.nvtx_ranges import nvtx_range
 from pipecore.runtime.overlap import PairRunner
 from pipecore.runtime.plans import Plans
 from pipecore.runtime.rollback import Rollback
 from pipecore.runtime.split_backward import fallbacks, warn_new_fallbacks
-from pipecore.runtime.step import StepRun, check_inputs, check_step_options, microbatches_as_call, split_batch
+from pipecore.runtime.step import StepInputs, StepRun, read_inputs
 from pipecore.schedule import SCHEDULES, Schedule, build_schedule
 from pipecore.schedule.lowering import add_unshard_reshard
 from pipecore.stage import boundary as wire
-from pipecore.stage.microbatch import batch_size, merge, merge_by_spec
+from pipecore.stage.microbatch import merge, merge_by_spec
 from pipecore.stage.pipeline_stage import PipelineStage, pipeline_group, stage_list
 from pipecore.training.data_parallel import DEFAULT_BUCKET_BYTES, DataParallel
 from pipecore.training.finalise import GradFinalisation
@@ -38,19 +40,9 @@ from pipecore.training.ties import TiedWeights, check_shared_parameters
 from pipecore.training.wrapped_stages import WrappedStage, WrapperEvents
 
 DEFAULT_TIMEOUT_S = 300.0
-
-
-def _range(name: str):
-    """An NVTX range from Python (the `nvtx` package; no-op without it)."""
-    if _nvtx is None:
-        return nullcontext()
-    return _nvtx.annotate(name, domain="pipecore")
-
-
-try:  # Python-side phases show in Nsight Systems beside the executor's per-action ranges
-    import nvtx as _nvtx
-except ImportError:  # pragma: no cover - optional
-    _nvtx = None
+# A warning about a step names the line that called step() or eval(): the stacklevel of warnings.warn
+# in a phase of _run (the phase, _run, _train or _forward_only, the public method, its caller)
+_STEP_CALLER = 5
 
 
 class Pipeline:
@@ -223,7 +215,7 @@ class Pipeline:
         if self._wrappers is not None and self._wrappers.sharded:
             rows = [list(row) for row in lowered[True].codes]
             rows[self.rank] = add_unshard_reshard(rows[self.rank], self._wrappers.sharded, max_active=3)
-            run[True] = Schedule._from_codes(rows, lowered[True].topology, lowered[True].name)
+            run[True] = Schedule.from_codes(rows, lowered[True].topology, lowered[True].name)
         self.programs = {training: encode(v, self.rank, local_index) for training, v in run.items()}
         # what every rank must agree on before the first step (checked at the first agreement)
         summary = {
@@ -317,7 +309,7 @@ class Pipeline:
                              "pipe.eval(...) for forward-only runs, or build the Pipeline with a training schedule "
                              f"(one of {[n for n in SCHEDULES if n != 'forward_only']})")
         self._step_started = time.perf_counter()
-        with _range("pipecore.step"):
+        with nvtx_range("pipecore.step"):
             try:
                 self.gradients.begin_step()
                 out = self._run(args, kwargs, target, losses, True, return_outputs, loss_kwargs, loss_divisor,
@@ -341,7 +333,7 @@ class Pipeline:
 
     def _forward_only(self, args, kwargs, target, losses, return_outputs, loss_kwargs, microbatches=None):
         self._step_started = time.perf_counter()
-        with _range("pipecore.eval"), torch.no_grad():
+        with nvtx_range("pipecore.eval"), torch.no_grad():
             out = self._run(args, kwargs, target, losses, False, return_outputs, loss_kwargs, None, microbatches)
         self._end_profile()
         return out
@@ -407,138 +399,148 @@ class Pipeline:
     # -- step ---------------------------------------------------------------------------
     def _run(self, args, kwargs, target, losses, training: bool, return_outputs: bool, loss_kwargs,
              loss_divisor=None, microbatches: tuple | None = None):
-        comm, plans = self.comm, self.plans
+        """One step (or eval) on this rank, in the phases every rank goes through in the same order."""
+        self._check_usable()
+        step = self.comm.step = self._step_count
+        self._step_count += 1
+        inputs, problem = self._check(args, kwargs, target, training, return_outputs, loss_kwargs, loss_divisor,
+                                      microbatches)
+        if problem is not None:
+            self._release_peers(problem, training)
+        self._plan(step, inputs, training)
+        run = self._start(inputs, training, return_outputs, loss_kwargs)
+        run_started = self._execute(step, run, inputs, training)
+        self._finalise(training)
+        if self.trace_enabled:
+            self._record_trace(step, run, run_started, training)
+        return self._assemble_outputs(run, losses, microbatches)
+
+    def _check_usable(self) -> None:
         if self._agreement.misbuilt is not None:
             raise InputError(self._agreement.misbuilt)
-        if comm.broken is not None:
+        if self.comm.broken is not None:
             raise CommunicationError(f"rank {self.rank}: this Pipeline's process group broke in an earlier step "
-                                     f"({comm.broken}); rebuild the group and the Pipeline before stepping again")
-        step = comm.step = self._step_count
-        self._step_count += 1
-        # 1. everything that can be checked before communicating
-        problem = None
-        batch = None
-        desc = rows = 0
+                                     f"({self.comm.broken}); rebuild the group and the Pipeline before stepping again")
+
+    def _check(self, args, kwargs, target, training, return_outputs, loss_kwargs, loss_divisor,
+               microbatches) -> tuple[StepInputs | None, Exception | None]:
+        """Everything that can be checked before communicating (step.py): (the step's inputs, None), or
+        (None, what is wrong), which the peers must learn before it is raised."""
         try:
-            if microbatches is not None:  # the caller's own microbatches: (arg_mbs, kwarg_mbs)
-                args, kwargs = microbatches_as_call(self, *microbatches)
-            check_inputs(self, args, kwargs, target, training)
-            parted = self.gradients.ties.parted if self.gradients.ties else None
-            if parted is not None:  # found at the last step's gradient sum: every rank fails this step
-                raise InputError(f"rank {self.rank}: {parted}")
-            loss_divisor = check_step_options(self, return_outputs, loss_kwargs, loss_divisor)
-            with _range("pipecore.split"):
-                batch = split_batch(self, args, kwargs, target, given=microbatches is not None)
-            if self.has_first:
-                if microbatches is None and self.args_chunk_spec is None and self.kwargs_chunk_spec is None:
-                    rows = batch_size((args, kwargs)) or 0  # split along dim 0
-                # the batch's signature: its shapes, or where messages carry them (and the batch's rows,
-                # which the last stages weigh losses by), its structure
-                shaped = self.executor.shapes_travel
-                desc = wire.signature((wire.describe(args, shaped), wire.describe(kwargs, shaped), training))
+            return read_inputs(self, args, kwargs, target, training, return_outputs, loss_kwargs, loss_divisor,
+                               microbatches), None
         except (ValueError, TypeError) as exc:
-            problem = exc
+            return None, exc
+
+    def _release_peers(self, problem: Exception, training: bool) -> NoReturn:
+        """This rank's inputs failed their checks: its peers learn it, then it is raised here."""
+        agreed = self.plans.agreed.get(training)
+        if agreed is None:  # first step of this mode: the ranks agree on shapes anyway (and learn the store keys)
+            self._agreement(0, True, training)
+        self.comm.publish_error(f"{type(problem).__name__}: {problem}", "input checks")
+        if agreed is not None:  # they get "aborted" messages instead of data
+            self.plans.ensure_loaded(agreed, training)
+            self._run_aborted(MESSAGE_STATUS["ABORTED"])
+        raise problem
+
+    def _plan(self, step: int, inputs: StepInputs, training: bool) -> None:
+        """What crosses every boundary. It is agreed on once per batch signature (plans.py; on gloo
+        shapes are not part of it, messages carry them): a first stage whose batch changed signature
+        tells its peers by running the step as "shapes changed" messages, then all ranks agree again;
+        no collective runs while the signature stays the same."""
+        plans = self.plans
         agreed = plans.agreed.get(training)
-        if problem is not None:
-            if agreed is None:  # first step of this mode: the ranks agree on shapes anyway (and learn the store keys)
-                self._agreement(0, True, training)
-            comm.publish_error(f"{type(problem).__name__}: {problem}", "input checks")
-            if agreed is not None:  # release the peers: they get "aborted" messages instead of data
-                plans.ensure_loaded(agreed, training)
-                self._run_aborted(MESSAGE_STATUS["ABORTED"])
-            raise problem
-        # 2. what crosses every boundary. It is agreed on once per batch signature (plans.py; on gloo
-        #    shapes are not part of it, messages carry them): a first stage whose batch changed
-        #    signature tells its peers by running the step as "shapes changed" messages, then all
-        #    ranks agree again; no collective runs while the signature stays the same.
-        if agreed is not None and self.has_first and desc != plans.last_desc.get(training):
+        if agreed is not None and self.has_first and inputs.signature != plans.last_desc.get(training):
             plans.ensure_loaded(agreed, training)
             self._run_aborted(MESSAGE_STATUS["REPLAN"])
             if training and computes_on_stand_ins(self.executor) and self.world > 1:
                 self.gradients.discard_round()  # as the ranks that compute on its stand-ins do
             agreed = None
         if agreed is None:
-            self._agree_and_plan(step, desc, rows, training)
+            self._agree_and_plan(step, inputs.signature, inputs.rows, training)
         else:
             plans.ensure_loaded(agreed, training)
-        # 3. the step (the first one of a batch signature learns its plan: pipecore/runtime/discovery.py)
-        self.executor.batch_rows = rows if self.has_first else -1
-        run = StepRun(self, plans, batch, training, return_outputs, loss_kwargs, loss_divisor,
+
+    def _start(self, inputs: StepInputs, training: bool, return_outputs: bool, loss_kwargs) -> StepRun:
+        """The step as the executor's forward callback sees it; the gradients set aside right before it runs."""
+        self.executor.batch_rows = inputs.rows if self.has_first else -1
+        run = StepRun(self, self.plans, inputs.batch, training, return_outputs, loss_kwargs, inputs.loss_divisor,
                       self._wrappers.wrapped if self._wrappers is not None else {},
                       self._dp.size if self._dp is not None else 1, self._rollback.before_forward)
         if training:
             self.gradients.set_aside()
         self._profile = {}
+        return run
+
+    def _execute(self, step: int, run: StepRun, inputs: StepInputs, training: bool) -> float:
+        """Runs the program until a run counts (the first step of a batch signature learns its plan:
+        pipecore/runtime/discovery.py); returns when that run started. A run that failed raises the
+        error its kind of failure calls for (pipecore/runtime/failures.py)."""
+        plans = self.plans
         try:
             while True:
                 # RNG states and buffers go back if this run does not count (pipecore/runtime/rollback.py)
                 self._rollback.arm(learn=plans.discovery is not None)
                 on_stand_ins = computes_on_stand_ins(self.executor) and plans.discovery is None
-                run_started = time.perf_counter()  # profile(): a run that did not count is before the run
+                started = time.perf_counter()  # profile(): a run that did not count is before the run
                 try:
-                    self.executor.run(run.forward, lambda error, action: comm.publish_error(error, action),
+                    self.executor.run(run.forward, self.comm.publish_error,
                                       plans.discovery.answer if plans.discovery is not None else None)
-                    break
+                    return started
                 except PeerReplan:  # a first stage's batch changed shape: agree, then run again
-                    problem = self._restore_module_state()
-                    if problem:  # the peers are agreeing already: run again, and say so
-                        warnings.warn(problem, RuntimeWarning, stacklevel=4)
-                    if training and on_stand_ins:
-                        self.gradients.discard_round()
-                    self._agree_and_plan(step, desc, rows, training)
+                    self._replan(step, inputs, training, on_stand_ins)
                     run.restart()
         except PeerAbort as exc:
-            problem = self._restore_module_state()
-            plans.end_discovery(failed=True)
-            failed = PeerFailedError(f"rank {self.rank}: step {step} aborted because {comm.peer_error()} "
-                                     f"(noticed here: {exc}). The group is fine: zero the gradients and step again.")
-            if problem:
-                failed.add_note(problem)
-            raise failed from None
+            raise peer_failed(step, exc, self._rollback.restore_or_explain(), self.comm, plans) from None
         except CommError as exc:
-            problem = self._restore_module_state()
-            plans.forget_discovery()
-            broke = comm.broke(exc)
-            if problem:
-                broke.add_note(problem)
-            raise broke from None
+            raise group_broke(exc, self._rollback.restore_or_explain(), self.comm, plans) from None
         except BaseException as exc:
-            problem = self._restore_module_state()
-            if problem:
-                exc.add_note(problem)
-            also = self.executor.last_comm_failure
-            if also:  # this rank's own error, and releasing its peers failed too: the group broke
-                comm.broken = also
-                plans.forget_discovery()
-                raise CommunicationError(f"rank {self.rank}: step {step} failed ({type(exc).__name__}: {exc}), and "
-                                         f"telling the other ranks failed too: {also}. A peer hung or died: rebuild "
-                                         "the process group and the Pipeline.") from exc
-            plans.end_discovery(failed=True)
+            broke = own_error(step, exc, self._rollback.restore_or_explain(), self.comm, plans, self.executor)
+            if broke is not None:
+                raise broke from exc
             raise
-        plans.end_discovery(failed=False)
+
+    def _replan(self, step: int, inputs: StepInputs, training: bool, on_stand_ins: bool) -> None:
+        """A peer's batch changed shape during the run: its state put back, the ranks agree again."""
+        problem = self._rollback.restore_or_explain()
+        if problem:  # the peers are agreeing already: run again, and say so
+            warnings.warn(problem, RuntimeWarning, stacklevel=_STEP_CALLER + 1)
+        if training and on_stand_ins:
+            self.gradients.discard_round()
+        self._agree_and_plan(step, inputs.signature, inputs.rows, training)
+
+    def _finalise(self, training: bool) -> None:
+        """The run counted on this rank: the plan it learnt is kept (an agreement), the saved module
+        state dropped, and a training step's gradients finished."""
+        self.plans.end_discovery(failed=False)
         self._rollback.finished()
         if training:
             # the replicas', mirrors' and ties' sums (pipecore/training/finalise.py). Once they are in,
             # the step happened on every rank: what fails below (merging outputs, a warning raised as an
             # error) leaves .grad with the step's gradients, as on the other ranks
             self.gradients.finish()
-            warn_new_fallbacks(self.executor, self.stages, self._warned_fallbacks)
-            self._pairs.warn_fallbacks()
-        if self.trace_enabled:
-            tracing = time.perf_counter()
-            self._trace = [{"rank": self.rank, "step": step, "name": name, "start_us": t0, "end_us": t1, "lane": lane}
-                           for name, t0, t1, lane in self.executor.trace()]
-            if training and self._dp is not None:
-                self._trace += [dict(e, step=step) for e in self._dp.trace()]
-            self._profile = {**self.executor.profile(), "model": run.model_seconds * 1e6,
-                             "actions": float(len(self.programs[training].labels)),
-                             "before_run": (run_started - self._step_started) * 1e6,
-                             "tracing": (time.perf_counter() - tracing) * 1e6}
-        if losses is not None and run.losses:  # replaced, as torch does
+            warn_new_fallbacks(self.executor, self.stages, self._warned_fallbacks, stacklevel=_STEP_CALLER + 1)
+            self._pairs.warn_fallbacks(stacklevel=_STEP_CALLER + 1)
+
+    def _record_trace(self, step: int, run: StepRun, run_started: float, training: bool) -> None:
+        """trace() and profile() of this step."""
+        tracing = time.perf_counter()
+        self._trace = [{"rank": self.rank, "step": step, "name": name, "start_us": t0, "end_us": t1, "lane": lane}
+                       for name, t0, t1, lane in self.executor.trace()]
+        if training and self._dp is not None:
+            self._trace += [dict(e, step=step) for e in self._dp.trace()]
+        self._profile = {**self.executor.profile(), "model": run.model_seconds * 1e6,
+                         "actions": float(len(self.programs[training].labels)),
+                         "before_run": (run_started - self._step_started) * 1e6,
+                         "tracing": (time.perf_counter() - tracing) * 1e6}
+
+    def _assemble_outputs(self, run: StepRun, losses: list | None, microbatches: tuple | None):
+        """`losses` filled (replaced, as torch does) and the last stages' outputs merged."""
+        if losses is not None and run.losses:
             losses[:] = [run.losses.get(mb) for mb in range(self.num_microbatches)]
         if not run.outputs:
             return None
-        with _range("pipecore.merge"):
+        with nvtx_range("pipecore.merge"):
             if microbatches is not None:  # one per microbatch (dualpipe: None where the other direction's ended)
                 return [run.outputs.get(mb) for mb in range(self.num_microbatches)]
             chunks = [run.outputs[mb] for mb in sorted(run.outputs)]
@@ -556,15 +558,6 @@ class Pipeline:
             self._follow_up_store = True
             self.executor.set_follow_up_store(self.comm.follow_up_store())
         self.plans.plan(sig, training)
-
-    def _restore_module_state(self) -> str:
-        """After a run that does not count: RNG states and buffers back (pipecore/runtime/rollback.py).
-        Returns why that failed ('' if it did not): the step's own error is the one to raise."""
-        try:
-            self._rollback.restore()
-        except Exception as exc:  # noqa: BLE001
-            return f"pipecore: the step's RNG states and buffers could not be put back: {type(exc).__name__}: {exc}"
-        return ""
 
     def _run_aborted(self, status: int) -> None:
         try:

@@ -93,6 +93,15 @@ class Rollback:
                     owner, name = self._slots[i]
                     owner._buffers[name] = copy.clone()
 
+    def restore_or_explain(self) -> str:
+        """`restore()` for a step that failed or runs again: returns why it could not put everything
+        back ('' if it did), since the step's own error is the one to raise."""
+        try:
+            self.restore()
+        except Exception as exc:  # noqa: BLE001
+            return f"pipecore: the step's RNG states and buffers could not be put back: {type(exc).__name__}: {exc}"
+        return ""
+
     def _buffer(self, i: int) -> torch.Tensor | None:
         owner, name = self._slots[i]
         return owner._buffers.get(name)

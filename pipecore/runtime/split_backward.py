@@ -57,7 +57,7 @@ def defer_weight_grad(fn: Callable[[], object]) -> None:
     `fn` must compute and accumulate the weight gradients itself (`weight.grad`, `weight.main_grad`);
     it runs after the I of its microbatch and before the step ends, with whatever the closure holds
     alive until then."""
-    from pipecore import _C
+    import pipecore._C as _C
 
     _C.defer_weight_grad(fn)
 
@@ -83,8 +83,9 @@ def fallbacks(executor, stages: list) -> dict[int, dict[tuple[str, str], int]]:
             for local, stats in enumerate(executor.split_fallbacks()) if stats}
 
 
-def warn_new_fallbacks(executor, stages: list, warned: set) -> None:
-    """One warning per stage and reason for the nodes not warned about yet (`warned` remembers them)."""
+def warn_new_fallbacks(executor, stages: list, warned: set, *, stacklevel: int) -> None:
+    """One warning per stage and reason for the nodes not warned about yet (`warned` remembers them);
+    `stacklevel` names the caller of step() from here."""
     new: dict[tuple[int, str], list[str]] = {}  # (stage, why) -> nodes not warned about yet
     for local, stats in enumerate(executor.split_fallbacks()):
         stage_index = stages[local].stage_index
@@ -94,7 +95,7 @@ def warn_new_fallbacks(executor, stages: list, warned: set) -> None:
                 node, why = _named(stages[local], key)
                 new.setdefault((stage_index, why), []).append(node)
     for (stage_index, why), nodes in new.items():
-        warnings.warn(fallback_message(stage_index, why, sorted(nodes)), stacklevel=5)  # the caller of step()
+        warnings.warn(fallback_message(stage_index, why, sorted(nodes)), stacklevel=stacklevel)
 
 
 def _named(stage, key: tuple[str, str, int]) -> tuple[str, str]:

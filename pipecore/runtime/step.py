@@ -1,7 +1,8 @@
 """One step's inputs and the forward the executor calls back for each action F.
 
-`check_inputs` and `check_step_options` say, before any rank communicates, what is wrong with a
-step's arguments; `split_batch` cuts them into microbatches. `StepRun` holds one step's state (its
+`read_inputs` is what a rank does with a step's arguments before any rank communicates:
+`check_inputs` and `check_step_options` say what is wrong with them, `split_batch` cuts them into
+microbatches, and a first stage's batch gets its signature. `StepRun` holds one step's state (its
 microbatches, the outputs and losses it keeps) and is the executor's forward callback: it runs a
 stage's forward, returns the message for the next stage (learning its boundary on the first step of
 a batch signature, checking it after), or the loss and the weight its backward is seeded with.
@@ -20,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from pipecore.errors import InputError
 from pipecore.runtime.discovery import declared_mismatch
+from pipecore.runtime.nvtx_ranges import nvtx_range
 from pipecore.stage import boundary as wire
 from pipecore.stage.microbatch import batch_size, split, split_by_specs, split_sizes
 
@@ -32,6 +34,40 @@ class Batch:
     targets: list | None  # last stages
     rows: list[int] | None  # the targets' rows per microbatch, where they have a batch dimension
     stage_kwargs: list[dict] | None  # keyword_inputs="every_stage": each microbatch's, for every stage
+
+
+@dataclass
+class StepInputs:
+    """A step's arguments as the rest of the step takes them."""
+
+    batch: Batch
+    signature: int  # ranks with a first stage: the batch's signature (plans.py); 0 elsewhere
+    rows: int  # the batch's rows where step() split it along dim 0, else 0
+    loss_divisor: float | None  # step()'s, checked (None where no last stage is)
+
+
+def read_inputs(pipe, args, kwargs, target, training: bool, return_outputs, loss_kwargs, loss_divisor,
+                microbatches: tuple | None) -> StepInputs:
+    """Checks a step's arguments (InputError, or torch's ValueError or TypeError) and splits them;
+    `microbatches`: step_microbatches' (arg_mbs, kwarg_mbs), else None."""
+    if microbatches is not None:  # the caller's own microbatches
+        args, kwargs = microbatches_as_call(pipe, *microbatches)
+    check_inputs(pipe, args, kwargs, target, training)
+    parted = pipe.gradients.ties.parted if pipe.gradients.ties else None
+    if parted is not None:  # found at the last step's gradient sum: every rank fails this step
+        raise InputError(f"rank {pipe.rank}: {parted}")
+    loss_divisor = check_step_options(pipe, return_outputs, loss_kwargs, loss_divisor)
+    with nvtx_range("pipecore.split"):
+        batch = split_batch(pipe, args, kwargs, target, given=microbatches is not None)
+    signature = rows = 0
+    if pipe.has_first:
+        if microbatches is None and pipe.args_chunk_spec is None and pipe.kwargs_chunk_spec is None:
+            rows = batch_size((args, kwargs)) or 0  # split along dim 0
+        # the batch's signature: its shapes, or where messages carry them (and the batch's rows,
+        # which the last stages weigh losses by), its structure
+        shaped = pipe.executor.shapes_travel
+        signature = wire.signature((wire.describe(args, shaped), wire.describe(kwargs, shaped), training))
+    return StepInputs(batch, signature, rows, loss_divisor)
 
 
 def check_step_options(pipe, return_outputs, loss_kwargs, divisor) -> float | None:

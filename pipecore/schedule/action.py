@@ -52,6 +52,7 @@ _KINDS = tuple(Kind)
 _NO_MICROBATCH = frozenset({Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD})
 
 KIND_BITS = 4
+KIND_MASK = (1 << KIND_BITS) - 1  # a code's kind: code & KIND_MASK
 STAGE_SHIFT = 4
 MB_SHIFT = 20
 SUB_SHIFT = 52
@@ -73,7 +74,7 @@ def microbatch_of(code: int) -> int:
 
 def leaf_codes(code: int) -> list[int]:
     """Codes of the actions a step runs (the two halves of an OVERLAP_F_B container)."""
-    if code & 0xF != Kind.OVERLAP_F_B:
+    if code & KIND_MASK != Kind.OVERLAP_F_B:
         return [code]
     out, rest = [], code >> STAGE_SHIFT
     while rest:
@@ -204,7 +205,7 @@ def decode(code: int) -> Action:
     action = _decode_memo.get(code)
     if action is not None:
         return action
-    kind = _KINDS[code & 0xF]
+    kind = _KINDS[code & KIND_MASK]
     if kind is Kind.OVERLAP_F_B:
         subs = []
         rest = code >> STAGE_SHIFT

@@ -10,7 +10,8 @@ import gc
 from collections.abc import Iterable
 from contextlib import contextmanager
 
-from pipecore.schedule.action import STAGE_MASK, STAGE_SHIFT, Kind, decode, encode, leaf_codes, microbatch_of, stage_of
+from pipecore.schedule.action import (KIND_MASK, STAGE_MASK, STAGE_SHIFT, Kind, decode, encode, leaf_codes,
+                                      microbatch_of, stage_of)
 from pipecore.schedule.errors import ScheduleError
 from pipecore.schedule.readiness import GRAD_DONE, Links
 
@@ -52,16 +53,15 @@ def _lower(schedule, merge_iw, reduce_grad, sharded, max_active_stages):
         raise ScheduleError(f"sharded stages {bad} do not exist: stages are 0..{topo.num_stages - 1}")
     if sharded:
         codes = [add_unshard_reshard(row, sharded, max_active_stages) for row in codes]
-    if reduce_grad and any((c & 0xF) in (I, W, B, OVERLAP) for row in codes for c in row):
+    if reduce_grad and any((c & KIND_MASK) in (I, W, B, OVERLAP) for row in codes for c in row):
         codes = [add_reduce_grad(row, len(topo.rank_stages(r))) for r, row in enumerate(codes)]
     codes = add_send_recv(codes, topo)
-    return type(schedule)._from_codes(codes, topo, schedule.name)
+    return type(schedule).from_codes(codes, topo, schedule.name)
 
 
 def input_grad_awaited(topo) -> frozenset[int]:
     """Stages whose input gradient another rank waits for: their previous stage lives elsewhere."""
-    prev, rank = topo.prev_stage, topo.stage_rank
-    return frozenset(s for s in range(topo.num_stages) if prev[s] >= 0 and rank[prev[s]] != rank[s])
+    return frozenset(s for s in range(topo.num_stages) if topo.crosses_ranks(s, Kind.SEND_B))
 
 
 def merge_adjacent_iw(row: list[int], keep_split: frozenset[int]) -> list[int]:
@@ -74,7 +74,7 @@ def merge_adjacent_iw(row: list[int], keep_split: frozenset[int]) -> list[int]:
     n, k = len(row), 0
     while k < n:
         c = row[k]
-        if (c & 0xF == I and k + 1 < n and row[k + 1] == c + 1  # W code = I code + 1
+        if (c & KIND_MASK == I and k + 1 < n and row[k + 1] == c + 1  # W code = I code + 1
                 and stage_of(c) not in keep_split):
             append(c + 2)  # B code = I code + 2
             k += 2
@@ -92,14 +92,14 @@ def add_reduce_grad(row: list[int], num_stages: int | None = None) -> list[int]:
         if len(last) == num_stages:
             break
         c = row[idx]
-        kind = c & 0xF
+        kind = c & KIND_MASK
         if kind == B or kind == W:
             stage = stage_of(c)
             if stage not in last:
                 last[stage] = idx
         elif kind == OVERLAP:
             for leaf in leaf_codes(c):
-                if leaf & 0xF in (B, W):
+                if leaf & KIND_MASK in (B, W):
                     last.setdefault(stage_of(leaf), idx)
     if not last:
         return list(row)
@@ -168,7 +168,7 @@ def _add_send_recv_python(codes: list[list[int]], links) -> list[list[int]]:
     blocked: dict[int, int] = {}
     current = [r for r in range(num_ranks) if lengths[r]]
     smask = STAGE_MASK
-    kind_mask = ~0xF
+    base_mask = ~KIND_MASK  # a code without its kind
 
     def wait(r: int, need: int) -> None:
         w = waiting.get(need)
@@ -183,7 +183,7 @@ def _add_send_recv_python(codes: list[list[int]], links) -> list[list[int]]:
         for r in current:
             p = pos[r]
             c = codes[r][p]
-            kind = c & 0xF
+            kind = c & KIND_MASK
             s = (c >> STAGE_SHIFT) & smask
             # the common single actions inline; containers take the general path below
             if kind == F:
@@ -202,7 +202,7 @@ def _add_send_recv_python(codes: list[list[int]], links) -> list[list[int]]:
                 if mark in waiting:
                     woken.extend(waiting.pop(mark))
             elif kind == B or kind == I:
-                base = c & kind_mask
+                base = c & base_mask
                 if base not in done:
                     wait(r, base)
                     continue
@@ -221,7 +221,7 @@ def _add_send_recv_python(codes: list[list[int]], links) -> list[list[int]]:
                 if mark in waiting:
                     woken.extend(waiting.pop(mark))
             elif kind == W:  # nothing waits for a W: no marker
-                base = c & kind_mask
+                base = c & base_mask
                 if base | GRAD_DONE not in done:
                     wait(r, base | GRAD_DONE)
                     continue
@@ -230,7 +230,7 @@ def _add_send_recv_python(codes: list[list[int]], links) -> list[list[int]]:
                 leaves = leaf_codes(c)
                 need = 0
                 for leaf in leaves:
-                    lk, ls, base = leaf & 0xF, (leaf >> STAGE_SHIFT) & smask, leaf & kind_mask
+                    lk, ls, base = leaf & KIND_MASK, (leaf >> STAGE_SHIFT) & smask, leaf & base_mask
                     if lk == F:
                         d = fwd_need[ls]
                         if d is not None and leaf + d not in done:
@@ -250,7 +250,7 @@ def _add_send_recv_python(codes: list[list[int]], links) -> list[list[int]]:
                 dst = out[r]
                 dst.append(c)
                 for leaf in leaves:
-                    lk, ls, base = leaf & 0xF, (leaf >> STAGE_SHIFT) & smask, leaf & kind_mask
+                    lk, ls, base = leaf & KIND_MASK, (leaf >> STAGE_SHIFT) & smask, leaf & base_mask
                     if lk == F:
                         mark = base
                         if fwd_peer[ls] >= 0:
@@ -287,7 +287,7 @@ def _raise_deadlock(codes, stuck, blocked) -> None:
 
 
 def _describe_key(key: int) -> str:
-    kind = "I/B" if key & 0xF == GRAD_DONE else "F"
+    kind = "I/B" if key & KIND_MASK == GRAD_DONE else "F"
     return f"{stage_of(key)}{kind}{microbatch_of(key)}"
 
 

@@ -65,19 +65,9 @@ def p2p_batches(lowered: Schedule, rank: int, learning: bool = False) -> list[li
 
 def _message_key(lowered: Schedule, a: Action) -> tuple:
     """(direction, receiving stage, microbatch): the same for a send and the receive it matches."""
-    topo = lowered.topology
-    if a.kind is Kind.SEND_F:
-        return ("F", topo.next_stage[a.stage], a.microbatch)
-    if a.kind is Kind.SEND_B:
-        return ("B", topo.prev_stage[a.stage], a.microbatch)
-    return ("F" if a.kind is Kind.RECV_F else "B", a.stage, a.microbatch)
-
-
-def _peer(lowered: Schedule, a: Action) -> int:
-    topo = lowered.topology
-    if a.kind in (Kind.SEND_F, Kind.RECV_B):
-        return topo.stage_rank[topo.next_stage[a.stage]]
-    return topo.stage_rank[topo.prev_stage[a.stage]]
+    direction = "F" if a.kind in (Kind.SEND_F, Kind.RECV_F) else "B"
+    sending = a.kind in (Kind.SEND_F, Kind.SEND_B)
+    return (direction, lowered.topology.peer_stage(a.stage, a.kind) if sending else a.stage, a.microbatch)
 
 
 @dataclass
@@ -111,7 +101,8 @@ def replay_serialized(lowered: Schedule, learning: bool = False) -> SerializedRe
                 a = actions[r][i]
                 key = _message_key(lowered, a)
                 sending = a.kind in (Kind.SEND_F, Kind.SEND_B)
-                pair = (r, _peer(lowered, a)) if sending else (_peer(lowered, a), r)
+                peer = lowered.topology.peer_rank(a.stage, a.kind)
+                pair = (r, peer) if sending else (peer, r)
                 (sent if sending else received).setdefault(pair, []).append(key)
                 where[(key, sending)] = (r, b)
     for pair in set(sent) | set(received):

@@ -20,21 +20,20 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pipecore.schedule.action import STAGE_MASK, STAGE_SHIFT, Kind, leaf_codes, microbatch_of, stage_of
+from pipecore.schedule.action import KIND_MASK, STAGE_MASK, STAGE_SHIFT, Kind, leaf_codes, microbatch_of, stage_of
 
 F, I, W, B = int(Kind.F), int(Kind.I), int(Kind.W), int(Kind.B)
 SEND_F, RECV_F, SEND_B, RECV_B = int(Kind.SEND_F), int(Kind.RECV_F), int(Kind.SEND_B), int(Kind.RECV_B)
 OVERLAP = int(Kind.OVERLAP_F_B)
-GRAD_DONE = 0xF  # the kind bits of "the input gradient of (stage, microbatch) is done"
-_KIND = 0xF
+GRAD_DONE = KIND_MASK  # the kind bits of "the input gradient of (stage, microbatch) is done": no Kind has them
 
 
 def inputs(c: int, topo, grad: int = GRAD_DONE) -> tuple[int, ...]:
     """The codes compute action `c` (F, I, B or W) waits for: the rule, stated once. The input
     gradient a stage's I/B and W wait for is named by `grad`: the `GRAD_DONE` marker that I and B
     both set (replay, lowering), or the kind a builder places (I, when it places no B)."""
-    kind, s = c & _KIND, (c >> STAGE_SHIFT) & STAGE_MASK
-    base = c & ~_KIND
+    kind, s = c & KIND_MASK, (c >> STAGE_SHIFT) & STAGE_MASK
+    base = c & ~KIND_MASK
     if kind == F:
         p = topo.prev_stage[s]
         return () if p < 0 else ((base + ((p - s) << STAGE_SHIFT)) | F,)
@@ -68,19 +67,16 @@ class Links:
 
     @classmethod
     def of(cls, topo) -> Links:
-        stage_rank = topo.stage_rank
         deps = _dependencies(topo, lowered=False, local=False)
         fields: dict[str, list] = {k: [] for k in cls.__dataclass_fields__}
-        for s, r in enumerate(stage_rank):
-            p, n = topo.prev_stage[s], topo.next_stage[s]
+        for s in range(topo.num_stages):
             fields["fwd_need"].append(deps[F][s][0][0] if deps[F][s] else None)
             fields["bwd_need"].append(deps[I][s][0][0] + GRAD_DONE if deps[I][s] else None)
-            cross_next = n >= 0 and stage_rank[n] != r
-            fields["fwd_peer"].append(stage_rank[n] if cross_next else -1)
-            fields["fwd_recv"].append(((n - s) << STAGE_SHIFT) + RECV_F if cross_next else 0)
-            cross_prev = p >= 0 and stage_rank[p] != r
-            fields["bwd_peer"].append(stage_rank[p] if cross_prev else -1)
-            fields["bwd_recv"].append(((p - s) << STAGE_SHIFT) + RECV_B if cross_prev else 0)
+            for send, recv, peer, offset in ((SEND_F, RECV_F, "fwd_peer", "fwd_recv"),
+                                             (SEND_B, RECV_B, "bwd_peer", "bwd_recv")):
+                crosses = topo.crosses_ranks(s, send)
+                fields[peer].append(topo.peer_rank(s, send) if crosses else -1)
+                fields[offset].append(((topo.peer_stage(s, send) - s) << STAGE_SHIFT) + recv if crosses else 0)
         return cls(**fields)
 
 
@@ -97,11 +93,12 @@ def _dependencies(topo, lowered: bool, local: bool) -> dict[int, list[tuple]]:
             c = (s << STAGE_SHIFT) | kind  # microbatch bits cancel out in the offsets
             row = []
             for d in inputs(c, topo):
-                d_stage, awaited = (d >> STAGE_SHIFT) & STAGE_MASK, d & _KIND
+                d_stage, awaited = (d >> STAGE_SHIFT) & STAGE_MASK, d & KIND_MASK
                 cross = rank[d_stage] != rank[s]
                 if d_stage == s and not local:
                     continue
-                row.append(((d & ~_KIND) - (c & ~_KIND), sent[awaited] if cross and lowered else awaited, cross))
+                offset = (d & ~KIND_MASK) - (c & ~KIND_MASK)
+                row.append((offset, sent[awaited] if cross and lowered else awaited, cross))
             table.append(tuple(row))
     return deps
 
@@ -151,15 +148,15 @@ def replay(codes: Sequence[Sequence[int]], topo, *, lowered: bool = False, local
             n = len(row)
             while p < n:
                 c = row[p]
-                kind = c & _KIND
+                kind = c & KIND_MASK
                 leaves = leaf_codes(c) if kind == OVERLAP else (c,)
                 start, need = t, -1
                 for lc in leaves:
-                    table = deps.get(lc & _KIND)
+                    table = deps.get(lc & KIND_MASK)
                     if table is None:
                         continue
                     s = (lc >> STAGE_SHIFT) & STAGE_MASK
-                    base = lc & ~_KIND
+                    base = lc & ~KIND_MASK
                     for offset, awaited, cross in table[s]:
                         key = (base + offset) | awaited
                         e = end.get(key)
@@ -176,15 +173,15 @@ def replay(codes: Sequence[Sequence[int]], topo, *, lowered: bool = False, local
                     blocked[r] = need
                     break
                 if kind == OVERLAP:
-                    parts = [_price(cost.get(lc & _KIND), lc) for lc in leaves]
-                    fwd = sum(d for d, lc in zip(parts, leaves) if lc & _KIND == F)
+                    parts = [_price(cost.get(lc & KIND_MASK), lc) for lc in leaves]
+                    fwd = sum(d for d, lc in zip(parts, leaves) if lc & KIND_MASK == F)
                     t = start + (pair(fwd, sum(parts) - fwd) if pair is not None else sum(parts))
                 else:
                     t = start + _price(cost.get(kind), c)
                 for lc in leaves:
                     end[lc] = t
-                    if lc & _KIND == I or lc & _KIND == B:
-                        end[(lc & ~_KIND) | GRAD_DONE] = t
+                    if lc & KIND_MASK == I or lc & KIND_MASK == B:
+                        end[(lc & ~KIND_MASK) | GRAD_DONE] = t
                 if on_action is not None:
                     on_action(r, c, start, t)
                 p += 1

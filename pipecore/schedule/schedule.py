@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 
-from pipecore.schedule.action import Action, Kind, decode
+from pipecore.schedule.action import KIND_MASK, Action, Kind, decode
 from pipecore.schedule.csvio import read_csv, write_csv
 from pipecore.schedule.errors import ScheduleError
 from pipecore.schedule.lowering import lower
@@ -67,7 +67,10 @@ class Schedule:
         self._actions = parsed
 
     @classmethod
-    def _from_codes(cls, codes: list[list[int]], topology: Topology, name: str | None = None) -> "Schedule":
+    def from_codes(cls, codes: list[list[int]], topology: Topology, name: str | None = None) -> "Schedule":
+        """A schedule of per-rank integer action codes (pipecore/schedule/action.py) over `topology`, as
+        the builders, the passes and the executor's programs make them: taken as they are, nothing
+        parsed or checked (`validate()` checks)."""
         self = object.__new__(cls)
         self.codes = codes
         self.topology = topology
@@ -110,11 +113,11 @@ class Schedule:
     @property
     def is_lowered(self) -> bool:
         """True when the schedule already holds communication (or other non-compute) actions."""
-        return any((c & 0xF) not in _COMPUTE_KINDS for row in self.codes for c in row)
+        return any((c & KIND_MASK) not in _COMPUTE_KINDS for row in self.codes for c in row)
 
     @property
     def has_backward(self) -> bool:
-        return any((c & 0xF) in _BACKWARD_KINDS for row in self.codes for c in row)
+        return any((c & KIND_MASK) in _BACKWARD_KINDS for row in self.codes for c in row)
 
     # -- passes ---------------------------------------------------------------------------
     def lower(self, *, merge_iw: bool = True, reduce_grad: bool = True,
@@ -129,8 +132,8 @@ class Schedule:
 
     def compute_only(self) -> "Schedule":
         """This schedule without communication, REDUCE_GRAD and UNSHARD/RESHARD actions."""
-        codes = [[c for c in row if (c & 0xF) in _COMPUTE_KINDS] for row in self.codes]
-        return Schedule._from_codes(codes, self.topology, self.name)
+        codes = [[c for c in row if (c & KIND_MASK) in _COMPUTE_KINDS] for row in self.codes]
+        return Schedule.from_codes(codes, self.topology, self.name)
 
     def validate(self) -> "Schedule":
         """Check completeness, placement, dependency order and deadlock freedom.

@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pipecore.schedule.action import Action, Kind, decode, leaf_codes
+from pipecore.schedule.action import KIND_MASK, Action, Kind, decode, leaf_codes
 from pipecore.schedule.errors import ScheduleError
 from pipecore.schedule.readiness import replay
 
@@ -138,7 +138,7 @@ def simulate(schedule, costs: Mapping[str, object] | None = None, overlap: str =
 
     def record(r: int, c: int, start: float, end: float) -> None:
         # sends and receives take no rank time (their latency is `comm`): not in the timeline
-        if end > start or c & 0xF in _COMPUTE:
+        if end > start or c & KIND_MASK in _COMPUTE:
             timeline[r].append((decode(c), start, end))
             busy[r] += end - start
 
@@ -155,13 +155,13 @@ def simulate(schedule, costs: Mapping[str, object] | None = None, overlap: str =
 def peak_activations(codes: list[list[int]]) -> list[int]:
     """Per rank, the most forward activations alive at once: a forward's activations live until
     its stage's B (or W, the last part of a split backward); without a backward, until it ends."""
-    training = any((c & 0xF) in (I, W, B, OVERLAP) for row in codes for c in row)
+    training = any((c & KIND_MASK) in (I, W, B, OVERLAP) for row in codes for c in row)
     peaks = []
     for row in codes:
         live = peak = 0
         for c in row:
-            for lc in (leaf_codes(c) if c & 0xF == OVERLAP else (c,)):
-                kind = lc & 0xF
+            for lc in (leaf_codes(c) if c & KIND_MASK == OVERLAP else (c,)):
+                kind = lc & KIND_MASK
                 if kind == F:
                     live += 1
                     peak = max(peak, live)

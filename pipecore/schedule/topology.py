@@ -15,9 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipecore.schedule.action import Kind
 from pipecore.schedule.errors import ScheduleError
 
 PLACEMENTS = ("loop", "v", "dualpipe", "custom")
+# activations go to the next stage and come from the previous one; input gradients the other way
+_NEXT_STAGE_END = frozenset({Kind.SEND_F, Kind.RECV_B})
+_PREV_STAGE_END = frozenset({Kind.SEND_B, Kind.RECV_F})
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,24 @@ class Topology:
 
     def rank_stages(self, rank: int) -> list[int]:
         return [s for s, r in enumerate(self.stage_rank) if r == rank]
+
+    # -- where a message goes: the one rule for sends and receives ------------------------
+    def peer_stage(self, stage: int, kind: int) -> int:
+        """The stage at the other end of `stage`'s SEND_F, RECV_F, SEND_B or RECV_B (-1: none)."""
+        if kind in _NEXT_STAGE_END:
+            return self.next_stage[stage]
+        if kind in _PREV_STAGE_END:
+            return self.prev_stage[stage]
+        raise ValueError(f"{Kind(kind)} is neither a send nor a receive")
+
+    def peer_rank(self, stage: int, kind: int) -> int:
+        """The rank that `stage`'s SEND_F, RECV_F, SEND_B or RECV_B talks to (-1: no stage there)."""
+        other = self.peer_stage(stage, kind)
+        return self.stage_rank[other] if other >= 0 else -1
+
+    def crosses_ranks(self, stage: int, kind: int) -> bool:
+        """Does that message go between two ranks (a stage there, on another rank)?"""
+        return self.peer_rank(stage, kind) not in (-1, self.stage_rank[stage])
 
     # -- constructors --------------------------------------------------------------------
     @staticmethod

@@ -6,7 +6,8 @@ timeline around it.
 
 from __future__ import annotations
 
-from pipecore.schedule.action import MB_SHIFT, STAGE_MASK, STAGE_SHIFT, Kind, decode, leaf_codes, microbatch_of, stage_of
+from pipecore.schedule.action import (KIND_MASK, MB_SHIFT, STAGE_MASK, STAGE_SHIFT, Kind, decode, leaf_codes,
+                                      microbatch_of, stage_of)
 from pipecore.schedule.errors import ScheduleError
 from pipecore.schedule.readiness import GRAD_DONE, replay
 from pipecore.schedule.timeline import format_table
@@ -15,12 +16,14 @@ F, I, W, B = int(Kind.F), int(Kind.I), int(Kind.W), int(Kind.B)
 SEND_F, RECV_F, SEND_B, RECV_B = int(Kind.SEND_F), int(Kind.RECV_F), int(Kind.SEND_B), int(Kind.RECV_B)
 UNSHARD, RESHARD, REDUCE_GRAD, OVERLAP = int(Kind.UNSHARD), int(Kind.RESHARD), int(Kind.REDUCE_GRAD), int(Kind.OVERLAP_F_B)
 _COMPUTE = (F, I, W, B)
+_NO_PEER = {SEND_F: "sends no activations to another rank", RECV_F: "receives no activations from another rank",
+            SEND_B: "sends no gradients to another rank", RECV_B: "receives no gradients from another rank"}
 def _with_stage(code: int, stage: int) -> int:
     return (code & ~(STAGE_MASK << STAGE_SHIFT)) | (stage << STAGE_SHIFT)
 
 
 def _with_kind(code: int, kind: int) -> int:
-    return (code & ~0xF) | kind
+    return (code & ~KIND_MASK) | kind
 
 
 class _Reporter:
@@ -49,7 +52,7 @@ def validate(schedule) -> None:
         raise ScheduleError(f"placement is for {topo.num_ranks} ranks but the schedule has {num_ranks}")
     if num_ranks == 0:
         raise ScheduleError("a schedule needs at least one rank")
-    stage_rank, prev_stage, next_stage = topo.stage_rank, topo.prev_stage, topo.next_stage
+    stage_rank = topo.stage_rank
 
     # -- 1. static per-action checks; where every action is ------------------------------
     where: dict[int, tuple[int, int]] = {}  # leaf code -> (rank, step)
@@ -57,15 +60,15 @@ def validate(schedule) -> None:
     training = False
     for r, row in enumerate(codes):
         for k, c in enumerate(row):
-            kind = c & 0xF
+            kind = c & KIND_MASK
             if kind == OVERLAP:
                 leaves = leaf_codes(c)
-                if len(leaves) < 2 or any((lc & 0xF) not in _COMPUTE for lc in leaves):
+                if len(leaves) < 2 or any((lc & KIND_MASK) not in _COMPUTE for lc in leaves):
                     rep.fail(r, k, "OVERLAP_F_B must hold two or more compute actions")
             else:
                 leaves = (c,)
             for lc in leaves:
-                lk, s = lc & 0xF, stage_of(lc)
+                lk, s = lc & KIND_MASK, stage_of(lc)
                 if s >= num_stages:
                     rep.fail(r, k, f"stage {s} does not exist (stages 0..{num_stages - 1})")
                 if stage_rank[s] != r:
@@ -81,15 +84,9 @@ def validate(schedule) -> None:
                 if mb not in topo.microbatches[s]:
                     mbs = topo.microbatches[s]
                     rep.fail(r, k, f"microbatch {mb} is not one of stage {s}'s ({mbs.start}..{mbs.stop - 1})")
-                if lk == SEND_F and (next_stage[s] < 0 or stage_rank[next_stage[s]] == r):
-                    rep.fail(r, k, f"stage {s} sends no activations to another rank")
-                if lk == RECV_F and (prev_stage[s] < 0 or stage_rank[prev_stage[s]] == r):
-                    rep.fail(r, k, f"stage {s} receives no activations from another rank")
-                if lk == SEND_B and (prev_stage[s] < 0 or stage_rank[prev_stage[s]] == r):
-                    rep.fail(r, k, f"stage {s} sends no gradients to another rank")
-                if lk == RECV_B and (next_stage[s] < 0 or stage_rank[next_stage[s]] == r):
-                    rep.fail(r, k, f"stage {s} receives no gradients from another rank")
-                if lk in (SEND_F, RECV_F, SEND_B, RECV_B):
+                if lk in _NO_PEER:
+                    if not topo.crosses_ranks(s, lk):
+                        rep.fail(r, k, f"stage {s} {_NO_PEER[lk]}")
                     lowered = True
                 if lk in (I, W, B):
                     training = True
@@ -141,7 +138,7 @@ def _check_sharding(codes, rep) -> None:
     for r, row in enumerate(codes):
         state: dict[int, bool] = {}
         for k, c in enumerate(row):
-            kind = c & 0xF
+            kind = c & KIND_MASK
             if kind == UNSHARD:
                 state[stage_of(c)] = True
             elif kind == RESHARD:
@@ -153,7 +150,7 @@ def _check_sharding(codes, rep) -> None:
         sharded = set(state)
         state = {}
         for k, c in enumerate(row):
-            kind = c & 0xF
+            kind = c & KIND_MASK
             if kind == UNSHARD:
                 state[stage_of(c)] = True
             elif kind == RESHARD:
@@ -175,10 +172,10 @@ def _check_comms(schedule, where, training, rep) -> None:
         for mb in topo.microbatches[s]:
             key = base | ((mb + 1) << MB_SHIFT)
             n = next_stage[s]
-            if n >= 0 and stage_rank[n] != r:
+            if topo.crosses_ranks(s, SEND_F):
                 _check_edge(key | F, key | SEND_F, _with_stage(key, n) | RECV_F, _with_stage(key, n) | F, where, rep)
             p = prev_stage[s]
-            if training and p >= 0 and stage_rank[p] != r:
+            if training and topo.crosses_ranks(s, SEND_B):
                 producer = key | B if (key | B) in where else key | I
                 consumer = _with_stage(key, p)
                 consumer = consumer | B if (consumer | B) in where else consumer | I
@@ -189,16 +186,14 @@ def _check_comms(schedule, where, training, rep) -> None:
     received: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for r, row in enumerate(codes):
         for k, c in enumerate(row):
-            kind = c & 0xF
+            kind = c & KIND_MASK
             s = stage_of(c)
-            if kind == SEND_F:
-                sent.setdefault((r, stage_rank[next_stage[s]]), []).append(_with_stage(c, next_stage[s]) - SEND_F + RECV_F)
-            elif kind == SEND_B:
-                sent.setdefault((r, stage_rank[prev_stage[s]]), []).append(_with_stage(c, prev_stage[s]) - SEND_B + RECV_B)
-            elif kind == RECV_F:
-                received.setdefault((stage_rank[prev_stage[s]], r), []).append((c, k))
-            elif kind == RECV_B:
-                received.setdefault((stage_rank[next_stage[s]], r), []).append((c, k))
+            if kind == SEND_F or kind == SEND_B:  # as the receive it matches: the receiving stage's
+                receiver = topo.peer_stage(s, kind)
+                matching = _with_kind(_with_stage(c, receiver), RECV_F if kind == SEND_F else RECV_B)
+                sent.setdefault((r, stage_rank[receiver]), []).append(matching)
+            elif kind == RECV_F or kind == RECV_B:
+                received.setdefault((topo.peer_rank(s, kind), r), []).append((c, k))
     for (a, b), recvs in received.items():
         sends = sent.get((a, b), [])
         for idx, (c, k) in enumerate(recvs):
@@ -234,7 +229,8 @@ def _check_progress(schedule, lowered: bool, rep) -> None:
         details = []
         for r in stuck:
             need = run.blocked_on[r]
-            what = decode(need) if need & 0xF != GRAD_DONE else f"the backward of {stage_of(need)}B{microbatch_of(need)}"
+            what = (decode(need) if need & KIND_MASK != GRAD_DONE
+                    else f"the backward of {stage_of(need)}B{microbatch_of(need)}")
             holder = topo.stage_rank[stage_of(need)]
             details.append(f"rank {r} at step {run.pos[r]} ({decode(codes[r][run.pos[r]])}) waits for {what} on rank "
                            f"{holder}")

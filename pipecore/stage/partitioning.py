@@ -88,32 +88,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from pipecore.stage import hf
 from pipecore.stage.boundary import as_call
+from pipecore.stage.stage_module import StageModule
 
 METHODS = ("uniform", "parameters", "time")
 _WARMUP, _REPS = 1, 3
-
-
-class StageModule(nn.Sequential):
-    """An nn.Sequential whose layers may take several arguments: each layer's output feeds the
-    next as a Pipeline boundary does (tuple/list -> positional args, dict -> keyword args).
-
-    `tied` ({key: the parameter's name in this stage}) names the parameters this stage shares with
-    other stages of the same `partition` call; `PipelineStage` declares them as tied weights unless
-    given `tied=` (which then says all of this stage's ties)."""
-
-    tied: dict[str, str]
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.tied = {}
-
-    def forward(self, *args, **kwargs):
-        if not len(self):
-            raise RuntimeError("this StageModule holds no layers: there is nothing to run")
-        for layer in self:
-            out = layer(*args, **kwargs)
-            args, kwargs = as_call(out)
-        return out
 
 
 def partition(layers: Any, num_stages: int, method: str | Sequence[int] = "uniform", example: Any = None, *,

@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from pipecore.stage.boundary import describe, tensor_leaves
+from pipecore.stage.stage_module import StageModule
 
 
 class PipelineStage:
@@ -252,8 +253,6 @@ def _tied_parameters(module: nn.Module, tied: Any, stage_index: int) -> dict[str
 def _found_ties(module: nn.Module) -> dict[str, nn.Parameter]:
     """The ties pc.partition found for `module` (a StageModule, or one wrapped in DDP or FSDP2),
     looked up by name: the parameters it holds now."""
-    from pipecore.stage.partitioning import StageModule
-
     inner = module.module if isinstance(module, DistributedDataParallel) else module
     if not isinstance(inner, StageModule):
         return {}

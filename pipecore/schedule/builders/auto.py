@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pipecore.schedule.schedule import Schedule
 from pipecore.schedule.topology import Topology
 from pipecore.schedule.builders._codes import B, F, I, W, code
-from pipecore.schedule.builders.v_rounds import _Stuck, build_rounds
+from pipecore.schedule.builders.v_rounds import Stuck, build_rounds
 from pipecore.schedule.readiness import feeders, replay
 from pipecore.schedule.simulate import cost_table, peak_activations
 
@@ -208,7 +208,7 @@ def generate(topo: Topology, costs: dict[str, list[float]], memory_limit: int, p
                     run_w(r)
                     continue
             if soonest is None and not unknown_keys:
-                raise _Stuck(f"rank {r} has nothing to run at {t}")
+                raise Stuck(f"rank {r} has nothing to run at {t}")
             for key in unknown_keys:  # whichever comes first wakes the rank
                 waiting.setdefault(key, []).append(r)
             if soonest is not None:
@@ -231,7 +231,7 @@ def generate(topo: Topology, costs: dict[str, list[float]], memory_limit: int, p
             wake((s * m + k) * 2 + 1)
         push(r, clock[r])
     if any(left):
-        raise _Stuck(f"ranks {[r for r in range(R) if left[r]]} could not finish")
+        raise Stuck(f"ranks {[r for r in range(R) if left[r]]} could not finish")
     idle = [clock[r] - (first[r] or 0.0) - busy[r] for r in range(R)]
     return rows, max(clock), idle
 
@@ -254,7 +254,7 @@ def _while_shorter(run, times: int, topo: Topology):
     for _ in range(times):
         try:
             rows, makespan, idle = run(idle)
-        except _Stuck:
+        except Stuck:
             yield None
             return
         yield rows, makespan, topo
@@ -287,12 +287,12 @@ def _round_runs(topo, table, limit):
 
 def makespan(codes: list[list[int]], topo: Topology, table: dict[str, list[float]]) -> float:
     """The simulator's makespan (overlap "lockstep": a pair costs both halves) of a compute-only
-    schedule, without its timeline. Raises _Stuck when it deadlocks."""
+    schedule, without its timeline. Raises Stuck when it deadlocks."""
     cost = {F: table["F"], I: table["I"], W: table["W"], B: table["B"]}
     # the candidates are built in a valid same-rank order: only what crosses stages is waited for
     run = replay(codes, topo, local=False, cost=cost, comm=table["comm"])
     if run.stuck(codes):
-        raise _Stuck("the schedule deadlocks")
+        raise Stuck("the schedule deadlocks")
     return max(run.clock, default=0.0)
 
 
@@ -351,7 +351,7 @@ def build_zb_auto(num_ranks: int, num_microbatches: int, stages_per_rank: int,
     best = search(topo, cost_table(costs, topo.num_stages), limit, V, fixed_schedules)
     if best is None:  # pragma: no cover - the policies that reserve room never deadlock
         raise ValueError(f"zb_auto found no schedule within memory_limit={limit}")
-    return Schedule._from_codes(best[0], best[2], "zb_auto")
+    return Schedule.from_codes(best[0], best[2], "zb_auto")
 
 
 # ZB-H2's order: forwards and backwards as they come, W into the waits (2R-1 activations)
@@ -364,4 +364,4 @@ def build_zbh2(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> S
     R, m = num_ranks, num_microbatches
     topo = Topology.loop(R, R, m)
     rows, _, _ = generate(topo, cost_table(None, R), 2 * R - 1, ZBH2_POLICY)
-    return Schedule._from_codes(rows, topo, "zbh2")
+    return Schedule.from_codes(rows, topo, "zbh2")

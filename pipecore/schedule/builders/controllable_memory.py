@@ -16,7 +16,7 @@ out the empty slots. The makespans equal those of the authors' generator at the 
 
 from pipecore.schedule.schedule import Schedule
 from pipecore.schedule.topology import Topology
-from pipecore.schedule.action import MB_SHIFT, stage_of
+from pipecore.schedule.action import KIND_MASK, MB_SHIFT, stage_of
 from pipecore.schedule.simulate import peak_activations
 from pipecore.schedule.readiness import inputs
 from pipecore.schedule.builders._codes import F, I, W, code
@@ -36,14 +36,14 @@ def _offsets_v_half(R: int, r: int) -> tuple[int, int, int, int]:
 
 def _place_w(slots: dict[int, int]) -> None:
     """Each I's W (those not placed yet) in the first free slot after it, in the order of the I's."""
-    placed = {c for c in slots.values() if c & 0xF == W}
+    placed = {c for c in slots.values() if c & KIND_MASK == W}
     pending, t, last = [], 0, max(slots)
     while t <= last or pending:
         c = slots.get(t)
         if c is None:
             if pending:
                 slots[t] = pending.pop(0)
-        elif c & 0xF == I and c - I + W not in placed:
+        elif c & KIND_MASK == I and c - I + W not in placed:
             pending.append(c - I + W)
         t += 1
 
@@ -78,8 +78,8 @@ def _reorder(ranks: list[dict[int, int]], topo: Topology, m: int) -> None:
         level, row = 0, [0] * horizon  # memory held after each slot
         for t in range(horizon):
             c = slots.get(t)
-            if c is not None and c & 0xF in (F, W):
-                level += 1 if c & 0xF == F else -1
+            if c is not None and c & KIND_MASK in (F, W):
+                level += 1 if c & KIND_MASK == F else -1
             row[t] = level
         memory.append(row)
     peak = max(max(row) for row in memory)
@@ -99,12 +99,12 @@ def _reorder(ranks: list[dict[int, int]], topo: Topology, m: int) -> None:
         for t in range(earliest, old):
             if t in slots:
                 continue
-            if c & 0xF == F and max(row[t:old]) + 1 > peak:
+            if c & KIND_MASK == F and max(row[t:old]) + 1 > peak:
                 continue
             del slots[old]
             slots[t] = c
             at[c] = t
-            delta = 1 if c & 0xF == F else -1 if c & 0xF == W else 0
+            delta = 1 if c & KIND_MASK == F else -1 if c & KIND_MASK == W else 0
             for u in range(t, old):
                 row[u] += delta
             break
@@ -119,16 +119,16 @@ def _squeeze_cooldown_backwards(ranks: list[dict[int, int]], topo: Topology, m: 
     cooldown_start = _cooldown_start(at, topo.num_ranks, m)
     peak = max(peak_activations([[slots[t] for t in sorted(slots)] for slots in ranks]))
     for slots in ranks:
-        for t in [t for t, c in slots.items() if c & 0xF == W and t > cooldown_start]:
+        for t in [t for t, c in slots.items() if c & KIND_MASK == W and t > cooldown_start]:
             del at[slots.pop(t)]
     at_start = []  # per rank: memory held and W missing at the cool-down's start
     for slots in ranks:
-        placed = {c for c in slots.values() if c & 0xF == W}
+        placed = {c for c in slots.values() if c & KIND_MASK == W}
         early = [c for t, c in slots.items() if t <= cooldown_start]
-        at_start.append((sum(1 if c & 0xF == F else -1 if c & 0xF == W else 0 for c in early),
-                         sum(c & 0xF == I and c - I + W not in placed for c in early)))
+        at_start.append((sum(1 if c & KIND_MASK == F else -1 if c & KIND_MASK == W else 0 for c in early),
+                         sum(c & KIND_MASK == I and c - I + W not in placed for c in early)))
     one = 1 << MB_SHIFT
-    moving = [(c, t) for c, t in at.items() if t > cooldown_start and c & 0xF == I]
+    moving = [(c, t) for c, t in at.items() if t > cooldown_start and c & KIND_MASK == I]
     for c, old in sorted(moving, key=lambda item: (item[1], srank[stage_of(item[0])])):
         s, k = stage_of(c), (c >> MB_SHIFT) - 1
         deps = inputs(c, topo, grad=I) + ((c - one,) if k > 0 else ())
@@ -158,10 +158,10 @@ def _cooldown_peak(slots: dict[int, int], start: int, level: int, pending: int) 
             if pending:
                 pending -= 1
                 level -= 1
-        elif c & 0xF == F:
+        elif c & KIND_MASK == F:
             level += 1
             peak = max(peak, level)
-        elif c & 0xF == I:  # every W of the cool-down is out
+        elif c & KIND_MASK == I:  # every W of the cool-down is out
             pending += 1
         t += 1
     return peak
@@ -178,7 +178,7 @@ def _build(R: int, m: int, offsets, name: str) -> Schedule:
     _reorder(ranks, topo, m)
     _squeeze_cooldown_backwards(ranks, topo, m)
     codes = [[slots[t] for t in sorted(slots)] for slots in ranks]
-    return Schedule._from_codes(codes, topo, name)
+    return Schedule.from_codes(codes, topo, name)
 
 
 def build_v_half(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> Schedule:

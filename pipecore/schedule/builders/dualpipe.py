@@ -96,7 +96,7 @@ def dualpipe_sizes(R: int, m: int) -> str | None:
 def build_dualpipev(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> Schedule:
     R, m = num_ranks, num_microbatches
     codes = [_dual_rank(R, r, m, (r, 2 * R - 1 - r), (0, 0)) for r in range(R)]
-    return Schedule._from_codes(codes, Topology.v(R, 2 * R, m), "dualpipev")
+    return Schedule.from_codes(codes, Topology.v(R, 2 * R, m), "dualpipev")
 
 
 def build_dualpipe(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> Schedule:
@@ -110,4 +110,4 @@ def build_dualpipe(num_ranks: int, num_microbatches: int, stages_per_rank: int) 
         else:
             stage_of, mb_base = (up, down), (half, 0)
         codes.append(_dual_rank(R // 2, min(r, R - 1 - r), half, stage_of, mb_base))
-    return Schedule._from_codes(codes, Topology.dualpipe(R, m), "dualpipe")
+    return Schedule.from_codes(codes, Topology.dualpipe(R, m), "dualpipe")

@@ -10,7 +10,7 @@ def build_gpipe(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> 
     m = num_microbatches
     codes = [[code(r, F, mb) for mb in range(m)] + [code(r, B, mb) for mb in range(m)]
              for r in range(num_ranks)]
-    return Schedule._from_codes(codes, Topology.loop(num_ranks, num_ranks, m), "gpipe")
+    return Schedule.from_codes(codes, Topology.loop(num_ranks, num_ranks, m), "gpipe")
 
 
 def build_forward_only(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> Schedule:
@@ -25,7 +25,7 @@ def build_forward_only(num_ranks: int, num_microbatches: int, stages_per_rank: i
         codes.append(row)
     if V > 1:
         codes = [_depth_first(row, R, m) for row in codes]
-    return Schedule._from_codes(codes, Topology.loop(R, R * V, m), "forward_only")
+    return Schedule.from_codes(codes, Topology.loop(R, R * V, m), "forward_only")
 
 
 def _depth_first(row, R, m):

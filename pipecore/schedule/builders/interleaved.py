@@ -96,7 +96,7 @@ def build_interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_ran
     R, m, V = num_ranks, num_microbatches, stages_per_rank
     N = check_group_size("interleaved_1f1b", R, m, group_size)
     codes = [_interleaved_rank(r, R, V, m, 2, False, N) for r in range(R)]
-    return Schedule._from_codes(codes, Topology.loop(R, R * V, m), "interleaved_1f1b")
+    return Schedule.from_codes(codes, Topology.loop(R, R * V, m), "interleaved_1f1b")
 
 
 def build_interleaved_zb(num_ranks: int, num_microbatches: int, stages_per_rank: int,
@@ -104,7 +104,7 @@ def build_interleaved_zb(num_ranks: int, num_microbatches: int, stages_per_rank:
     R, m, V = num_ranks, num_microbatches, stages_per_rank
     N = check_group_size("interleaved_zb", R, m, group_size)
     codes = [_interleaved_rank(r, R, V, m, 1, True, N) for r in range(R)]
-    return Schedule._from_codes(codes, Topology.loop(R, R * V, m), "interleaved_zb")
+    return Schedule.from_codes(codes, Topology.loop(R, R * V, m), "interleaved_zb")
 
 
 def build_looped_bfs(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> Schedule:
@@ -115,4 +115,4 @@ def build_looped_bfs(num_ranks: int, num_microbatches: int, stages_per_rank: int
         row = [code(s, F, mb) for s in stages for mb in range(m)]
         row += [code(s, B, mb) for s in reversed(stages) for mb in reversed(range(m))]
         codes.append(row)
-    return Schedule._from_codes(codes, Topology.loop(R, R * V, m), "looped_bfs")
+    return Schedule.from_codes(codes, Topology.loop(R, R * V, m), "looped_bfs")

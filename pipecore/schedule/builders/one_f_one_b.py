@@ -16,4 +16,4 @@ def build_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> S
             row.append(code(r, B, mb - warmup))
         row.extend(code(r, B, mb) for mb in range(m - warmup, m))
         codes.append(row)
-    return Schedule._from_codes(codes, Topology.loop(R, R, m), "1f1b")
+    return Schedule.from_codes(codes, Topology.loop(R, R, m), "1f1b")

@@ -24,8 +24,9 @@ from pipecore.schedule.topology import Topology
 from pipecore.schedule.builders._codes import F, I, W, code
 
 
-class _Stuck(Exception):
-    pass
+class Stuck(Exception):
+    """A placement that cannot go on (a round placed nothing, an input never placed): raised by the
+    rounds here and by zb_auto's list scheduler, whose search drops that candidate."""
 
 
 def build_rounds(topo: Topology, costs: dict[str, list[float]], memory_limit: int,
@@ -68,7 +69,7 @@ def build_rounds(topo: Topology, costs: dict[str, list[float]], memory_limit: in
         k = n(kind, s)
         t = ready(kind, s, k)
         if t is None:
-            raise _Stuck(f"input of {kind} on stage {s} microbatch {k} not placed")
+            raise Stuck(f"input of {kind} on stage {s} microbatch {k} not placed")
         start = max(clock[r], t)
         if started[r]:
             idle[r] += start - clock[r]
@@ -178,7 +179,7 @@ def build_rounds(topo: Topology, costs: dict[str, list[float]], memory_limit: in
             fill(r, ready(F, choice, n(F, choice)), fill_before_forward)
             put(r, F, choice)
         if sum(len(row) for row in rows) == before:
-            raise _Stuck("a round placed nothing")
+            raise Stuck("a round placed nothing")
     for r in range(R):
         while pend[r]:
             put_w(r)

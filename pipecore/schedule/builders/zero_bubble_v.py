@@ -65,4 +65,4 @@ def build_zbv(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> Sc
             add(w0_ + w0 * one)
         limit = (m + 1) * one  # microbatch index < m
         codes.append([c for c in row if c < limit])
-    return Schedule._from_codes(codes, Topology.v(R, 2 * R, m), "zbv")
+    return Schedule.from_codes(codes, Topology.v(R, 2 * R, m), "zbv")
