@@ -104,9 +104,10 @@ class Comm:
         group = self.group if group is None else group
         return torch.device("cpu") if backend_of(group, torch.device("cpu")) else self.device
 
-    def broke(self, exc: Exception) -> CommunicationError:
-        """The executor's wait timed out or a connection broke: no later step may run on this group.
-        On NCCL its communicator is aborted first (`abort_nccl`)."""
+    def abandon_group(self, exc: Exception) -> CommunicationError:
+        """The executor's wait timed out or a connection broke: marks the group broken (no later step may
+        run on it), aborts its NCCL communicator where it has one (`abort_nccl`), and returns the error
+        to raise, which says both."""
         self.broken = str(exc)
         return CommunicationError(f"{exc}. A peer hung or died: {self.abort_nccl()}rebuild the process group and the "
                                   "Pipeline (README: after a CommunicationError).")

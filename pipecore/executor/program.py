@@ -1,8 +1,9 @@
 """The program one rank's executor runs: a lowered schedule's row as instructions.
 
-An instruction is five integers: the opcode (from `pipecore._C.OPCODES`), the stage's index among
-this rank's stages, the microbatch, the peer rank of a send or receive (-1 otherwise) and the index
-of its label ("PP:1F0", the NVTX range and profiler event name). An OVERLAP_F_B pair becomes its two
+An instruction is `FIELDS` integers (`_C.INSTRUCTION_FIELDS`, csrc/program.h): the opcode (from
+`pipecore._C.OPCODES`), the stage's index among this rank's stages, the microbatch, the peer rank of
+a send or receive (-1 otherwise) and the index of its label ("PP:1F0", the NVTX range and profiler
+event name). An OVERLAP_F_B pair becomes its two
 halves between OVERLAP_BEGIN and OVERLAP_END brackets.
 """
 
@@ -10,10 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipecore.executor.native import OPCODES
+from pipecore.executor.native import INSTRUCTION_FIELDS as FIELDS, OPCODES
 from pipecore.schedule import Kind, Schedule
-
-FIELDS = 5  # integers per instruction
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ becomes of the group and of the plan the run was learning (pipecore/runtime/disc
 - A peer failed (`PeerAbort`: its messages said "aborted"): PeerFailedError with the first failing
   rank's error from the store; the group is fine.
 - The group broke (`CommError`: a wait timed out, a connection broke): CommunicationError; no later
-  step may use the group (`Comm.broke`).
+  step may use the group (`Comm.abandon_group`).
 - This rank's own error: raised as it is, once its peers were told (the executor sent them "aborted"
   messages); when telling them failed too, the group broke: CommunicationError from it.
 
@@ -28,7 +28,7 @@ def peer_failed(step: int, noticed: Exception, rollback_note: str, comm, plans) 
 
 def group_broke(error: Exception, rollback_note: str, comm, plans) -> CommunicationError:
     plans.forget_discovery()  # no agreement can end it
-    broke = comm.broke(error)
+    broke = comm.abandon_group(error)
     if rollback_note:
         broke.add_note(rollback_note)
     return broke

@@ -23,22 +23,21 @@ def configure_messages(executor, gloo: bool, device: torch.device, rank: int, re
     """Sets up `executor`'s messages for a group that is gloo (or not) on `device`."""
     if variable_shapes not in (None, True, False):
         raise TypeError(f"variable_shapes must be True, False or None, got {variable_shapes!r}")
-    # gloo runs every operation on its own; NCCL runs a peer pair's operations in posting order
+    # receives may pass sends to their peer on gloo only ([Note: NCCL pair order], csrc/device_comm.h)
     executor.set_recv_window(recv_window, gloo)
     executor.set_send_budget(send_budget)
     # posting a gloo operation can block on gloo's locks (and a send copy the message): not on the
     # compute thread
     executor.set_comm_thread(gloo)
-    # NCCL: no host wait inside a step (posting order in pipecore/schedule/p2p_order.py)
+    # NCCL: batches on a communication stream, no host wait for a message's data (csrc/device_comm.h)
     use_device_path(executor, gloo, device, rank)
     executor.set_shapes_travel(gloo and not executor.device_comm if variable_shapes is None else variable_shapes)
 
 
 def use_device_path(executor, gloo: bool, device: torch.device, rank: int) -> None:
     """NCCL on CUDA: messages go the device path (csrc/device_comm.h). A build without the
-    extension's CUDA part has none, and its host path is not safe there: NCCL runs a group's sends
-    and receives in posting order on one stream, where a receive posted ahead of a send to another
-    peer can deadlock. Refused, on every rank (they share the build), saying what to do."""
+    extension's CUDA part has none, and its host path is not safe there: its receives posted ahead can
+    deadlock on NCCL ([Note: NCCL pair order], csrc/device_comm.h). Refused, on every rank (they share the build), saying what to do."""
     if gloo or device.type != "cuda" or executor.set_device_comm(str(device)):
         return
     raise InputError(f"rank {rank}: this pipecore was built without its CUDA part (csrc/cuda: no nvcc was found "

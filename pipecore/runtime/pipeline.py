@@ -563,7 +563,7 @@ class Pipeline:
         try:
             self.executor.run_aborted(status)
         except CommError as exc:
-            raise self.comm.broke(exc) from None
+            raise self.comm.abandon_group(exc) from None
 
     def __repr__(self) -> str:
         return (f"Pipeline(rank={self.rank}/{self.world}, stages={[s.stage_index for s in self.stages]}, "

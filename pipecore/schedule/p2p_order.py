@@ -2,7 +2,8 @@
 that this order cannot deadlock where the backend runs all of a group's P2P operations on one
 serialised stream.
 
-The rules (the CUDA executor, csrc/cuda/device_comm.cpp, follows them):
+The rules (the CUDA executor, csrc/cuda/device_comm.cpp, follows them; why NCCL needs them:
+[Note: NCCL pair order] in csrc/device_comm.h):
 
 1. **Batches.** Each maximal run of consecutive SEND/RECV actions in a rank's lowered program is
    one batch, posted as one NCCL group (c10d coalescing) when the program reaches the run's first
@@ -19,7 +20,8 @@ The rules (the CUDA executor, csrc/cuda/device_comm.cpp, follows them):
    and a receive's buffer may reuse memory that compute queued before it still reads; the stream
    contract, csrc/stream_contract.h). A compute action starts after the batches that hold the
    receives it consumes completed (the compute stream waits on an event recorded after them).
-   Nothing waits on the host.
+   The host does not wait for a message's data (a shaped message's header is the exception:
+   csrc/device_comm.h).
 
 5. **A step that learns shapes** (the first of each batch signature) posts a batch in parts: a receive
    of activations that is not first in its batch starts a new group, since its buffer's shapes
