@@ -27,7 +27,7 @@ std::vector<int64_t> to_values(const at::Tensor& t) {
 
 void wait(const c10::intrusive_ptr<c10d::Work>& work, const c10d::ProcessGroup& group, double timeout_s,
           const std::string& what) {
-  const std::chrono::milliseconds timeout(static_cast<int64_t>(timeout_s * 1000));
+  const std::chrono::milliseconds timeout = timeout_of(timeout_s);
   try {
     work->wait(timeout);
   } catch (const std::exception& e) {

@@ -51,14 +51,14 @@ struct CommTask {
   at::Tensor header_host;
   std::shared_ptr<StreamMarker> header_ready;
   // a grown shaped message's follow-up (gloo: its second sending; the device path: from the store),
-  // read in place of `parts`, which stay until the task is dropped (stream_contract.h, rule 3)
+  // read in place of `parts`, which stay until the executor lets go of it (DeviceComm::release:
+  // stream_contract.h, rule 3)
   std::vector<at::Tensor> follow_up_parts;
   bool follow_up_taken = false;  // its key was taken from the store (once: an aborted rest drains it again)
 
   CommTask() = default;
   CommTask(const CommTask&) = delete;
   CommTask& operator=(const CommTask&) = delete;
-  ~CommTask() = default;
 
   // Once the parts are posted (or posting failed): `works` or `error` are set and may be read.
   void mark_posted(std::exception_ptr failure);

@@ -63,10 +63,7 @@ void Executor::post_batch(size_t index, const RunMode& mode) {
     ++counts_.grown_messages;
   }
   if (tasks.empty()) return;
-  const std::shared_ptr<StreamMarker> ready = post(tasks, actions);
-  for (Inbox* inbox : inboxes) {
-    if (inbox) inbox->ready = ready;
-  }
+  post(tasks, actions, /*tag=*/0, /*here_if_idle=*/false, inboxes);
   // posted: the receivers read them, in this run or its aborted rest, and record them alike
   for (auto& [stage, crossing] : crossings) specs_.crossed_out(stage, std::move(crossing));
 }

@@ -6,6 +6,10 @@
 
 namespace pipecore {
 
+std::chrono::milliseconds timeout_of(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
 std::string seconds(std::chrono::milliseconds timeout) {
   std::ostringstream os;
   os << timeout.count() / 1000.0 << " s";

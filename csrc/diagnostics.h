@@ -7,6 +7,8 @@
 
 namespace pipecore {
 
+// A timeout as Python gives it (seconds) and as the executor waits it.
+std::chrono::milliseconds timeout_of(double seconds);
 // A timeout as errors state it: "60 s".
 std::string seconds(std::chrono::milliseconds timeout);
 

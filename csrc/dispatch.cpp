@@ -3,6 +3,8 @@
 // every message it waits for. Safe on an action that already posted its message: nothing goes twice.
 #include <c10/util/Exception.h>
 
+#include <optional>
+
 #include "executor.h"
 #include "grad_reduce.h"
 #include "trace.h"

@@ -6,7 +6,7 @@
 #include "comm_worker.h"
 #include "device_comm.h"
 #include "device_timer.h"
-#include "grad_reduce.h"
+#include "diagnostics.h"
 #include "send_tracker.h"
 
 namespace pipecore {
@@ -15,7 +15,7 @@ Executor::Executor(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t num_stages
                    double timeout_s)
     : pg_(std::move(pg)),
       rank_(pg_->getRank()),
-      timeout_(std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000))),
+      timeout_(timeout_of(timeout_s)),
       grid_{num_stages, num_microbatches},
       slots_(grid_.size()),
       specs_(grid_),

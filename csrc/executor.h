@@ -289,7 +289,7 @@ class Executor {
 
   int64_t rank() const { return rank_; }
   // Stats of the last run, for tests and benchmarks.
-  int64_t freed_outputs() const { return counts_.freed_outputs; }
+  int64_t freed_outputs() const { return freed_outputs_; }
   const std::string& last_comm_failure() const { return comm_failure_; }
   // Largest number of bytes in flight to one peer during the last run.
   int64_t peak_send_bytes() const;
@@ -414,9 +414,10 @@ class Executor {
   // on `tag`: on the device path as one group, on the host from the comm worker or (none, or
   // `here_if_idle` and it has nothing queued) this thread. Counts them, and hands sends to the tracker,
   // which frees them once complete (`aside`: a follow-up, outside the budget).
-  // Returns the device batch's ready marker (null on the host path, or without receives).
-  std::shared_ptr<StreamMarker> post(const std::vector<std::shared_ptr<CommTask>>& tasks,
-                                     const std::vector<size_t>& actions, int tag = 0, bool here_if_idle = false);
+  // `inboxes` (device path): where each receive's batch ready marker goes (null for a send), set as soon
+  // as the batch is posted, before anything else may throw.
+  void post(const std::vector<std::shared_ptr<CommTask>>& tasks, const std::vector<size_t>& actions, int tag = 0,
+            bool here_if_idle = false, const std::vector<Inbox*>& inboxes = {});
   // Waits until a queued task is posted; a posting error becomes a CommError.
   void await_posted(CommTask& task, const Instr& in);
   // The CommError for a send or receive the group refused to post.
@@ -492,7 +493,9 @@ class Executor {
     c10::intrusive_ptr<c10d::Store> store;       // device path: follow-ups (set_follow_up_store)
     std::unordered_map<int, int64_t> follow_ups_to;  // per peer: follow-ups sent through the store so far
   } shaped_;
-  std::mutex settle_mu_;  // specs_' crossings, batch rows and posting, from the halves of a pair
+  // the crossings into a stage (specs_.crossed_in), batch rows and a follow-up's posting, from the halves of a
+  // pair (crossings out are recorded by SENDs, on the step's thread only)
+  std::mutex settle_mu_;
 
   // What the last run sent and posted (reset at each run's start).
   struct Counts {
@@ -500,12 +503,12 @@ class Executor {
     int64_t threaded_posts = 0;  // messages posted by the comm worker
     int64_t posted_here = 0;     // small sends posted on the compute thread (kPostHereBytes)
     int64_t reverse_posts = 0;   // messages posted on the reverse channel
-    int64_t freed_outputs = 0;
     // per peer: messages sent to it and receives posted from it (on the tag that matches them in
     // order), whose counts name a grown message's follow-up tag (comm.h)
     std::unordered_map<int, int> sent_to, received_from;
   } counts_;
   std::vector<int64_t> recv_posted_at_;  // tests: [k]: program index before which RECV k was posted
+  int64_t freed_outputs_ = 0;             // sent outputs the last run let go of (zeroed when a run begins)
 
   // Posting and the messages in flight.
   RecvWindow window_;
@@ -513,7 +516,7 @@ class Executor {
   // drops as posted, waking their waiters): destroyed in that order
   std::unique_ptr<SendTracker> sends_;
   int64_t send_budget_ = kDefaultSendBudget;
-  int64_t last_send_posted_ = -1;  // program index of the latest SEND that posted its message
+  int64_t last_send_posted_ = -1;  // program index of the latest SEND that posted its message (read on the host path)
   std::unique_ptr<CommWorker> worker_;
   std::unique_ptr<DeviceComm> device_comm_;
   bool host_reads_ = false;    // a discovery run on the device path: the host waits for and reads each message

@@ -35,7 +35,7 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
 };
 
 GradReducer::GradReducer(c10::intrusive_ptr<c10d::ProcessGroup> group, double timeout_s)
-    : group_(std::move(group)), timeout_ms_(static_cast<int64_t>(timeout_s * 1000)) {}
+    : group_(std::move(group)), timeout_ms_(timeout_of(timeout_s).count()) {}
 
 GradReducer::~GradReducer() {
   for (const auto& [acc, key] : hooks_) accumulators_[acc]->del_post_hook(key);

@@ -14,8 +14,8 @@
 
 namespace pipecore {
 
-std::shared_ptr<StreamMarker> Executor::post(const std::vector<std::shared_ptr<CommTask>>& tasks,
-                                             const std::vector<size_t>& actions, int tag, bool here_if_idle) {
+void Executor::post(const std::vector<std::shared_ptr<CommTask>>& tasks, const std::vector<size_t>& actions, int tag,
+                    bool here_if_idle, const std::vector<Inbox*>& inboxes) {
   for (size_t k = 0; k < tasks.size(); ++k) {
     CommTask& task = *tasks[k];
     const Instr& in = program_[actions[k]];
@@ -28,13 +28,17 @@ std::shared_ptr<StreamMarker> Executor::post(const std::vector<std::shared_ptr<C
       if constexpr (kTesting) ++counts_.reverse_posts;
     }
   }
-  maybe_delay();
-  std::shared_ptr<StreamMarker> ready;
+  const bool follow_up_receive = tag != 0 && !tasks.front()->send;
+  if (!follow_up_receive) maybe_delay();  // (posted under settle_mu_: the other half would wait out the delay)
   if (device_comm_) {
+    std::shared_ptr<StreamMarker> ready;
     try {
       ready = device_comm_->post_batch(*pg_, tasks);
     } catch (const std::exception& e) {
       throw post_failure(*tasks.front(), program_[actions.front()], e.what());
+    }
+    for (Inbox* inbox : inboxes) {
+      if (inbox) inbox->ready = ready;  // at once: letting go of a receive needs it (stream_contract.h, rule 3)
     }
   } else {
     for (size_t k = 0; k < tasks.size(); ++k) {
@@ -74,7 +78,6 @@ std::shared_ptr<StreamMarker> Executor::post(const std::vector<std::shared_ptr<C
     sends_->track(tasks[k], bytes, where(in) + ": send to rank " + std::to_string(in.peer), timeout_,
                   /*aside=*/tag != 0);
   }
-  return ready;
 }
 
 CommError Executor::post_failure(const CommTask& task, const Instr& in, const std::string& text) const {

@@ -102,13 +102,15 @@ void Program::load(const std::vector<int64_t>& flat, std::vector<std::string> na
     TORCH_CHECK(in.label >= 0 && in.label < static_cast<int64_t>(names.size()), "pipecore: bad label index");
     loaded.push_back(in);
   }
-  instrs = std::move(loaded);
-  labels = std::move(names);
-  derive_receives(*this);
-  derive_waits_next(*this, grid);
-  derive_pairs(*this);
-  mark_last_backwards(runs_whole);
-  derive_batches(*this);
+  Program p;  // derived aside: a refused program leaves this one as it was
+  p.instrs = std::move(loaded);
+  p.labels = std::move(names);
+  derive_receives(p);
+  derive_waits_next(p, grid);
+  derive_pairs(p);
+  p.mark_last_backwards(runs_whole);
+  derive_batches(p);
+  *this = std::move(p);
 }
 
 void Program::mark_last_backwards(const std::function<bool(int64_t)>& runs_whole) {

@@ -46,7 +46,8 @@ struct SlotGrid {
   size_t key(const Instr& in) const { return key(in.stage, in.mb); }
 };
 
-// The instructions and their tables; load() alone writes them.
+// The instructions and their tables: load() writes them all (and changes nothing if the program is
+// refused), mark_last_backwards() re-derives the last backwards.
 struct Program {
   std::vector<Instr> instrs;
   std::vector<std::string> labels;

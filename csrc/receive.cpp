@@ -47,7 +47,6 @@ void Executor::post_recvs_until(size_t end, size_t at, bool aborted) {
     if constexpr (kTesting) recv_posted_at_[k] = static_cast<int64_t>(at);
     window_.mark_posted(k);
     if (!task) continue;
-    maybe_delay();
     task->action = static_cast<int64_t>(index);
     task->ordinal = counts_.received_from[static_cast<int>(in.peer)]++;  // (a grown message's follow-up tag)
     post({task}, {index});
@@ -62,6 +61,7 @@ void Executor::prefetch_recvs(size_t at) {
 const std::vector<at::Tensor>& Executor::receive(Inbox& inbox, const Instr& in, const char* what) {
   CommTask& task = *inbox.task;
   if (device_comm_ && !host_reads_) {
+    TORCH_CHECK(inbox.ready, where(in), ": a device receive without its batch's ready marker");
     if (shaped_.travel) settle(task, in, what, /*draining=*/false);  // the host reads its header
     try {
       SpentOn spent(profile_, Spent::kWait);

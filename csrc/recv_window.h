@@ -31,7 +31,8 @@ class RecvWindow {
   // A run's start: nothing posted or reached.
   void reset(size_t recv_count);
   // Before program point `at`: the ordinal up to which receives are to be posted now (at least those the
-  // program reached). `bytes_of(k)`: the buffer bytes of RECV k.
+  // program reached), booking the buffer bytes (`bytes_of(k)`) of those it admits ahead: the caller posts
+  // every one of them (post_recvs_until), or the run is aborted.
   size_t post_through(const Program& program, size_t at, const std::function<int64_t(size_t)>& bytes_of);
   size_t posted() const { return posted_; }
   // RECV `k` is being posted (ordinals go up one at a time).

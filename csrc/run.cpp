@@ -73,6 +73,7 @@ void Executor::begin_run(const ForwardFn& forward) {
   if (shaped_.travel) specs_.widen_to_capacities();
   profile_.begin(profile_on_);
   comm_failure_.clear();
+  freed_outputs_ = 0;
   begin_trace();
   forward_ = &forward;
   if (device_comm_) device_comm_->begin_step();

@@ -47,7 +47,7 @@ std::vector<at::Tensor> Executor::outgoing(const Instr& in) {
   std::vector<at::Tensor> tensors = std::move(s.outputs);
   s.outputs.clear();
   if (free_outputs_) {
-    ++counts_.freed_outputs;
+    ++freed_outputs_;
   } else {
     kept_.insert(kept_.end(), tensors.begin(), tensors.end());
   }

@@ -22,7 +22,8 @@
 //     own reference to its tensors).
 //  5. A shaped receive's header (comm.h) is copied to the host on the communication stream after
 //     its batch and before the batch's ready event: rules 1 and 3 then cover that read as well; the
-//     host reads the copy only after the copy's own event.
+//     host reads the copy only after the copy's own event. (The checker sees a copy made after the
+//     ready event as a use the compute stream never waited for, refused when the buffer is freed.)
 #pragma once
 
 #include <ATen/core/Tensor.h>
