@@ -77,10 +77,7 @@ def _save(path: str, pipe, optimizer, extra) -> None:
     except Exception as exc:  # noqa: BLE001 - every rank learns it below and raises
         problem = _describe(exc)
         failure = exc
-    rows = pipe.comm.patient_gather_objects((problem, info))
-    problems = _rank_problems([row[0] for row in rows])
-    if not problems:
-        problems = _different_optimizers([row[1] for row in rows])
+    rows, problems = _agreed_problems(pipe, problem, info, _different_optimizers)
     if problems:
         raise InputError(f"save_checkpoint({path!r}) wrote nothing: {'; '.join(problems)}") from (
             failure if problem is not None else None)
@@ -146,10 +143,7 @@ def load_checkpoint(path: str | os.PathLike, pipe, optimizer: torch.optim.Optimi
     except Exception as exc:  # noqa: BLE001 - every rank learns it below and raises
         problem = _describe(exc)
         failure = exc
-    rows = pipe.comm.patient_gather_objects((problem, info))
-    problems = _rank_problems([row[0] for row in rows])
-    if not problems:
-        problems = _load_mismatch(path, pipe, saved, [row[1] for row in rows])
+    _, problems = _agreed_problems(pipe, problem, info, lambda infos: _load_mismatch(path, pipe, saved, infos))
     if problems:
         swap.put_back()
         raise InputError(f"load_checkpoint({path!r}) loaded nothing: {'; '.join(problems)}") from (
@@ -195,6 +189,13 @@ def _different_optimizers(infos: list[dict]) -> list[str]:
 
 def _describe(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, InputError) else f"{type(exc).__name__}: {exc}"
+
+
+def _agreed_problems(pipe, problem, info, mismatch) -> tuple[list, list[str]]:
+    """Every rank's (problem, info), and what stops the save or load, the same list on every rank: each
+    rank's own problem, or where none had one, what `mismatch` finds in every rank's `info`."""
+    rows = pipe.comm.patient_gather_objects((problem, info))
+    return rows, _rank_problems([row[0] for row in rows]) or mismatch([row[1] for row in rows])
 
 
 def _rank_problems(problems: list[str | None]) -> list[str]:
