@@ -29,7 +29,7 @@ Executor::~Executor() = default;
 void Executor::join_threads() {
   worker_.reset();
   sends_.reset();
-  half_thread_.reset();
+  overlap_.half_thread.reset();
 }
 
 void Executor::set_links(int64_t stage, int64_t next_local, int64_t prev_local) {

@@ -250,8 +250,8 @@ class Executor {
   // the global RNG state the forward half may draw from; "stage_events": a DDP/FSDP stage;
   // "python_modes": a Python dispatch or function mode is active; "one_kind": the pair has no
   // forward or no backward).
-  int64_t overlapped_pairs() const { return overlapped_pairs_; }
-  const std::map<std::string, int64_t>& overlap_fallbacks() const { return overlap_fallbacks_; }
+  int64_t overlapped_pairs() const { return overlap_.overlapped; }
+  const std::map<std::string, int64_t>& overlap_fallbacks() const { return overlap_.fallbacks; }
   // Benchmarks only: keep sent outputs alive until the end of the step (as torch does).
   void set_free_outputs(bool free) { free_outputs_ = free; }
   // Per-action start/end times (steady clock, microseconds) of the last run, when enabled.
@@ -452,7 +452,7 @@ class Executor {
   struct PairRun;
   // Runs `actions` of `half` up to the first failure, which `pair` keeps; traced in `lane`.
   void run_half(PairRun& pair, int half, const std::vector<size_t>& actions, int64_t lane);
-  // A hook's pair (checked, under pair_mu_): marks the halves it runs, counts it running until released.
+  // A hook's pair (checked, under overlap_.mu): marks the halves it runs, counts it running until released.
   PairRun& claim_pair(int64_t bracket, bool first, bool second);
   void release_pair(PairRun& pair);
   void run_halves(PairRun& pair, OverlapMode mode);
@@ -541,23 +541,27 @@ class Executor {
   bool free_outputs_ = true;
   std::vector<at::Tensor> kept_;  // sent outputs when free_outputs_ is off
 
-  // OVERLAP_F_B pairs.
-  OverlapMode overlap_mode_ = OverlapMode::kLockstep;
-  OverlapHook overlap_hook_;
-  c10::Device overlap_device_{c10::kCPU};
-  std::unique_ptr<HalfThread> half_thread_;
-  PairRun* pair_ = nullptr;  // the pair whose hook runs (guarded by pair_mu_)
-  std::mutex pair_mu_;
-  std::condition_variable pair_idle_;  // a hook's half ended
-  int64_t overlapped_pairs_ = 0;
-  std::map<std::string, int64_t> overlap_fallbacks_;
+  // OVERLAP_F_B pairs (executor_overlap.cpp).
+  struct OverlapPairs {
+    OverlapMode mode = OverlapMode::kLockstep;
+    OverlapHook hook;
+    c10::Device device{c10::kCPU};
+    std::unique_ptr<HalfThread> half_thread;  // the backward half's, made at the first pair
+    PairRun* pair = nullptr;                  // the pair whose hook runs (guarded by mu)
+    std::mutex mu;
+    std::condition_variable idle;  // a hook's half ended
+    int64_t overlapped = 0;        // see overlapped_pairs()
+    std::map<std::string, int64_t> fallbacks;  // see overlap_fallbacks()
+  } overlap_;
 
-  // Tracing and profiling.
-  bool trace_on_ = false;
-  std::vector<TraceEvent> trace_;
-  std::unique_ptr<DeviceTimer> timer_;  // accelerators: trace_ times are event indices until read
-  bool trace_resolved_ = true;
-  std::mutex trace_mu_;  // the two halves of a pair trace at once
+  // Tracing (tracing.cpp) and profiling.
+  struct Tracing {
+    bool on = false;
+    std::vector<TraceEvent> events;
+    std::unique_ptr<DeviceTimer> timer;  // accelerators: event times are event indices until read
+    bool resolved = true;
+    std::mutex mu;  // the two halves of a pair trace at once
+  } tracing_;
   bool profile_on_ = false;
   StepProfile profile_;
 #ifdef PIPECORE_TESTING

@@ -27,7 +27,7 @@ struct Executor::PairRun {
   std::vector<TraceEvent> traced;   // [j - begin - 1]: sub-action j's event, when tracing
   at::ThreadLocalState tls;         // the step thread's (captured when made), for halves run elsewhere
   std::optional<c10::Stream> compute;  // the step thread's current stream on the stages' device
-  bool ran[2] = {false, false};     // guarded by the executor's pair_mu_
+  bool ran[2] = {false, false};     // guarded by the executor's overlap_.mu
   int running = 0;                  // halves a hook runs now (on threads of its own, maybe)
 
   // Keeps the half's first failure (`at`: the action it failed in; the half's first if unknown).
@@ -51,25 +51,25 @@ AtExit(F) -> AtExit<F>;
 }  // namespace
 
 void Executor::set_overlap(OverlapMode mode, OverlapHook hook, c10::Device device) {
-  overlap_mode_ = mode;
-  overlap_hook_ = std::move(hook);
-  overlap_device_ = device;
+  overlap_.mode = mode;
+  overlap_.hook = std::move(hook);
+  overlap_.device = device;
 }
 
 void Executor::run_half(PairRun& pair, int half, const std::vector<size_t>& actions, int64_t lane) {
   for (size_t j : actions) {
     try {
-      if (!trace_on_) {
+      if (!tracing_.on) {
         exec(j, RunMode());
         continue;
       }
       double t0;
       {
-        std::lock_guard<std::mutex> lock(trace_mu_);  // a device timer records its events in order
+        std::lock_guard<std::mutex> lock(tracing_.mu);  // a device timer records its events in order
         t0 = trace_time();
       }
       exec(j, RunMode());
-      std::lock_guard<std::mutex> lock(trace_mu_);
+      std::lock_guard<std::mutex> lock(tracing_.mu);
       pair.traced[j - pair.begin - 1] = {program_[j].label, t0, trace_time(), lane};
     } catch (...) {
       pair.fail(half, std::current_exception(), j);
@@ -137,7 +137,7 @@ void Executor::run_halves(PairRun& pair, OverlapMode mode) {
   const bool lockstep = mode == OverlapMode::kLockstep;
   const char* why = mode == OverlapMode::kSequential || spec_source_ ? nullptr : sequential_reason(pair, !lockstep);
   if (mode == OverlapMode::kSequential || spec_source_ || why) {
-    if (why) ++overlap_fallbacks_[why];
+    if (why) ++overlap_.fallbacks[why];
     for (size_t j = pair.begin + 1; j < pair.end; ++j) {  // program order, up to the first failure
       const int half = program_[j].op == kF ? 0 : 1;
       run_half(pair, half, {j}, 0);
@@ -145,7 +145,7 @@ void Executor::run_halves(PairRun& pair, OverlapMode mode) {
     }
     return;
   }
-  if (!half_thread_) half_thread_ = std::make_unique<HalfThread>();  // inside a step: the GIL is free
+  if (!overlap_.half_thread) overlap_.half_thread = std::make_unique<HalfThread>();  // inside a step: the GIL is free
   Turns turns(lockstep);
   std::atomic<bool> started{false};  // the backward half runs on the half thread
   auto backward = [&] {
@@ -162,17 +162,17 @@ void Executor::run_halves(PairRun& pair, OverlapMode mode) {
   if (lockstep) {  // the backward half starts when the forward half first hands over
     turns.on_first_hand_over([&] {
       if (pair_recomputes(pair)) {  // the forward keeps its turn; the backward runs after it
-        ++overlap_fallbacks_["checkpoint"];
+        ++overlap_.fallbacks["checkpoint"];
         return false;
       }
       started = true;
-      half_thread_->start(backward);
+      overlap_.half_thread->start(backward);
       return true;
     });
     current.emplace(&turns);
   } else {
     started = true;
-    half_thread_->start(backward);
+    overlap_.half_thread->start(backward);
   }
   {
     AtExit finished{[&] { turns.finish(0); }};
@@ -184,8 +184,8 @@ void Executor::run_halves(PairRun& pair, OverlapMode mode) {
     if (!pair.error[0]) run_half(pair, 1, pair.halves[1], 0);
     return;
   }
-  if (std::exception_ptr error = half_thread_->join()) pair.fail(1, error, pair.first_action(1));
-  ++overlapped_pairs_;
+  if (std::exception_ptr error = overlap_.half_thread->join()) pair.fail(1, error, pair.first_action(1));
+  ++overlap_.overlapped;
 }
 
 size_t Executor::exec_pair(size_t& index) {
@@ -193,41 +193,41 @@ size_t Executor::exec_pair(size_t& index) {
   pair.begin = index;
   pair.end = program_.pair_end[index];
   for (size_t j = pair.begin + 1; j < pair.end; ++j) pair.halves[program_[j].op == kF ? 0 : 1].push_back(j);
-  if (trace_on_) pair.traced.assign(pair.end - pair.begin - 1, TraceEvent{-1, 0.0, 0.0, 0});
-  pair.compute = current_stream(overlap_device_);
+  if (tracing_.on) pair.traced.assign(pair.end - pair.begin - 1, TraceEvent{-1, 0.0, 0.0, 0});
+  pair.compute = current_stream(overlap_.device);
   const Instr& bracket = program_[pair.begin];
   double t0 = 0.0;
-  if (trace_on_) {
-    std::lock_guard<std::mutex> lock(trace_mu_);
+  if (tracing_.on) {
+    std::lock_guard<std::mutex> lock(tracing_.mu);
     t0 = trace_time();
   }
   std::exception_ptr hook_error;
   {
     ActionScope scope(program_.label(bracket));  // spans both halves
-    if (overlap_hook_ && !spec_source_) {
+    if (overlap_.hook && !spec_source_) {
       {
-        std::lock_guard<std::mutex> lock(pair_mu_);
-        pair_ = &pair;
+        std::lock_guard<std::mutex> lock(overlap_.mu);
+        overlap_.pair = &pair;
       }
       try {
-        overlap_hook_(static_cast<int64_t>(pair.begin));
+        overlap_.hook(static_cast<int64_t>(pair.begin));
       } catch (...) {
         hook_error = std::current_exception();
       }
       // halves the hook left running on threads of its own finish first; none starts after this
-      std::unique_lock<std::mutex> lock(pair_mu_);
-      pair_idle_.wait(lock, [&] { return pair.running == 0; });
-      pair_ = nullptr;
+      std::unique_lock<std::mutex> lock(overlap_.mu);
+      overlap_.idle.wait(lock, [&] { return pair.running == 0; });
+      overlap_.pair = nullptr;
     } else {
-      run_halves(pair, overlap_mode_);
+      run_halves(pair, overlap_.mode);
       pair.ran[0] = pair.ran[1] = true;
     }
   }
-  if (trace_on_) {
-    std::lock_guard<std::mutex> lock(trace_mu_);
-    trace_.push_back({bracket.label, t0, trace_time(), 0});
+  if (tracing_.on) {
+    std::lock_guard<std::mutex> lock(tracing_.mu);
+    tracing_.events.push_back({bracket.label, t0, trace_time(), 0});
     for (const auto& e : pair.traced) {
-      if (e.label >= 0) trace_.push_back(e);
+      if (e.label >= 0) tracing_.events.push_back(e);
     }
   }
   // the first failure in program order is the step's (a peer's abort keeps its type)
@@ -249,11 +249,11 @@ size_t Executor::exec_pair(size_t& index) {
 }
 
 Executor::PairRun& Executor::claim_pair(int64_t bracket, bool first, bool second) {
-  std::lock_guard<std::mutex> lock(pair_mu_);
-  TORCH_CHECK(pair_ != nullptr && static_cast<int64_t>(pair_->begin) == bracket,
+  std::lock_guard<std::mutex> lock(overlap_.mu);
+  TORCH_CHECK(overlap_.pair != nullptr && static_cast<int64_t>(overlap_.pair->begin) == bracket,
               "pipecore: an OVERLAP_F_B pair runs only from the overlap hook it was given to, before the hook "
               "returns");
-  PairRun& pair = *pair_;
+  PairRun& pair = *overlap_.pair;
   const std::string& label = program_.label(program_[pair.begin]);
   TORCH_CHECK(!(first && pair.ran[0]) && !(second && pair.ran[1]), "pipecore: the ",
               first && second ? "halves" : first ? "forward half" : "backward half", " of ", label,
@@ -266,10 +266,10 @@ Executor::PairRun& Executor::claim_pair(int64_t bracket, bool first, bool second
 
 void Executor::release_pair(PairRun& pair) {
   {
-    std::lock_guard<std::mutex> lock(pair_mu_);
+    std::lock_guard<std::mutex> lock(overlap_.mu);
     --pair.running;
   }
-  pair_idle_.notify_all();
+  overlap_.idle.notify_all();
 }
 
 std::string Executor::pair_sequential_reason(int64_t bracket) {

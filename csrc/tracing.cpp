@@ -8,10 +8,10 @@
 namespace pipecore {
 
 void Executor::set_trace(bool on, const std::string& device) {
-  trace_on_ = on;
+  tracing_.on = on;
   const c10::Device dev(device);
-  timer_.reset();
-  if (on && !dev.is_cpu()) timer_ = std::make_unique<DeviceTimer>(dev);
+  tracing_.timer.reset();
+  if (on && !dev.is_cpu()) tracing_.timer = std::make_unique<DeviceTimer>(dev);
 }
 
 namespace {
@@ -21,29 +21,29 @@ double now_us() {
 }  // namespace
 
 void Executor::begin_trace() {
-  trace_.clear();
-  if (trace_on_ && timer_) timer_->start(now_us());
-  trace_resolved_ = !timer_;
+  tracing_.events.clear();
+  if (tracing_.on && tracing_.timer) tracing_.timer->start(now_us());
+  tracing_.resolved = !tracing_.timer;
 }
 
-double Executor::trace_time() { return timer_ ? static_cast<double>(timer_->mark()) : now_us(); }
+double Executor::trace_time() { return tracing_.timer ? static_cast<double>(tracing_.timer->mark()) : now_us(); }
 
 const std::vector<Executor::TraceEvent>& Executor::trace() {
-  if (!trace_resolved_ && timer_) {
-    for (auto& e : trace_) {
-      e.start_us = timer_->host_us(static_cast<size_t>(e.start_us));
-      e.end_us = timer_->host_us(static_cast<size_t>(e.end_us));
+  if (!tracing_.resolved && tracing_.timer) {
+    for (auto& e : tracing_.events) {
+      e.start_us = tracing_.timer->host_us(static_cast<size_t>(e.start_us));
+      e.end_us = tracing_.timer->host_us(static_cast<size_t>(e.end_us));
     }
   }
-  trace_resolved_ = true;
-  return trace_;
+  tracing_.resolved = true;
+  return tracing_.events;
 }
 
 void Executor::exec_traced(size_t i) {
-  if (!trace_on_) return exec(i, RunMode());
+  if (!tracing_.on) return exec(i, RunMode());
   const double t0 = trace_time();
   exec(i, RunMode());
-  trace_.push_back({program_[i].label, t0, trace_time(), 0});
+  tracing_.events.push_back({program_[i].label, t0, trace_time(), 0});
 }
 
 }  // namespace pipecore
