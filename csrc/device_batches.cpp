@@ -29,7 +29,7 @@ void Executor::post_batch(size_t index, const RunMode& mode) {
     Inbox* inbox = nullptr;
     if (is_recv(in.op)) {
       task = make_recv(in, mode.aborted);
-      inbox = in.op == kRecvF ? &slot(in).recv_f : &slot(in).recv_b;
+      inbox = &slot(in).inbox_of(in.op);
       if constexpr (kTesting) recv_posted_at_[program_.recvs_through[j] - 1] = static_cast<int64_t>(index);
       if (task) task->action = static_cast<int64_t>(j);
     } else {

@@ -100,6 +100,8 @@ struct Slot {
   bool has_loss = false;
   // An aborted step's: drops graphs and activations, keeps the receives posted (they are drained).
   void drop_compute();
+  // The receive a RECV_F (activations) or a RECV_B (output gradients) posts into.
+  Inbox& inbox_of(int64_t recv_op) { return recv_op == kRecvF ? recv_f : recv_b; }
 };
 
 // Told once when this rank's own action fails (before its peers are told), with the error text.

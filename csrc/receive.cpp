@@ -29,8 +29,7 @@ std::shared_ptr<CommTask> Executor::make_recv(const Instr& in, bool aborted) {
     task->layout = specs;
     if (device_comm_) task->header_bytes = shaped_header_bytes(specs);  // read by the host (device_comm.h)
   }
-  Slot& s = slot(in);
-  (activations ? s.recv_f : s.recv_b).task = task;
+  slot(in).inbox_of(in.op).task = task;
   return task;
 }
 
