@@ -19,6 +19,7 @@ from pipeline_cases import set_messages
 WIDTH = 128
 ROWS_PER_MB = 512
 UNIT = ROWS_PER_MB * WIDTH * EXACT_DTYPE.itemsize  # bytes of one microbatch's activation: 512 KiB
+LAST_STAGE_RECV_WINDOW = 1  # receives the last stage posts ahead of their action
 
 
 def _linear_stages(n, width=WIDTH, seed=0):
@@ -70,7 +71,7 @@ def last_stage_memory(rank, world, m, return_outputs):
         return ((out - target) ** 2 * weight).mean()
 
     stage = pc.PipelineStage(copy.deepcopy(model[rank]), rank, world)
-    pipe = pc.Pipeline(stage, sched, m, loss_fn=loss_fn, recv_window=1)
+    pipe = pc.Pipeline(stage, sched, m, loss_fn=loss_fn, recv_window=LAST_STAGE_RECV_WINDOW)
     g = torch.Generator().manual_seed(4)
     x, y = torch.randn(m * ROWS_PER_MB, WIDTH, generator=g), torch.randn(m * ROWS_PER_MB, WIDTH, generator=g)
     weight = torch.rand(WIDTH, generator=g)

@@ -4,9 +4,9 @@ kept only when asked for, and a rank out of memory ends the step everywhere with
 import pytest
 
 from dist_pool import pool
-from memory_cases import (UNIT, bad_step_options, capped_rank_releases_its_peers, combined_backend_string,
-                          first_stage_memory, last_stage_memory, out_of_memory_anywhere, pipelines_created_unevenly,
-                          stray_message_puts_the_channel_out_of_step)
+from memory_cases import (LAST_STAGE_RECV_WINDOW, UNIT, bad_step_options, capped_rank_releases_its_peers,
+                          combined_backend_string, first_stage_memory, last_stage_memory, out_of_memory_anywhere,
+                          pipelines_created_unevenly, stray_message_puts_the_channel_out_of_step)
 from pipeline_cases import train_and_compare
 
 SLACK = UNIT // 2  # small tensors: trailers, losses, a weight gradient's temporary (128 KiB in float64)
@@ -33,11 +33,17 @@ def test_the_last_stage_keeps_outputs_only_when_asked():
     runs = {(m, keep): pool(2).run(last_stage_memory, m, keep, timeout=120)[1]
             for m, keep in [(6, False), (12, False), (12, True)]}
     held = {k: h for k, (h, _) in runs.items()}
-    sent = {k: s / UNIT for k, (_, s) in runs.items()}
-    # (give or take one message still in flight, as timing has it)
-    assert held[(12, False)] <= held[(6, False)] + UNIT + SLACK, ({k: v / UNIT for k, v in held.items()}, sent)
+    sent = {k: s for k, (_, s) in runs.items()}
+    # The stage's own working set is the same for any m. What timing decides is whether, at its peak,
+    # the receives the window posted ahead are allocated yet and whether a sent gradient is still
+    # waiting for stage 0 to take it (at most the send budget's peak): that much may differ between
+    # two runs. (Measured under load: 8 or 9 units with a window of 1, 7 or 8 with none, 10 in CI.)
+    in_flight = LAST_STAGE_RECV_WINDOW * UNIT + max(sent[(6, False)], sent[(12, False)])
+    assert held[(12, False)] <= held[(6, False)] + in_flight + SLACK, (
+        {k: v / UNIT for k, v in held.items()}, {k: v / UNIT for k, v in sent.items()})
     assert held[(12, False)] < 12 * UNIT, held[(12, False)] / UNIT
-    assert held[(12, True)] >= held[(12, False)] + 11 * UNIT, {k: v / UNIT for k, v in held.items()}
+    # all 12 outputs, where it held one anyway
+    assert held[(12, True)] + in_flight >= held[(12, False)] + 11 * UNIT, {k: v / UNIT for k, v in held.items()}
 
 
 @pytest.mark.parametrize("name, world, V", [("gpipe", 2, 1), ("1f1b", 4, 1), ("interleaved_1f1b", 2, 2),
