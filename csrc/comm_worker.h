@@ -95,7 +95,12 @@ std::string error_text(const std::exception_ptr& error);
 // sharing 2 cores: waking the comm worker had cost the compute thread up to 4 ms (docs/performance.md).
 void become_helper_thread(const char* name);
 
-// Posts `task`'s parts in order, appending their Works (throws what the group throws).
+// What goes on the wire for `task`'s parts: their bytes (views), whatever their dtypes. NCCL sends only
+// its own dtypes (no int16, no complex), and a part's dtype tells the receiver nothing its buffer does
+// not: a refused dtype would fail inside a batch, after some of it was posted (half a batch).
+std::vector<at::Tensor> wire_parts(const CommTask& task);
+
+// Posts `task`'s parts in order, as bytes, appending their Works (throws what the group throws).
 void post_parts(CommTask& task);
 
 class CommWorker {

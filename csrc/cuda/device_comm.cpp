@@ -80,12 +80,16 @@ class CudaComm final : public DeviceComm {
       group.startCoalescing(c10::DeviceType::CUDA);
       try {
         for (const auto& task : tasks) post_parts(*task);
-      } catch (...) {
+      } catch (const std::exception& e) {
+        // part of the batch was added: ending the group would launch that half, whose peers would wait
+        // for the rest. The communicator is aborted first; the group is then closed on it.
+        group.abort();
         try {
           group.endCoalescing(c10::DeviceType::CUDA);
         } catch (...) {
         }
-        throw;
+        throw CommError(std::string("posting a batch of sends and receives failed (") + e.what() +
+                        "); the group's communicator was aborted");
       }
       work = group.endCoalescing(c10::DeviceType::CUDA);
       TORCH_CHECK(work, "pipecore: the group returned no Work for a batch of sends and receives");

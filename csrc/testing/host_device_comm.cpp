@@ -32,6 +32,18 @@
 namespace pipecore {
 namespace {
 
+// As NCCL (ncclDataType_t, which c10d's ProcessGroupNCCL maps to) refuses a point-to-point
+// operation on any other dtype: no int16, no complex, no uint16/32/64.
+void check_nccl_dtypes(const CommTask& task) {
+  static const std::unordered_set<at::ScalarType> nccl = {
+      at::kChar, at::kByte, at::kBool, at::kInt, at::kLong, at::kHalf, at::kFloat, at::kDouble, at::kBFloat16,
+      at::kFloat8_e4m3fn, at::kFloat8_e5m2};
+  for (const auto& part : wire_parts(task)) {
+    TORCH_CHECK(nccl.count(part.scalar_type()) != 0, "pipecore (model of NCCL): a ",
+                task.send ? "send" : "receive", " of ", part.scalar_type(), ", which NCCL does not support");
+  }
+}
+
 class HostDeviceComm final : public DeviceComm {
  public:
   // `timeout`: the executor's, which outlives this
@@ -58,6 +70,7 @@ class HostDeviceComm final : public DeviceComm {
   std::shared_ptr<StreamMarker> post_batch(c10d::ProcessGroup& group,
                                            const std::vector<std::shared_ptr<CommTask>>& tasks) override {
     before_batch(*ledger_, tasks);
+    for (const auto& task : tasks) check_nccl_dtypes(*task);  // refused before any of the batch is posted
     for (const auto& task : tasks) {
       post_parts(*task);
       if (!task->send) {

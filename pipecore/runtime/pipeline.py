@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from pipecore.errors import CommunicationError, InputError
-from pipecore.executor.comm import Comm
+from pipecore.executor.comm import Comm, backend_of
 from pipecore.executor.native import (DEFAULT_RECV_WINDOW, DEFAULT_SEND_BUDGET, MESSAGE_STATUS, C, CommError, PeerAbort,
                                       PeerReplan)
 from pipecore.executor.program import encode, forward_only
@@ -236,7 +236,8 @@ class Pipeline:
         self.executor.set_trace(bool(trace), str(device))
         self.executor.set_profile(bool(trace))
         gloo = self.comm.p2p_is_gloo()
-        configure_messages(self.executor, gloo, device, self.rank, recv_window, send_budget, variable_shapes)
+        configure_messages(self.executor, gloo, device, self.rank, recv_window, send_budget, variable_shapes,
+                           self.timeout, backend_of(self.group, device))
         self._rollback = Rollback([s.module for s in self.stages], [s.device for s in self.stages])
         # how OVERLAP_F_B pairs run (pipecore/runtime/overlap.py)
         self._pairs = PairRunner(self.executor, self.stages, self.programs[True].labels, overlap_f_b)
