@@ -29,7 +29,7 @@ TRITON_SPEC := triton==3.9.0
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 
-.PHONY: all install install-test demo test bench clean
+.PHONY: all install install-test demo test gpu-check bench clean
 
 all: install
 
@@ -96,6 +96,10 @@ demo: install
 
 test: install-test
 	$(PYTHON) -m pytest -q tests $(TEST_ARGS)
+
+# first contact with a GPU machine: the CUDA tests, 2-GPU training and failure cases, a table (.ci/gpu_check.py)
+gpu-check: install-test
+	$(PYTHON) .ci/gpu_check.py
 
 bench:
 	$(PYTHON) bench/build.py

@@ -322,7 +322,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "build has no such path for `device`")
       .def_property_readonly("device_comm", &pipecore::Executor::device_comm)
       .def("set_reverse_channel", &pipecore::Executor::set_reverse_channel, py::arg("channel"))
-      .def("set_follow_up_store", &pipecore::Executor::set_follow_up_store, py::arg("store"))
+      .def("set_follow_up_channels", &pipecore::Executor::set_follow_up_channels, py::arg("up"), py::arg("down"))
       .def("run", &run, py::arg("forward"), py::arg("on_abort"), py::arg("discover") = py::none(),
            "runs the program; `discover(stage, mb, op, may_wait) -> 0 set / 1 absent / 2 timed out` makes it a "
            "discovery run (see SpecFn in executor.h)")
@@ -391,6 +391,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // hooks and records of test builds only (`make test`; csrc/executor.h)
   executor.def("set_delays", &pipecore::Executor::set_delays, py::arg("max_us"), py::arg("seed"))
       .def_property_readonly("freed_outputs", &pipecore::Executor::freed_outputs)
+      .def_property_readonly("held_failed_sends", &pipecore::Executor::held_failed_sends,
+                             "sends that failed or timed out, whose buffers are held until this executor goes (a "
+                             "transfer may read them until its communicator is aborted: send_tracker.h)")
       .def_property_readonly("peak_send_bytes", &pipecore::Executor::peak_send_bytes,
                              "largest sum of bytes not yet released to one peer during the last run (in flight, "
                              "or small packed sends not collected yet: send_tracker.h)")

@@ -25,9 +25,11 @@
 // capacity's layout. On gloo it then follows at its own size (its shapes as the capacity) on a tag of
 // its own, kFollowUpTag + the message's ordinal among those sent to that peer in the step (the
 // receiver counts its receives from that peer alike: gloo matches them in that order), so that each
-// rank may read its grown messages in any order. On the device path the follow-up goes through the
-// group's store instead ([Note: NCCL pair order] in device_comm.h), as a packed message of its own
-// shapes on the host, under a key its header names (Executor::set_follow_up_store).
+// rank may read its grown messages in any order. On the device path the follow-up goes on a follow-up
+// channel instead ([Note: NCCL pair order] in device_comm.h), packed at its own shapes, on tag
+// kFollowUpTag (NCCL ignores tags; on the CPU model's gloo one tag matches in order, as NCCL does); its
+// header names its ordinal among the follow-ups to that peer, which the receiver checks
+// (Executor::set_follow_up_channels).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -73,7 +75,7 @@ std::vector<at::Tensor> unframe(const std::vector<at::Tensor>& parts, const std:
 
 // Shaped messages (above). The tag of a grown message's second sending is this + its ordinal.
 constexpr int kFollowUpTag = 1;
-// A `large` under which every shaped message is packed (a follow-up through the store).
+// A `large` under which every shaped message is packed (a follow-up on the device path).
 constexpr int64_t kAlwaysPacked = INT64_MAX;
 // What a shaped message's header says besides its status.
 struct ShapedHeader {

@@ -50,11 +50,15 @@ struct CommTask {
   int64_t header_bytes = 0;
   at::Tensor header_host;
   std::shared_ptr<StreamMarker> header_ready;
-  // a grown shaped message's follow-up (gloo: its second sending; the device path: from the store),
-  // read in place of `parts`, which stay until the executor lets go of it (DeviceComm::release:
+  // a grown shaped message's follow-up (gloo: its second sending; the device path: on the follow-up
+  // channel), read in place of `parts`, which stay until the executor lets go of it (DeviceComm::release:
   // stream_contract.h, rule 3)
   std::vector<at::Tensor> follow_up_parts;
-  bool follow_up_taken = false;  // its key was taken from the store (once: an aborted rest drains it again)
+  // the device path: the follow-up's receive (once: an aborted rest drains the message again), its
+  // batch's ready marker, and whether the compute stream waited on it; let go of with the message
+  std::shared_ptr<CommTask> follow_up;
+  std::shared_ptr<StreamMarker> follow_up_ready;
+  bool follow_up_consumed = false;
 
   CommTask() = default;
   CommTask(const CommTask&) = delete;

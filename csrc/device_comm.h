@@ -1,6 +1,7 @@
 // Communication on an accelerator without host waits (CUDA builds: csrc/cuda/device_comm.cpp).
 //
-// The host only queues work there; it never waits for a transfer inside a step:
+// The host only queues work there; it never waits for a transfer inside a step (the host waits the
+// path does make are listed in docs/cuda.md, "Host waits on the device path"):
 // - A batch of sends and receives (a run of consecutive SEND/RECV actions, see
 //   pipecore/schedule/p2p_order.py for why that order cannot deadlock) is posted as one group on a
 //   communication stream, which first waits on the compute stream (stream_contract.h: when each
@@ -30,7 +31,13 @@
 //    pipecore/schedule/p2p_order.py proves cannot deadlock, a discovery run cutting a batch before each
 //    later receive of activations (its rule 5);
 //  - a grown shaped message cannot follow on a tag of its own as on gloo (a receive posted ahead would
-//    take it): on the device path it follows through the group's store (comm.h).
+//    take it): on the device path it follows on a communicator of the same ranks that carries only
+//    follow-ups, so they match in the order receivers take them, and receivers read the headers from
+//    one peer in the order they were posted (Executor::read_headers_through). A follow-up's send waits
+//    on its communicator's stream until the receiver has read the header, so sends and receives of
+//    follow-ups must not share a stream: two ranks each sending one, each to read the other's later,
+//    would wait for each other. One communicator carries the follow-ups to higher ranks, another those
+//    to lower ranks (Executor::set_follow_up_channels).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -55,11 +62,13 @@ class DeviceComm {
   virtual c10::DeviceType device_type() const = 0;
   // Start of a step (on the compute stream): the step status is ok.
   virtual void begin_step() = 0;
-  // Posts `tasks` (program order) as one group (c10d coalescing) on the communication stream and
-  // marks them posted; sends hold the group's Work. Returns the batch's ready marker, an event on the
-  // communication stream after the group (stream_contract.h, rules 2 and 3), which the executor keeps
-  // with each of its receives until it lets go of them (null: the batch has no receive).
-  virtual std::shared_ptr<StreamMarker> post_batch(c10d::ProcessGroup& group,
+  // Posts `tasks` (program order) as one group (coalescing on `backend`, the communicator their parts
+  // go through) on the communication stream and marks them posted; sends hold the group's Work. Returns
+  // the batch's ready marker, an event on the communication stream after the group (stream_contract.h,
+  // rules 2 and 3), which the executor keeps with each of its receives until it lets go of them (null:
+  // the batch has no receive). A posting error aborts `backend` first (CommError): the part of the batch
+  // already added must not reach the peers without the rest.
+  virtual std::shared_ptr<StreamMarker> post_batch(c10d::Backend& backend,
                                                    const std::vector<std::shared_ptr<CommTask>>& tasks) = 0;
   // Before the compute stream reads received `task`: the compute stream waits on `ready` (its batch's
   // marker) and folds its trailer into the step status (a shaped message's status was read on the host).

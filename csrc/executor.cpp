@@ -73,6 +73,7 @@ void Executor::set_comm_thread(bool on) {
 
 bool Executor::set_device_comm(const std::string& device) {
   device_comm_ = make_device_comm(c10::Device(device));
+  group_backend_.reset();
   if (device_comm_) shaped_.travel = false;  // (set_shapes_travel)
   return device_comm_ != nullptr;
 }
@@ -80,6 +81,7 @@ bool Executor::set_device_comm(const std::string& device) {
 #ifdef PIPECORE_TESTING
 void Executor::emulate_device_comm() {
   device_comm_ = make_host_device_comm(timeout_);
+  group_backend_.reset();
   shaped_.travel = false;
 }
 std::vector<std::string> Executor::stream_violations() const {
@@ -88,6 +90,7 @@ std::vector<std::string> Executor::stream_violations() const {
 #endif
 
 int64_t Executor::peak_send_bytes() const { return sends_->peak_bytes(); }
+int64_t Executor::held_failed_sends() const { return sends_->held_failed(); }
 
 std::string Executor::where(const Instr& in) const {
   return "pipecore rank " + std::to_string(rank_) + ", action " + program_.label(in);

@@ -34,6 +34,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <exception>
 #include <functional>
 #include <map>
@@ -157,15 +158,19 @@ class Executor {
   // (message_specs.h). A message that outgrows them goes as its header, then, on the host path, at its
   // own size (kMessageGrown): one extra message, until the boundary's capacity has grown. On the device
   // path every message goes at its capacity's size (NCCL receives need their exact size), the host reads
-  // each received header (device_comm.h), and a message that outgrows its capacity follows through the
-  // store (set_follow_up_store). Every rank of the group must set the same, between steps.
+  // each received header (device_comm.h), and a message that outgrows its capacity follows on the
+  // follow-up channel (set_follow_up_channels). Every rank of the group must set the same, between steps.
   void set_shapes_travel(bool on) { shaped_.travel = on; }
-  // The device path's shaped messages: a store shared by the group's ranks (a prefix of their own),
-  // through which a message that outgrew its capacity follows, as a packed message on the host under
-  // the key its header names (comm.h; [Note: NCCL pair order] in device_comm.h says why not by tag). Costs
-  // a device-to-host copy at the sender and the store's round trip and a host-to-device copy at the
-  // receiver, for each message of a step that outgrows the capacity the step started with.
-  void set_follow_up_store(c10::intrusive_ptr<c10d::Store> store) { shaped_.store = std::move(store); }
+  // The device path's shaped messages: two more communicators of the group's ranks (NCCL on CUDA), on
+  // which a message that outgrew its capacity follows, packed on the device at its own size: `up` for
+  // follow-ups to higher group ranks, `down` to lower ones ([Note: NCCL pair order] in device_comm.h
+  // says why not on the group, in which order, and why one per direction). Costs one message more and
+  // the host's read of its header, for each message of a step that outgrows the capacity the step
+  // started with; nothing goes through the store, whatever the size.
+  void set_follow_up_channels(c10::intrusive_ptr<c10d::Backend> up, c10::intrusive_ptr<c10d::Backend> down) {
+    shaped_.up = std::move(up);
+    shaped_.down = std::move(down);
+  }
   bool shapes_travel() const { return shaped_.travel; }
   // Shaped messages carry the step's batch rows (the first stages' batch size, 0 if it has none)
   // from the ranks holding a first stage, which set it before each run, to the others, which set -1
@@ -295,6 +300,8 @@ class Executor {
   const std::string& last_comm_failure() const { return comm_failure_; }
   // Largest number of bytes in flight to one peer during the last run.
   int64_t peak_send_bytes() const;
+  // Sends that failed or timed out, held with their buffers until this executor goes (send_tracker.h).
+  int64_t held_failed_sends() const;
   int64_t threaded_posts() const { return counts_.threaded_posts; }
   int64_t posted_here() const { return counts_.posted_here; }
 #ifdef PIPECORE_TESTING
@@ -376,16 +383,20 @@ class Executor {
   // settle's reading of one message for action `consumer` (waits for it; a grown one's follow-up too,
   // its data into the scratch when `draining`).
   void read_header(CommTask& task, const Instr& consumer, bool draining);
-  // The parts of grown message `task`'s follow-up, a message laid out by `layout` (its own shapes):
-  // on gloo received on the follow-up tag (into the scratch when `draining`); on the device path
-  // taken from the store under `key`, a packed message on the host (none when `draining`, or taken
-  // already: the drain after a failure that came after taking it). `what` names its data in errors.
+  // The header of `task` and, first, of every receive from its peer posted before it and not read yet
+  // (the device path: follow-ups match in the order their headers are read, [Note: NCCL pair order]).
+  void read_headers_through(CommTask& task, const Instr& consumer, bool draining);
+  // The parts of grown message `task`'s follow-up, a message laid out by `layout` (its own shapes),
+  // received into the scratch when `draining`. `what` names its data in errors.
+  // On gloo, received on the follow-up tag; the caller checks its header.
   std::vector<at::Tensor> follow_up_by_tag(const CommTask& task, const std::vector<TensorSpec>& layout,
                                            const Instr& consumer, const char* what, bool draining);
-  std::vector<at::Tensor> follow_up_from_store(CommTask& task, const Instr& consumer, const char* what, int64_t key,
-                                               bool draining);
-  // The store key of the follow-up `key` from rank `from` to rank `to`.
-  static std::string follow_up_key(int64_t from, int64_t to, int64_t key);
+  // On the device path, the `ordinal`-th follow-up from its peer, received packed on the follow-up
+  // channel (once: the drain after a failure that came after receiving it reads it again); `same`: its
+  // header names the shapes `task`'s did. The compute stream waits for it unless `draining`.
+  std::vector<at::Tensor> follow_up_on_channel(CommTask& task, const std::vector<TensorSpec>& layout,
+                                               const Instr& consumer, const char* what, int64_t ordinal,
+                                               bool draining, bool& same);
 
   // --- send.cpp
   // SEND_F / SEND_B on the host path: its message (and a grown one's follow-up) posted.
@@ -396,8 +407,8 @@ class Executor {
   // message of the same size whose trailer carries `status`. A shaped message that outgrew its
   // capacity is its header; `follow_up` then gets the message at its own size.
   // `crossing`: the shapes of a shaped SEND_F's tensors, to record once it is posted.
-  // On the device path `follow_up` is a packed message on the host, for the store, and `key` its key
-  // (set_follow_up_store).
+  // On the device path `follow_up` is packed, for the follow-up channel, and `key` its ordinal among
+  // the follow-ups to its peer (its header names it; set_follow_up_channels).
   std::vector<at::Tensor> message_of(const Instr& in, bool aborted, int64_t status = 0,
                                      std::vector<at::Tensor>* follow_up = nullptr,
                                      std::vector<TensorSpec>* crossing = nullptr, int64_t* key = nullptr);
@@ -417,9 +428,10 @@ class Executor {
   // `here_if_idle` and it has nothing queued) this thread. Counts them, and hands sends to the tracker,
   // which frees them once complete (`aside`: a follow-up, outside the budget).
   // `inboxes` (device path): where each receive's batch ready marker goes (null for a send), set as soon
-  // as the batch is posted, before anything else may throw.
+  // as the batch is posted, before anything else may throw. `channel`: posted there (the device path's
+  // follow-up channel), not on the group.
   void post(const std::vector<std::shared_ptr<CommTask>>& tasks, const std::vector<size_t>& actions, int tag = 0,
-            bool here_if_idle = false, const std::vector<Inbox*>& inboxes = {});
+            bool here_if_idle = false, const std::vector<Inbox*>& inboxes = {}, c10d::Backend* channel = nullptr);
   // Waits until a queued task is posted; a posting error becomes a CommError.
   void await_posted(CommTask& task, const Instr& in);
   // The CommError for a send or receive the group refused to post.
@@ -476,6 +488,7 @@ class Executor {
 
   // The group. reverse_ is declared before the threads that post on it: it outlives them.
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  c10::intrusive_ptr<c10d::Backend> group_backend_;  // the device path's: pg_'s for its device (set at first use)
   c10::intrusive_ptr<c10d::Backend> reverse_;
   int64_t rank_;
   std::chrono::milliseconds timeout_;
@@ -492,12 +505,21 @@ class Executor {
   struct ShapedMessages {
     bool travel = false;
     int64_t batch_rows = -1;  // see set_batch_rows
-    c10::intrusive_ptr<c10d::Store> store;       // device path: follow-ups (set_follow_up_store)
-    std::unordered_map<int, int64_t> follow_ups_to;  // per peer: follow-ups sent through the store so far
+    c10::intrusive_ptr<c10d::Backend> up, down;        // device path: follow-ups (set_follow_up_channels)
+    // the channel of a follow-up between this rank and `peer` (`send`: this rank sends it)
+    c10d::Backend* channel(int64_t rank, int64_t peer, bool send) const {
+      return (send ? peer > rank : peer < rank) ? up.get() : down.get();
+    }
+    std::unordered_map<int, int64_t> follow_ups_to;    // per peer: follow-ups sent on the channel so far
+    std::unordered_map<int, int64_t> follow_ups_numbered;  // and numbered so far, by the batch being made
+    std::unordered_map<int, int64_t> follow_ups_from;  // per peer: follow-ups received on it so far
+    // device path, per peer: receives posted and not read yet, in posting order (read_headers_through)
+    std::unordered_map<int, std::deque<std::shared_ptr<CommTask>>> unread_from;
   } shaped_;
   // the crossings into a stage (specs_.crossed_in), batch rows and a follow-up's posting, from the halves of a
   // pair (crossings out are recorded by SENDs, on the step's thread only)
   std::mutex settle_mu_;
+  std::mutex header_order_mu_;  // read_headers_through: the halves of a pair read one peer's headers in order
 
   // What the last run sent and posted (reset at each run's start).
   struct Counts {

@@ -15,15 +15,16 @@
 namespace pipecore {
 
 void Executor::post(const std::vector<std::shared_ptr<CommTask>>& tasks, const std::vector<size_t>& actions, int tag,
-                    bool here_if_idle, const std::vector<Inbox*>& inboxes) {
+                    bool here_if_idle, const std::vector<Inbox*>& inboxes, c10d::Backend* channel) {
   for (size_t k = 0; k < tasks.size(); ++k) {
     CommTask& task = *tasks[k];
     const Instr& in = program_[actions[k]];
     task.peer = static_cast<int>(in.peer);
     task.tag = tag;
     task.group = pg_.get();
+    task.channel = channel;
     // travels to a lower rank (the host path: a device batch is one group, on the group)
-    if (reverse_ && !device_comm_ && (task.send ? in.peer < rank_ : in.peer > rank_)) {
+    if (!channel && reverse_ && !device_comm_ && (task.send ? in.peer < rank_ : in.peer > rank_)) {
       task.channel = reverse_.get();
       if constexpr (kTesting) ++counts_.reverse_posts;
     }
@@ -33,7 +34,8 @@ void Executor::post(const std::vector<std::shared_ptr<CommTask>>& tasks, const s
   if (device_comm_) {
     std::shared_ptr<StreamMarker> ready;
     try {
-      ready = device_comm_->post_batch(*pg_, tasks);
+      if (!channel && !group_backend_) group_backend_ = pg_->getBackend(device_comm_->device_type());
+      ready = device_comm_->post_batch(channel ? *channel : *group_backend_, tasks);
     } catch (const std::exception& e) {
       throw post_failure(*tasks.front(), program_[actions.front()], e.what());
     }

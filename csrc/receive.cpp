@@ -95,10 +95,13 @@ void Executor::drain(Inbox& inbox, const Instr& in, const char* what, bool wait)
 
 void Executor::let_go(Inbox& inbox) {
   if (inbox.task && inbox.ready) {
+    CommTask& task = *inbox.task;
     try {
-      device_comm_->release(*inbox.task, *inbox.ready, inbox.consumed);
+      device_comm_->release(task, *inbox.ready, inbox.consumed);
+      if (task.follow_up) device_comm_->release(*task.follow_up, *task.follow_up_ready, task.follow_up_consumed);
     } catch (...) {  // the stream contract's checker keeps its refusals (stream_violations)
     }
+    task.follow_up.reset();
   }
   inbox = Inbox();
 }
@@ -109,6 +112,7 @@ void Executor::clear_slots() {
     let_go(s.recv_b);
     s = Slot();
   }
+  shaped_.unread_from.clear();
 }
 
 void Executor::wait_task(CommTask& task, const Instr& in, const char* what) {
@@ -149,7 +153,13 @@ void Executor::check_message_status(int64_t status, const Instr& in, const char*
 void Executor::settle(CommTask& task, const Instr& action, const char* what, bool draining) {
   Instr in = action;  // the action that consumes the message (F, B, I): it came from the task's peer
   in.peer = task.peer;
-  if (!task.settled) read_header(task, in, draining);
+  if (!task.settled) {
+    if (device_comm_) {
+      read_headers_through(task, in, draining);
+    } else {
+      read_header(task, in, draining);
+    }
+  }
   if (draining) return;
   if (task.status == kMessageUnknown) {
     throw CommError(out_of_step(where(in), what, in.mb, in.peer,
@@ -184,21 +194,22 @@ void Executor::read_header(CommTask& task, const Instr& consumer, bool draining)
   task.shapes = header.shapes;
   if (task.status == kMessageGrown) {
     // its data follows as a message of its own shapes (comm.h): on gloo at its own size on a tag of
-    // its own, on the device path through the store ([Note: NCCL pair order])
+    // its own, on the device path on the follow-up channel ([Note: NCCL pair order])
     const std::vector<TensorSpec> layout = with_shapes(task.layout, task.shapes);
-    std::vector<at::Tensor> parts = exact ? follow_up_from_store(task, consumer, what, header.follow_up, draining)
-                                          : follow_up_by_tag(task, layout, consumer, what, draining);
-    ShapedHeader second;
-    const bool same = draining || (read_shaped(parts, layout, exact ? kAlwaysPacked : large_message_bytes_, exact,
-                                               second) == kMessageOk &&
-                                   second.shapes == task.shapes);
+    bool same = draining;
+    std::vector<at::Tensor> parts;
+    if (exact) {
+      parts = follow_up_on_channel(task, layout, consumer, what, header.follow_up, draining, same);
+    } else {
+      parts = follow_up_by_tag(task, layout, consumer, what, draining);
+      ShapedHeader second;
+      same = same || (read_shaped(parts, layout, large_message_bytes_, exact, second) == kMessageOk &&
+                      second.shapes == task.shapes);
+    }
     task.status = same ? kMessageOk : kMessageUnknown;
     task.follow_up_failed = !same;
     if (same && !draining) {
-      // the store's is on the host: to the device on the compute stream, which reads it next (once per
-      // boundary's growth)
-      task.follow_up_parts = exact ? std::vector<at::Tensor>{parts[0].to(specs_.options(in).device())}
-                                   : std::move(parts);
+      task.follow_up_parts = std::move(parts);
       task.layout = layout;
     }
   }
@@ -208,10 +219,6 @@ void Executor::read_header(CommTask& task, const Instr& consumer, bool draining)
     specs_.crossed_in(in.stage, with_shapes(task.layout, task.shapes));
     if (shaped_.batch_rows < 0) shaped_.batch_rows = header.rows;  // (set_batch_rows)
   }
-}
-
-std::string Executor::follow_up_key(int64_t from, int64_t to, int64_t key) {
-  return std::to_string(from) + ">" + std::to_string(to) + "/" + std::to_string(key);
 }
 
 std::vector<at::Tensor> Executor::follow_up_by_tag(const CommTask& task, const std::vector<TensorSpec>& layout,
@@ -233,27 +240,65 @@ std::vector<at::Tensor> Executor::follow_up_by_tag(const CommTask& task, const s
   return std::move(again->parts);
 }
 
-std::vector<at::Tensor> Executor::follow_up_from_store(CommTask& task, const Instr& consumer, const char* what,
-                                                       int64_t key, bool draining) {
-  TORCH_CHECK(shaped_.store, where(consumer), ": a grown message on the device path, and no store for its follow-up");
-  if (task.follow_up_taken) return {};  // (a failure after taking it, e.g. out of memory: this is its drain)
-  const std::string name = follow_up_key(task.peer, rank_, key);
-  std::vector<uint8_t> bytes;
+void Executor::read_headers_through(CommTask& task, const Instr& consumer, bool draining) {
+  std::lock_guard<std::mutex> lock(header_order_mu_);
+  auto& unread = shaped_.unread_from[task.peer];
+  while (!task.settled) {
+    if (unread.empty()) {  // (a discovery run's receives, read on the host as they come)
+      read_header(task, consumer, draining);
+      return;
+    }
+    const std::shared_ptr<CommTask> next = unread.front();  // an earlier one is read whole, follow-up too
+    read_header(*next, consumer, draining && next.get() == &task);
+    unread.pop_front();  // (once read: a failure leaves it first, to be read again by the drain)
+  }
+}
+
+std::vector<at::Tensor> Executor::follow_up_on_channel(CommTask& task, const std::vector<TensorSpec>& layout,
+                                                       const Instr& consumer, const char* what, int64_t ordinal,
+                                                       bool draining, bool& same) {
+  TORCH_CHECK(shaped_.up && shaped_.down, where(consumer), ": a grown message on the device path, and no follow-up "
+              "channels");
+  if (!task.follow_up) {
+    int64_t& received = shaped_.follow_ups_from[task.peer];
+    if (ordinal != received + 1) {  // a follow-up of another message would come: the channel is out of step
+      same = false;
+      return {};
+    }
+    auto again = std::make_shared<CommTask>();
+    again->send = false;
+    again->layout = layout;
+    again->header_bytes = shaped_header_bytes(layout);  // read by the host, as a shaped message's header
+    again->parts = alloc_shaped(layout, specs_.options(program_[task.action]), kAlwaysPacked, at::Tensor());
+    Inbox got;
+    {
+      std::lock_guard<std::mutex> lock(settle_mu_);  // (the halves of an OVERLAP_F_B pair settle at once)
+      post({again}, {static_cast<size_t>(task.action)}, kFollowUpTag, /*here_if_idle=*/false, {&got},
+           shaped_.channel(rank_, task.peer, /*send=*/false));
+    }
+    ++received;
+    task.follow_up = again;  // let go of with the message, even if reading it fails
+    task.follow_up_ready = got.ready;
+  }
+  CommTask& again = *task.follow_up;
+  at::Tensor bytes;
   {
     SpentOn spent(profile_, Spent::kWait);
     try {
-      shaped_.store->wait({name}, timeout_);  // set by the sender before it posted the header
-      bytes = shaped_.store->get(name);
-      shaped_.store->deleteKey(name);
-    } catch (const std::exception& e) {
+      bytes = device_comm_->read_header(again, timeout_);
+    } catch (const CommError& e) {
       throw CommError(wait_failure(where(consumer), what, consumer.mb, task.peer, timeout_, e.what()));
     }
   }
-  task.follow_up_taken = true;
-  if (draining) return {};  // taken from the store, not read
-  auto host = at::empty({static_cast<int64_t>(bytes.size())}, at::TensorOptions().dtype(at::kByte));
-  std::memcpy(host.data_ptr(), bytes.data(), bytes.size());
-  return {host};
+  ShapedHeader second;
+  same = draining || (read_shaped_header(bytes, layout, kAlwaysPacked, message_bytes(again.parts), /*exact=*/true,
+                                         second) == kMessageOk &&
+                      second.shapes == task.shapes);
+  if (same && !draining && !task.follow_up_consumed) {
+    device_comm_->consume(again, *task.follow_up_ready);  // the compute stream reads it next
+    task.follow_up_consumed = true;
+  }
+  return again.parts;
 }
 
 }  // namespace pipecore

@@ -81,12 +81,10 @@ std::vector<at::Tensor> Executor::message_of(const Instr& in, bool aborted, int6
     int64_t follow_up_key = 0;
     if (!fits) {  // its header now (status grown, its shapes), then the message at its own size
       TORCH_CHECK(follow_up != nullptr, where(in), ": a grown message without a follow-up");
-      if (exact) {  // through the store, from the host (set_follow_up_store)
+      if (exact) {  // packed, on a follow-up channel (set_follow_up_channels)
         TORCH_CHECK(key != nullptr, where(in), ": a grown device message without a key");
-        std::vector<at::Tensor> host;
-        for (const auto& t : tensors) host.push_back(t.detach().cpu());  // (waits for the device: once per growth)
-        *follow_up = frame_shaped(host, sent, kAlwaysPacked, kMessageOk, rows, at::TensorOptions());
-        follow_up_key = *key = ++shaped_.follow_ups_to[static_cast<int>(in.peer)];
+        *follow_up = frame_shaped(tensors, sent, kAlwaysPacked, kMessageOk, rows, options);
+        follow_up_key = *key = ++shaped_.follow_ups_numbered[static_cast<int>(in.peer)];  // (post_batch commits)
       } else {
         *follow_up = frame_shaped(tensors, sent, large_message_bytes_, kMessageOk, rows, options);
       }

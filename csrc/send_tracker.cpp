@@ -13,18 +13,20 @@ SendTracker::~SendTracker() {
   std::unique_lock<std::mutex> lock(mu_);
   stop_ = true;
   // Only a failed step leaves sends in flight: their waits would run to their timeouts.
-  for (auto& [peer, lane] : lanes_) {
-    for (auto& e : lane.queue) {
-      if (!e.task->posted()) continue;
-      for (auto& work : e.task->works) {
-        if (!work) continue;
-        try {
-          work->abort();
-        } catch (...) {
-        }
+  auto abort = [](CommTask& task) {
+    if (!task.posted()) return;
+    for (auto& work : task.works) {
+      if (!work) continue;
+      try {
+        work->abort();
+      } catch (...) {
       }
     }
+  };
+  for (auto& [peer, lane] : lanes_) {
+    for (auto& e : lane.queue) abort(*e.task);
   }
+  for (auto& task : failed_sends_) abort(*task);
   lock.unlock();
   changed_.notify_all();
   for (auto& [peer, lane] : lanes_) {
@@ -141,18 +143,25 @@ void SendTracker::loop(int key) {
     lock.unlock();
     std::string error = wait_entry(e);
     lock.lock();
-    if (!error.empty() && failure_.empty()) {
+    const bool failed = !error.empty();
+    if (failed && failure_.empty()) {
       failure_ = std::move(error);
       failed_ = true;
     }
     lane.queue.pop_front();
-    lock.unlock();
-    // the buffers go with the last references: the task's parts and its Works (which hold the
-    // tensors); freed before the bytes count as released, outside the lock
-    e.task->works.clear();
-    e.task->parts.clear();
-    e.task.reset();
-    lock.lock();
+    if (failed) {
+      // a transfer that failed or timed out may still read its buffers (NCCL) until its communicator is
+      // aborted: they are held until this tracker goes, with the executor, after the abort
+      failed_sends_.push_back(std::move(e.task));
+    } else {
+      lock.unlock();
+      // the buffers go with the last references: the task's parts and its Works (which hold the
+      // tensors); freed before the bytes count as released, outside the lock
+      e.task->works.clear();
+      e.task->parts.clear();
+      e.task.reset();
+      lock.lock();
+    }
     lane.in_flight -= e.bytes;
     --pending_;
     changed_.notify_all();
@@ -174,6 +183,11 @@ void SendTracker::clear_failure() {
   std::lock_guard<std::mutex> lock(mu_);
   failure_.clear();
   failed_ = false;
+}
+
+int64_t SendTracker::held_failed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(failed_sends_.size());
 }
 
 int64_t SendTracker::peak_bytes() const {

@@ -27,6 +27,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "comm_worker.h"
 
@@ -57,6 +58,9 @@ class SendTracker {
   bool drain(std::chrono::milliseconds timeout);
   // The first send that failed (timed out, broke, or could not be posted), or empty.
   std::string failure() const;
+  // Sends that failed or timed out: their parts and Works are held until this tracker goes (a transfer
+  // the backend still runs may read them until its communicator is aborted, which comes first).
+  int64_t held_failed() const;
   bool failed() const { return failed_; }
   void clear_failure();
 
@@ -91,6 +95,7 @@ class SendTracker {
   std::atomic<bool> failed_{false};
   int64_t peak_ = 0;
   int64_t pending_ = 0;  // sends not released yet, all peers
+  std::vector<std::shared_ptr<CommTask>> failed_sends_;  // held_failed()
   std::atomic<bool> stop_{false};  // set under mu_; device polling reads it without the lock
 };
 

@@ -36,7 +36,7 @@ void before_read(StreamSync& sync, const CommTask& task, const StreamMarker& rea
 }
 
 void on_release(StreamSync& sync, const CommTask& task, const StreamMarker& ready, bool consumed) {
-  if (!consumed) sync.wait(Lane::kCompute, ready);  // rule 3
+  if (!consumed) sync.wait(Lane::kOwner, ready);  // rule 3
   for (const auto& part : task.parts) sync.freed(part);
 }
 

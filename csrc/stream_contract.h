@@ -13,13 +13,14 @@
 //     too: without that wait a transfer could write into a block that queued compute still reads.
 //  2. A receive's buffer is read on the compute stream only after that stream waited on the
 //     receive's ready event, recorded on the communication stream after its batch.
-//  3. A receive dropped without being read (an aborted step) first makes the compute stream wait on
-//     its ready event: freed, its block returns to the compute stream's pool, which must not hand
-//     it out while the transfer may still write it.
+//  3. A receive dropped without being read (an aborted step) first makes the compute stream that
+//     allocated it (the one current when its batch was posted, whatever thread lets go of it) wait
+//     on its ready event: freed, its block returns to that stream's pool, which must not hand it out
+//     while the transfer may still write it.
 //  4. A send's buffers are released once its Work completed (SendTracker polls it), so no stream
-//     uses them any more; or when that wait failed or timed out: the step then raises CommError and
-//     the group is not trusted any more (a transfer still running is guarded only by the backend's
-//     own reference to its tensors).
+//     uses them any more. When that wait failed or timed out, the step raises CommError, the group's
+//     communicator is aborted (pipecore/executor/comm.py, Comm.mark_broken), and the buffers are held
+//     until the executor goes (SendTracker::held_failed): a transfer may read them until the abort.
 //  5. A shaped receive's header (comm.h) is copied to the host on the communication stream after
 //     its batch and before the batch's ready event: rules 1 and 3 then cover that read as well; the
 //     host reads the copy only after the copy's own event. (The checker sees a copy made after the
@@ -35,7 +36,10 @@
 
 namespace pipecore {
 
-enum class Lane : int { kCompute = 0, kComm = 1 };
+// kCompute: the compute stream current on the calling thread (an OVERLAP_F_B half's, when it reads);
+// kComm: the communication stream; kOwner (waits only): the compute stream current when the batch whose
+// ready marker it is was posted, which allocated its buffers and whose pool they return to.
+enum class Lane : int { kCompute = 0, kComm = 1, kOwner = 2 };
 
 // A point on one lane's timeline (an event).
 struct StreamMarker {

@@ -5,13 +5,15 @@ loss and gradient with single-process training."""
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import pipecore as pc
 from exactness import EXACT_DTYPE, assert_matches
-from models import pipeline_step, reference_forward
+from models import NEVER, pipeline_step, reference_forward
 from pipeline_cases import set_messages
 
 WIDTH = 16
@@ -72,3 +74,154 @@ def side_tensors_cross(rank, world, messages):
     if pipe.has_last:
         assert_matches(torch.stack(losses), torch.stack(want).detach(), "losses")
     return pipe.executor.message_counts
+
+
+STORE_VALUE_LIMIT = 8 * 1024 * 1024  # torch's libuv TCPStore refuses larger values ("Invalid payload size")
+
+
+class CountingStore(dist.Store):
+    """The group's store as a Pipeline sees it, counting the operations a step makes on it, and
+    refusing a value over 8 MiB as the libuv TCPStore does (its connection then reset)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.ops, self.largest = inner, 0, 0
+
+    def _count(self):
+        self.ops += 1
+
+    def set(self, key, value):
+        self._count()
+        size = len(value)
+        self.largest = max(self.largest, size)
+        if size > STORE_VALUE_LIMIT:
+            raise RuntimeError(f"Invalid payload size: {size}, max: {STORE_VALUE_LIMIT}")
+        return self.inner.set(key, value)
+
+    def get(self, key):
+        self._count()
+        return self.inner.get(key)
+
+    def add(self, key, value):
+        self._count()
+        return self.inner.add(key, value)
+
+    def compare_set(self, key, expected, desired):
+        self._count()
+        return self.inner.compare_set(key, expected, desired)
+
+    def wait(self, keys, timeout=None):
+        self._count()
+        return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+    def check(self, keys):
+        self._count()
+        return self.inner.check(keys)
+
+    def delete_key(self, key):
+        self._count()
+        return self.inner.delete_key(key)
+
+    deleteKey = delete_key  # (the name c10d calls it by, through a PrefixStore)
+
+    def num_keys(self):
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout):
+        return self.inner.set_timeout(timeout)
+
+
+GROWN_WIDTH = 128
+
+
+def grown_messages_cross_without_the_store(rank, world, lengths):
+    """1F1B on 2 ranks, two Linear stages of GROWN_WIDTH, float64, on the device path with shapes
+    travelling: each step's sequences are `lengths[step]` long (one per microbatch), so a step with
+    longer sequences than any before sends messages that outgrow their capacity. Every step's losses and gradients match one
+    process. Returns the store operations of each step after the first (which learns the plan), the
+    largest value set, and the messages each step sent grown."""
+    torch.manual_seed(0)
+    model = [nn.Linear(GROWN_WIDTH, GROWN_WIDTH), nn.Linear(GROWN_WIDTH, GROWN_WIDTH)]
+    ref = copy.deepcopy(model)
+    m = 2
+    sched = pc.build_schedule("1f1b", world, m, 1)
+    stage = pc.PipelineStage(copy.deepcopy(model[rank]), rank, world)
+    pipe = pc.Pipeline(stage, sched, m, loss_fn=nn.MSELoss(), timeout=60, variable_shapes=True)
+    set_messages(pipe, "device")
+    pipe.executor.set_shapes_travel(True)  # (variable_shapes=True, as on NCCL)
+    store = pipe.comm.store = CountingStore(pipe.comm.store)
+    ops, grown = [], []
+    for step, length in enumerate(lengths):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(m, length, GROWN_WIDTH, generator=g)
+        y = torch.randn(m, length, GROWN_WIDTH, generator=g)
+        for q in [*stage.module.parameters(), *ref[0].parameters(), *ref[1].parameters()]:
+            q.grad = None
+        before = store.ops
+        losses: list = []
+        pipeline_step(pipe, x, y, losses=losses)
+        ops.append(store.ops - before)
+        grown.append(pipe.executor.message_counts[2])
+        nn.MSELoss()(reference_forward(ref, x), y).backward()
+        for (name, p), q in zip(stage.module.named_parameters(), ref[rank].parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m_: f"step {step}: stage {rank} {name}: {m_}")
+    return ops[1:], store.largest, grown
+
+
+def shapes_in_messages_on_one_rank(rank, world):
+    """variable_shapes=True on rank 0 only (the timeout never runs out: only an agreement can end
+    this). Returns the error each rank's first step raised (type, text) and how long it took."""
+    torch.manual_seed(0)
+    model = [nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)]
+    stage = pc.PipelineStage(model[rank], rank, world)
+    pipe = pc.Pipeline(stage, pc.build_schedule("1f1b", world, 2, 1), 2, loss_fn=nn.MSELoss(), timeout=NEVER,
+                       variable_shapes=rank == 0)
+    x, y = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
+    start = time.monotonic()
+    try:
+        pipeline_step(pipe, x, y)
+    except Exception as exc:  # noqa: BLE001 - returned to the test
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return None, None, time.monotonic() - start
+
+
+class Scale(nn.Module):
+    """A stage of one parameter: large messages at little compute."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def timed_out_send_is_held(rank, world):
+    """1F1B on 2 ranks, timeout 2 s, 32 MiB activations (more than a socket takes in): rank 1 posts
+    each receive only at its action (recv_window=0) and hangs in its first forward for 5 s, so rank
+    0's send of microbatch 1 is not taken within its timeout. Returns each rank's step outcome and how
+    many failed sends its executor holds, waited for up to 5 s after the step's error (a send's own
+    timeout may end after it)."""
+    group = dist.new_group(backend="gloo")
+    stage = pc.PipelineStage(Scale(), rank, world)
+    pipe = pc.Pipeline(stage, pc.build_schedule("1f1b", world, 4, 1), 4, loss_fn=nn.MSELoss(), timeout=2,
+                       group=group, recv_window=0)
+    x, y = torch.randn(4 * 1024, 4096), torch.randn(4 * 1024, 4096)  # float64: 32 MiB per microbatch
+    pipeline_step(pipe, x, y)
+    if rank == 1:
+        hang = {"left": 1}
+
+        def stall(mod, args):
+            if hang["left"]:
+                hang["left"] -= 1
+                time.sleep(5)
+        stage.module.register_forward_pre_hook(stall)
+    try:
+        pipeline_step(pipe, x, y)
+        outcome = "ok"
+    except Exception as exc:  # noqa: BLE001 - returned to the test
+        outcome = type(exc).__name__
+    deadline = time.monotonic() + 5
+    while pipe.executor.held_failed_sends == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return outcome, pipe.executor.held_failed_sends

@@ -113,15 +113,19 @@ def hanging_rank(rank, world, bad_rank, warm=False, messages="default"):
 def comm_error_aborts_an_nccl_group(rank, world):
     """hanging_rank (rank 0 hangs) with the Pipeline's group taken for an NCCL one: the abort of its
     communicator is asked for that group (recorded here: this gloo group has none), and the error
-    says so. Returns the step's outcome and the groups the abort was asked for (True: the Pipeline's)."""
-    pipe = _faulty_pipe(rank, world, 0, lambda: time.sleep(6), 2, "device")
+    says so. Returns the step's outcome, the groups the abort was asked for (True: the Pipeline's),
+    and where each receive of the run was posted (-1: never; nothing goes onto a wedged communicator)."""
+    hang = {"on": False}  # from the second step: the first learns the shapes
+    pipe = _faulty_pipe(rank, world, 0, lambda: time.sleep(6) if hang["on"] else None, 2, "device")
     pipe.comm.p2p_is_nccl = lambda: True
     asked = []
     real = dist.distributed_c10d._abort_process_group
     dist.distributed_c10d._abort_process_group = lambda group=None: asked.append(group is pipe.group)
     try:
         x, y = make_batch(8)
-        return _outcome(lambda: pipeline_step(pipe, x, y)), asked
+        pipeline_step(pipe, x, y)
+        hang["on"] = True
+        return _outcome(lambda: pipeline_step(pipe, x, y)), asked, pipe.executor.recv_posted_at()
     finally:
         dist.distributed_c10d._abort_process_group = real
 
@@ -328,9 +332,14 @@ def helper_threads(rank, world):
 def own_error_then_peer_hangs(rank, world):
     """Rank 0's forward of microbatch 1 raises while rank 1 hangs longer than the timeout: rank 0
     cannot release rank 1 (its wait for rank 1's gradients times out), so its own error must not
-    hide that the group broke."""
+    hide that the group broke, and the group's communicator is aborted (the Pipeline's group taken
+    for an NCCL one: the abort is recorded, as in comm_error_aborts_an_nccl_group)."""
     group = dist.new_group(backend="gloo")
     pipe, _ = _pipe(rank, world, "1f1b", group=group, timeout=2)
+    pipe.comm.p2p_is_nccl = lambda: True
+    asked = []
+    real = dist.distributed_c10d._abort_process_group
+    dist.distributed_c10d._abort_process_group = lambda group=None: asked.append(group is pipe.group)
     x, y = make_batch(8)
     pipeline_step(pipe, x, y)
     calls = {"n": 0}
@@ -350,7 +359,8 @@ def own_error_then_peer_hangs(rank, world):
         first = (type(exc).__name__, str(exc), type(exc.__cause__).__name__)
     seconds = time.monotonic() - t0
     after = _outcome(lambda: pipeline_step(pipe, x, y))
-    return first, seconds, after
+    dist.distributed_c10d._abort_process_group = real
+    return first, seconds, after, asked
 
 
 def comm_error_keeps_gradients_held_before(rank, world, bad_rank):

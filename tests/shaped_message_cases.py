@@ -90,7 +90,7 @@ def step_lengths(rank: int, world: int, name: str, lengths: list[list[int]], lar
     threshold (0: every message sent as its parts); `fail`: (step, rank) whose first forward raises;
     `overlap`: the Pipeline's overlap_f_b mode (the halves of a pair read their messages at once);
     `device`: the device path's protocol, emulated (messages at their capacity's size, headers read
-    by the host, messages that outgrow their capacity followed through the store).
+    by the host, messages that outgrow their capacity followed on the follow-up channels).
     Returns per step the executor's message counts, the plans learnt and the forwards this rank ran
     (more than its program's F actions: a step ran twice), the largest relative gradient
     difference from one process over the steps that did not fail, and the stream contract's
@@ -150,7 +150,7 @@ def out_of_memory_while_growing(rank: int, world: int, name: str, bad_rank: int,
     capacity) where the bad rank's k-th allocation of at least `min_bytes` fails, for every k such a
     step has (receive buffers, headers, follow-ups, activations); then a clean step of the same
     lengths, checked against one process. `device`: on the emulated device path with shaped messages
-    (grown messages follow through the store). Returns the (kind, text) of each try and of each
+    (grown messages follow on the follow-up channels). Returns the (kind, text) of each try and of each
     clean step, and the largest relative gradient difference of the clean steps."""
     from memory_probe import probe
     from reliability_cases import _outcome

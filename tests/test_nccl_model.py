@@ -6,9 +6,10 @@ from datetime import timedelta
 import pytest
 
 from dist_pool import pool
+from nccl_model_cases import (grown_messages_cross_without_the_store, shapes_in_messages_on_one_rank, side_tensors_cross,
+                              timed_out_send_is_held)
 from pipecore.errors import InputError
 from pipecore.runtime.message_path import check_device_path_settings
-from nccl_model_cases import side_tensors_cross
 
 
 @pytest.mark.parametrize("messages", ["large", "default"])
@@ -43,3 +44,38 @@ def test_the_device_path_refuses_a_watchdog_or_blocking_wait_that_would_act_firs
     with pytest.raises(InputError, match="rank 3: ") as caught:
         check_device_path_settings(3, timeout, backend, environ)
     assert refused in str(caught.value), caught.value
+
+
+def test_a_message_grown_past_64_mib_follows_over_the_communicator_not_the_store():
+    # H1: a device message that outgrew its capacity followed through the group's TCPStore, which
+    # refuses values over 8 MiB: the sender's set failed and the receiver waited out its timeout. Steps
+    # 1-3: within the plan's capacity, then growth to 64 MiB per message (a sequence of 65,536 by 128
+    # in float64), then within the grown capacity again: no store operation in any of them.
+    lengths = [64, 32, 65536, 32768]
+    results = pool(2).run(grown_messages_cross_without_the_store, lengths, timeout=300)
+    for rank, (ops, largest, grown) in enumerate(results):
+        assert ops == [0, 0, 0], (rank, ops, largest)
+        assert grown == [0, 0, 2, 0], (rank, grown)  # both microbatches: activations on rank 0, gradients on 1
+
+
+def test_ranks_whose_messages_differ_are_refused_at_the_first_step():
+    # M2: variable_shapes on one rank only. On NCCL its messages and the receives posted for them
+    # differ in size, which hangs; on gloo a receiver saw a channel out of step. Now the first
+    # agreement compares how each rank's messages go and every rank raises at once.
+    results = pool(2).run(shapes_in_messages_on_one_rank, timeout=120)
+    for rank, (kind, text, seconds) in enumerate(results):
+        assert kind == "InputError", (rank, kind, text)
+        assert (f"rank {rank}: the ranks were built with different pipelines (messages: rank 0 'gloo, shapes in "
+                "every message', rank 1 'gloo, a plan per batch shape')") in text, (rank, text)
+        assert "variable_shapes" in text, text
+
+
+def test_a_timed_out_send_keeps_its_buffers_until_the_executor_goes():
+    # H3: the send tracker dropped a timed-out send's parts and Works at once, while NCCL may still
+    # read them until its communicator is aborted (c10d's own stash is not pipecore's guarantee). Held
+    # now until the executor goes, which comes after the abort.
+    p = pool(2)
+    results = p.run(timed_out_send_is_held, timeout=120)
+    p.broken = True  # its subgroup is broken by design
+    outcome, held = results[0]
+    assert outcome == "CommunicationError" and held >= 1, results

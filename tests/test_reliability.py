@@ -55,18 +55,23 @@ def test_a_communication_error_on_nccl_aborts_the_groups_communicator():
     p = pool(2)
     results = p.run(comm_error_aborts_an_nccl_group, timeout=90)
     p.broken = True
-    (kind, msg, _), asked = results[1]
+    (kind, msg, _), asked, posted_at = results[1]
     assert kind == "CommunicationError" and "aborted the group's NCCL communicator" in msg, (kind, msg)
     assert asked == [True], asked
+    # H2 (issue 51): after the timeout the rest of the program was not posted onto the wedged
+    # communicator (its group end could block the host until c10d's watchdog): later receives never were
+    assert posted_at[0] >= 0 and posted_at[-1] == -1, posted_at
 
 
 def test_a_ranks_own_error_does_not_hide_that_releasing_its_peers_failed():
     p = pool(2)
     results = p.run(own_error_then_peer_hangs, timeout=90)
     p.broken = True  # its subgroup is broken by design
-    (kind, msg, cause), seconds, after = results[0]
+    (kind, msg, cause), seconds, after, asked = results[0]
     assert kind == "CommunicationError" and cause == "RuntimeError", results[0]
     assert "boom on rank 0" in msg and "telling the other ranks failed" in msg and "rebuild" in msg, msg
+    # H2 (issue 51): the group is aborted on this path too (it was only marked broken)
+    assert asked == [True] and "aborted the group's NCCL communicator" in msg, (asked, msg)
     assert seconds < 10
     assert after[0] == "CommunicationError" and "rebuild" in after[1], after
     assert results[1][0][0] in ("CommunicationError", "PeerFailedError"), results[1]

@@ -40,7 +40,7 @@ def test_data_parallel_replicas_with_microbatches_of_their_own_lengths(name):
 def test_every_schedule_on_the_device_path_with_shapes_in_the_messages(name):
     """The same on the device path's protocol, emulated, with variable_shapes (messages at their
     capacity, headers read by the host): exact; messages that outgrew their capacities followed
-    through the store (some did: lengths grow over the steps); no step ran twice; the stream
+    on the follow-up channels (some did: lengths grow over the steps); no step ran twice; the stream
     contract holds."""
     results = pool(2).run(train_variable, name, 5, 1, True, timeout=300)
     for rank, r in enumerate(results):

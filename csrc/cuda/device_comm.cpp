@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <optional>
 #include <thread>
 
 #include "../errors.h"
@@ -23,6 +24,7 @@ namespace {
 
 struct CudaMarker final : StreamMarker {
   c10::Event event{c10::DeviceType::CUDA};
+  std::optional<c10::cuda::CUDAStream> owner;  // a batch's ready marker: the compute stream that posted it
 };
 
 // The contract's two lanes: the compute stream is the current stream of the thread that asks (the
@@ -38,7 +40,9 @@ class CudaStreams final : public StreamSync {
   }
   void wait(Lane lane, const StreamMarker& marker) override {
     c10::cuda::CUDAGuard device_guard(device_);
-    static_cast<const CudaMarker&>(marker).event.block(stream(lane));
+    const auto& cuda = static_cast<const CudaMarker&>(marker);
+    TORCH_CHECK(lane != Lane::kOwner || cuda.owner, "pipecore: a wait on the posting stream of a marker without one");
+    cuda.event.block(lane == Lane::kOwner ? *cuda.owner : stream(lane));
   }
 
  private:
@@ -65,11 +69,15 @@ class CudaComm final : public DeviceComm {
 
   c10::DeviceType device_type() const override { return c10::DeviceType::CUDA; }
 
-  void begin_step() override { status_.zero_(); }
+  void begin_step() override {
+    c10::cuda::CUDAGuard device_guard(device_);
+    status_.zero_();
+  }
 
-  std::shared_ptr<StreamMarker> post_batch(c10d::ProcessGroup& group,
+  std::shared_ptr<StreamMarker> post_batch(c10d::Backend& backend,
                                            const std::vector<std::shared_ptr<CommTask>>& tasks) override {
     c10::cuda::CUDAGuard device_guard(device_);
+    const c10::cuda::CUDAStream posting = compute_stream();  // (the guard below makes the comm stream current)
     const bool recvs = std::any_of(tasks.begin(), tasks.end(), [](const auto& t) { return !t->send; });
     before_batch(*streams_, tasks);  // the communication stream waits on compute, whatever the batch holds
     c10::intrusive_ptr<c10d::Work> work;
@@ -77,25 +85,26 @@ class CudaComm final : public DeviceComm {
     {
       // c10d's NCCL stream waits on the current stream at posting: our communication stream
       c10::cuda::CUDAStreamGuard on_comm(comm_);
-      group.startCoalescing(c10::DeviceType::CUDA);
+      backend.startCoalescing();
       try {
         for (const auto& task : tasks) post_parts(*task);
       } catch (const std::exception& e) {
         // part of the batch was added: ending the group would launch that half, whose peers would wait
         // for the rest. The communicator is aborted first; the group is then closed on it.
-        group.abort();
+        backend.abort();
         try {
-          group.endCoalescing(c10::DeviceType::CUDA);
+          backend.endCoalescing();
         } catch (...) {
         }
         throw CommError(std::string("posting a batch of sends and receives failed (") + e.what() +
                         "); the group's communicator was aborted");
       }
-      work = group.endCoalescing(c10::DeviceType::CUDA);
+      work = backend.endCoalescing();
       TORCH_CHECK(work, "pipecore: the group returned no Work for a batch of sends and receives");
       if (recvs) work->wait();  // no timeout: the communication stream waits for the group; the host does not
       copy_headers(tasks);
       ready = after_batch(*streams_, tasks);  // the receives' ready event, on the communication stream
+      if (ready) static_cast<CudaMarker&>(*ready).owner = posting;  // where a dropped receive waits (rule 3)
       for (const auto& task : tasks) task->works.assign(1, work);  // coalesced operations have no Work of their own
     }
     for (const auto& task : tasks) task->mark_posted(nullptr);
@@ -126,10 +135,12 @@ class CudaComm final : public DeviceComm {
   }
 
   void write_trailer(at::Tensor& trailer) override {
+    c10::cuda::CUDAGuard device_guard(device_);  // a launch goes to the current device
     cuda::write_trailer(trailer, status_, compute_stream().stream());
   }
 
   void fill_seed(at::Tensor& seed, double value) override {
+    c10::cuda::CUDAGuard device_guard(device_);
     cuda::fill_seed(seed, value, status_, compute_stream().stream());
   }
 

@@ -67,7 +67,7 @@ class HostDeviceComm final : public DeviceComm {
     status_ = kMessageOk;
   }
 
-  std::shared_ptr<StreamMarker> post_batch(c10d::ProcessGroup& group,
+  std::shared_ptr<StreamMarker> post_batch(c10d::Backend& /*backend*/,
                                            const std::vector<std::shared_ptr<CommTask>>& tasks) override {
     before_batch(*ledger_, tasks);
     for (const auto& task : tasks) check_nccl_dtypes(*task);  // refused before any of the batch is posted

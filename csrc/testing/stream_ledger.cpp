@@ -32,14 +32,14 @@ void StreamLedger::note_violation(const std::string& what) {
 std::shared_ptr<StreamMarker> StreamLedger::record(Lane lane) {
   std::lock_guard<std::mutex> lock(mu_);
   auto marker = std::make_shared<LedgerMarker>();
-  marker->clock = clocks_[static_cast<int>(lane)];
+  marker->clock = clocks_[lane_index(lane)];
   return marker;
 }
 
 void StreamLedger::wait(Lane lane, const StreamMarker& marker) {
   std::lock_guard<std::mutex> lock(mu_);
   const auto& seen = static_cast<const LedgerMarker&>(marker).clock;
-  Clock& mine = clocks_[static_cast<int>(lane)];
+  Clock& mine = clocks_[lane_index(lane)];
   for (int l = 0; l < kLanes; ++l) mine[l] = std::max(mine[l], seen[l]);
 }
 
@@ -50,7 +50,7 @@ void StreamLedger::allocated(const at::Tensor& t, Lane lane) {
     ++it->second.parts;
     return;
   }
-  const int owner = static_cast<int>(lane);
+  const int owner = lane_index(lane);
   Buffer b;
   b.owner = owner;
   b.allocated_at = tick(owner);  // the owner's work queued before this point may still use the block
@@ -64,7 +64,7 @@ void StreamLedger::used(const at::Tensor& t, Lane lane, bool writes) {
   auto it = buffers_.find(key(t));
   if (it == buffers_.end()) return;  // not a message buffer
   Buffer& b = it->second;
-  const int l = static_cast<int>(lane);
+  const int l = lane_index(lane);
   const Clock& mine = clocks_[l];
   if (l != b.owner && mine[b.owner] < b.allocated_at) {
     std::ostringstream os;

@@ -44,6 +44,8 @@ class StreamLedger final : public StreamSync {
  private:
   static constexpr int kLanes = 2;
   using Clock = std::array<int64_t, kLanes>;
+  // One compute stream here: the posting one (kOwner) is the compute lane.
+  static int lane_index(Lane lane) { return lane == Lane::kOwner ? 0 : static_cast<int>(lane); }
   struct Buffer {
     int owner = 0;
     int64_t allocated_at = 0;               // the owner's operation count at the allocation

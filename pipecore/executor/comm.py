@@ -37,6 +37,7 @@ class Comm:
         # names this Pipeline's keys in the store, alike on every rank: set at the first agreement
         self.uid: str | None = None
         self.broken: str | None = None  # why the group broke (no later step may use it)
+        self.channels: list = []  # more communicators of these ranks (open_reverse_channel, open_follow_up_channels)
         self.step = -1  # the step in progress: its failures are left under its key
 
     # -- the small collectives ---------------------------------------------------------------
@@ -95,8 +96,8 @@ class Comm:
             return fn(group, *args, timeout=self.timeout, what=what,
                       **({"device": str(self.device_for(group))} if on_device else {}))
         except CommError as exc:
-            self.broken = str(exc)
-            raise CommunicationError(f"{exc}; a rank hung or died: rebuild the process group") from None
+            aborted = self.mark_broken(str(exc), group)
+            raise CommunicationError(f"{exc}; a rank hung or died: {aborted}rebuild the process group") from None
 
     def device_for(self, group=None) -> torch.device:
         """Where small collectives over `group` run: CPU when it has a CPU backend (gloo, also in
@@ -104,25 +105,48 @@ class Comm:
         group = self.group if group is None else group
         return torch.device("cpu") if backend_of(group, torch.device("cpu")) else self.device
 
-    def abandon_group(self, exc: Exception) -> CommunicationError:
-        """The executor's wait timed out or a connection broke: marks the group broken (no later step may
-        run on it), aborts its NCCL communicator where it has one (`abort_nccl`), and returns the error
-        to raise, which says both."""
-        self.broken = str(exc)
-        return CommunicationError(f"{exc}. A peer hung or died: {self.abort_nccl()}rebuild the process group and the "
+    def abandon_group(self, exc: Exception, failed_group=None) -> CommunicationError:
+        """The executor's wait timed out or a connection broke (on `failed_group`, e.g. the data-parallel
+        group, if not on the pipeline's): marks the group broken and aborts (`mark_broken`), and returns
+        the error to raise, which says both."""
+        aborted = self.mark_broken(str(exc), failed_group)
+        return CommunicationError(f"{exc}. A peer hung or died: {aborted}rebuild the process group and the "
                                   "Pipeline (README: after a CommunicationError).")
 
-    def abort_nccl(self) -> str:
+    def mark_broken(self, why: str, failed_group=None) -> str:
+        """No later step may run on the group (`why` is said again then). Every path that decides so
+        comes here, and aborts what may hold stuck transfers (`abort_nccl`). Says what it aborted."""
+        self.broken = why
+        return self.abort_nccl(failed_group)
+
+    def abort_nccl(self, failed_group=None) -> str:
         """NCCL: the broken step's transfers never complete, and the compute stream waits on their
         events, so everything queued on it after them would wait until c10d's watchdog ends the process.
-        Aborting the group's communicator ends them. Says what it did, for the error."""
-        if not self.p2p_is_nccl():
+        Aborting the communicators ends them: `failed_group`'s (where the failure was, if not on this
+        group), this group's and its channels'. Says what it did, for the error."""
+        groups = [failed_group] if failed_group is not None and failed_group is not self.group and \
+            self._is_nccl(failed_group) else []
+        if self.p2p_is_nccl():
+            groups.append(self.group)
+        channels = [c for c in self.channels if dist.is_nccl_available() and isinstance(c, dist.ProcessGroupNCCL)]
+        if not groups and not channels:
             return ""
         try:
-            dist.distributed_c10d._abort_process_group(self.group)
+            for channel in channels:  # the follow-ups' (a send may wait there for its receiver)
+                channel.abort()
+            for group in groups:
+                dist.distributed_c10d._abort_process_group(group)
         except Exception as exc:  # noqa: BLE001 - the error says what happened
-            return f"aborting the group's NCCL communicator failed ({type(exc).__name__}: {exc}); "
+            return f"aborting the NCCL communicators failed ({type(exc).__name__}: {exc}); "
+        if len(groups) > 1:
+            return ("pipecore aborted the data-parallel group's and the pipeline group's NCCL communicators (their "
+                    "stuck transfers ended); ")
         return "pipecore aborted the group's NCCL communicator (its stuck transfers ended); "
+
+    def _is_nccl(self, group) -> bool:
+        backend = backend_of(group, self.device)
+        backend = getattr(backend, "wrapped_pg", backend)  # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps it
+        return dist.is_nccl_available() and isinstance(backend, dist.ProcessGroupNCCL)
 
     def p2p_is_nccl(self) -> bool:
         """Do the stages' messages go through NCCL?"""
@@ -166,9 +190,10 @@ class Comm:
                 return store.get(failed).decode()
             if time.monotonic() > deadline:
                 missing = [r for r, key in enumerate(arrived) if not store.check([key])]
-                self.broken = f"ranks {missing} did not arrive"
+                aborted = self.mark_broken(f"ranks {missing} did not arrive")
                 raise CommunicationError(f"rank {self.rank}: {what} failed within {self.timeout} s: group ranks "
-                                         f"{missing} did not arrive; a rank hung or died: rebuild the process group")
+                                         f"{missing} did not arrive; a rank hung or died: {aborted}rebuild the "
+                                         "process group")
             time.sleep(pause)
             pause = min(2 * pause, 0.02)
         return None
@@ -191,28 +216,41 @@ class Comm:
             return dist.get_backend(self.group) == "gloo"
         return dist.is_gloo_available() and isinstance(backend, dist.ProcessGroupGloo)
 
-    def follow_up_store(self):
-        """The store through which the device path's messages that outgrew their receive follow
-        (Executor.set_follow_up_store), under this Pipeline's prefix (named at the first agreement)."""
-        return dist.PrefixStore(f"pipecore/{self.uid}/grown", self.store)
-
     def open_reverse_channel(self):
         """gloo: a second gloo group over these ranks for the messages that travel to a lower rank,
         so that a rank's sends never share a connection with the data it receives (see
         Executor.set_reverse_channel). It runs on the group's own gloo device: no extra thread. Opened
         right after an agreement, when every rank of the group is here to connect."""
-        options = dist.ProcessGroupGloo._Options()
-        options._devices = self.group._get_backend(torch.device("cpu")).options._devices
-        options._timeout = timedelta(seconds=self.timeout)
-        options._threads = 1  # its collective threads idle: only send and receive run on it
-        store = dist.PrefixStore(f"pipecore/{self.uid}/reverse", self.store)
+        return self._open_channel("reverse", self.group._get_backend(torch.device("cpu")))
+
+    def open_follow_up_channels(self):
+        """The device path's follow-up channels (Executor.set_follow_up_channels): two more communicators
+        of these ranks, of the stages' backend (NCCL; gloo where the CPU model runs the device path), on
+        which messages that outgrew their receive follow, to higher ranks on the first and to lower ranks
+        on the second. Opened right after an agreement; NCCL connects at the first follow-up."""
+        return tuple(self._open_channel(f"follow-ups-{way}", self._p2p_backend()) for way in ("up", "down"))
+
+    def _open_channel(self, name: str, like):
+        """One more communicator of these ranks, of `like`'s kind, with this Pipeline's timeout."""
+        store = dist.PrefixStore(f"pipecore/{self.uid}/{name}", self.store)
         try:
-            return dist.ProcessGroupGloo(store, self.rank, self.world, options)
+            if dist.is_nccl_available() and isinstance(like, dist.ProcessGroupNCCL):
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timedelta(seconds=self.timeout)
+                channel = dist.ProcessGroupNCCL(store, self.rank, self.world, options)
+            else:
+                options = dist.ProcessGroupGloo._Options()
+                options._devices = like.options._devices
+                options._timeout = timedelta(seconds=self.timeout)
+                options._threads = 1  # its collective threads idle: only send and receive run on it
+                channel = dist.ProcessGroupGloo(store, self.rank, self.world, options)
         except RuntimeError as exc:
-            self.broken = str(exc)
-            raise CommunicationError(f"rank {self.rank}: connecting the ranks' second gloo channel failed within "
-                                     f"{self.timeout} s ({exc}); a rank hung or died: rebuild the process group"
-                                     ) from None
+            aborted = self.mark_broken(str(exc))
+            raise CommunicationError(f"rank {self.rank}: connecting the ranks' {name} channel failed within "
+                                     f"{self.timeout} s ({exc}); a rank hung or died: {aborted}rebuild the process "
+                                     "group") from None
+        self.channels.append(channel)
+        return channel
 
 
 _MEETINGS: dict[tuple[str, str], int] = {}  # (kind, process group name): meeting points passed in this process

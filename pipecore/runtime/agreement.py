@@ -132,7 +132,8 @@ class Agreement:
                 else:
                     lines.append(f"{name}: " + ", ".join(f"rank {r} {t[name]!r}" for r, t in enumerate(theirs)))
         return (f"rank {comm.rank}: the ranks were built with different pipelines ({'; '.join(lines)}). Build the "
-                "same Pipeline on every rank: the same schedule, num_microbatches and number of stages")
+                "same Pipeline on every rank: the same schedule, num_microbatches, number of stages and "
+                "variable_shapes, on a group with the same backend for the stages' device")
 
 
 def shares_build_failure(where: Callable[..., tuple]):

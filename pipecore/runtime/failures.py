@@ -41,10 +41,10 @@ def own_error(step: int, error: BaseException, rollback_note: str, comm, plans, 
         error.add_note(rollback_note)
     also = executor.last_comm_failure
     if also:  # this rank's own error, and releasing its peers failed too: the group broke
-        comm.broken = also
+        aborted = comm.mark_broken(also)
         plans.forget_discovery()
         return CommunicationError(f"rank {comm.rank}: step {step} failed ({type(error).__name__}: {error}), and "
-                                  f"telling the other ranks failed too: {also}. A peer hung or died: rebuild the "
-                                  "process group and the Pipeline.")
+                                  f"telling the other ranks failed too: {also}. A peer hung or died: {aborted}rebuild "
+                                  "the process group and the Pipeline.")
     plans.end_discovery(failed=True)
     return None

@@ -5,10 +5,11 @@
   up to a window ahead, sends within a budget per peer, and messages that carry their shapes
   (csrc/comm.h, shaped messages), so that a batch that changes shapes needs no new plan.
 - NCCL on CUDA (the device path, csrc/device_comm.h): batches on a communication stream, events,
-  message statuses on the device: no host wait inside a step. There messages carry their shapes
+  message statuses on the device: no host wait for a message's data inside a step (the host waits it
+  does make are listed in docs/cuda.md, "Host waits on the device path"). There messages carry their shapes
   only when asked (`variable_shapes=True`): the host then reads each received message's header
   (one small device-to-host copy, waited for), and a message that outgrows its receiver's buffers
-  follows through the group's store.
+  follows on a communicator of its own (csrc/executor.h, set_follow_up_channels).
 """
 
 from __future__ import annotations
@@ -49,6 +50,14 @@ def use_device_path(executor, gloo: bool, device: torch.device, rank: int) -> No
                      "when it was built; pipecore._C.build_info()['cuda'] is False), so it cannot run this Pipeline's "
                      "messages over NCCL. Rebuild it with the CUDA toolkit installed (`make install` with nvcc on PATH "
                      "or CUDA_HOME set; docs/install.md), or give the Pipeline a gloo group")
+
+
+def describe_messages(executor) -> str:
+    """How this rank's messages go, which every rank of the group must share (the first agreement
+    compares it): on NCCL a message of another path or layout than its receiver's is a size mismatch,
+    which hangs."""
+    path = "the device path (NCCL)" if executor.device_comm else "gloo"
+    return f"{path}, {'shapes in every message' if executor.shapes_travel else 'a plan per batch shape'}"
 
 
 BLOCKING_WAIT_VARIABLES = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")

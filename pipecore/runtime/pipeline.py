@@ -22,7 +22,7 @@ from pipecore.executor.native import (DEFAULT_RECV_WINDOW, DEFAULT_SEND_BUDGET, 
 from pipecore.executor.program import encode, forward_only
 from pipecore.runtime.agreement import Agreement, shares_build_failure
 from pipecore.runtime.failures import group_broke, own_error, peer_failed
-from pipecore.runtime.message_path import computes_on_stand_ins, configure_messages
+from pipecore.runtime.message_path import computes_on_stand_ins, configure_messages, describe_messages
 from pipecore.runtime.nvtx_ranges import nvtx_range
 from pipecore.runtime.overlap import PairRunner
 from pipecore.runtime.plans import Plans
@@ -95,11 +95,11 @@ class Pipeline:
     `variable_shapes`: whether messages carry their tensors' shapes, so that microbatches may change
     shapes at every step (and differ within one) without a new plan (docs/training.md, "Microbatches
     of their own shapes"). None (default): on gloo yes; on NCCL no: each batch shape gets its plan at
-    its first step, and steps run with no host wait. True on NCCL: every message goes at its boundary's
+    its first step, and steps run with no host wait for messages (docs/cuda.md). True on NCCL: every message goes at its boundary's
     capacity (the most elements it carried so far), the host reads each received message's header
     (one small device-to-host copy, started when the receive is posted, waited for by the action that
-    consumes it), and a message that outgrows its capacity follows through the group's store (host
-    copies; only in the steps that grow a capacity). False: per-shape plans on gloo too.
+    consumes it), and a message that outgrows its capacity follows on a communicator of its own (only
+    in the steps that grow a capacity; docs/cuda.md). False: per-shape plans on gloo too.
 
     `group` defaults to the group the stages were given (`PipelineStage(..., group=)`, torch's way), else
     the default group. `args_chunk_spec`, `kwargs_chunk_spec` and `output_merge_spec` mean what they
@@ -217,14 +217,6 @@ class Pipeline:
             rows[self.rank] = add_unshard_reshard(rows[self.rank], self._wrappers.sharded, max_active=3)
             run[True] = Schedule.from_codes(rows, lowered[True].topology, lowered[True].name)
         self.programs = {training: encode(v, self.rank, local_index) for training, v in run.items()}
-        # what every rank must agree on before the first step (checked at the first agreement)
-        summary = {
-            "schedule": schedule.name or "a custom Schedule",
-            "microbatches": num_microbatches,
-            "stages": schedule.num_stages,
-            "placement": f"{schedule.placement} (stage -> rank {list(topo.stage_rank)})",
-            "program": wire.signature([[str(a) for a in row] for v in lowered.values() for row in v.actions]),
-        }
         self.executor = C.Executor(self.group, len(self.stages), num_microbatches, self.timeout)
         for s in self.stages:
             nxt, prv = topo.next_stage[s.stage_index], topo.prev_stage[s.stage_index]
@@ -238,13 +230,22 @@ class Pipeline:
         gloo = self.comm.p2p_is_gloo()
         configure_messages(self.executor, gloo, device, self.rank, recv_window, send_budget, variable_shapes,
                            self.timeout, backend_of(self.group, device))
+        # what every rank must agree on before the first step (checked at the first agreement)
+        summary = {
+            "schedule": schedule.name or "a custom Schedule",
+            "microbatches": num_microbatches,
+            "stages": schedule.num_stages,
+            "placement": f"{schedule.placement} (stage -> rank {list(topo.stage_rank)})",
+            "messages": describe_messages(self.executor),
+            "program": wire.signature([[str(a) for a in row] for v in lowered.values() for row in v.actions]),
+        }
         self._rollback = Rollback([s.module for s in self.stages], [s.device for s in self.stages])
         # how OVERLAP_F_B pairs run (pipecore/runtime/overlap.py)
         self._pairs = PairRunner(self.executor, self.stages, self.programs[True].labels, overlap_f_b)
         self._set_weight_builders()
         self.reverse_channel = None  # gloo: opened at the first agreement
         self._wants_reverse_channel = gloo and self.world > 1
-        self._follow_up_store = False  # set at the first agreement, which names this Pipeline's keys
+        self._follow_ups_open = False  # the device path's follow-up channels: opened at the first agreement
         self._trace: list[dict] = []
         self._profile: dict[str, float] = {}  # the last step's, with trace (profile())
         self._step_started = 0.0
@@ -555,9 +556,9 @@ class Pipeline:
         if self._wants_reverse_channel and self.reverse_channel is None:
             self.reverse_channel = self.comm.open_reverse_channel()
             self.executor.set_reverse_channel(self.reverse_channel)
-        if self.world > 1 and not self._follow_up_store:  # (csrc/executor.h, set_follow_up_store)
-            self._follow_up_store = True
-            self.executor.set_follow_up_store(self.comm.follow_up_store())
+        if self.world > 1 and self.executor.device_comm and self.executor.shapes_travel and not self._follow_ups_open:
+            self._follow_ups_open = True  # (csrc/executor.h, set_follow_up_channels)
+            self.executor.set_follow_up_channels(*self.comm.open_follow_up_channels())
         self.plans.plan(sig, training)
 
     def _run_aborted(self, status: int) -> None:

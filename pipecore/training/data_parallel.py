@@ -105,7 +105,7 @@ class DataParallel:
         try:
             ok = self.reducer.finish(False, 1.0)
         except CommError as exc:
-            raise self._comm.abandon_group(exc) from None
+            raise self._comm.abandon_group(exc, self.group) from None
         except RuntimeError as exc:  # a gradient changed after its bucket was sent
             ok, late = False, exc
         else:
@@ -136,7 +136,7 @@ class DataParallel:
             if self.agreed and not self._concluded:
                 self._conclude(False)
         except CommError as exc:
-            self._comm.abandon_group(exc)  # the step's own error is raised; later steps say the group broke
+            self._comm.abandon_group(exc, self.group)  # the step's own error is raised; later steps say the group broke
         except (RuntimeError, PipelineError):
             pass  # the step's own error says what happened
         finally:
@@ -159,7 +159,7 @@ class DataParallel:
         try:
             self.reducer.finish(True, 1.0)
         except CommError as exc:
-            raise self._comm.abandon_group(exc) from None
+            raise self._comm.abandon_group(exc, self.group) from None
         self.reducer.restore(False)
         if self.wrapped:
             raise InputError(f"rank {dist.get_rank()}: a batch changed shape on NCCL with DDP- or FSDP2-wrapped stages "

@@ -1,0 +1,180 @@
+"""`make gpu-check`: first contact with a GPU machine, in at most 10 minutes. Prints a table: each
+check, ok / FAIL / skipped (with the reason, e.g. a part that needs 2 GPUs on a machine with one),
+its seconds and what it saw. Exit status 1 if a check failed.
+
+  tests/test_cuda.py                     the CUDA code on one GPU (NCCL loopback; a steady step's host
+                                         synchronisations under set_sync_debug_mode("error"))
+  train_gpt <schedule> (2 GPUs)          examples/train_gpt.py --check-steps on 1f1b, interleaved_1f1b,
+                                         zbv and dualpipev, against one process
+  ... no caching allocator (2 GPUs)      the same with PYTORCH_NO_CUDA_MEMORY_CACHING=1: losses bit for bit
+  host syncs per steady step (nsys)      cudaStreamSynchronize/cudaDeviceSynchronize/cudaEventSynchronize
+                                         calls of a 1f1b run, per step (where nsys is on PATH)
+  stopped rank (2 GPUs)                  kill -STOP of a rank: CommunicationError with the abort
+  growth past 8 MiB, complex64 boundary, variable_shapes on one rank (2 GPUs): .ci/gpu_cases.py
+
+`--cpu` runs the multi-rank parts on 2 CPU processes over gloo (the script's own dry run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCHEDULES = [("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2), ("dualpipev", 2)]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.split("/")[2]))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    for p in [*descendants(pid), pid]:  # SIGKILL ends a stopped process too
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run(cmd, timeout, env=None):
+    """(exit status or None on timeout, output); whatever it started is killed at the end."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)  # a stopped rank holds the output open
+        out, _ = proc.communicate()
+        return None, out
+    finally:
+        kill_tree(proc.pid)
+
+
+def torchrun(args, timeout, env=None):
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args],
+               timeout, env)
+
+
+def losses(out: str) -> list[str]:
+    return re.findall(r"loss ([0-9.]+)", out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu", action="store_true", help="the multi-rank parts on CPU processes over gloo")
+    args = ap.parse_args()
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    two = args.cpu or gpus >= 2
+    why_not_two = f"needs 2 GPUs (this machine has {gpus})"
+    cpu = ["--cpu"] if args.cpu else []
+    rows: list[tuple[str, str, float, str]] = []
+
+    def check(name, fn, needs_two=False, skip=None):
+        if needs_two and not two:  # the first reason
+            skip = why_not_two
+        if skip:
+            rows.append((name, "skipped", 0.0, skip))
+            return
+        start = time.monotonic()
+        try:
+            problem = fn()
+        except Exception as exc:  # noqa: BLE001 - a row of the table
+            problem = f"{type(exc).__name__}: {exc}"
+        rows.append((name, "FAIL" if problem else "ok", time.monotonic() - start, problem or ""))
+
+    def test_cuda():
+        code, out = run([sys.executable, "-m", "pytest", "-q", "tests/test_cuda.py"], 240)
+        tail = out.strip().splitlines()[-1] if out.strip() else ""
+        return "" if code == 0 else f"exit {code}: {tail}"
+
+    check("tests/test_cuda.py", test_cuda, skip=None if gpus else "no CUDA GPU")
+
+    def train(schedule, stages, env=None):
+        code, out = torchrun(["examples/train_gpt.py", "--schedule", schedule, "--stages-per-rank", str(stages),
+                              "--steps", "4", "--check-steps", "2", "--timeline", "", "--sample-tokens", "0", *cpu],
+                             120, env)
+        if code != 0:
+            return None, f"exit {code}: {out.strip().splitlines()[-1] if out.strip() else ''}"
+        return losses(out), ""
+
+    first = {}
+    for schedule, stages in SCHEDULES:
+        def one(schedule=schedule, stages=stages):
+            got, problem = train(schedule, stages)
+            first[schedule] = got
+            return problem
+        check(f"train_gpt {schedule}", one, needs_two=True)
+    for schedule, stages in SCHEDULES:
+        def uncached(schedule=schedule, stages=stages):
+            got, problem = train(schedule, stages, {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
+            if problem:
+                return problem
+            return "" if got == first.get(schedule) else f"losses {got} where the caching allocator gave {first.get(schedule)}"
+        check(f"train_gpt {schedule}, no caching allocator", uncached, needs_two=True,
+              skip=None if first.get(schedule) else "its run with the caching allocator did not finish")
+
+    def host_syncs():
+        with tempfile.TemporaryDirectory() as tmp:
+            report = os.path.join(tmp, "run")
+            code, out = run(["nsys", "profile", "-t", "cuda", "-o", report, sys.executable, "-m",
+                             "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "examples/train_gpt.py",
+                             "--schedule", "1f1b", "--steps", "6", "--check-steps", "0", "--timeline", ""], 240)
+            if code != 0:
+                return f"nsys exit {code}"
+            code, stats = run(["nsys", "stats", "-r", "cuda_api_sum", "-f", "csv", report + ".nsys-rep"], 120)
+        calls = sum(int(m) for m in re.findall(r'"?\d+\.?\d*"?,"?(\d+)"?,[^\n]*Synchronize', stats))
+        return f"{calls} synchronisations in 6 steps (incl. setup): compare with docs/cuda.md's host waits"
+
+    check("host syncs per steady step (nsys)", host_syncs, needs_two=True,
+          skip=None if shutil.which("nsys") else "nsys is not on PATH")
+
+    def case(name, expect_ranks=(0, 1), timeout=180):
+        code, out = torchrun([".ci/gpu_cases.py", name, *cpu], timeout)
+        # (two ranks' lines may interleave on one line)
+        results = {m[0]: f"{m[1]} {m[2].strip()}".strip()
+                   for m in re.findall(r"RESULT (\d+) (ok|FAIL)(.*?)(?=RESULT \d+ |\n|$)", out)}
+        missing = [r for r in expect_ranks if str(r) not in results]
+        if missing:
+            return f"ranks {missing} reported nothing (exit {code}): {out.strip().splitlines()[-1:] }"
+        bad = {r: v for r, v in results.items() if int(r) in expect_ranks and not v.startswith("ok")}
+        return "; ".join(f"rank {r}: {v}" for r, v in bad.items())
+
+    check("stopped rank (kill -STOP)", lambda: case("stopped_rank", expect_ranks=(0,), timeout=40), needs_two=True)
+    check("growth past 8 MiB (64 MiB)", lambda: case("growth"), needs_two=True)
+    check("complex64 and int16 boundary", lambda: case("complex_boundary"), needs_two=True)
+    check("variable_shapes on one rank only", lambda: case("shapes_on_one_rank"), needs_two=True)
+
+    width = max(len(r[0]) for r in rows)
+    print(f"\n{'check':<{width}}  {'result':<7}  {'s':>6}  detail")
+    for name, result, seconds, detail in rows:
+        print(f"{name:<{width}}  {result:<7}  {seconds:6.1f}  {detail}")
+    return 1 if any(r[1] == "FAIL" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
