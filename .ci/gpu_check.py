@@ -78,10 +78,6 @@ def torchrun(args, timeout, env=None):
                timeout, env)
 
 
-def losses(out: str) -> list[str]:
-    return re.findall(r"loss ([0-9.]+)", out)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="the multi-rank parts on CPU processes over gloo")
@@ -105,7 +101,9 @@ def main() -> int:
             problem = fn()
         except Exception as exc:  # noqa: BLE001 - a row of the table
             problem = f"{type(exc).__name__}: {exc}"
-        rows.append((name, "FAIL" if problem else "ok", time.monotonic() - start, problem or ""))
+        passed = not problem or problem.startswith("ok: ")
+        rows.append((name, "ok" if passed else "FAIL", time.monotonic() - start,
+                     (problem or "").removeprefix("ok: ")))
 
     def test_cuda():
         code, out = run([sys.executable, "-m", "pytest", "-q", "tests/test_cuda.py"], 240)
@@ -115,26 +113,35 @@ def main() -> int:
     check("tests/test_cuda.py", test_cuda, skip=None if gpus else "no CUDA GPU")
 
     def train(schedule, stages, env=None):
-        code, out = torchrun(["examples/train_gpt.py", "--schedule", schedule, "--stages-per-rank", str(stages),
-                              "--steps", "4", "--check-steps", "2", "--timeline", "", "--sample-tokens", "0", *cpu],
-                             120, env)
-        if code != 0:
-            return None, f"exit {code}: {out.strip().splitlines()[-1] if out.strip() else ''}"
-        return losses(out), ""
+        """(exact losses per step, the "vs one process" differences it printed, a problem or "")."""
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "losses")
+            code, out = torchrun(["examples/train_gpt.py", "--schedule", schedule, "--stages-per-rank", str(stages),
+                                  "--steps", "4", "--check-steps", "2", "--timeline", "", "--sample-tokens", "0",
+                                  "--losses-file", path, *cpu], 120, env)
+            if code != 0:
+                return None, "", f"exit {code}: {out.strip().splitlines()[-1] if out.strip() else ''}"
+            with open(path) as f:
+                exact = f.read().split()
+        found = re.findall(r"vs one process: (\w+) (?:of step \d+|after \d+ AdamW steps) within (\S+)", out)
+        within = ", ".join(f"{what} within {value}" for what, value in found)
+        return exact, within, ""
 
     first = {}
     for schedule, stages in SCHEDULES:
         def one(schedule=schedule, stages=stages):
-            got, problem = train(schedule, stages)
+            got, within, problem = train(schedule, stages)
             first[schedule] = got
-            return problem
+            return problem or f"ok: vs one process, {within}"
         check(f"train_gpt {schedule}", one, needs_two=True)
     for schedule, stages in SCHEDULES:
         def uncached(schedule=schedule, stages=stages):
-            got, problem = train(schedule, stages, {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
+            got, _, problem = train(schedule, stages, {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
             if problem:
                 return problem
-            return "" if got == first.get(schedule) else f"losses {got} where the caching allocator gave {first.get(schedule)}"
+            if got != first.get(schedule):
+                return f"losses {got} where the caching allocator gave {first.get(schedule)}"
+            return f"ok: {len(got)} losses bit for bit"
         check(f"train_gpt {schedule}, no caching allocator", uncached, needs_two=True,
               skip=None if first.get(schedule) else "its run with the caching allocator did not finish")
 
@@ -148,7 +155,7 @@ def main() -> int:
                 return f"nsys exit {code}"
             code, stats = run(["nsys", "stats", "-r", "cuda_api_sum", "-f", "csv", report + ".nsys-rep"], 120)
         calls = sum(int(m) for m in re.findall(r'"?\d+\.?\d*"?,"?(\d+)"?,[^\n]*Synchronize', stats))
-        return f"{calls} synchronisations in 6 steps (incl. setup): compare with docs/cuda.md's host waits"
+        return f"ok: {calls} synchronisations in 6 steps (setup included): compare docs/cuda.md's host waits"
 
     check("host syncs per steady step (nsys)", host_syncs, needs_two=True,
           skip=None if shutil.which("nsys") else "nsys is not on PATH")

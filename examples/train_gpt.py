@@ -61,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
     ap.add_argument("--check-steps", type=int, default=3, help="steps compared with single-process training (0: none)")
     ap.add_argument("--timeline", default="gpt_timeline.png", help="picture of the last step's trace ('' to skip)")
+    ap.add_argument("--losses-file", default=None,
+                    help="write each step's mean loss there, exactly (float.hex, one per line; rank 0)")
     ap.add_argument("--sample-tokens", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu", action="store_true", help="gloo on CPUs even when CUDA is available")
@@ -178,6 +180,9 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         total = torch.tensor([sum(mine), len(mine)], dtype=torch.float64, device=device)
         dist.all_reduce(total)
         progress(step, args, float(total[0] / total[1]), float(norm), times[-1])
+        if args.losses_file and dist.get_rank() == 0:
+            with open(args.losses_file, "a") as f:
+                f.write(float(total[0] / total[1]).hex() + "\n")
         if step - start < check:
             worst = all_max(grad_diff, device)
             say(f"      vs one process: gradients of step {step} within {worst:.1e} (relative to each tensor's largest)")
