@@ -225,3 +225,34 @@ def timed_out_send_is_held(rank, world):
     while pipe.executor.held_failed_sends == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     return outcome, pipe.executor.held_failed_sends
+
+
+def stuck_replica_aborts_its_group(rank, world):
+    """2 data-parallel replicas of a 1-rank pipeline, timeout 2 s: replica 1's backward takes 5 s, so
+    replica 0's gradient reduction times out. Both groups are taken for NCCL ones and the aborts asked
+    for are recorded (these gloo groups have no communicator to abort). Returns the step's outcome and
+    which groups the abort was asked for ("dp", "pp")."""
+    dp_group = dist.new_group(backend="gloo")
+    own = [dist.new_group([r], backend="gloo") for r in range(world)][rank]
+    torch.manual_seed(0)
+    stage = pc.PipelineStage(Scale(), 0, 1)
+    pipe = pc.Pipeline(stage, pc.build_schedule("1f1b", 1, 2, 1), 2, loss_fn=nn.MSELoss(), timeout=2, group=own,
+                       dp_group=dp_group)
+    pipe.comm.p2p_is_nccl = lambda: True
+    pipe.comm._is_nccl = lambda group: True
+    asked = []
+    real = dist.distributed_c10d._abort_process_group
+    dist.distributed_c10d._abort_process_group = lambda group=None: asked.append(
+        "dp" if group is dp_group else "pp" if group is own else "other")
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    try:
+        pipeline_step(pipe, x, y)
+        if rank == 1:
+            stage.module.w.register_hook(lambda g: time.sleep(5) or g)
+        pipeline_step(pipe, x, y)
+        outcome = ("ok", "")
+    except Exception as exc:  # noqa: BLE001 - returned to the test
+        outcome = (type(exc).__name__, str(exc))
+    finally:
+        dist.distributed_c10d._abort_process_group = real
+    return outcome, asked

@@ -7,7 +7,7 @@ import pytest
 
 from dist_pool import pool
 from nccl_model_cases import (grown_messages_cross_without_the_store, shapes_in_messages_on_one_rank, side_tensors_cross,
-                              timed_out_send_is_held)
+                              stuck_replica_aborts_its_group, timed_out_send_is_held)
 from pipecore.errors import InputError
 from pipecore.runtime.message_path import check_device_path_settings
 
@@ -79,3 +79,15 @@ def test_a_timed_out_send_keeps_its_buffers_until_the_executor_goes():
     p.broken = True  # its subgroup is broken by design
     outcome, held = results[0]
     assert outcome == "CommunicationError" and held >= 1, results
+
+
+def test_a_stuck_gradient_reduction_aborts_the_data_parallel_group():
+    # H2: a data-parallel reduction that timed out marked the pipeline's group broken and aborted its
+    # communicator, not the data-parallel one the reduction was stuck on.
+    p = pool(2)
+    results = p.run(stuck_replica_aborts_its_group, timeout=120)
+    p.broken = True  # its groups are broken by design
+    (kind, text), asked = results[0]
+    assert kind == "CommunicationError" and "data-parallel" in text, results[0]
+    assert asked[:2] == ["dp", "pp"], asked
+    assert "aborted the data-parallel group's and the pipeline group's NCCL communicators" in text, text
