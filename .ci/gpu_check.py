@@ -18,6 +18,7 @@ its seconds and what it saw. Exit status 1 if a check failed.
 from __future__ import annotations
 
 import argparse
+import csv
 import glob
 import os
 import re
@@ -154,7 +155,12 @@ def main() -> int:
             if code != 0:
                 return f"nsys exit {code}"
             code, stats = run(["nsys", "stats", "-r", "cuda_api_sum", "-f", "csv", report + ".nsys-rep"], 120)
-        calls = sum(int(m) for m in re.findall(r'"?\d+\.?\d*"?,"?(\d+)"?,[^\n]*Synchronize', stats))
+        rows = list(csv.reader(line for line in stats.splitlines() if line.count(",") >= 2))
+        head = next((r for r in rows if "Num Calls" in r and "Name" in r), None)
+        if head is None:
+            return f"nsys stats printed no cuda_api_sum table: {stats.strip().splitlines()[-1:]}"
+        calls = sum(int(float(r[head.index("Num Calls")])) for r in rows[rows.index(head) + 1:]
+                    if len(r) == len(head) and "Synchronize" in r[head.index("Name")])
         return f"ok: {calls} synchronisations in 6 steps (setup included): compare docs/cuda.md's host waits"
 
     check("host syncs per steady step (nsys)", host_syncs, needs_two=True,

@@ -137,9 +137,9 @@ GROWN_WIDTH = 128
 def grown_messages_cross_without_the_store(rank, world, lengths):
     """1F1B on 2 ranks, two Linear stages of GROWN_WIDTH, float64, on the device path with shapes
     travelling: each step's sequences are `lengths[step]` long (one per microbatch), so a step with
-    longer sequences than any before sends messages that outgrow their capacity. Every step's losses and gradients match one
-    process. Returns the store operations of each step after the first (which learns the plan), the
-    largest value set, and the messages each step sent grown."""
+    longer sequences than any before sends messages that outgrow their capacity. Every step's gradients
+    match one process. Returns the store operations of each step after the first (which learns the
+    plan), the largest value set, and the messages each step sent grown."""
     torch.manual_seed(0)
     model = [nn.Linear(GROWN_WIDTH, GROWN_WIDTH), nn.Linear(GROWN_WIDTH, GROWN_WIDTH)]
     ref = copy.deepcopy(model)

@@ -6,8 +6,8 @@ from datetime import timedelta
 import pytest
 
 from dist_pool import pool
-from nccl_model_cases import (grown_messages_cross_without_the_store, shapes_in_messages_on_one_rank, side_tensors_cross,
-                              stuck_replica_aborts_its_group, timed_out_send_is_held)
+from nccl_model_cases import (grown_messages_cross_without_the_store, shapes_in_messages_on_one_rank,
+                              side_tensors_cross, stuck_replica_aborts_its_group, timed_out_send_is_held)
 from pipecore.errors import InputError
 from pipecore.runtime.message_path import check_device_path_settings
 

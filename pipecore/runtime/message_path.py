@@ -76,8 +76,8 @@ def check_device_path_settings(rank: int, timeout: float, backend, environ) -> N
     group_timeout = getattr(getattr(backend, "options", None), "_timeout", None)
     if group_timeout is not None and timeout >= group_timeout.total_seconds():
         raise InputError(f"rank {rank}: the Pipeline's timeout ({timeout:g} s) is not below its NCCL group's "
-                         f"({group_timeout.total_seconds():g} s): c10d's watchdog would end a stuck transfer by killing "
-                         "the process first. Give the Pipeline a smaller timeout=, or the group a larger one "
+                         f"({group_timeout.total_seconds():g} s): c10d's watchdog would end a stuck transfer by "
+                         "killing the process first. Give the Pipeline a smaller timeout=, or the group a larger one "
                          "(init_process_group(timeout=...) or new_group(timeout=...))")
 
 
