@@ -16,6 +16,16 @@ from pipecore.executor.native import OPCODES
 
 WIDTH = 8
 
+# step 0 learns the plan (shapes exact); 1 stays within what step 0 had; 2 outgrows it (microbatch 0
+# and the last); 3 and 4 stay within the grown capacity, 4 with a microbatch of length 0
+LENGTHS = [[5, 3, 4, 2], [1, 5, 2, 3], [9, 2, 3, 12], [12, 9, 1, 4], [0, 7, 12, 2]]
+
+
+def steps_for(lengths, world):
+    """`lengths` for `world` ranks' microbatches (2 per rank)."""
+    m = 2 * world
+    return [(row * m)[:m] for row in lengths]
+
 
 class MaskedStage(nn.Module):
     """(h, keep) -> (h', keep): keep is a float mask (no gradient) of one rank less than h."""
@@ -85,10 +95,11 @@ def _difference(stages, reference, data) -> float:
 
 def step_lengths(rank: int, world: int, name: str, lengths: list[list[int]], large: int | None = None,
                  fail: tuple[int, int] | None = None, delay_us: int = 0, overlap: str | None = None,
-                 device: bool = False) -> dict:
+                 device: bool = False, seed: int = 0) -> dict:
     """One step per entry of `lengths` (each microbatch's length). `large`: the test build's large-message
     threshold (0: every message sent as its parts); `fail`: (step, rank) whose first forward raises;
     `overlap`: the Pipeline's overlap_f_b mode (the halves of a pair read their messages at once);
+    `delay_us`: random delays up to that before each send and receive, drawn from `seed` and the rank;
     `device`: the device path's protocol, emulated (messages at their capacity's size, headers read
     by the host, messages that outgrow their capacity followed on the follow-up channels).
     Returns per step the executor's message counts, the plans learnt and the forwards this rank ran
@@ -102,7 +113,7 @@ def step_lengths(rank: int, world: int, name: str, lengths: list[list[int]], lar
     if large is not None:
         pipe.executor.set_large_messages(large)
     if delay_us:
-        pipe.executor.set_delays(delay_us, rank)
+        pipe.executor.set_delays(delay_us, 1000 * seed + rank)
     forwards = [0]
 
     def count_forward(module, args):

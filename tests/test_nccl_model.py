@@ -6,10 +6,12 @@ from datetime import timedelta
 import pytest
 
 from dist_pool import pool
+from exactness import FLOAT64_BOUND
 from nccl_model_cases import (grown_messages_cross_without_the_store, shapes_in_messages_on_one_rank,
                               side_tensors_cross, stuck_replica_aborts_its_group, timed_out_send_is_held)
 from pipecore.errors import InputError
 from pipecore.runtime.message_path import check_device_path_settings
+from shaped_message_cases import LENGTHS, step_lengths, steps_for
 
 
 @pytest.mark.parametrize("messages", ["large", "default"])
@@ -91,3 +93,19 @@ def test_a_stuck_gradient_reduction_aborts_the_data_parallel_group():
     assert kind == "CommunicationError" and "data-parallel" in text, results[0]
     assert asked[:2] == ["dp", "pp"], asked
     assert "aborted the data-parallel group's and the pipeline group's NCCL communicators" in text, text
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("name, world, overlap", [("zbv", 2, None), ("interleaved_1f1b", 3, None),
+                                                  ("dualpipev", 2, "concurrent")])
+def test_grown_messages_follow_in_order_under_random_delays(name, world, overlap, seed):
+    # H1's order: a receiver takes one peer's follow-ups in the order that peer sent them, whichever
+    # header an action reads first (V schedules: activations and gradients between the same two ranks;
+    # dualpipev's pairs: two threads reading at once), with random delays before every send and
+    # receive drawn from several seeds. Step 2 outgrows every capacity; all steps exact.
+    results = pool(world).run(step_lengths, name, steps_for(LENGTHS, world), None, None, 300, overlap, True, seed,
+                              timeout=240)
+    for rank, r in enumerate(results):
+        assert not r["failed"] and r["grad"] <= FLOAT64_BOUND and r["violations"] == [], (rank, r)
+        assert r["plans"] == [1] * len(LENGTHS), (rank, r)
+    assert sum(r["counts"][2][2] for r in results) > 0, results

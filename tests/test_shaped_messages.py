@@ -6,17 +6,7 @@ import pytest
 
 from dist_pool import pool
 from exactness import FLOAT64_BOUND
-from shaped_message_cases import out_of_memory_while_growing, per_shape_plans, step_lengths
-
-# step 0 learns the plan (shapes exact); 1 stays within what step 0 had; 2 outgrows it (microbatch 0
-# and the last); 3 and 4 stay within the grown capacity, 4 with a microbatch of length 0
-LENGTHS = [[5, 3, 4, 2], [1, 5, 2, 3], [9, 2, 3, 12], [12, 9, 1, 4], [0, 7, 12, 2]]
-
-
-def _steps(lengths, world):
-    """`lengths` for `world` ranks' microbatches (2 per rank)."""
-    m = 2 * world
-    return [(row * m)[:m] for row in lengths]
+from shaped_message_cases import LENGTHS, out_of_memory_while_growing, per_shape_plans, step_lengths, steps_for
 
 
 @pytest.mark.parametrize("large", [None, 0])
@@ -26,7 +16,7 @@ def test_new_shapes_need_no_plan_and_no_extra_message(name, world, large):
     """Packed and per-part (`large` 0) layouts: one plan for every step; each steady step sends one
     message per SEND action and nothing more; only the step that outgrows the capacity sends
     messages again; gradients within exactness.FLOAT64_BOUND of one process throughout."""
-    results = pool(world).run(step_lengths, name, _steps(LENGTHS, world), large, timeout=180)
+    results = pool(world).run(step_lengths, name, steps_for(LENGTHS, world), large, timeout=180)
     for rank, r in enumerate(results):
         assert not r["failed"], (rank, r)
         assert r["grad"] <= FLOAT64_BOUND, (rank, r)
@@ -42,7 +32,7 @@ def test_new_shapes_need_no_plan_and_no_extra_message(name, world, large):
 def test_pairs_whose_halves_read_grown_messages_at_once(overlap):
     """dualpipev's OVERLAP_F_B pairs: a forward and a backward half receive from the same peer, on
     two threads, and the messages of both outgrow their capacity at step 2."""
-    results = pool(2).run(step_lengths, "dualpipev", _steps(LENGTHS, 2), None, None, 200, overlap, timeout=180)
+    results = pool(2).run(step_lengths, "dualpipev", steps_for(LENGTHS, 2), None, None, 200, overlap, timeout=180)
     for rank, r in enumerate(results):
         assert not r["failed"] and r["grad"] <= FLOAT64_BOUND, (rank, r)
         assert all(c[0] == r["sends"] for c in r["counts"]), (rank, r)
@@ -55,7 +45,7 @@ def test_a_step_that_fails_while_messages_grow_leaves_the_capacities_agreed(name
     """Rank 1's forward fails in the step whose messages outgrow their capacity, with random delays
     before every post: every rank fails that step, and the steps after it run, exact, with no
     message sent twice once the capacities grew (both sides of each boundary widened alike)."""
-    lengths = _steps(LENGTHS, 2)
+    lengths = steps_for(LENGTHS, 2)
     results = pool(2).run(step_lengths, name, lengths, None, (2, 1), 300, timeout=180)
     for rank, r in enumerate(results):
         assert [f.split(":")[0] for f in r["failed"]] == ["2"], (rank, r)
@@ -98,10 +88,10 @@ def test_device_path_messages_carry_their_shapes(name, world, large):
     order, without tags): one plan for every step; every message goes at its capacity's size (a
     receiver reads one whose header says otherwise as a channel out of step: every step passing shows
     that each message was) and the host
-    reads its header; only the step that outgrows the capacities sends messages again (through the
-    store); no step runs twice; gradients within exactness.FLOAT64_BOUND of one process; the stream contract holds
+    reads its header; only the step that outgrows the capacities sends messages again (on the
+    follow-up channels); no step runs twice; gradients within exactness.FLOAT64_BOUND of one process; the stream contract holds
     (headers copied before their batch's ready event)."""
-    results = pool(world).run(step_lengths, name, _steps(LENGTHS, world), large, None, 0, None, True, timeout=240)
+    results = pool(world).run(step_lengths, name, steps_for(LENGTHS, world), large, None, 0, None, True, timeout=240)
     for rank, r in enumerate(results):
         assert not r["failed"], (rank, r)
         assert r["grad"] <= FLOAT64_BOUND, (rank, r)
@@ -117,7 +107,7 @@ def test_device_path_messages_carry_their_shapes(name, world, large):
 
 def test_device_path_pairs_read_headers_at_once():
     """dualpipev's pairs, their halves on two threads, each reading headers on the emulated device path."""
-    results = pool(2).run(step_lengths, "dualpipev", _steps(LENGTHS, 2), None, None, 200, "concurrent", True,
+    results = pool(2).run(step_lengths, "dualpipev", steps_for(LENGTHS, 2), None, None, 200, "concurrent", True,
                           timeout=180)
     for rank, r in enumerate(results):
         assert not r["failed"] and r["grad"] <= FLOAT64_BOUND and r["violations"] == [], (rank, r)
@@ -128,7 +118,7 @@ def test_device_path_step_that_fails_while_messages_grow():
     """Rank 1's forward fails in the step whose messages outgrow their capacity, on the emulated device
     path, with random delays: every rank fails that step; the later steps are exact, and the last one
     sends nothing twice (both sides of each boundary widened alike)."""
-    results = pool(2).run(step_lengths, "1f1b", _steps(LENGTHS, 2), None, (2, 1), 300, None, True, timeout=180)
+    results = pool(2).run(step_lengths, "1f1b", steps_for(LENGTHS, 2), None, (2, 1), 300, None, True, timeout=180)
     for rank, r in enumerate(results):
         assert [f.split(":")[0] for f in r["failed"]] == ["2"], (rank, r)
         assert r["grad"] <= FLOAT64_BOUND and r["violations"] == [], (rank, r)
