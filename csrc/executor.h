@@ -383,6 +383,8 @@ class Executor {
   // settle's reading of one message for action `consumer` (waits for it; a grown one's follow-up too,
   // its data into the scratch when `draining`).
   void read_header(CommTask& task, const Instr& consumer, bool draining);
+  // The device path: `task`'s header bytes on the host, waited for (a failed wait names consumer, what, peer).
+  at::Tensor header_on_host(CommTask& task, int peer, const Instr& consumer, const char* what);
   // The header of `task` and, first, of every receive from its peer posted before it and not read yet
   // (the device path: follow-ups match in the order their headers are read, [Note: NCCL pair order]).
   void read_headers_through(CommTask& task, const Instr& consumer, bool draining);

@@ -176,15 +176,7 @@ void Executor::read_header(CommTask& task, const Instr& consumer, bool draining)
   const bool exact = device_comm_ != nullptr;  // NCCL: every message at its capacity's size (comm.h)
   ShapedHeader header;
   if (device_comm_ && !host_reads_) {  // its header's copy on the host, not the data on the device
-    at::Tensor bytes;
-    {
-      SpentOn spent(profile_, Spent::kWait);
-      try {
-        bytes = device_comm_->read_header(task, timeout_);
-      } catch (const CommError& e) {
-        throw CommError(wait_failure(where(consumer), what, consumer.mb, task.peer, timeout_, e.what()));
-      }
-    }
+    const at::Tensor bytes = header_on_host(task, task.peer, consumer, what);
     task.status = read_shaped_header(bytes, task.layout, large_message_bytes_, message_bytes(task.parts), exact,
                                      header);
   } else {
@@ -240,6 +232,15 @@ std::vector<at::Tensor> Executor::follow_up_by_tag(const CommTask& task, const s
   return std::move(again->parts);
 }
 
+at::Tensor Executor::header_on_host(CommTask& task, int peer, const Instr& consumer, const char* what) {
+  SpentOn spent(profile_, Spent::kWait);
+  try {
+    return device_comm_->read_header(task, timeout_);
+  } catch (const CommError& e) {
+    throw CommError(wait_failure(where(consumer), what, consumer.mb, peer, timeout_, e.what()));
+  }
+}
+
 void Executor::read_headers_through(CommTask& task, const Instr& consumer, bool draining) {
   std::lock_guard<std::mutex> lock(header_order_mu_);
   auto& unread = shaped_.unread_from[task.peer];
@@ -281,15 +282,7 @@ std::vector<at::Tensor> Executor::follow_up_on_channel(CommTask& task, const std
     task.follow_up_ready = got.ready;
   }
   CommTask& again = *task.follow_up;
-  at::Tensor bytes;
-  {
-    SpentOn spent(profile_, Spent::kWait);
-    try {
-      bytes = device_comm_->read_header(again, timeout_);
-    } catch (const CommError& e) {
-      throw CommError(wait_failure(where(consumer), what, consumer.mb, task.peer, timeout_, e.what()));
-    }
-  }
+  const at::Tensor bytes = header_on_host(again, task.peer, consumer, what);
   ShapedHeader second;
   same = draining || (read_shaped_header(bytes, layout, kAlwaysPacked, message_bytes(again.parts), /*exact=*/true,
                                          second) == kMessageOk &&

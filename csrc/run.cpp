@@ -145,17 +145,13 @@ void Executor::tell_abort(const Failure& failure, const AbortFn& on_abort) {
 
 std::string Executor::release_peers(const Failure& failure) {
   for (auto& s : slots_) s.drop_compute();  // graphs and activations are not needed any more
-  if (failure.kind == Failure::kComm && device_comm_) {
-    // the communicator is wedged: posting the rest onto it could block this thread in the group's end
-    // until c10d's watchdog ends the process. Nothing more goes; the caller aborts it (Comm.abandon_group).
-    clear_slots();
-    recv_scratch_ = send_scratch_ = at::Tensor();
-    kept_.clear();
-    return "";
-  }
   // After a broken connection or a timeout, waiting again could take a timeout per receive: only the
   // sends are posted then. The failed action runs again aborted: it may have failed before posting.
-  const std::string comm_failure = finish_aborted(failure.at, /*wait=*/failure.kind != Failure::kComm,
+  // On the device path nothing more goes: posting onto the wedged communicator could block this thread
+  // in the group's end until c10d's watchdog ends the process; the caller aborts it (Comm.abandon_group).
+  const bool wedged = failure.kind == Failure::kComm && device_comm_;
+  const std::string comm_failure = finish_aborted(wedged ? program_.size() : failure.at,
+                                                  /*wait=*/failure.kind != Failure::kComm,
                                                   failure.kind == Failure::kReplan ? kMessageReplan : kMessageAborted);
   kept_.clear();
   return comm_failure;

@@ -143,18 +143,19 @@ class Comm:
                     "stuck transfers ended); ")
         return "pipecore aborted the group's NCCL communicator (its stuck transfers ended); "
 
-    def _is_nccl(self, group) -> bool:
-        backend = backend_of(group, self.device)
-        backend = getattr(backend, "wrapped_pg", backend)  # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps it
-        return dist.is_nccl_available() and isinstance(backend, dist.ProcessGroupNCCL)
-
     def p2p_is_nccl(self) -> bool:
         """Do the stages' messages go through NCCL?"""
-        return dist.is_nccl_available() and isinstance(self._p2p_backend(), dist.ProcessGroupNCCL)
+        return self._is_nccl(self.group)
+
+    def _is_nccl(self, group) -> bool:
+        return dist.is_nccl_available() and isinstance(self._backend(group), dist.ProcessGroupNCCL)
 
     def _p2p_backend(self):
         """The backend that serves the stages' device on the group (None if none does)."""
-        backend = backend_of(self.group, self.device)
+        return self._backend(self.group)
+
+    def _backend(self, group):
+        backend = backend_of(group, self.device)
         return getattr(backend, "wrapped_pg", backend)  # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps it
 
     # -- failures left in the store -----------------------------------------------------------
