@@ -181,6 +181,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("INSTRUCTION_FIELDS") = pipecore::kInstructionFields;
   m.attr("DEFAULT_RECV_WINDOW") = pipecore::kDefaultRecvWindow;
   m.attr("DEFAULT_SEND_BUDGET") = pipecore::kDefaultSendBudget;
+  m.attr("DESCRIPTION_TAG") = pipecore::kDescriptionTag;
 
   m.def("overlap_hand_over", &pipecore::overlap_hand_over, py::call_guard<py::gil_scoped_release>(),
         "lock-step OVERLAP_F_B pair: the running half lets the other compute; returns which half it is (-1: "

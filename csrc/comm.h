@@ -75,6 +75,9 @@ std::vector<at::Tensor> unframe(const std::vector<at::Tensor>& parts, const std:
 
 // Shaped messages (above). The tag of a grown message's second sending is this + its ordinal.
 constexpr int kFollowUpTag = 1;
+// The tag on a gloo group of the boundary descriptions a discovery step sends between ranks
+// (pipecore/executor/descriptions.py): above any follow-up's (ordinals count one step's messages).
+constexpr int kDescriptionTag = 1 << 30;
 // A `large` under which every shaped message is packed (a follow-up on the device path).
 constexpr int64_t kAlwaysPacked = INT64_MAX;
 // What a shaped message's header says besides its status.

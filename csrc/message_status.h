@@ -7,8 +7,8 @@ namespace pipecore {
 
 // kMessageUnknown: the trailer is not pipecore's (the channel is out of step); never sent.
 // kMessageGrown (shaped messages' headers only, comm.h): the tensors outgrew the receiver's buffers;
-// the header carries their shapes and the message follows at its own size (gloo) or through the
-// store (the device path).
+// the header carries their shapes and the message follows at its own size (gloo) or on a follow-up
+// channel (the device path).
 enum MessageStatus : int64_t {
   kMessageUnknown = -1, kMessageOk = 0, kMessageAborted = 1, kMessageReplan = 2, kMessageGrown = 3,
 };

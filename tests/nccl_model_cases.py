@@ -168,6 +168,66 @@ def grown_messages_cross_without_the_store(rank, world, lengths):
     return ops[1:], store.largest, grown
 
 
+def store_operations_per_step(rank, world, schedule, microbatches, path, rows):
+    """`schedule` on `world` ranks, one Linear stage of WIDTH per rank in float64, on the host path
+    ("default": gloo, whose messages carry their shapes) or the device path without shapes in messages
+    ("device": the CPU model of NCCL), where each new batch shape is learnt by a discovery step. Step k has `rows[k]` rows per
+    microbatch; every step's gradients match one process. Returns the store operations of each step."""
+    torch.manual_seed(0)
+    model = [nn.Linear(WIDTH, WIDTH).to(EXACT_DTYPE) for _ in range(world)]
+    ref = copy.deepcopy(model)
+    sched = pc.build_schedule(schedule, world, microbatches, 1)
+    stage = pc.PipelineStage(copy.deepcopy(model[rank]), rank, world)
+    pipe = pc.Pipeline(stage, sched, microbatches, loss_fn=nn.MSELoss(), timeout=60)
+    set_messages(pipe, path)
+    store = pipe.comm.store = CountingStore(pipe.comm.store)
+    ops = []
+    for step, n in enumerate(rows):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(microbatches * n, WIDTH, dtype=EXACT_DTYPE, generator=g)
+        y = torch.randn(microbatches * n, WIDTH, dtype=EXACT_DTYPE, generator=g)
+        for q in [*stage.module.parameters(), *(p for r in ref for p in r.parameters())]:
+            q.grad = None
+        before = store.ops
+        pipeline_step(pipe, x, y)
+        ops.append(store.ops - before)
+        assert pipe.comm.descriptions.unsettled == 0, step  # a step every rank ran: every one was read
+        nn.MSELoss()(reference_forward(ref, x), y).backward()
+        for (name, p), q in zip(stage.module.named_parameters(), ref[rank].parameters()):
+            assert_matches(p.grad, q.grad, f"step {step}: stage {rank} {name}")
+    return ops
+
+
+def descriptions_on_a_communicator_of_their_own(rank, world):
+    """Rank 0 sends boundary descriptions to rank 1 on a gloo group used as NCCL would use a
+    communicator (one tag: matched by order alone): one left from an earlier step, then step 5's in
+    another order than rank 1 asks for them, one longer than a chunk, one "no output", then bytes that
+    are no description. Returns what rank 1 read, in the order it asked."""
+    from pipecore.executor.descriptions import CHUNK, DescriptionTimeout, Descriptions, OutOfStep
+
+    group = dist.new_group(backend="gloo")
+    mail = Descriptions(group, 0, torch.device("cpu"))
+    long = bytes(range(256)) * (3 * CHUNK // 256)
+    if rank == 0:
+        mail.send(1, 4, 0, 0, b"left from step 4" * 200)  # (a rest of its own, dropped with it)
+        for mb, payload in [(0, b"short"), (1, long), (2, None)]:
+            mail.send(1, 5, 0, mb, payload)
+        not_one = torch.zeros(CHUNK, dtype=torch.uint8)
+        sent = group.send([not_one], 1, 0)  # (kept: gloo may not send what a dropped Work asked for)
+        dist.barrier()  # (not on `group`: rank 1's timed-out receive closes its connections)
+        return None
+    read = [mail.receive(0, 5, 0, 2, timeout=30)]
+    kept = [mail.waiting(0, 5, 0, mb) for mb in range(3)]
+    read += [mail.receive(0, 5, 0, 1, timeout=30) == long, mail.receive(0, 5, 0, 0, timeout=30)]
+    for ask, error in [(3, OutOfStep), (4, DescriptionTimeout)]:
+        try:
+            mail.receive(0, 5, 0, ask, timeout=0.5)
+        except error as exc:
+            read.append(f"{type(exc).__name__}: {exc}")
+    dist.barrier()
+    return read, kept
+
+
 def shapes_in_messages_on_one_rank(rank, world):
     """variable_shapes=True on rank 0 only (the timeout never runs out: only an agreement can end
     this). Returns the error each rank's first step raised (type, text) and how long it took."""

@@ -7,8 +7,9 @@ import pytest
 
 from dist_pool import pool
 from exactness import FLOAT64_BOUND
-from nccl_model_cases import (grown_messages_cross_without_the_store, shapes_in_messages_on_one_rank,
-                              side_tensors_cross, stuck_replica_aborts_its_group, timed_out_send_is_held)
+from nccl_model_cases import (descriptions_on_a_communicator_of_their_own, grown_messages_cross_without_the_store, shapes_in_messages_on_one_rank,
+                              side_tensors_cross, store_operations_per_step, stuck_replica_aborts_its_group,
+                              timed_out_send_is_held)
 from pipecore.errors import InputError
 from pipecore.runtime.message_path import check_device_path_settings
 from shaped_message_cases import LENGTHS, step_lengths, steps_for
@@ -58,6 +59,33 @@ def test_a_message_grown_past_64_mib_follows_over_the_communicator_not_the_store
     for rank, (ops, largest, grown) in enumerate(results):
         assert ops == [0, 0, 0], (rank, ops, largest)
         assert grown == [0, 0, 2, 0], (rank, grown)  # both microbatches: activations on rank 0, gradients on 1
+
+
+@pytest.mark.parametrize("path", ["default", "device"])
+def test_new_batch_shapes_are_learnt_without_the_store(path):
+    # Scale: the first step of each batch shape learnt its boundaries through rank 0's store, a set,
+    # a wait, a get and a delete per boundary and microbatch (at 1,000 pipelines x 16 stages x 32
+    # microbatches, two million operations against one server at every new shape). Now descriptions
+    # go point to point: a new shape makes no store operation, and the first step as many with 2
+    # microbatches as with 8 (before: steps with a new shape made 5 + m on rank 0, 5 + 3m on rank 1).
+    rows = [4, 4, 6, 4, 3]  # a new shape at steps 3 and 5 (step 4's was learnt at step 1)
+    first = {}
+    for m in (2, 8):
+        results = pool(2).run(store_operations_per_step, "1f1b", m, path, rows, timeout=180)
+        for rank, ops in enumerate(results):
+            assert ops[1:] == [0, 0, 0, 0], (m, rank, ops)
+            first.setdefault(rank, set()).add(ops[0])
+    assert all(len(counts) == 1 for counts in first.values()), first
+
+
+def test_descriptions_match_by_step_stage_and_microbatch_whatever_their_order():
+    # Where the group has no gloo (NCCL), descriptions go on a communicator of their own, matched by
+    # order alone: a receiver keeps those it did not ask for yet and drops an earlier step's.
+    _, (read, kept) = pool(2).run(descriptions_on_a_communicator_of_their_own, timeout=120)
+    assert read[:3] == [None, True, b"short"], read
+    assert kept == [True, True, False], kept
+    assert read[3] == "OutOfStep: 1024 bytes from rank 0 that are not a boundary description", read
+    assert read[4] == "DescriptionTimeout: nothing arrived from rank 0", read
 
 
 def test_ranks_whose_messages_differ_are_refused_at_the_first_step():

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pipecore.errors import CommunicationError
+from pipecore.executor.descriptions import DESCRIPTION_TAG, Descriptions
 from pipecore.executor.native import C, CommError
 
 
@@ -38,6 +39,7 @@ class Comm:
         self.uid: str | None = None
         self.broken: str | None = None  # why the group broke (no later step may use it)
         self.channels: list = []  # more communicators of these ranks (open_reverse_channel, open_follow_up_channels)
+        self.descriptions: Descriptions | None = None  # where discovery steps send boundaries (open_descriptions)
         self.step = -1  # the step in progress: its failures are left under its key
 
     # -- the small collectives ---------------------------------------------------------------
@@ -230,6 +232,19 @@ class Comm:
         which messages that outgrew their receive follow, to higher ranks on the first and to lower ranks
         on the second. Opened right after an agreement; NCCL connects at the first follow-up."""
         return tuple(self._open_channel(f"follow-ups-{way}", self._p2p_backend()) for way in ("up", "down"))
+
+    def open_descriptions(self) -> Descriptions:
+        """Where the first step of a batch signature sends the boundaries' descriptions
+        (pipecore/executor/descriptions.py): the group's gloo under a tag of their own, else a
+        communicator of their own (NCCL). Opened right after an agreement, once."""
+        if self.descriptions is None:
+            cpu = torch.device("cpu")
+            if backend_of(self.group, cpu) is not None:
+                self.descriptions = Descriptions(self.group, DESCRIPTION_TAG, cpu)
+            else:
+                self.descriptions = Descriptions(self._open_channel("descriptions", self._p2p_backend()), 0,
+                                                 self.device)
+        return self.descriptions
 
     def _open_channel(self, name: str, like):
         """One more communicator of these ranks, of `like`'s kind, with this Pipeline's timeout."""

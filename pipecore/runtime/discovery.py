@@ -5,12 +5,13 @@ Nothing runs the user's model to find shapes: no meta tensors (which CPU autocas
 parameters, FSDP2's hooks and torch.compile do not follow), no forward run twice (no extra RNG
 draws, no module state moved). Instead that step runs as any other, and:
 
-- when a stage's forward returns, its rank describes the output (a `Boundary`), publishes it
-  through the process group's store under the step's key, and sets the shapes of its own send
-  and of the gradients it will get back;
+- when a stage's forward returns, its rank describes the output (a `Boundary`), sends that
+  description to the rank of the next stage, point to point (pipecore/executor/descriptions.py:
+  never through the store), and sets the shapes of its own send and of the gradients it will get
+  back;
 - a rank whose program reaches a receive of activations reads that description first (waiting up
   to the Pipeline's timeout), then posts the receive with those shapes;
-- a rank whose step failed before a forward publishes ABSENT for it: the receiver then knows no
+- a rank whose step failed before a forward sends "no output" for it: the receiver then knows no
   message comes and that the sender's step was aborted.
 
 In that step the executor posts no receive ahead and the host waits for and reads each message; on
@@ -24,16 +25,14 @@ from __future__ import annotations
 
 import pickle
 import warnings
-from datetime import timedelta
 from typing import Any
 
 import torch
 
 from pipecore.executor.comm import Comm
+from pipecore.executor.descriptions import DescriptionTimeout
 from pipecore.executor.native import OPCODES, SPEC_ANSWERS
 from pipecore.stage.boundary import Boundary, StagePlan, describe, tensor_leaves
-
-ABSENT = b"pipecore: no output (the step failed before this forward)"
 
 
 class Discovery:
@@ -45,15 +44,13 @@ class Discovery:
         self._stages = stages
         self._topology = topology
         self.training = training
-        self.prefix = f"pipecore/{comm.uid}/shapes/step{comm.step}/{'train' if training else 'eval'}"
+        self._step = comm.step  # names this step's descriptions (a peer's earlier ones are dropped)
+        self._descriptions = comm.descriptions
         self.plans: dict[int, StagePlan] = {s.stage_index: StagePlan() for s in stages}
-
-    def _key(self, stage: int, mb: int) -> str:
-        return f"{self.prefix}/stage{stage}/mb{mb}"
 
     def learnt_output(self, local: int, mb: int, boundary: Boundary) -> None:
         """Stage `local`'s forward of `mb` returned an output of this boundary: its rank records it,
-        hands it to the next stage (published, or directly when that stage is on this rank), and
+        hands it to the next stage (sent to its rank, or directly when that stage is on this rank), and
         sets the shapes of the send and of the gradients that come back."""
         stage = self._stages[local]
         s = stage.stage_index
@@ -71,24 +68,18 @@ class Discovery:
         s = stage.stage_index
         if op != OPCODES["RECV_F"]:
             # an aborted step's send of activations whose forward never returned (learnt_output sets the
-            # shapes before it publishes them): no message goes, the receiver learns why
+            # shapes before it sends them): no message goes, the receiver learns why
             self._publish(s, mb, None)
             return SPEC_ANSWERS["ABSENT"]
-        key = self._key(self._topology.prev_stage[s], mb)
-        store = self._comm.store
+        prev = self._topology.prev_stage[s]
+        peer = self._topology.stage_rank[prev]
+        if not may_wait and not self._descriptions.waiting(peer, self._step, prev, mb):
+            return SPEC_ANSWERS["ABSENT"]  # the group broke: only what already arrived
         try:
-            if may_wait:
-                store.wait([key], timedelta(seconds=self._comm.timeout))
-            elif not store.check([key]):
-                return SPEC_ANSWERS["ABSENT"]
-            data = store.get(key)
-        except Exception:  # noqa: BLE001 - a store timeout or a lost store: a peer hung or died
+            data = self._descriptions.receive(peer, self._step, prev, mb, self._comm.timeout)
+        except DescriptionTimeout:  # a peer hung or died
             return SPEC_ANSWERS["TIMED_OUT"]
-        try:
-            store.delete_key(key)  # read once: the keys of a step do not pile up in the store
-        except Exception:  # noqa: BLE001 - best effort
-            pass
-        if data == ABSENT:
+        if data is None:
             return SPEC_ANSWERS["ABSENT"]
         with warnings.catch_warnings():  # torch 2.13 warns when a pickled leaf TreeSpec is loaded
             warnings.simplefilter("ignore", FutureWarning)
@@ -97,8 +88,15 @@ class Discovery:
         self._executor.set_input_specs(local, mb, boundary.meta_tensors(), torch.empty(0, device=stage.device))
         return SPEC_ANSWERS["SET"]
 
+    def settle(self) -> None:
+        """Every rank ran this step to its end: the descriptions this rank sent were read."""
+        if self._descriptions is not None:
+            self._descriptions.settle(self._comm.timeout)
+
     def _publish(self, stage: int, mb: int, boundary: Boundary | None) -> None:
-        self._comm.store.set(self._key(stage, mb), ABSENT if boundary is None else pickle.dumps(boundary, protocol=4))
+        peer = self._topology.stage_rank[self._topology.next_stage[stage]]
+        self._descriptions.send(peer, self._step, stage, mb,
+                                None if boundary is None else pickle.dumps(boundary, protocol=4))
 
 
 def declared_mismatch(stage, args: Any, kwargs: Any, out: Any) -> str | None:

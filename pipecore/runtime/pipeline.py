@@ -559,6 +559,8 @@ class Pipeline:
         if self.world > 1 and self.executor.device_comm and self.executor.shapes_travel and not self._follow_ups_open:
             self._follow_ups_open = True  # (csrc/executor.h, set_follow_up_channels)
             self.executor.set_follow_up_channels(*self.comm.open_follow_up_channels())
+        if self.world > 1:
+            self.comm.open_descriptions()  # (the first step of each batch signature sends boundaries there)
         self.plans.plan(sig, training)
 
     def _run_aborted(self, status: int) -> None:

@@ -71,6 +71,7 @@ class Plans:
         if failed_somewhere:
             self.agreed.pop(discovery.training, None)
             return
+        discovery.settle()
         key = (self.agreed[discovery.training], discovery.training)
         self._kept[key] = discovery.plans
         self._load(discovery.plans, discovery.training)
