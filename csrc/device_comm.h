@@ -1,4 +1,4 @@
-// Communication on an accelerator without host waits (CUDA builds: csrc/cuda/device_comm.cpp).
+// Communication on an accelerator without host waits (device_comm.cpp, over the calls of device_ops.h).
 //
 // The host only queues work there; it never waits for a transfer inside a step (the host waits the
 // path does make are listed in docs/cuda.md, "Host waits on the device path"):
@@ -34,10 +34,14 @@
 //    take it): on the device path it follows on a communicator of the same ranks that carries only
 //    follow-ups, so they match in the order receivers take them, and receivers read the headers from
 //    one peer in the order they were posted (Executor::read_headers_through). A follow-up's send waits
-//    on its communicator's stream until the receiver has read the header, so sends and receives of
-//    follow-ups must not share a stream: two ranks each sending one, each to read the other's later,
-//    would wait for each other. One communicator carries the follow-ups to higher ranks, another those
-//    to lower ranks (Executor::set_follow_up_channels).
+//    on its stream until the receiver has read the header, so a follow-up must not share a stream with
+//    any other rank's: two ranks each sending one, each to read the other's later, would wait for each
+//    other, and so would a chain of ranks, each sending one to the next before it receives one from
+//    the previous (the CPU model found that cycle: interleaved_zb on 4 ranks). One communicator carries
+//    the follow-ups to higher ranks, another those to lower ranks (Executor::set_follow_up_channels),
+//    and each follow-up goes alone, outside any group: c10d then posts it on a communicator of its
+//    pair, with a stream of its own, which carries only that pair's follow-ups in that direction (and
+//    which only those two ranks connect, at their first follow-up).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -67,9 +71,12 @@ class DeviceComm {
   // the batch's ready marker, an event on the communication stream after the group (stream_contract.h,
   // rules 2 and 3), which the executor keeps with each of its receives until it lets go of them (null:
   // the batch has no receive). A posting error aborts `backend` first (CommError): the part of the batch
-  // already added must not reach the peers without the rest.
+  // already added must not reach the peers without the rest. Not `grouped` (a follow-up: one task): the
+  // task goes alone, outside any group, which c10d posts on a communicator of its two ranks with a
+  // stream of its own ([Note: NCCL pair order]).
   virtual std::shared_ptr<StreamMarker> post_batch(c10d::Backend& backend,
-                                                   const std::vector<std::shared_ptr<CommTask>>& tasks) = 0;
+                                                   const std::vector<std::shared_ptr<CommTask>>& tasks,
+                                                   bool grouped = true) = 0;
   // Before the compute stream reads received `task`: the compute stream waits on `ready` (its batch's
   // marker) and folds its trailer into the step status (a shaped message's status was read on the host).
   virtual void consume(CommTask& task, const StreamMarker& ready) = 0;
@@ -79,8 +86,6 @@ class DeviceComm {
   // A shaped message (task.header_bytes > 0): its header's bytes on the host, waited for up to
   // `timeout` (CommError after that), not waiting for the compute stream.
   virtual at::Tensor read_header(CommTask& task, std::chrono::milliseconds timeout) = 0;
-  // A discovery run reads messages on the host (Executor::run): `task`'s Works were waited for there.
-  virtual void waited_on_host(const CommTask& /*task*/) {}
   // Writes the step status (ok, or the first bad status a message brought) into a 16-byte trailer.
   virtual void write_trailer(at::Tensor& trailer) = 0;
   // `seed` (one element) = value if the step status is ok, else 0.
@@ -88,17 +93,18 @@ class DeviceComm {
   // End of step: the step status (a MessageStatus; kMessageUnknown if a trailer was not pipecore's),
   // read once the compute stream's work is done. False if that took longer than `timeout`.
   virtual bool finish_step(std::chrono::milliseconds timeout, int64_t& status) = 0;
-  // The stream contract's violations seen so far (the host emulation's checker; none elsewhere).
+  // The stream contract's violations seen so far (the CPU model's checker; none on a device).
   virtual std::vector<std::string> contract_violations() const { return {}; }
 };
 
+// The implementation (device_comm.cpp) makes every decision once, over a device's calls (device_ops.h).
 // A DeviceComm for `device`, or null where this build has none (CPU devices; builds without CUDA).
 std::unique_ptr<DeviceComm> make_device_comm(const c10::Device& device);
 
 #ifdef PIPECORE_TESTING
-// Test builds: the same protocol run by the host on CPU tensors over gloo, for tests on machines
-// without a GPU (testing/host_device_comm.cpp says what differs); `timeout` (the executor's, read at
-// each wait; it must outlive the DeviceComm) bounds each wait for a message.
+// Test builds: the same decisions over the CPU model's calls (testing/host_device_comm.cpp), on CPU
+// tensors over gloo, for tests on machines without a GPU; `timeout` (the executor's, read at each
+// wait; it must outlive the DeviceComm) bounds each wait for a message.
 std::unique_ptr<DeviceComm> make_host_device_comm(const std::chrono::milliseconds& timeout);
 #endif
 

@@ -35,7 +35,7 @@ void Executor::post(const std::vector<std::shared_ptr<CommTask>>& tasks, const s
     std::shared_ptr<StreamMarker> ready;
     try {
       if (!channel && !group_backend_) group_backend_ = pg_->getBackend(device_comm_->device_type());
-      ready = device_comm_->post_batch(channel ? *channel : *group_backend_, tasks);
+      ready = device_comm_->post_batch(channel ? *channel : *group_backend_, tasks, /*grouped=*/channel == nullptr);
     } catch (const std::exception& e) {
       throw post_failure(*tasks.front(), program_[actions.front()], e.what());
     }

@@ -118,7 +118,6 @@ void Executor::clear_slots() {
 void Executor::wait_task(CommTask& task, const Instr& in, const char* what) {
   SpentOn spent(profile_, Spent::kWait);
   if (task.queued) await_posted(task, in);
-  if (device_comm_) device_comm_->waited_on_host(task);  // (only a discovery run waits here on that path)
   for (auto& work : task.works) {
     if (!work) continue;
     try {

@@ -1,7 +1,8 @@
 // The device path's stream contract, in one place (DeepEP writes its own the same way): which
-// stream may touch a message buffer when, and what makes its free safe. CUDA (cuda/device_comm.cpp)
-// keeps it with events; the host emulation of tests (testing/host_device_comm.cpp) keeps it with a
-// ledger that checks every use and free against it (testing/stream_ledger.h).
+// stream may touch a message buffer when, and what makes its free safe. The device path
+// (device_comm.cpp) applies it; CUDA keeps it with events (cuda/device_ops.cpp), the CPU model of tests
+// (testing/host_device_comm.cpp) with a ledger that checks every use and free against it
+// (testing/stream_ledger.h).
 //
 // The executor allocates every message buffer (a send's frame, a receive's buffer, trailers
 // included) with the compute stream current, so the caching allocator gives each one to the compute

@@ -1,6 +1,6 @@
 """Cases run on every rank of a gloo pool: module state after steps that do not count (a batch that
 changed shape, a failed step), on the host-waiting path and on the device path's protocol run by
-the host (csrc/host_device_comm.cpp), where ranks compute on stand-in messages before they learn
+the host (csrc/testing/host_device_comm.cpp), where ranks compute on stand-in messages before they learn
 their status."""
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ def set_messages(pipe, mode):
     """mode "large": every message as large ones go (its tensors from their own storage, then a
     trailer); "direct": sends and receives posted by the compute thread (as on NCCL), not the comm
     thread; "device": the device path's protocol (batches, statuses folded when consumed and read at
-    the step's end, gated loss seeds), run by the host over gloo (csrc/host_device_comm.cpp)."""
+    the step's end, gated loss seeds), run by the host over gloo (csrc/testing/host_device_comm.cpp)."""
     if mode == "large":
         pipe.executor.set_large_messages(0)
     elif mode == "direct":

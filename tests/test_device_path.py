@@ -1,6 +1,6 @@
 """The device path's protocol (csrc/device_comm.h) on machines without a GPU: the executor's side
 of it runs here with the host doing what CUDA does with streams, events and kernels
-(csrc/host_device_comm.cpp; `set_messages(pipe, "device")`). Training against one process, failures,
+(csrc/testing/host_device_comm.cpp; `set_messages(pipe, "device")`). Training against one process, failures,
 timeouts and out-of-step channels run in test_pipeline, test_reliability, test_memory and
 test_overlap under messages="device"; tests/test_cuda.py runs the CUDA code itself on a GPU."""
 

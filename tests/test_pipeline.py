@@ -49,7 +49,7 @@ def test_receives_posted_ahead(name, world, V, window, max_bytes, past_sends):
 def test_message_paths(name, world, V, messages, dtype):
     # every message as large ones go (tensors from their own storage, then a trailer), every send
     # and receive posted by the compute thread (as on NCCL), or the device path's protocol run by the
-    # host (csrc/host_device_comm.cpp): 2 steps with an optimizer; in fp32 too, as users send it (4-byte
+    # host (csrc/testing/host_device_comm.cpp): 2 steps with an optimizer; in fp32 too, as users send it (4-byte
     # elements in the messages' packing, sizes and alignment)
     pool(world).run(train_and_compare, name, 2 * world, V, "multi", 4 * world + 1, 2, True, True, False, None,
                     messages, None, dtype)

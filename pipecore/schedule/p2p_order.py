@@ -2,7 +2,7 @@
 that this order cannot deadlock where the backend runs all of a group's P2P operations on one
 serialised stream.
 
-The rules (the CUDA executor, csrc/cuda/device_comm.cpp, follows them; why NCCL needs them:
+The rules (the CUDA executor, csrc/device_comm.cpp, follows them; why NCCL needs them:
 [Note: NCCL pair order] in csrc/device_comm.h):
 
 1. **Batches.** Each maximal run of consecutive SEND/RECV actions in a rank's lowered program is

@@ -1,0 +1,138 @@
+// The device path's calls on CUDA and NCCL (../device_ops.h), one each; the decisions are
+// ../device_comm.cpp's. A communication stream per executor, events between it and the compute stream
+// (the stream current on the thread that asks: the step's, or a pair's half that runs on it), NCCL's
+// groups through c10d, and the step status kept by one-thread kernels (status_kernels.h).
+#include "../device_ops.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/Event.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <optional>
+#include <thread>
+
+#include "status_kernels.h"
+
+namespace pipecore {
+namespace {
+
+struct CudaMarker final : StreamMarker {
+  c10::Event event{c10::DeviceType::CUDA};
+  std::optional<c10::cuda::CUDAStream> owner;  // keep_owner's
+};
+
+class CudaOps final : public DeviceOps {
+ public:
+  explicit CudaOps(const c10::Device& device)
+      : device_(device),
+        // The communication stream carries the batches' waits on compute, their header copies and their
+        // ready events; NCCL's kernels run on c10d's own stream, which waits on this one at posting (and this
+        // one on it after a batch with receives). Its high priority orders only that small work of its own
+        // ahead of compute kernels; it does not make the transfers themselves preempt compute.
+        comm_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index())),
+        status_(at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(device))),
+        host_status_(at::empty({1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true))) {}
+
+  c10::DeviceType device_type() const override { return c10::DeviceType::CUDA; }
+
+  // -- streams and events (stream_contract.h)
+  std::shared_ptr<StreamMarker> record(Lane lane) override {
+    c10::cuda::CUDAGuard device_guard(device_);
+    auto marker = std::make_shared<CudaMarker>();
+    marker->event.record(stream(lane));
+    return marker;
+  }
+  void wait(Lane lane, const StreamMarker& marker) override {
+    c10::cuda::CUDAGuard device_guard(device_);
+    const auto& cuda = static_cast<const CudaMarker&>(marker);
+    TORCH_CHECK(lane != Lane::kOwner || cuda.owner, "pipecore: a wait on the posting stream of a marker without one");
+    cuda.event.block(lane == Lane::kOwner ? *cuda.owner : stream(lane));
+  }
+  void keep_owner(StreamMarker& marker) override { static_cast<CudaMarker&>(marker).owner = compute(); }
+
+  // -- the step status
+  void begin_step() override {
+    c10::cuda::CUDAGuard device_guard(device_);
+    status_.zero_();
+  }
+  void fold_trailer(const at::Tensor& trailer) override {
+    c10::cuda::CUDAGuard device_guard(device_);  // a launch goes to the current device
+    cuda::fold_trailer(trailer, status_, compute().stream());
+  }
+  void write_trailer(at::Tensor& trailer) override {
+    c10::cuda::CUDAGuard device_guard(device_);
+    cuda::write_trailer(trailer, status_, compute().stream());
+  }
+  void fill_seed(at::Tensor& seed, double value) override {
+    c10::cuda::CUDAGuard device_guard(device_);
+    cuda::fill_seed(seed, value, status_, compute().stream());
+  }
+  std::shared_ptr<StreamMarker> status_to_host() override {
+    c10::cuda::CUDAGuard device_guard(device_);
+    host_status_.copy_(status_, /*non_blocking=*/true);
+    return record(Lane::kCompute);
+  }
+  int64_t status_on_host() override { return host_status_.data_ptr<int64_t>()[0]; }
+
+  // -- the communicator
+  std::shared_ptr<void> on_comm_stream() override {
+    return std::make_shared<c10::cuda::CUDAStreamGuard>(comm_);  // (its device too)
+  }
+  void start_group(c10d::Backend& backend) override { backend.startCoalescing(); }
+  void post(c10d::Backend& /*backend*/, CommTask& task) override { post_parts(task); }
+  c10::intrusive_ptr<c10d::Work> end_group(c10d::Backend& backend) override { return backend.endCoalescing(); }
+  void abort(c10d::Backend& backend) override { backend.abort(); }
+  c10::intrusive_ptr<c10d::Work> post_alone(c10d::Backend& /*backend*/, CommTask& task) override {
+    post_parts(task);  // (one part: a follow-up is packed)
+    return task.works.back();
+  }
+  void comm_waits(c10d::Work& group) override { group.wait(); }  // (no blocking wait: the stream waits)
+
+  // -- the host
+  at::Tensor to_host(const at::Tensor& bytes) override {
+    at::Tensor host = at::empty({bytes.numel()}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    host.copy_(bytes, /*non_blocking=*/true);
+    return host;
+  }
+  // Queried, not synchronized: a stuck peer ends in a timeout, not a hang.
+  bool host_wait(const StreamMarker& marker, std::chrono::milliseconds timeout) override {
+    const c10::Event& event = static_cast<const CudaMarker&>(marker).event;
+    const auto start = std::chrono::steady_clock::now();
+    const auto deadline = start + timeout;
+    auto pause = std::chrono::microseconds(10);
+    while (!event.query()) {
+      const auto now = std::chrono::steady_clock::now();
+      if (now > deadline) return false;
+      if (now - start < std::chrono::microseconds(50)) {  // a header is usually there within microseconds,
+        std::this_thread::yield();                          // and a sleep takes tens of them
+        continue;
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(500));
+    }
+    return true;
+  }
+
+ private:
+  c10::cuda::CUDAStream compute() const { return c10::cuda::getCurrentCUDAStream(device_.index()); }
+  c10::cuda::CUDAStream stream(Lane lane) const { return lane == Lane::kComm ? comm_ : compute(); }
+
+  c10::Device device_;
+  c10::cuda::CUDAStream comm_;
+  at::Tensor status_;       // int64[1] on the device: the largest status code seen this step
+  at::Tensor host_status_;  // pinned: where the status lands at the end of a step
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceOps> make_cuda_ops(const c10::Device& device) {
+  c10::Device d = device;
+  if (!d.has_index()) d = c10::Device(c10::DeviceType::CUDA, c10::cuda::current_device());
+  return std::make_unique<CudaOps>(d);
+}
+
+}  // namespace pipecore

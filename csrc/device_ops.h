@@ -1,0 +1,72 @@
+// What the device path (device_comm.cpp: every decision of it, written once) asks of a device: one
+// CUDA or NCCL call each on a GPU (cuda/device_ops.cpp), or the same calls modelled on the CPU for
+// tests (testing/host_device_comm.cpp: the streams as a ledger that checks the stream contract, NCCL's
+// groups over gloo, refusing what NCCL refuses). An implementation makes no choice of its own: which
+// stream waits on which, when a group is aborted, which header is copied and what an error says are
+// device_comm.cpp's.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm_worker.h"
+#include "stream_contract.h"
+
+namespace pipecore {
+
+class DeviceOps : public StreamSync {
+ public:
+  virtual c10::DeviceType device_type() const = 0;
+
+  // -- the step status, an int64 on the device (message_status.h), kept by the compute stream
+  // (begin_step: the start of a step; the CPU model also waits there for what an aborted step left)
+  virtual void begin_step() = 0;
+  // status = max(status, the code of the 16-byte `trailer`)
+  virtual void fold_trailer(const at::Tensor& trailer) = 0;
+  // trailer = (status, magic), where a foreign trailer's code goes on as "aborted"
+  virtual void write_trailer(at::Tensor& trailer) = 0;
+  // seed[0] = status == ok ? value : 0
+  virtual void fill_seed(at::Tensor& seed, double value) = 0;
+  // The status copied to the host once the compute stream's work is done: that point, and then the code.
+  virtual std::shared_ptr<StreamMarker> status_to_host() = 0;
+  virtual int64_t status_on_host() = 0;
+
+  // -- the communicator: a group of sends and receives, queued with the communication stream current
+  // (held while the returned object lives)
+  virtual std::shared_ptr<void> on_comm_stream() = 0;
+  virtual void start_group(c10d::Backend& backend) = 0;
+  virtual void post(c10d::Backend& backend, CommTask& task) = 0;  // its parts, as bytes (wire_parts)
+  virtual c10::intrusive_ptr<c10d::Work> end_group(c10d::Backend& backend) = 0;
+  virtual void abort(c10d::Backend& backend) = 0;
+  // One task alone, outside any group (c10d posts it on a communicator of its two ranks): its Work.
+  virtual c10::intrusive_ptr<c10d::Work> post_alone(c10d::Backend& backend, CommTask& task) = 0;
+  // The communication stream waits for `group` (the host does not).
+  virtual void comm_waits(c10d::Work& group) = 0;
+  // The marker's stream is remembered as the compute stream current now (Lane::kOwner's).
+  virtual void keep_owner(StreamMarker& marker) = 0;
+
+  // -- the host
+  // `bytes` copied to pinned host memory on the current stream (readable once a later marker of that
+  // stream is done).
+  virtual at::Tensor to_host(const at::Tensor& bytes) = 0;
+  // Waits for `marker` on the host, at most `timeout`; false then.
+  virtual bool host_wait(const StreamMarker& marker, std::chrono::milliseconds timeout) = 0;
+  // The stream contract's violations seen so far (the CPU model's ledger; none on a device).
+  virtual std::vector<std::string> violations() const { return {}; }
+};
+
+#ifdef PIPECORE_CUDA
+std::unique_ptr<DeviceOps> make_cuda_ops(const c10::Device& device);
+#endif
+#ifdef PIPECORE_TESTING
+// `timeout`: the executor's (read at each wait; it must outlive the ops), bounding each wait for a message.
+std::unique_ptr<DeviceOps> make_cpu_model_ops(const std::chrono::milliseconds& timeout);
+#endif
+
+}  // namespace pipecore
