@@ -29,7 +29,7 @@ TRITON_SPEC := triton==3.9.0
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 
-.PHONY: all install install-test demo test gpu-check bench clean
+.PHONY: all install install-test demo test gpu-check coverage bench clean
 
 all: install
 
@@ -38,7 +38,7 @@ all: install
 ENV_KEY_CMD = $(PYTHON) -c "import sys, os, hashlib, importlib.metadata as m; \
 	found = [next(iter(m.distributions(name=n)), None) for n in ('torch', 'pipecore')]; \
 	dists = [(d.version, d.read_text('direct_url.json')) if d else None for d in found]; \
-	env = [os.environ.get(v) for v in ('PIPECORE_NO_CUDA', 'PIPECORE_DEBUG_INFO', 'PIPECORE_TESTING', 'CC', 'CXX')]; \
+	env = [os.environ.get(v) for v in ('PIPECORE_NO_CUDA', 'PIPECORE_DEBUG_INFO', 'PIPECORE_TESTING', 'PIPECORE_COVERAGE', 'CC', 'CXX')]; \
 	print(hashlib.sha1(repr((sys.prefix, dists, env)).encode()).hexdigest()[:12])"
 ENV_KEY := $(shell $(ENV_KEY_CMD))
 INSTALLED := build/installed-$(or $(ENV_KEY),unknown)
@@ -100,6 +100,15 @@ test: install-test
 # first contact with a GPU machine: the CUDA tests, 2-GPU training and failure cases, a table (.ci/gpu_check.py)
 gpu-check: install-test
 	$(PYTHON) .ci/gpu_check.py
+
+# gcov line coverage of the device path's code under the suite (or TEST_ARGS), in a build of its own
+# (-O0 --coverage; `make test` relinks the usual one); the counts go to a temporary folder (GCOV_PREFIX),
+# and .ci/coverage.py prints the table
+coverage:
+	@PIPECORE_COVERAGE=1 $(MAKE) --no-print-directory install-test
+	@counts=$$(mktemp -d); trap 'rm -rf "$$counts"' EXIT; \
+	GCOV_PREFIX=$$counts $(PYTHON) -m pytest -q tests $(TEST_ARGS); \
+	$(PYTHON) .ci/coverage.py --counts $$counts
 
 bench:
 	$(PYTHON) bench/build.py

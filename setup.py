@@ -99,6 +99,11 @@ def _testing():
     return os.environ.get("PIPECORE_TESTING", "0") not in ("", "0")
 
 
+def _coverage():
+    """A coverage build (`make coverage`): gcov counts the lines each test runs (-O0, csrc/ only)."""
+    return os.environ.get("PIPECORE_COVERAGE", "0") not in ("", "0")
+
+
 def _extensions(cuda_home, use_cuda):
     sources = _rel_sorted("csrc/*.cpp")
     define_macros = []
@@ -111,6 +116,10 @@ def _extensions(cuda_home, use_cuda):
     extra_link_args = [f"-Wl,-rpath,{d}" for d in cpp_extension.library_paths()] + _libstdcxx_link_args()
     cxx_flags = ["-O2", CXX_STD]
     nvcc_flags = ["-O2", CXX_STD]
+    if _coverage():
+        cxx_flags = ["-O0", "--coverage", CXX_STD]
+        extra_link_args.append("--coverage")
+        define_macros.append(("PIPECORE_COVERAGE", "1"))
 
     if use_cuda:
         sources += _rel_sorted("csrc/cuda/*.cpp") + _rel_sorted("csrc/cuda/*.cu")
@@ -157,7 +166,7 @@ class BuildPipecore(BuildExtension.with_options(use_ninja=True)):
         super().finalize_options()
         # pip install -e sets build_temp to a new temporary folder: every install would compile everything
         key = f"{sysconfig.get_config_var('SOABI') or sys.implementation.cache_tag}-torch{torch.__version__}-" \
-              f"{'cuda' if USE_CUDA else 'cpu'}{'-testing' if _testing() else ''}"
+              f"{'cuda' if USE_CUDA else 'cpu'}{'-testing' if _testing() else ''}{'-coverage' if _coverage() else ''}"
         self.build_temp = os.path.join(ROOT, "build", f"obj-{key}")
 
     def build_extensions(self):

@@ -23,6 +23,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def write_coverage():
+    """A coverage build (`make coverage`): this process's line counts go to their files now."""
+    from pipecore.executor.native import C
+
+    if hasattr(C, "_write_coverage"):
+        C._write_coverage()
+
+
 def _worker(rank, world, port, tasks, results):
     import faulthandler
     import signal
@@ -43,9 +51,11 @@ def _worker(rank, world, port, tasks, results):
             break
         case_id, fn, args = item
         try:
-            results.put((case_id, rank, True, fn(rank, world, *args)))
+            result = (case_id, rank, True, fn(rank, world, *args))
         except BaseException:  # report everything, keep serving
-            results.put((case_id, rank, False, traceback.format_exc()))
+            result = (case_id, rank, False, traceback.format_exc())
+        write_coverage()  # (a pool that outlives its case's timeout is killed)
+        results.put(result)
     dist.destroy_process_group()
 
 
@@ -131,6 +141,7 @@ def _fresh_worker(rank, world, port, timeout, fn, args, out_path):
     except BaseException:  # noqa: BLE001 - reported to the test
         result = (False, traceback.format_exc())
     torch.save(result, out_path)
+    write_coverage()
     os._exit(0)  # no teardown: a failed peer could block it; the peers see this process end
 
 
