@@ -55,7 +55,8 @@ class DeviceOps : public StreamSync {
   // `bytes` copied to pinned host memory on the current stream (readable once a later marker of that
   // stream is done).
   virtual at::Tensor to_host(const at::Tensor& bytes) = 0;
-  // Waits for `marker` on the host, at most `timeout`; false then.
+  // Waits for `marker` on the host, at most `timeout`; false then (or a CommError that says why, where the
+  // implementation knows: the CPU model names the group that did not complete).
   virtual bool host_wait(const StreamMarker& marker, std::chrono::milliseconds timeout) = 0;
   // The stream contract's violations seen so far (the CPU model's ledger; none on a device).
   virtual std::vector<std::string> violations() const { return {}; }

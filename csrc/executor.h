@@ -209,7 +209,7 @@ class Executor {
 #ifdef PIPECORE_TESTING
   // Tests on CPU: the device path's protocol run by the host over gloo (make_host_device_comm).
   void emulate_device_comm();
-  // What the emulation's stream-contract checker refused so far (testing/stream_ledger.h).
+  // What the CPU model's stream-contract checker refused so far (testing/stream_ledger.h).
   std::vector<std::string> stream_violations() const;
 #endif
   // gloo: messages travelling to a lower group rank go through `channel`, a second gloo group over

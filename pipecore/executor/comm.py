@@ -238,9 +238,9 @@ class Comm:
         (pipecore/executor/descriptions.py): the group's gloo under a tag of their own, else a
         communicator of their own (NCCL). Opened right after an agreement, once."""
         if self.descriptions is None:
-            cpu = torch.device("cpu")
-            if backend_of(self.group, cpu) is not None:
-                self.descriptions = Descriptions(self.group, DESCRIPTION_TAG, cpu)
+            device = self.device_for()
+            if device.type == "cpu":  # (the group's own CPU backend)
+                self.descriptions = Descriptions(self.group, DESCRIPTION_TAG, device)
             else:
                 self.descriptions = Descriptions(self._open_channel("descriptions", self._p2p_backend()), 0,
                                                  self.device)

@@ -32,6 +32,7 @@ import torch
 from pipecore.executor.comm import Comm
 from pipecore.executor.descriptions import DescriptionTimeout
 from pipecore.executor.native import OPCODES, SPEC_ANSWERS
+from pipecore.schedule import Kind
 from pipecore.stage.boundary import Boundary, StagePlan, describe, tensor_leaves
 
 
@@ -71,8 +72,8 @@ class Discovery:
             # shapes before it sends them): no message goes, the receiver learns why
             self._publish(s, mb, None)
             return SPEC_ANSWERS["ABSENT"]
-        prev = self._topology.prev_stage[s]
-        peer = self._topology.stage_rank[prev]
+        prev = self._topology.peer_stage(s, Kind.RECV_F)
+        peer = self._topology.peer_rank(s, Kind.RECV_F)
         if not may_wait and not self._descriptions.waiting(peer, self._step, prev, mb):
             return SPEC_ANSWERS["ABSENT"]  # the group broke: only what already arrived
         try:
@@ -94,8 +95,7 @@ class Discovery:
             self._descriptions.settle(self._comm.timeout)
 
     def _publish(self, stage: int, mb: int, boundary: Boundary | None) -> None:
-        peer = self._topology.stage_rank[self._topology.next_stage[stage]]
-        self._descriptions.send(peer, self._step, stage, mb,
+        self._descriptions.send(self._topology.peer_rank(stage, Kind.SEND_F), self._step, stage, mb,
                                 None if boundary is None else pickle.dumps(boundary, protocol=4))
 
 
