@@ -74,7 +74,8 @@ class CudaOps final : public DeviceOps {
   std::shared_ptr<StreamMarker> status_to_host() override {
     c10::cuda::CUDAGuard device_guard(device_);
     host_status_.copy_(status_, /*non_blocking=*/true);
-    return record(Lane::kCompute);
+    status_read_->event.record(compute());  // one event for every step's read (read before the next)
+    return status_read_;
   }
   int64_t status_on_host() override { return host_status_.data_ptr<int64_t>()[0]; }
 
@@ -125,6 +126,7 @@ class CudaOps final : public DeviceOps {
   c10::cuda::CUDAStream comm_;
   at::Tensor status_;       // int64[1] on the device: the largest status code seen this step
   at::Tensor host_status_;  // pinned: where the status lands at the end of a step
+  std::shared_ptr<CudaMarker> status_read_ = std::make_shared<CudaMarker>();
 };
 
 }  // namespace
