@@ -26,6 +26,12 @@
 
 namespace py = pybind11;
 
+#ifdef PIPECORE_TESTING
+namespace pipecore {
+void bind_nccl_model(py::module& m);  // testing/nccl_model_harness.cpp
+}
+#endif
+
 #ifdef PIPECORE_COVERAGE
 extern "C" void __gcov_dump(void);
 extern "C" void __gcov_reset(void);
@@ -423,5 +429,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("recv_posted_at", &pipecore::Executor::recv_posted_at,
            "per RECV action of the last run, in program order: the program index before which it was posted")
       .def_property_readonly("reverse_posts", &pipecore::Executor::reverse_posts);
+  pipecore::bind_nccl_model(m);
 #endif
 }

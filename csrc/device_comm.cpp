@@ -14,18 +14,37 @@
 namespace pipecore {
 namespace {
 
+// The executor's device current while it lives (a guard without an allocation: one per message).
+class OnDevice {
+ public:
+  explicit OnDevice(DeviceOps& ops) : ops_(ops), before_(ops.make_device_current()) {}
+  ~OnDevice() { ops_.restore_device(before_); }
+  OnDevice(const OnDevice&) = delete;
+  OnDevice& operator=(const OnDevice&) = delete;
+
+ private:
+  DeviceOps& ops_;
+  const int before_;
+};
+
 class DevicePath final : public DeviceComm {
  public:
   explicit DevicePath(std::unique_ptr<DeviceOps> ops) : ops_(std::move(ops)) {}
 
   c10::DeviceType device_type() const override { return ops_->device_type(); }
 
-  void begin_step() override { ops_->begin_step(); }
+  // Every entry that queues device work first makes the executor's device current (L1 of issue 51: a
+  // thread starts on device 0, and the step's thread need not have set it).
+  void begin_step() override {
+    const OnDevice on_device(*ops_);
+    ops_->begin_step();
+  }
 
   std::shared_ptr<StreamMarker> post_batch(c10d::Backend& backend, const std::vector<std::shared_ptr<CommTask>>& tasks,
                                            bool grouped) override {
     TORCH_CHECK(grouped || tasks.size() == 1, "pipecore: only one message goes outside a group");
     const bool receives = std::any_of(tasks.begin(), tasks.end(), [](const auto& t) { return !t->send; });
+    const OnDevice on_device(*ops_);
     before_batch(*ops_, tasks);  // the communication stream waits on compute, whatever the batch holds
     std::shared_ptr<StreamMarker> ready;
     {
@@ -44,6 +63,7 @@ class DevicePath final : public DeviceComm {
   }
 
   void consume(CommTask& task, const StreamMarker& ready) override {
+    const OnDevice on_device(*ops_);
     before_read(*ops_, task, ready);
     if (task.header_bytes > 0) return;  // a shaped message: its status was read on the host
     const at::Tensor& last = task.parts.back();
@@ -51,6 +71,7 @@ class DevicePath final : public DeviceComm {
   }
 
   void release(CommTask& task, const StreamMarker& ready, bool consumed) override {
+    const OnDevice on_device(*ops_);
     on_release(*ops_, task, ready, consumed);
   }
 
@@ -63,12 +84,21 @@ class DevicePath final : public DeviceComm {
     return task.header_host;
   }
 
-  void write_trailer(at::Tensor& trailer) override { ops_->write_trailer(trailer); }
+  void write_trailer(at::Tensor& trailer) override {
+    const OnDevice on_device(*ops_);
+    ops_->write_trailer(trailer);
+  }
 
-  void fill_seed(at::Tensor& seed, double value) override { ops_->fill_seed(seed, value); }
+  void fill_seed(at::Tensor& seed, double value) override {
+    const OnDevice on_device(*ops_);
+    ops_->fill_seed(seed, value);
+  }
 
   bool finish_step(std::chrono::milliseconds timeout, int64_t& status) override {
-    const std::shared_ptr<StreamMarker> read = ops_->status_to_host();
+    const std::shared_ptr<StreamMarker> read = [&] {
+      const OnDevice on_device(*ops_);
+      return ops_->status_to_host();
+    }();
     if (!ops_->host_wait(*read, timeout)) return false;
     const int64_t code = ops_->status_on_host();
     status = code == kStatusNotOurs ? kMessageUnknown : code;
@@ -130,8 +160,8 @@ std::unique_ptr<DeviceComm> make_device_comm(const c10::Device& device) {
 }
 
 #ifdef PIPECORE_TESTING
-std::unique_ptr<DeviceComm> make_host_device_comm(const std::chrono::milliseconds& timeout) {
-  return std::make_unique<DevicePath>(make_cpu_model_ops(timeout));
+std::unique_ptr<DeviceComm> make_host_device_comm(const std::chrono::milliseconds& timeout, int device_index) {
+  return std::make_unique<DevicePath>(make_cpu_model_ops(timeout, device_index));
 }
 #endif
 

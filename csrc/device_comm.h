@@ -104,8 +104,9 @@ std::unique_ptr<DeviceComm> make_device_comm(const c10::Device& device);
 #ifdef PIPECORE_TESTING
 // Test builds: the same decisions over the CPU model's calls (testing/host_device_comm.cpp), on CPU
 // tensors over gloo, for tests on machines without a GPU; `timeout` (the executor's, read at each
-// wait; it must outlive the DeviceComm) bounds each wait for a message.
-std::unique_ptr<DeviceComm> make_host_device_comm(const std::chrono::milliseconds& timeout);
+// wait; it must outlive the DeviceComm) bounds each wait for a message; `device_index`: the device it
+// models (a launch while another one is current is refused).
+std::unique_ptr<DeviceComm> make_host_device_comm(const std::chrono::milliseconds& timeout, int device_index);
 #endif
 
 }  // namespace pipecore

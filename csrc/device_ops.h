@@ -2,8 +2,8 @@
 // CUDA or NCCL call each on a GPU (cuda/device_ops.cpp), or the same calls modelled on the CPU for
 // tests (testing/host_device_comm.cpp: the streams as a ledger that checks the stream contract, NCCL's
 // groups over gloo, refusing what NCCL refuses). An implementation makes no choice of its own: which
-// stream waits on which, when a group is aborted, which header is copied and what an error says are
-// device_comm.cpp's.
+// stream waits on which, which device is current, when a group is aborted, which header is copied and
+// what an error says are device_comm.cpp's.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -23,6 +23,10 @@ namespace pipecore {
 class DeviceOps : public StreamSync {
  public:
   virtual c10::DeviceType device_type() const = 0;
+  // The executor's device made current on this thread (a launch goes to the current device, and a
+  // thread starts on device 0): the device current before, for restore_device.
+  virtual int make_device_current() = 0;
+  virtual void restore_device(int before) = 0;
 
   // -- the step status, an int64 on the device (message_status.h), kept by the compute stream
   // (begin_step: the start of a step; the CPU model also waits there for what an aborted step left)
@@ -66,8 +70,12 @@ class DeviceOps : public StreamSync {
 std::unique_ptr<DeviceOps> make_cuda_ops(const c10::Device& device);
 #endif
 #ifdef PIPECORE_TESTING
-// `timeout`: the executor's (read at each wait; it must outlive the ops), bounding each wait for a message.
-std::unique_ptr<DeviceOps> make_cpu_model_ops(const std::chrono::milliseconds& timeout);
+// `timeout`: the executor's (read at each wait; it must outlive the ops), bounding each wait for a message;
+// `device_index`: the device it models (a launch with another one current is refused).
+std::unique_ptr<DeviceOps> make_cpu_model_ops(const std::chrono::milliseconds& timeout, int device_index);
+// The CPU model's compute stream for this thread while the returned object lives: a second one
+// (`second`), or the default one (torch.cuda.stream(...) on a GPU).
+std::shared_ptr<void> make_model_stream_current(bool second);
 #endif
 
 }  // namespace pipecore

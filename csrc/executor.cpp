@@ -80,7 +80,9 @@ bool Executor::set_device_comm(const std::string& device) {
 
 #ifdef PIPECORE_TESTING
 void Executor::emulate_device_comm() {
-  device_comm_ = make_host_device_comm(timeout_);
+  // each rank on a device of its own other than 0, where a thread starts (the model refuses a launch with
+  // another one current)
+  device_comm_ = make_host_device_comm(timeout_, static_cast<int>(rank_) + 1);
   group_backend_.reset();
   shaped_.travel = false;
 }

@@ -8,13 +8,13 @@ void before_batch(StreamSync& sync, const std::vector<std::shared_ptr<CommTask>>
   for (const auto& task : tasks) {
     for (const auto& part : task->parts) {
       sync.allocated(part, Lane::kCompute);
-      if (task->send) sync.used(part, Lane::kCompute, /*writes=*/true);  // framed there
+      if (task->send) sync.used(part, Lane::kCompute, /*writes=*/true, *task);  // framed there
     }
   }
   // rule 1: every batch, whatever it holds
   sync.wait(Lane::kComm, *sync.record(Lane::kCompute));
   for (const auto& task : tasks) {
-    for (const auto& part : task->parts) sync.used(part, Lane::kComm, /*writes=*/!task->send);
+    for (const auto& part : task->parts) sync.used(part, Lane::kComm, /*writes=*/!task->send, *task);
   }
 }
 
@@ -27,17 +27,17 @@ std::shared_ptr<StreamMarker> after_batch(StreamSync& sync, const std::vector<st
 
 void header_to_host(StreamSync& sync, const CommTask& task) {
   TORCH_CHECK(!task.send && task.header_bytes > 0, "pipecore: a header goes to the host from a shaped receive");
-  sync.used(task.parts[0], Lane::kComm, /*writes=*/false);
+  sync.used(task.parts[0], Lane::kComm, /*writes=*/false, task);
 }
 
 void before_read(StreamSync& sync, const CommTask& task, const StreamMarker& ready) {
   sync.wait(Lane::kCompute, ready);  // rule 2
-  for (const auto& part : task.parts) sync.used(part, Lane::kCompute, /*writes=*/false);
+  for (const auto& part : task.parts) sync.used(part, Lane::kCompute, /*writes=*/false, task);
 }
 
 void on_release(StreamSync& sync, const CommTask& task, const StreamMarker& ready, bool consumed) {
   if (!consumed) sync.wait(Lane::kOwner, ready);  // rule 3
-  for (const auto& part : task.parts) sync.freed(part);
+  for (const auto& part : task.parts) sync.freed(part, task);
 }
 
 }  // namespace pipecore

@@ -47,15 +47,16 @@ struct StreamMarker {
   virtual ~StreamMarker() = default;
 };
 
-// What a device does with its two streams. The buffer notes are for the checker; a device ignores them.
+// What a device does with its streams. The buffer notes (each naming the message whose part it is)
+// are for the checker; a device ignores them.
 class StreamSync {
  public:
   virtual ~StreamSync() = default;
   virtual std::shared_ptr<StreamMarker> record(Lane lane) = 0;
   virtual void wait(Lane lane, const StreamMarker& marker) = 0;
   virtual void allocated(const at::Tensor&, Lane) {}
-  virtual void used(const at::Tensor&, Lane, bool /*writes*/) {}
-  virtual void freed(const at::Tensor&) {}
+  virtual void used(const at::Tensor&, Lane, bool /*writes*/, const CommTask&) {}
+  virtual void freed(const at::Tensor&, const CommTask&) {}
 };
 
 // Rule 1 for a batch about to be posted (its tasks in program order), then its buffers as the

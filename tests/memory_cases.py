@@ -180,11 +180,16 @@ def stray_message_puts_the_channel_out_of_step(rank, world, messages="default"):
     set_messages(pipe, messages)
     x, y = make_batch(8)
     pipeline_step(pipe, x, y)
+    stray_sent = None
     if rank == 0:  # 2 rows x 16 values + 16 bytes: the first activation's receive buffer, whole (a larger
-        # message would make gloo abort the process), not a message of pipecore's
+        # message would make gloo abort the process), not a message of pipecore's. Not waited for before
+        # the step (as on NCCL, where a send does not hold the host): the CPU model of NCCL posts a
+        # receive once the pipeline's own note of its send arrived, in the step.
         stray = torch.zeros(2 * 16 * x.element_size() + 16, dtype=torch.uint8)
-        dist.send(stray, dist.get_global_rank(group, 1), group=group)
+        stray_sent = dist.isend(stray, dist.get_global_rank(group, 1), group=group)
     first = _outcome(lambda: pipeline_step(pipe, x, y))
+    if stray_sent is not None:
+        stray_sent.wait()  # (rank 1 took it as its first activation)
     after = _outcome(lambda: pipeline_step(pipe, x, y))
     dist.destroy_process_group(group)
     return first, after

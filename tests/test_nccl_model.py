@@ -5,11 +5,13 @@ from datetime import timedelta
 
 import pytest
 
-from dist_pool import pool
+from dist_pool import fresh_pool, pool
 from exactness import FLOAT64_BOUND
 from nccl_model_cases import (descriptions_on_a_communicator_of_their_own, grown_messages_cross_without_the_store, shapes_in_messages_on_one_rank,
                               side_tensors_cross, store_operations_per_step, stuck_replica_aborts_its_group,
                               timed_out_send_is_held)
+from nccl_model_rules_cases import (groups_on_one_communicator_run_in_order, posting_error_aborts_the_communicator,
+                                     receive_of_another_size, release_on_the_posting_stream)
 from pipecore.errors import InputError
 from pipecore.runtime.message_path import check_device_path_settings
 from shaped_message_cases import LENGTHS, step_lengths, steps_for
@@ -137,3 +139,51 @@ def test_grown_messages_follow_in_order_under_random_delays(name, world, overlap
         assert not r["failed"] and r["grad"] <= FLOAT64_BOUND and r["violations"] == [], (rank, r)
         assert r["plans"] == [1] * len(LENGTHS), (rank, r)
     assert sum(r["counts"][2][2] for r in results) > 0, results
+
+
+# The model itself, driven one batch at a time (nccl_model_rules_cases.py): each case leaves operations
+# posted that never complete, so its processes go with the module.
+@pytest.fixture(scope="module")
+def model_pool():
+    p = fresh_pool(2)
+    yield p
+    p.close()
+
+
+def test_a_receive_of_another_size_than_its_send_is_named_on_both_ranks(model_pool):
+    (sender, _), (receiver, _) = model_pool.run(receive_of_another_size, timeout=60)
+    for text, mine, theirs in [(sender, "rank 0's send to rank 1 (512 bytes, action 0)", "rank 1's receive"),
+                               (receiver, "rank 1's receive from rank 0 (384 bytes, action 0)", "rank 0's send")]:
+        assert "this would hang" in text and mine in text and theirs in text, text
+
+
+def test_a_posting_error_aborts_the_communicator_and_ends_its_pending_operations(model_pool):
+    # H2/M1 on the device path: the batch's first send was added when the second failed; NCCL would
+    # launch that half on endCoalescing, so the communicator is aborted first, which ends every pending
+    # operation (here a receive that would have waited 30 s) and refuses later posts.
+    (posting, ended, seconds, after), (timed_out, waited, received) = model_pool.run(
+        posting_error_aborts_the_communicator, timeout=60)
+    assert "rank 5, which a communicator of 2 ranks does not have" in posting, posting
+    assert "communicator was aborted" in posting, posting
+    # nothing of the batch arrived (ended without the abort, the group launched its first send)
+    assert received == 0 and "did not complete" in timed_out and waited >= 2.5, (timed_out, waited, received)
+    assert "communicator was aborted" in ended and seconds < 1, (ended, seconds)
+    assert "nothing more can be posted" in after, after
+
+
+def test_groups_on_one_communicator_launch_one_after_another(model_pool):
+    results = model_pool.run(groups_on_one_communicator_run_in_order, timeout=60)
+    for rank, (together, waited, queued) in enumerate(results):
+        assert together == [float(2 - rank)] * 4, together
+        assert f"a receive from rank {1 - rank}" in waited and "did not complete" in waited, waited
+        assert "never launched" in queued and "would hang" in queued, queued
+
+
+def test_a_receive_let_go_of_waits_on_the_stream_that_posted_it(model_pool):
+    # M5: the release's wait went to the stream current on the releasing thread (before the fix:
+    # "freed to the compute stream's pool while the communication stream may still use it").
+    for dropped, after in model_pool.run(release_on_the_posting_stream, timeout=60):
+        assert dropped == [], dropped
+        assert len(after) == 1, after  # both uses named: the transfer on one stream, the free on the other
+        assert "freed to the compute stream's pool (letting go of the receive from rank" in after[0], after
+        assert "while the communication stream may still use it (the receive from rank" in after[0], after

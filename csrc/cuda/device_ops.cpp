@@ -7,6 +7,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/Event.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
@@ -38,16 +39,16 @@ class CudaOps final : public DeviceOps {
         host_status_(at::empty({1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true))) {}
 
   c10::DeviceType device_type() const override { return c10::DeviceType::CUDA; }
+  int make_device_current() override { return c10::cuda::ExchangeDevice(device_.index()); }
+  void restore_device(int before) override { c10::cuda::ExchangeDevice(static_cast<c10::DeviceIndex>(before)); }
 
   // -- streams and events (stream_contract.h)
   std::shared_ptr<StreamMarker> record(Lane lane) override {
-    c10::cuda::CUDAGuard device_guard(device_);
     auto marker = std::make_shared<CudaMarker>();
     marker->event.record(stream(lane));
     return marker;
   }
   void wait(Lane lane, const StreamMarker& marker) override {
-    c10::cuda::CUDAGuard device_guard(device_);
     const auto& cuda = static_cast<const CudaMarker&>(marker);
     TORCH_CHECK(lane != Lane::kOwner || cuda.owner, "pipecore: a wait on the posting stream of a marker without one");
     cuda.event.block(lane == Lane::kOwner ? *cuda.owner : stream(lane));
@@ -55,24 +56,17 @@ class CudaOps final : public DeviceOps {
   void keep_owner(StreamMarker& marker) override { static_cast<CudaMarker&>(marker).owner = compute(); }
 
   // -- the step status
-  void begin_step() override {
-    c10::cuda::CUDAGuard device_guard(device_);
-    status_.zero_();
-  }
+  void begin_step() override { status_.zero_(); }
   void fold_trailer(const at::Tensor& trailer) override {
-    c10::cuda::CUDAGuard device_guard(device_);  // a launch goes to the current device
     cuda::fold_trailer(trailer, status_, compute().stream());
   }
   void write_trailer(at::Tensor& trailer) override {
-    c10::cuda::CUDAGuard device_guard(device_);
     cuda::write_trailer(trailer, status_, compute().stream());
   }
   void fill_seed(at::Tensor& seed, double value) override {
-    c10::cuda::CUDAGuard device_guard(device_);
     cuda::fill_seed(seed, value, status_, compute().stream());
   }
   std::shared_ptr<StreamMarker> status_to_host() override {
-    c10::cuda::CUDAGuard device_guard(device_);
     host_status_.copy_(status_, /*non_blocking=*/true);
     status_read_->event.record(compute());  // one event for every step's read (read before the next)
     return status_read_;

@@ -1,32 +1,29 @@
 // The CPU model of the device path's calls (../device_ops.h), for tests on machines without a GPU: the
 // same decisions (../device_comm.cpp) run on CPU tensors over gloo, and the model refuses what a GPU
 // and NCCL would not do.
-// - Streams: a ledger (stream_ledger.h) keeps the two streams' order as vector clocks and refuses any
-//   use or free of a message buffer they would not order (the stream contract, ../stream_contract.h).
-//   The compute stream is the host itself: where it would wait on a marker of the communication
-//   stream, the host waits for every group that stream waited for until then (a GPU's stream runs
-//   its work in order: a batch's ready event follows every earlier batch with receives).
-// - NCCL's groups: a group's operations are collected and posted together when it ends (a coalesced
-//   group launches as one; an aborted one launches nothing), as bytes; a dtype NCCL lacks is refused
-//   there. A communicator's groups launch one after another, each once the group before it completed
-//   (a thread per communicator posts them), as NCCL's kernels run on the communicator's stream: a
-//   cycle of groups across ranks leaves one never launched, and a wait for it says so ("this would
-//   hang"), naming its operations and those of the group it waited behind. The group's Work is all of
-//   its operations (a sender's buffers are held until its batch's receives completed too, as NCCL's
-//   coalesced Work completes).
+// - Streams: a ledger (stream_ledger.h) keeps the streams' order as vector clocks and refuses any use
+//   or free of a message buffer they would not order (the stream contract, ../stream_contract.h). The
+//   compute stream is the host itself: where it would wait on a marker of the communication stream,
+//   the host waits for every group that stream waited for until then (a GPU's stream runs its work in
+//   order: a batch's ready event follows every earlier batch with receives).
+// - Devices and streams of a thread, as CUDA keeps them: a trailer or seed kernel launched while
+//   another device than the modelled one is current is refused (a thread starts on device 0; rank r
+//   models device r + 1), and the compute stream is the thread's current one (a second
+//   one may be made current: make_model_stream_current), so a wait on the wrong compute stream shows
+//   as a free the ledger refuses.
+// - NCCL's communicators: nccl_model.h. An abort ends every operation of the communicator (its pairs'
+//   too) launched and not completed, and nothing more can be posted on it.
 // - Copies to the host are made when the host waits for the marker after them, once the transfers
 //   before them completed.
 // - A receive dropped unread (an aborted step) is waited for when the next step begins (gloo writes
 //   into its buffer until its Work completes); a receive never released is a violation.
-// Selected only by tests (Executor._emulate_device_comm).
+// Selected only by tests (Executor._emulate_device_comm, and _C.NcclModel: nccl_model_harness.cpp).
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
-#include <condition_variable>
 #include <cstring>
-#include <deque>
-#include <thread>
+#include <utility>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -38,203 +35,45 @@
 #include "../diagnostics.h"
 #include "../errors.h"
 #include "../message_status.h"
+#include "nccl_model.h"
 #include "stream_ledger.h"
 
 namespace pipecore {
 namespace {
 
-// As NCCL (ncclDataType_t, which c10d's ProcessGroupNCCL maps to) refuses a point-to-point
-// operation on any other dtype: no int16, no complex, no uint16/32/64.
-void check_nccl_dtypes(const CommTask& task) {
-  static const std::unordered_set<at::ScalarType> nccl = {
-      at::kChar, at::kByte, at::kBool, at::kInt, at::kLong, at::kHalf, at::kFloat, at::kDouble, at::kBFloat16,
-      at::kFloat8_e4m3fn, at::kFloat8_e5m2};
-  for (const auto& part : wire_parts(task)) {
-    TORCH_CHECK(nccl.count(part.scalar_type()) != 0, "pipecore (model of NCCL): a ",
-                task.send ? "send" : "receive", " of ", part.scalar_type(), ", which NCCL does not support");
-  }
-}
-
-// A group's Work: every operation of it, once its communicator's stream launched it. Each gloo Work is
-// waited for once (a second wait would wait for another message); later waiters wait for that first
-// wait's outcome.
-class GroupWork final : public c10d::Work {
- public:
-  explicit GroupWork(std::string what) : what_(std::move(what)) {}
-
-  // Its operations were posted (or `never`: it cannot launch, and why).
-  void launch(std::vector<c10::intrusive_ptr<c10d::Work>> ops, const std::string& never = {}) {
-    std::lock_guard<std::mutex> lock(mu_);
-    ops_ = std::move(ops);
-    state_.assign(ops_.size(), kIdle);
-    errors_.assign(ops_.size(), nullptr);
-    never_ = never;
-    launched_ = true;
-    changed_.notify_all();
-  }
-  const std::string& what() const { return what_; }
-  // Ends a wait on its operations (gloo's abortWaitSend/abortWaitRecv): the model's teardown.
-  void abort() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& op : ops_) op->abort();
-  }
-
-  bool wait(std::chrono::milliseconds timeout) override {
-    const auto deadline = deadline_after(timeout.count() > 0 ? timeout : std::chrono::milliseconds::max());
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      if (!changed_.wait_until(lock, deadline, [&] { return launched_; })) {
-        throw std::runtime_error("pipecore (model of NCCL): " + what_ + " was never launched: a group queued "
-                                 "before it on its communicator did not complete (on a GPU, groups on one "
-                                 "stream run one after another: this would hang)");
-      }
-      if (!never_.empty()) throw std::runtime_error(never_);
-    }
-    for (size_t i = 0; i < ops_.size(); ++i) {
-      std::unique_lock<std::mutex> lock(mu_);
-      if (state_[i] == kIdle) {
-        state_[i] = kWaiting;
-        lock.unlock();
-        std::exception_ptr error;
-        try {
-          if (!ops_[i]->wait(std::max(time_left(deadline), std::chrono::milliseconds(1)))) {
-            throw std::runtime_error("the wait was aborted");
-          }
-        } catch (...) {
-          error = std::current_exception();
-        }
-        lock.lock();
-        state_[i] = error ? kFailed : kDone;
-        errors_[i] = error;
-        changed_.notify_all();
-      } else if (state_[i] == kWaiting &&
-                 !changed_.wait_until(lock, deadline, [&] { return state_[i] != kWaiting; })) {
-        throw std::runtime_error("timed out");
-      }
-      if (state_[i] == kFailed) std::rethrow_exception(errors_[i]);
-    }
-    return true;
-  }
-
-  bool isCompleted() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return launched_ && never_.empty() && std::all_of(state_.begin(), state_.end(), [](int s) { return s == kDone; });
-  }
-
-  // the last strong reference went: the operations (and their buffers) go, whatever weak ones remain
-  void release_resources() override { ops_.clear(); }
-
- private:
-  enum { kIdle, kWaiting, kDone, kFailed };
-  const std::string what_;  // its operations, named for errors
-  bool launched_ = false;
-  std::string never_;
-  std::vector<c10::intrusive_ptr<c10d::Work>> ops_;
-  std::mutex mu_;
-  std::condition_variable changed_;
-  std::vector<int> state_;
-  std::vector<std::exception_ptr> errors_;
-};
-
-// One communicator's stream: its groups launch one after another, each once the group before it
-// completed, as NCCL's kernels do on the communicator's stream. A thread of its own posts them (the
-// host never waits for a launch).
-class CommStream {
- public:
-  explicit CommStream(const std::chrono::milliseconds& timeout) : timeout_(timeout), thread_([this] { loop(); }) {}
-  ~CommStream() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-      if (running_) running_->abort();  // (a wait of gloo's ends only so)
-    }
-    queued_.notify_all();
-    thread_.join();
-    for (auto& [group, ops] : queue_) group->launch({}, "pipecore (model of NCCL): the executor went first");
-  }
-  // Queues `group`, whose operations are `ops` (copies of the tasks: the executor keeps its own).
-  void queue(c10::intrusive_ptr<GroupWork> group, std::vector<std::shared_ptr<CommTask>> ops) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.emplace_back(std::move(group), std::move(ops));
-    }
-    queued_.notify_all();
-  }
-
- private:
-  void loop() {
-    c10::intrusive_ptr<GroupWork> before;
-    for (;;) {
-      std::pair<c10::intrusive_ptr<GroupWork>, std::vector<std::shared_ptr<CommTask>>> next;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        queued_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        if (stop_) return;
-        next = std::move(queue_.front());
-        queue_.pop_front();
-        running_ = before;
-      }
-      std::string never;
-      if (before) {
-        try {
-          before->wait(timeout_);
-        } catch (const std::exception& e) {
-          never = "pipecore (model of NCCL): " + next.first->what() + " never launched: " + before->what() +
-                  ", queued before it on its communicator, did not complete (" + e.what() + ")";
-        }
-      }
-      std::vector<c10::intrusive_ptr<c10d::Work>> works;
-      if (never.empty()) {
-        try {
-          for (auto& op : next.second) {
-            post_parts(*op);
-            works.insert(works.end(), op->works.begin(), op->works.end());
-          }
-        } catch (const std::exception& e) {
-          never = std::string("pipecore (model of NCCL): posting ") + next.first->what() + " failed: " + e.what();
-        }
-      }
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        running_.reset();
-        if (stop_) {
-          next.first->launch({}, "pipecore (model of NCCL): the executor went first");
-          return;
-        }
-      }
-      next.first->launch(std::move(works), never);
-      before = std::move(next.first);
-    }
-  }
-
-  const std::chrono::milliseconds& timeout_;
-  std::mutex mu_;
-  std::condition_variable queued_;
-  std::deque<std::pair<c10::intrusive_ptr<GroupWork>, std::vector<std::shared_ptr<CommTask>>>> queue_;
-  c10::intrusive_ptr<GroupWork> running_;  // the group the thread waits for (aborted to stop it)
-  bool stop_ = false;
-  std::thread thread_;
-};
-
 // A point on a lane: the ledger's clock, and on the communication stream the groups it waited for
 // until then and the copies to the host queued on it since the last marker.
 struct CpuMarker final : StreamMarker {
   std::shared_ptr<StreamMarker> clock;
+  int owner = -1;  // keep_owner's compute lane
   std::vector<c10::intrusive_ptr<c10d::Work>> groups;
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (host, bytes)
 };
 
+// A thread's current device and compute stream (the ledger's lane), as CUDA keeps them per thread.
+thread_local int current_device = 0;
+thread_local int current_stream = 0;
+
+// Makes `value` current in `slot` while the returned object lives.
+std::shared_ptr<void> make_current(int& slot, int value) {
+  auto before = std::make_shared<int>(slot);
+  slot = value;
+  return std::shared_ptr<void>(before.get(), [before, &slot](void*) { slot = *before; });
+}
+
 class CpuModelOps final : public DeviceOps {
  public:
   // `timeout`: the executor's, which outlives this
-  explicit CpuModelOps(const std::chrono::milliseconds& timeout) : timeout_(timeout) {}
+  CpuModelOps(const std::chrono::milliseconds& timeout, int device_index) : timeout_(timeout), device_(device_index) {}
 
   c10::DeviceType device_type() const override { return c10::DeviceType::CPU; }
+  int make_device_current() override { return std::exchange(current_device, device_); }
+  void restore_device(int before) override { current_device = before; }
 
   // -- streams: the ledger's order, and what the host waits for in place of a compute stream
   std::shared_ptr<StreamMarker> record(Lane lane) override {
     auto marker = std::make_shared<CpuMarker>();
-    marker->clock = ledger_->record(lane);
+    marker->clock = ledger_->record(lane_of(lane));
     if (lane == Lane::kComm) {
       std::lock_guard<std::mutex> lock(mu_);
       for (const auto& group : comm_groups_) {
@@ -246,7 +85,11 @@ class CpuModelOps final : public DeviceOps {
   }
   void wait(Lane lane, const StreamMarker& marker) override {
     const auto& cpu = static_cast<const CpuMarker&>(marker);
-    ledger_->wait(lane, *cpu.clock);
+    if (lane == Lane::kOwner && cpu.owner < 0) {
+      ledger_->note_violation("a wait on the posting stream of a marker that kept none (keep_owner)");
+      throw std::logic_error("pipecore (model of CUDA): a wait on the posting stream of a marker without one");
+    }
+    ledger_->wait(lane == Lane::kOwner ? cpu.owner : lane_of(lane), *cpu.clock);
     if (lane == Lane::kCompute) {
       std::string why;
       if (!arrived(cpu, timeout_, why)) throw CommError(why);  // the executor says which message
@@ -255,12 +98,14 @@ class CpuModelOps final : public DeviceOps {
       dropped_.insert(dropped_.end(), cpu.groups.begin(), cpu.groups.end());
     }
   }
-  void keep_owner(StreamMarker&) override {}  // one compute stream
-  void allocated(const at::Tensor& t, Lane lane) override { ledger_->allocated(t, lane); }
-  void used(const at::Tensor& t, Lane lane, bool writes) override { ledger_->used(t, lane, writes); }
-  void freed(const at::Tensor& t) override {
+  void keep_owner(StreamMarker& marker) override { static_cast<CpuMarker&>(marker).owner = current_stream; }
+  void allocated(const at::Tensor& t, Lane lane) override { ledger_->allocated(t, lane_of(lane)); }
+  void used(const at::Tensor& t, Lane lane, bool writes, const CommTask& task) override {
+    ledger_->used(t, lane_of(lane), writes, message_name(task));
+  }
+  void freed(const at::Tensor& t, const CommTask& task) override {
     --unreleased_;
-    ledger_->freed(t);
+    ledger_->freed(t, message_name(task));
   }
   std::vector<std::string> violations() const override { return ledger_->violations(); }
 
@@ -292,25 +137,31 @@ class CpuModelOps final : public DeviceOps {
     status_ = kMessageOk;
   }
   void fold_trailer(const at::Tensor& trailer) override {
+    check_device("the trailer-folding kernel");
     const int64_t code = message_status({trailer});
     fold(code == kMessageUnknown ? kStatusNotOurs : code);
   }
   void write_trailer(at::Tensor& trailer) override {
+    check_device("the trailer-writing kernel");
     TORCH_CHECK(trailer.is_cpu() && trailer.is_contiguous() && trailer.nbytes() >= 16,
                 "pipecore: a trailer is 16 contiguous host bytes");
     const int64_t code = status_.load();
     const int64_t words[2] = {code > kMessageReplan ? kMessageAborted : code, kTrailerMagic};
     std::memcpy(trailer.data_ptr(), words, sizeof(words));
   }
-  void fill_seed(at::Tensor& seed, double value) override { seed.fill_(status_.load() == kMessageOk ? value : 0.0); }
+  void fill_seed(at::Tensor& seed, double value) override {
+    check_device("the loss seed's kernel");
+    seed.fill_(status_.load() == kMessageOk ? value : 0.0);
+  }
   std::shared_ptr<StreamMarker> status_to_host() override { return record(Lane::kCompute); }
   int64_t status_on_host() override { return status_.load(); }
 
   // -- the communicator
-  std::shared_ptr<void> on_comm_stream() override { return nullptr; }
+  std::shared_ptr<void> on_comm_stream() override { return make_current(current_device, device_); }  // (as CUDA's)
   void start_group(c10d::Backend&) override { group_.clear(); }
-  void post(c10d::Backend&, CommTask& task) override {
-    check_nccl_dtypes(task);  // (inside the group: NCCL refuses it there, after what was added before)
+  void post(c10d::Backend& backend, CommTask& task) override {
+    check_not_aborted(backend);
+    check_nccl_op(task);  // (inside the group: NCCL refuses it there, after what was added before)
     group_.push_back(&task);
   }
   c10::intrusive_ptr<c10d::Work> end_group(c10d::Backend& backend) override {
@@ -323,10 +174,18 @@ class CpuModelOps final : public DeviceOps {
     return launch(backend, /*pair=*/-1, group, "the group");
   }
   c10::intrusive_ptr<c10d::Work> post_alone(c10d::Backend& backend, CommTask& task) override {
-    check_nccl_dtypes(task);
+    check_not_aborted(backend);
+    check_nccl_op(task);
     return launch(backend, task.peer, {&task}, "the follow-up");  // (on the stream of its pair's communicator)
   }
-  void abort(c10d::Backend&) override { aborted_group_ = true; }
+  // Ends every pending operation of `backend`'s communicators (its pairs' too); nothing more is posted on it.
+  void abort(c10d::Backend& backend) override {
+    aborted_group_ = true;
+    aborted_.insert(&backend);
+    for (auto& [key, stream] : streams_) {
+      if (key.first == &backend) stream->abort(kAbortedText);
+    }
+  }
   void comm_waits(c10d::Work& group) override {
     std::lock_guard<std::mutex> lock(mu_);
     comm_groups_.emplace_back(c10::intrusive_ptr<c10d::Work>::reclaim_copy(&group));
@@ -350,28 +209,31 @@ class CpuModelOps final : public DeviceOps {
   // all ranks (pair -1), or of its communicator of this rank and `pair`.
   c10::intrusive_ptr<c10d::Work> launch(c10d::Backend& backend, int pair, const std::vector<CommTask*>& tasks,
                                         const char* kind) {
-    std::vector<std::shared_ptr<CommTask>> ops;
-    std::ostringstream what;
-    what << kind << ":";
     for (CommTask* task : tasks) {
-      auto op = std::make_shared<CommTask>();
-      op->send = task->send;
-      op->parts = task->parts;
-      op->peer = task->peer;
-      op->tag = task->tag;
-      op->group = task->group;
-      op->channel = task->channel;
-      ops.push_back(std::move(op));
-      what << (ops.size() > 1 ? ", " : " ") << (task->send ? "a send to rank " : "a receive from rank ") << task->peer << " ("
-           << message_bytes(task->parts) << " bytes" << (task->action >= 0 ? ", action " : "")
-           << (task->action >= 0 ? std::to_string(task->action) : std::string()) << ")";
       if (!task->send) unreleased_ += static_cast<int64_t>(task->parts.size());
     }
-    auto work = c10::make_intrusive<GroupWork>(what.str());
     auto& stream = streams_[{&backend, pair}];
-    if (!stream) stream = std::make_unique<CommStream>(timeout_);
-    stream->queue(work, std::move(ops));
-    return work;
+    if (!stream) stream = make_comm_stream();
+    return stream->queue(kind, tasks);
+  }
+
+  static constexpr const char* kAbortedText =
+      "pipecore (model of NCCL): the communicator was aborted (ncclCommAbort ends every pending operation)";
+
+  int lane_of(Lane lane) const { return lane == Lane::kComm ? static_cast<int>(Lane::kComm) : current_stream; }
+
+  // A kernel of ours launches on the current device (CUDA's <<<>>>), not on its tensors'.
+  void check_device(const char* what) {
+    if (current_device == device_) return;
+    const std::string text = std::string(what) + " launched with device " + std::to_string(current_device) +
+                             " current, for device " + std::to_string(device_) + "'s tensors (no device guard: a " +
+                             "GPU runs it on the other device's stream, or faults)";
+    ledger_->note_violation(text);
+    throw std::logic_error("pipecore (model of CUDA): " + text);
+  }
+
+  void check_not_aborted(const c10d::Backend& backend) const {
+    TORCH_CHECK(aborted_.count(&backend) == 0, kAbortedText, ": nothing more can be posted on it");
   }
 
   // Waits for the marker's groups (within `timeout`) and makes its copies; false (and why) if a group failed.
@@ -396,6 +258,8 @@ class CpuModelOps final : public DeviceOps {
   }
 
   const std::chrono::milliseconds& timeout_;
+  const int device_;                                     // the device it models
+  std::unordered_set<const c10d::Backend*> aborted_;    // communicators aborted (nothing more is posted)
   std::shared_ptr<StreamLedger> ledger_ = std::make_shared<StreamLedger>();
   std::atomic<int64_t> status_{kMessageOk};
   std::atomic<int64_t> unreleased_{0};  // receive buffers posted and not released yet
@@ -412,8 +276,12 @@ class CpuModelOps final : public DeviceOps {
 
 }  // namespace
 
-std::unique_ptr<DeviceOps> make_cpu_model_ops(const std::chrono::milliseconds& timeout) {
-  return std::make_unique<CpuModelOps>(timeout);
+std::unique_ptr<DeviceOps> make_cpu_model_ops(const std::chrono::milliseconds& timeout, int device_index) {
+  return std::make_unique<CpuModelOps>(timeout, device_index);
+}
+
+std::shared_ptr<void> make_model_stream_current(bool second) {
+  return make_current(current_stream, second ? StreamLedger::kSideLane : 0);
 }
 
 }  // namespace pipecore

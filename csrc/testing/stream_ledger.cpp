@@ -8,10 +8,13 @@ namespace pipecore {
 namespace {
 
 struct LedgerMarker final : StreamMarker {
-  std::array<int64_t, 2> clock{};
+  std::array<int64_t, StreamLedger::kLanes> clock{};
 };
 
-const char* name(int lane) { return lane == static_cast<int>(Lane::kComm) ? "communication" : "compute"; }
+const char* name(int lane) {
+  return lane == static_cast<int>(Lane::kComm) ? "communication" : lane == StreamLedger::kSideLane ? "second compute"
+                                                                                                  : "compute";
+}
 
 const void* key(const at::Tensor& t) { return t.storage().unsafeGetStorageImpl(); }
 
@@ -29,28 +32,28 @@ void StreamLedger::note_violation(const std::string& what) {
   violations_.push_back("pipecore stream contract: " + what);
 }
 
-std::shared_ptr<StreamMarker> StreamLedger::record(Lane lane) {
+std::shared_ptr<StreamMarker> StreamLedger::record(int lane) {
   std::lock_guard<std::mutex> lock(mu_);
   auto marker = std::make_shared<LedgerMarker>();
-  marker->clock = clocks_[lane_index(lane)];
+  marker->clock = clocks_[lane];
   return marker;
 }
 
-void StreamLedger::wait(Lane lane, const StreamMarker& marker) {
+void StreamLedger::wait(int lane, const StreamMarker& marker) {
   std::lock_guard<std::mutex> lock(mu_);
   const auto& seen = static_cast<const LedgerMarker&>(marker).clock;
-  Clock& mine = clocks_[lane_index(lane)];
+  Clock& mine = clocks_[lane];
   for (int l = 0; l < kLanes; ++l) mine[l] = std::max(mine[l], seen[l]);
 }
 
-void StreamLedger::allocated(const at::Tensor& t, Lane lane) {
+void StreamLedger::allocated(const at::Tensor& t, int lane) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = buffers_.find(key(t));
   if (it != buffers_.end() && !it->second.storage.expired()) {  // another part of a live block
     ++it->second.parts;
     return;
   }
-  const int owner = lane_index(lane);
+  const int owner = lane;
   Buffer b;
   b.owner = owner;
   b.allocated_at = tick(owner);  // the owner's work queued before this point may still use the block
@@ -59,37 +62,39 @@ void StreamLedger::allocated(const at::Tensor& t, Lane lane) {
   buffers_[key(t)] = b;
 }
 
-void StreamLedger::used(const at::Tensor& t, Lane lane, bool writes) {
+void StreamLedger::used(const at::Tensor& t, int lane, bool writes, const std::string& what) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = buffers_.find(key(t));
   if (it == buffers_.end()) return;  // not a message buffer
   Buffer& b = it->second;
-  const int l = lane_index(lane);
+  const int l = lane;
   const Clock& mine = clocks_[l];
   if (l != b.owner && mine[b.owner] < b.allocated_at) {
     std::ostringstream os;
-    os << "the " << name(l) << " stream uses a message buffer of " << t.nbytes() << " bytes allocated on the "
-       << name(b.owner) << " stream at its operation " << b.allocated_at << ", but has waited for that stream "
-       << "only up to operation " << mine[b.owner] << ": the caching allocator may have handed out a block that "
-       << "work queued there still reads";
+    os << "the " << name(l) << " stream uses a message buffer of " << t.nbytes() << " bytes (" << what
+       << ") allocated on the " << name(b.owner) << " stream at its operation " << b.allocated_at
+       << ", but has waited for that stream only up to operation " << mine[b.owner]
+       << ": the caching allocator may have handed out a block that work queued there still reads";
     refuse(os.str());
   }
   if (b.writer >= 0 && b.writer != l && mine[b.writer] < b.written_at) {
     std::ostringstream os;
-    os << "the " << name(l) << " stream uses a message buffer of " << t.nbytes() << " bytes before waiting for "
-       << "the " << name(b.writer) << " stream's write of it (its operation " << b.written_at << "; waited up to "
-       << mine[b.writer] << ")";
+    os << "the " << name(l) << " stream uses a message buffer of " << t.nbytes() << " bytes (" << what
+       << ") before waiting for the " << name(b.writer) << " stream's write of it (" << b.written_by
+       << ": its operation " << b.written_at << "; waited up to " << mine[b.writer] << ")";
     refuse(os.str());
   }
   const int64_t at = tick(l);
   b.last_use[l] = at;
+  b.last_user[l] = what;
   if (writes) {
     b.writer = l;
     b.written_at = at;
+    b.written_by = what;
   }
 }
 
-void StreamLedger::freed(const at::Tensor& t) {
+void StreamLedger::freed(const at::Tensor& t, const std::string& what) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = buffers_.find(key(t));
   if (it == buffers_.end()) return;
@@ -101,8 +106,10 @@ void StreamLedger::freed(const at::Tensor& t) {
     if (l == b.owner || b.last_use[l] == 0 || owner[l] >= b.last_use[l]) continue;
     std::ostringstream os;
     os << "a message buffer of " << t.nbytes() << " bytes is freed to the " << name(b.owner) << " stream's pool "
-       << "while the " << name(l) << " stream may still use it (its operation " << b.last_use[l] << "; the "
-       << name(b.owner) << " stream waited up to " << owner[l] << ")";
+       << "(letting go of " << what << ") while the " << name(l) << " stream may still use it ("
+       << b.last_user[l] << ": its operation " << b.last_use[l] << "; the " << name(b.owner)
+       << " stream waited up to " << owner[l] << "), where the caching allocator may hand it to the next "
+       << "allocation";
     refuse(os.str());
   }
 }

@@ -1,0 +1,488 @@
+// The model of NCCL's communicators (nccl_model.h).
+#include "nccl_model.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <unordered_set>
+
+#include "../comm.h"
+
+namespace pipecore {
+
+// As NCCL refuses a point-to-point operation on a dtype it lacks (ncclDataType_t, which c10d's
+// ProcessGroupNCCL maps to: no int16, no complex, no uint16/32/64), or to a rank it does not have.
+void check_nccl_op(const CommTask& task) {
+  static const std::unordered_set<at::ScalarType> nccl = {
+      at::kChar, at::kByte, at::kBool, at::kInt, at::kLong, at::kHalf, at::kFloat, at::kDouble, at::kBFloat16,
+      at::kFloat8_e4m3fn, at::kFloat8_e5m2};
+  for (const auto& part : wire_parts(task)) {
+    TORCH_CHECK(nccl.count(part.scalar_type()) != 0, "pipecore (model of NCCL): a ",
+                task.send ? "send" : "receive", " of ", part.scalar_type(), ", which NCCL does not support");
+  }
+  const int ranks = task.channel ? task.channel->getSize() : task.group->getSize();
+  TORCH_CHECK(task.peer >= 0 && task.peer < ranks, "pipecore (model of NCCL): a ", task.send ? "send to" : "receive from",
+              " rank ", task.peer, ", which a communicator of ", ranks, " ranks does not have (NCCL: invalid argument)");
+}
+
+namespace {
+
+constexpr std::chrono::milliseconds kWaitForever{0};  // c10d::Work::wait's "no timeout" (gloo: the group's)
+
+int rank_of(const CommTask& task) { return task.channel ? task.channel->getRank() : task.group->getRank(); }
+
+// "send to rank 1 (2 parts: 4096 + 16 bytes, action 12)"
+std::string describe(bool send, int peer, const std::vector<int64_t>& sizes, int64_t action) {
+  std::ostringstream os;
+  os << (send ? "send to rank " : "receive from rank ") << peer << " (";
+  if (sizes.size() != 1) os << sizes.size() << " parts: ";
+  for (size_t i = 0; i < sizes.size(); ++i) os << (i ? " + " : "") << sizes[i];
+  os << " bytes";
+  if (action >= 0) os << ", action " << action;
+  os << ")";
+  return os.str();
+}
+
+std::vector<int64_t> part_bytes(const CommTask& task) {
+  std::vector<int64_t> sizes;
+  for (const auto& part : task.parts) sizes.push_back(static_cast<int64_t>(part.nbytes()));
+  return sizes;
+}
+
+// What an operation tells its peer of itself (the model's own messages, beside NCCL's): a send's note
+// goes with it on kSendNoteTag, a receive's on kReceiveNoteTag, so the i-th note of a pair and tag is
+// the i-th send (or receive) between them, the operation NCCL would match with it.
+constexpr int kSendNoteTag = (1 << 30) + (1 << 29);
+constexpr int kReceiveNoteTag = kSendNoteTag + 1;
+constexpr int64_t kNoteMagic = 0x6e6363'6c6e6f74;  // "ncclnot"
+constexpr int kNoteWords = 16;                      // magic, send, rank, action, parts, then up to 11 sizes
+constexpr int kNoteSizes = kNoteWords - 5;
+
+at::Tensor note_of(const CommTask& task) {
+  at::Tensor note = at::zeros({kNoteWords}, at::kLong);
+  auto* w = note.data_ptr<int64_t>();
+  const auto sizes = part_bytes(task);
+  w[0] = kNoteMagic;
+  w[1] = task.send;
+  w[2] = rank_of(task);
+  w[3] = task.action;
+  w[4] = static_cast<int64_t>(sizes.size());
+  for (size_t i = 0; i < sizes.size() && i < kNoteSizes; ++i) w[5 + i] = sizes[i];
+  return note;
+}
+
+// Throws if the peer's `note` is not of the operation NCCL would match with `task` (another size:
+// both ranks would wait forever), naming both.
+void check_note(const CommTask& task, const at::Tensor& note) {
+  const auto* w = note.data_ptr<int64_t>();
+  TORCH_CHECK(w[0] == kNoteMagic, "pipecore (model of NCCL): rank ", task.peer, " sent bytes that are no note");
+  std::vector<int64_t> theirs(w + 5, w + 5 + std::min<int64_t>(w[4], kNoteSizes));
+  auto mine = part_bytes(task);
+  if (mine.size() > static_cast<size_t>(kNoteSizes)) mine.resize(kNoteSizes);
+  if (theirs == mine && w[4] == static_cast<int64_t>(task.parts.size())) return;
+  throw std::runtime_error(
+      "pipecore (model of NCCL): this would hang: rank " + std::to_string(rank_of(task)) + "'s " +
+      describe(task.send, task.peer, part_bytes(task), task.action) + " is matched, in the pair's posting order, by rank " +
+      std::to_string(w[2]) + "'s " + describe(w[1] != 0, static_cast<int>(rank_of(task)), theirs, w[3]) +
+      "; NCCL waits forever on a receive of another size than its send");
+}
+
+// One operation of a group: its gloo Works (a receive's once its sender's note matched: `pending`
+// until then) and what to check once they completed (the note of a send's receiver).
+struct PostedOp {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::function<void()> check;
+  bool pending = false;
+  c10::intrusive_ptr<c10d::Work> note;  // a receive's: its sender's note (PairReceiver waits for it)
+  bool note_done = false;
+};
+
+// A group's Work: every operation of it, once its communicator's stream launched it. Each gloo Work is
+// waited for once (a second wait would wait for another message); later waiters wait for that first
+// wait's outcome.
+class GroupWork final : public c10d::Work {
+ public:
+  explicit GroupWork(std::string what) : what_(std::move(what)) {}
+
+  // Its operations were posted (or `never`: it cannot launch, and why).
+  void launch(std::vector<PostedOp> ops, const std::string& never = {}) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ops_ = std::move(ops);
+    state_.assign(ops_.size(), kIdle);
+    errors_.assign(ops_.size(), nullptr);
+    never_ = never;
+    launched_ = true;
+    changed_.notify_all();
+  }
+  // A pending receive was posted (`works`), or could not be (`why`).
+  void fill(size_t slot, std::vector<c10::intrusive_ptr<c10d::Work>> works, const std::string& why = {}) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ops_[slot].works = std::move(works);
+    ops_[slot].note_done = why.empty();
+    if (!why.empty()) ops_[slot].check = [why] { throw std::runtime_error(why); };
+    ops_[slot].pending = false;
+    changed_.notify_all();
+  }
+  const std::string& what() const { return what_; }
+  bool aborted() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !aborted_.empty();
+  }
+  // Ends a wait on its operations (gloo's abortWaitSend/abortWaitRecv): the model's teardown.
+  void abort() override { abort_with("pipecore (model of NCCL): the executor went first"); }
+  // NCCL's abort of the communicator: every wait on the group ends with `why`.
+  void abort_with(const std::string& why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborted_ = why;
+    for (auto& op : ops_) {
+      for (auto& work : op.works) work->abort();
+      if (op.note) op.note->abort();
+    }
+    changed_.notify_all();
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    const auto deadline = deadline_after(timeout.count() > 0 ? timeout : std::chrono::milliseconds::max());
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (!changed_.wait_until(lock, deadline, [&] { return launched_; })) {
+        throw std::runtime_error("pipecore (model of NCCL): " + what_ + " was never launched: a group queued "
+                                 "before it on its communicator did not complete (on a GPU, groups on one "
+                                 "stream run one after another: this would hang)");
+      }
+      if (!never_.empty()) throw std::runtime_error(never_);
+    }
+    for (size_t i = 0; i < ops_.size(); ++i) {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (!changed_.wait_until(lock, deadline, [&] { return !ops_[i].pending || !aborted_.empty(); })) {
+        throw std::runtime_error("pipecore (model of NCCL): " + what_ + " did not complete: a receive's peer has "
+                                 "not posted the send it matches");
+      }
+      if (state_[i] == kIdle && !aborted_.empty()) {  // (gloo ends one wait per abort)
+        state_[i] = kFailed;
+        errors_[i] = std::make_exception_ptr(std::runtime_error(aborted_));
+      } else if (state_[i] == kIdle) {
+        state_[i] = kWaiting;
+        const PostedOp op = ops_[i];
+        lock.unlock();
+        std::exception_ptr error;
+        try {
+          for (const auto& work : op.works) {
+            // (no deadline: gloo's own, the group's timeout, which a std::chrono::milliseconds::max would overflow)
+            const auto left = deadline == std::chrono::steady_clock::time_point::max()
+                                  ? kWaitForever
+                                  : std::max(time_left(deadline), std::chrono::milliseconds(1));
+            if (!work->wait(left)) {
+              throw std::runtime_error("the wait was aborted");
+            }
+          }
+          if (op.check) op.check();
+        } catch (...) {
+          error = std::current_exception();
+        }
+        lock.lock();
+        if (error && !aborted_.empty()) error = std::make_exception_ptr(std::runtime_error(aborted_));
+        state_[i] = error ? kFailed : kDone;
+        errors_[i] = error;
+        changed_.notify_all();
+      } else if (state_[i] == kWaiting &&
+                 !changed_.wait_until(lock, deadline, [&] { return state_[i] != kWaiting; })) {
+        throw std::runtime_error("timed out");
+      }
+      if (state_[i] == kFailed) std::rethrow_exception(errors_[i]);
+    }
+    return true;
+  }
+
+  bool isCompleted() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return launched_ && never_.empty() && std::all_of(state_.begin(), state_.end(), [](int s) { return s == kDone; });
+  }
+
+  // The last strong reference went: its operations go, whatever weak ones remain, except those gloo
+  // may still write or read (not completed), which stay, with their buffers, as long as the process.
+  void release_resources() override {
+    std::vector<c10::intrusive_ptr<c10d::Work>> posted;
+    for (size_t i = 0; i < ops_.size(); ++i) {
+      if (state_[i] != kDone) posted.insert(posted.end(), ops_[i].works.begin(), ops_[i].works.end());
+      if (ops_[i].note && !ops_[i].note_done) posted.push_back(ops_[i].note);
+    }
+    ops_.clear();
+    static std::mutex mu;
+    static auto* kept = new std::vector<c10::intrusive_ptr<c10d::Work>>();  // (never destroyed)
+    std::lock_guard<std::mutex> lock(mu);
+    kept->insert(kept->end(), posted.begin(), posted.end());
+  }
+
+ private:
+  enum { kIdle, kWaiting, kDone, kFailed };
+  const std::string what_;  // its operations, named for errors
+  bool launched_ = false;
+  std::string never_;
+  std::string aborted_;  // why its communicator was aborted
+  std::vector<PostedOp> ops_;
+  std::mutex mu_;
+  std::condition_variable changed_;
+  std::vector<int> state_;
+  std::vector<std::exception_ptr> errors_;
+};
+
+// A receive waiting for its sender's note.
+struct PendingReceive {
+  c10::intrusive_ptr<GroupWork> group;
+  size_t slot = 0;  // its operation in the group
+  std::shared_ptr<CommTask> op;
+  c10::intrusive_ptr<c10d::Work> note_work;
+  at::Tensor note;
+};
+
+// The receives from one peer on one communicator, in posting order (NCCL's pair order), each posted
+// once its sender's note arrived and matched (gloo kills the process on a receive smaller than its
+// send), while receives from other peers go on: a group's operations with each peer progress on their
+// own, as NCCL's do. After a receive that did not match, every later one from that peer fails (on NCCL
+// that pair would never move again).
+class PairReceiver {
+ public:
+  PairReceiver() : thread_([this] { loop(); }) {}
+  ~PairReceiver() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      if (current_) current_->abort();
+    }
+    added_.notify_all();
+    thread_.join();
+    for (auto& receive : queue_) receive.group->fill(receive.slot, {}, "pipecore (model of NCCL): the executor went first");
+  }
+  void add(PendingReceive receive) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(receive));
+    }
+    added_.notify_all();
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      PendingReceive next;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        added_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (stop_) return;
+        next = std::move(queue_.front());
+        queue_.pop_front();
+        current_ = next.note_work;
+      }
+      std::string why = failed_;
+      try {
+        if (why.empty() && next.group->aborted()) why = "aborted";
+        // no timeout: its consumers' waits have theirs (a gloo wait that times out closes every pair)
+        if (why.empty() && !next.note_work->wait(kWaitForever)) why = "aborted";
+        if (why.empty()) {
+          check_note(*next.op, next.note);
+          post_parts(*next.op);
+        }
+      } catch (const std::exception& e) {
+        why = e.what();
+      }
+      if (failed_.empty() && !why.empty()) {
+        failed_ = "pipecore (model of NCCL): an earlier receive from rank " + std::to_string(next.op->peer) +
+                  " did not complete (" + why + ")";
+      }
+      next.group->fill(next.slot, why.empty() ? next.op->works : std::vector<c10::intrusive_ptr<c10d::Work>>{}, why);
+      std::lock_guard<std::mutex> lock(mu_);
+      current_.reset();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable added_;
+  std::deque<PendingReceive> queue_;
+  c10::intrusive_ptr<c10d::Work> current_;  // the note it waits for (aborted to stop it)
+  std::string failed_;                      // why an earlier receive failed
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+// Posts `op`: its note to its peer and the receive of the peer's; a send's parts at once, checked against
+// the receiver's note once both completed (appended to `checks` and `plain`), a receive's parts once
+// its sender's note matched (`receives`, for a PairReceiver).
+void post_with_notes(const std::shared_ptr<CommTask>& op, std::vector<PostedOp>& checks, std::vector<PostedOp>& plain,
+                     std::vector<PendingReceive>& receives) {
+  std::vector<at::Tensor> mine{note_of(*op)};
+  std::vector<at::Tensor> theirs{at::empty({kNoteWords}, at::kLong)};
+  const int my_tag = op->send ? kSendNoteTag : kReceiveNoteTag;
+  const int their_tag = op->send ? kReceiveNoteTag : kSendNoteTag;
+  c10::intrusive_ptr<c10d::Work> note_work;
+  auto exchange = [&](auto& on) {
+    plain.push_back({{on.send(mine, op->peer, my_tag)}});
+    note_work = on.recv(theirs, op->peer, their_tag);
+  };
+  if (op->channel) {
+    exchange(*op->channel);
+  } else {
+    exchange(*op->group);
+  }
+  if (!op->send) {
+    receives.push_back({nullptr, 0, op, note_work, theirs[0]});
+    return;
+  }
+  checks.push_back({{note_work}, [op, note = theirs[0]] { check_note(*op, note); }});
+  post_parts(*op);
+  plain.push_back({op->works});
+}
+
+// One communicator's stream: its groups launch one after another, each once the group before it
+// completed, as NCCL's kernels do on the communicator's stream. A thread of its own posts them (the
+// host never waits for a launch).
+class GroupStream final : public CommStream {
+ public:
+  GroupStream() : thread_([this] { loop(); }) {}
+  ~GroupStream() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      if (running_) running_->abort();  // (a wait of gloo's ends only so)
+    }
+    queued_.notify_all();
+    thread_.join();
+    for (auto& [group, ops] : queue_) group->launch({}, "pipecore (model of NCCL): the executor went first");
+  }
+  c10::intrusive_ptr<c10d::Work> queue(const char* kind, const std::vector<CommTask*>& tasks) override {
+    std::vector<std::shared_ptr<CommTask>> ops;
+    std::ostringstream what;
+    what << kind << ":";
+    for (CommTask* task : tasks) {
+      auto op = std::make_shared<CommTask>();  // (a copy of what the launch reads: the executor keeps its own)
+      op->send = task->send;
+      op->parts = task->parts;
+      op->peer = task->peer;
+      op->tag = task->tag;
+      op->group = task->group;
+      op->channel = task->channel;
+      op->action = task->action;
+      ops.push_back(std::move(op));
+      what << (ops.size() > 1 ? ", a " : " a ") << describe(task->send, task->peer, part_bytes(*task), task->action);
+    }
+    auto group = c10::make_intrusive<GroupWork>(what.str());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.emplace_back(group, std::move(ops));
+    }
+    queued_.notify_all();
+    return group;
+  }
+  void abort(const std::string& why) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      aborted_ = why;
+      for (auto& group : unfinished_) group->abort_with(why);
+    }
+    queued_.notify_all();
+  }
+
+ private:
+  void loop() {
+    c10::intrusive_ptr<GroupWork> before;
+    for (;;) {
+      std::pair<c10::intrusive_ptr<GroupWork>, std::vector<std::shared_ptr<CommTask>>> next;
+      std::string never;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        queued_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (stop_) return;
+        next = std::move(queue_.front());
+        queue_.pop_front();
+        running_ = before;
+        never = aborted_;
+      }
+      if (before && never.empty()) {
+        try {
+          before->wait(kWaitForever);  // (its waiters' deadlines report a hang: the host's wait says)
+        } catch (const std::exception& e) {
+          std::lock_guard<std::mutex> lock(mu_);
+          never = !aborted_.empty() ? aborted_
+                                    : "pipecore (model of NCCL): " + next.first->what() + " never launched: " +
+                                          before->what() + ", queued before it on its communicator, did not complete (" +
+                                          e.what() + "); groups on one communicator run one after another, so on a "
+                                          "GPU this would hang";
+        }
+      }
+      // the sends' checks of their receivers' notes, then the receives, then the notes and sends (so a
+      // group's error names its own operations first)
+      std::vector<PostedOp> ops;
+      std::vector<PostedOp> plain;
+      std::vector<PendingReceive> receives;
+      if (never.empty()) {
+        try {
+          for (auto& op : next.second) post_with_notes(op, ops, plain, receives);
+        } catch (const std::exception& e) {
+          never = std::string("pipecore (model of NCCL): posting ") + next.first->what() + " failed: " + e.what();
+        }
+      }
+      for (auto& receive : receives) {
+        receive.group = next.first;
+        receive.slot = ops.size();
+        PostedOp slot;
+        slot.pending = true;
+        slot.note = receive.note_work;
+        ops.push_back(std::move(slot));
+      }
+      ops.insert(ops.end(), plain.begin(), plain.end());
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        running_.reset();
+        if (stop_) {
+          next.first->launch({}, "pipecore (model of NCCL): the executor went first");
+          return;
+        }
+        next.first->launch(std::move(ops), never);
+        if (!aborted_.empty() && never.empty()) next.first->abort_with(aborted_);  // (aborted while posted)
+        if (never.empty()) unfinished_.push_back(next.first);
+        unfinished_.erase(std::remove_if(unfinished_.begin(), unfinished_.end(),
+                                         [](const auto& group) { return group->isCompleted(); }),
+                          unfinished_.end());
+      }
+      if (never.empty()) {
+        for (auto& receive : receives) {
+          auto& pair = pairs_[receive.op->peer];
+          if (!pair) pair = std::make_unique<PairReceiver>();
+          pair->add(std::move(receive));
+        }
+      }
+      before = std::move(next.first);
+    }
+  }
+
+  std::map<int, std::unique_ptr<PairReceiver>> pairs_;  // by peer (the loop's; gone after it)
+  std::mutex mu_;
+  std::condition_variable queued_;
+  std::deque<std::pair<c10::intrusive_ptr<GroupWork>, std::vector<std::shared_ptr<CommTask>>>> queue_;
+  c10::intrusive_ptr<GroupWork> running_;  // the group the thread waits for (aborted to stop it)
+  std::vector<c10::intrusive_ptr<GroupWork>> unfinished_;  // launched, not known to have completed
+  std::string aborted_;                    // why the communicator was aborted
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace
+
+std::string message_name(const CommTask& task) {
+  return "the " + describe(task.send, task.peer, {message_bytes(task.parts)}, task.action);
+}
+
+std::unique_ptr<CommStream> make_comm_stream() {
+  return std::make_unique<GroupStream>();
+}
+
+}  // namespace pipecore

@@ -1,0 +1,54 @@
+// The CPU model of NCCL's communicators, for the CPU model of the device path (host_device_comm.cpp),
+// over gloo, failing where NCCL would:
+// - a group's operations are posted together, as bytes, when it ends (a coalesced group launches as
+//   one); a dtype NCCL lacks, or a peer the communicator does not have, is refused inside the group;
+// - a communicator's groups launch one after another, each once the group before it completed (a
+//   thread per communicator posts them), as NCCL's kernels run on the communicator's stream: a cycle
+//   of groups across ranks leaves one never launched, and a wait for it says so ("this would hang"),
+//   naming its operations and those of the group it waited behind. A group's Work is all of its
+//   operations (a sender's buffers are held until its batch's receives completed too, as NCCL's
+//   coalesced Work completes);
+// - each operation tells its peer what it is (a note, on tags of the model's own, so the i-th note
+//   between two ranks is of the operation NCCL would match with the i-th of theirs): a receive whose
+//   send has another size, on which NCCL would wait forever, is an error on both ranks naming both
+//   operations. A receive is posted once its sender's note matched (gloo kills the process on a
+//   receive smaller than its send), by a thread per peer, so a group's receives from other peers go
+//   on meanwhile, as NCCL's do;
+// - an abort ends every operation of the communicator launched and not completed.
+// The model's own waits have no timeout (a gloo wait that times out closes every pair of its group):
+// the host's waits for a group, with the executor's timeout, say what did not complete.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../comm_worker.h"
+
+namespace pipecore {
+
+// Refuses, as NCCL does inside a group, a dtype NCCL lacks or a peer the communicator does not have.
+void check_nccl_op(const CommTask& task);
+
+// "the receive from rank 0 (4096 bytes, action 12)", for reports
+std::string message_name(const CommTask& task);
+
+// One communicator's stream (or one pair's, for operations posted alone).
+class CommStream {
+ public:
+  virtual ~CommStream() = default;
+  // Queues a group of `tasks` (copied: the executor keeps its own), named `kind` in errors: its Work,
+  // which completes once every operation of it did.
+  virtual c10::intrusive_ptr<c10d::Work> queue(const char* kind, const std::vector<CommTask*>& tasks) = 0;
+  // NCCL's abort: every operation launched and not completed, and every group queued, end with `why`.
+  virtual void abort(const std::string& why) = 0;
+};
+
+// Its waits have no timeout of their own (a gloo wait that times out closes every pair of the group):
+// the host's waits for a group, which have the executor's, report what did not complete.
+std::unique_ptr<CommStream> make_comm_stream();
+
+}  // namespace pipecore

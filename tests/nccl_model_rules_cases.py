@@ -1,0 +1,108 @@
+"""Cases that drive the device path over the CPU model of NCCL one batch at a time (`_C.NcclModel`,
+csrc/testing/nccl_model_harness.cpp), posting what the executor never would, to show the model fails
+where NCCL and CUDA would: a hang is an error that names it, a free on the wrong stream a violation.
+
+Each case runs on a gloo group of its own, and leaves it (with what is still posted on it) alive in
+the process: the test's pool is closed after it (nothing pending may be freed under gloo)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from pipecore import _C
+
+_KEPT = []  # groups and models of finished cases, with their pending operations
+
+
+def _model(timeout: float):
+    group = dist.new_group(backend="gloo")
+    model = _C.NcclModel(group, timeout)
+    _KEPT.append((group, model))
+    return model
+
+
+def _error(fn, *args) -> tuple[str, float]:
+    """What fn(*args) raised, and how long it took to."""
+    start = time.monotonic()
+    try:
+        fn(*args)
+    except _C.CommError as e:
+        return str(e), time.monotonic() - start
+    raise AssertionError(f"{fn.__name__} did not fail")
+
+
+def receive_of_another_size(rank, world):
+    """Rank 0 sends 64 float64, rank 1 receives 48: NCCL would leave both waiting. Each rank's error."""
+    model = _model(timeout=30)
+    if rank == 0:
+        batch = model.post([(True, 1, torch.arange(64, dtype=torch.float64))])
+        return _error(model.wait, batch)
+    batch = model.post([(False, 0, torch.zeros(48, dtype=torch.float64))])
+    return _error(model.consume, batch)
+
+
+def posting_error_aborts_the_communicator(rank, world):
+    """Rank 0 posts a batch whose second send goes to a rank the communicator lacks: posting fails after
+    the first send was added, which ending the group would launch (NCCL's endCoalescing), so the
+    communicator is aborted first: rank 1 receives nothing of the batch and times out. On a second
+    communicator, rank 0 first waits for a receive rank 1 never sends: the abort must end it at once,
+    and refuse what is posted after it."""
+    first, second = _model(timeout=30 if rank == 0 else 3), _model(timeout=30)
+    ones = torch.ones(8, dtype=torch.float64)
+    if rank == 0:
+        try:
+            posting, _ = _error(first.post, [(True, 1, ones), (True, 5, ones)])
+            pending = second.post([(False, 1, torch.zeros(8, dtype=torch.float64))])
+            _error(second.post, [(True, 1, ones), (True, 5, ones)])
+            ended, seconds = _error(second.consume, pending)
+            after, _ = _error(second.post, [(True, 1, ones)])
+            return posting, ended, seconds, after
+        finally:
+            dist.barrier()  # (rank 1 waits only now: a gloo wait that times out closes the pair's connection)
+    received = torch.zeros(8, dtype=torch.float64)
+    batch = first.post([(False, 0, received)])
+    dist.barrier()
+    timed_out, seconds = _error(first.consume, batch)
+    return timed_out, seconds, received.sum().item()
+def groups_on_one_communicator_run_in_order(rank, world):
+    """Each rank receives from the other, then sends to it: as one group it completes (a coalesced group
+    launches as one); as two groups each rank's receive waits for a send queued behind it, on both ranks,
+    which NCCL would wait on forever."""
+    peer = 1 - rank
+    model = _model(timeout=2)
+    received = torch.zeros(4, dtype=torch.float64)
+    batch = model.post([(False, peer, received), (True, peer, torch.full((4,), float(rank + 1), dtype=torch.float64))])
+    model.consume(batch)
+    together = received.tolist()
+    model.release(batch, consumed=True)
+    receive = model.post([(False, peer, torch.zeros(4, dtype=torch.float64))])
+    send = model.post([(True, peer, torch.ones(4, dtype=torch.float64))])
+    waited, _ = _error(model.consume, receive)
+    queued, _ = _error(model.wait, send)
+    return together, waited, queued
+
+
+def release_on_the_posting_stream(rank, world):
+    """A receive posted on the default compute stream, let go of unread while a second stream is current
+    (the thread that drops it runs under torch.cuda.stream(...)): the stream the buffer goes back to must
+    wait for the transfer (M5: the wait went to the current stream). Then the model's own check: read on
+    the second stream and freed as read on the default one, whose stream never waited."""
+    peer = 1 - rank
+    model = _model(timeout=30)
+    out = []
+    for _ in range(2):
+        batch = model.post([(False, peer, torch.zeros(4, dtype=torch.float64)),
+                            (True, peer, torch.ones(4, dtype=torch.float64))])
+        model.wait(batch)
+        out.append(batch)
+    model.release(out[0], consumed=False, second_stream=True)
+    dropped = list(model.violations())
+    model.consume(out[1], second_stream=True)
+    try:
+        model.release(out[1], consumed=True)
+    except RuntimeError:  # (the ledger refuses as it records)
+        pass
+    return dropped, list(model.violations())
