@@ -1,5 +1,7 @@
 """The device path against the CPU model of NCCL (csrc/testing/host_device_comm.cpp), for the
-hazards a review of the NCCL path found (issue 51): each case failed on the code before its fix."""
+hazards a review of the NCCL path found (issue 51): each hazard's case failed on the code before its
+fix. The last cases drive the model itself one batch at a time (`_C.NcclModel`), for what it must
+report where NCCL would hang."""
 
 from datetime import timedelta
 

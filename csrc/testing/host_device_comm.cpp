@@ -23,11 +23,11 @@
 
 #include <atomic>
 #include <cstring>
-#include <utility>
 #include <map>
 #include <mutex>
 #include <sstream>
 #include <unordered_set>
+#include <utility>
 
 #include "../comm.h"
 #include "../device_comm.h"

@@ -53,10 +53,9 @@ void StreamLedger::allocated(const at::Tensor& t, int lane) {
     ++it->second.parts;
     return;
   }
-  const int owner = lane;
   Buffer b;
-  b.owner = owner;
-  b.allocated_at = tick(owner);  // the owner's work queued before this point may still use the block
+  b.owner = lane;
+  b.allocated_at = tick(lane);  // the owner's work queued before this point may still use the block
   b.parts = 1;
   b.storage = t.storage().getWeakStorageImpl();
   buffers_[key(t)] = b;
@@ -67,28 +66,27 @@ void StreamLedger::used(const at::Tensor& t, int lane, bool writes, const std::s
   auto it = buffers_.find(key(t));
   if (it == buffers_.end()) return;  // not a message buffer
   Buffer& b = it->second;
-  const int l = lane;
-  const Clock& mine = clocks_[l];
-  if (l != b.owner && mine[b.owner] < b.allocated_at) {
+  const Clock& mine = clocks_[lane];
+  if (lane != b.owner && mine[b.owner] < b.allocated_at) {
     std::ostringstream os;
-    os << "the " << name(l) << " stream uses a message buffer of " << t.nbytes() << " bytes (" << what
+    os << "the " << name(lane) << " stream uses a message buffer of " << t.nbytes() << " bytes (" << what
        << ") allocated on the " << name(b.owner) << " stream at its operation " << b.allocated_at
        << ", but has waited for that stream only up to operation " << mine[b.owner]
        << ": the caching allocator may have handed out a block that work queued there still reads";
     refuse(os.str());
   }
-  if (b.writer >= 0 && b.writer != l && mine[b.writer] < b.written_at) {
+  if (b.writer >= 0 && b.writer != lane && mine[b.writer] < b.written_at) {
     std::ostringstream os;
-    os << "the " << name(l) << " stream uses a message buffer of " << t.nbytes() << " bytes (" << what
+    os << "the " << name(lane) << " stream uses a message buffer of " << t.nbytes() << " bytes (" << what
        << ") before waiting for the " << name(b.writer) << " stream's write of it (" << b.written_by
        << ": its operation " << b.written_at << "; waited up to " << mine[b.writer] << ")";
     refuse(os.str());
   }
-  const int64_t at = tick(l);
-  b.last_use[l] = at;
-  b.last_user[l] = what;
+  const int64_t at = tick(lane);
+  b.last_use[lane] = at;
+  b.last_user[lane] = what;
   if (writes) {
-    b.writer = l;
+    b.writer = lane;
     b.written_at = at;
     b.written_by = what;
   }
