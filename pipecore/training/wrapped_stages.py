@@ -36,6 +36,25 @@ def _fsdp_module() -> type | tuple:
     return getattr(fsdp, "FSDPModule", ()) if fsdp is not None else ()
 
 
+def fsdp_states(module: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
+    """Each FSDP2 state in `module`'s tree once, with the first of its modules (in module order).
+    One `fully_shard([norm, head])` call over a list of modules makes ONE state that every module
+    of the list reaches (TorchTitan wraps its norm and head so): collected per module, its parameter
+    groups, and so each parameter and its set-aside gradient, would count once per module."""
+    FSDPModule = _fsdp_module()
+    found: dict[int, tuple[torch.nn.Module, object]] = {}
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            state = m._get_fsdp_state()
+            found.setdefault(id(state), (m, state))
+    return list(found.values())
+
+
+def fsdp_param_groups(module: torch.nn.Module) -> list:
+    """Every FSDP2 parameter group in `module`'s tree, each once."""
+    return [g for _, state in fsdp_states(module) for g in state._fsdp_param_groups]
+
+
 def _ranks(group) -> list[int]:
     return sorted(dist.get_process_group_ranks(group))
 
@@ -113,8 +132,7 @@ class WrappedStage:
             if isinstance(module, DistributedDataParallel):
                 groups = [module.process_group]
             elif isinstance(module, FSDPModule):
-                meshes = {id(g.mesh_info.mesh): g.mesh_info.mesh for m in module.modules() if isinstance(m, FSDPModule)
-                          for g in m._get_fsdp_state()._fsdp_param_groups}.values()
+                meshes = {id(g.mesh_info.mesh): g.mesh_info.mesh for g in fsdp_param_groups(module)}.values()
                 if any(mesh.ndim != 1 for mesh in meshes):
                     raise InputError("the stage module is wrapped in fully_shard over a mesh of several dimensions: "
                                      "pass Pipeline(..., dp_group=) the group of the data-parallel replicas")
@@ -308,10 +326,13 @@ class _FSDPStage(WrappedStage):
 
     def __init__(self, module, dp_group):
         super().__init__(module, dp_group)
-        self._fsdp = [m for m in module.modules() if isinstance(m, _fsdp_module())]
-        self._groups = [g for m in self._fsdp for g in m._get_fsdp_state()._fsdp_param_groups]
+        # one module per FSDP state: unshard() and reshard() act on the state's groups, and a state
+        # that several modules reach (fully_shard over a list) must be driven, and counted, once
+        self._fsdp = [m for m, _ in fsdp_states(module)]
+        self._groups = fsdp_param_groups(module)
         # the sharded parameters (module.parameters() gives the unsharded ones while unsharded)
-        self._params = [p.sharded_param for g in self._groups for p in g.fsdp_params if p.sharded_param.requires_grad]
+        self._params = list({id(p.sharded_param): p.sharded_param for g in self._groups for p in g.fsdp_params
+                             if p.sharded_param.requires_grad}.values())
         meshes = {id(g.mesh_info.mesh): g.mesh_info.mesh for g in self._groups}
         for mesh in meshes.values():
             self._check_group("fully_shard", sorted(mesh.mesh.flatten().tolist()), dp_group,
