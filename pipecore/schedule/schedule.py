@@ -217,6 +217,7 @@ def _infer_topology(rows: list[list[Action]], num_stages, num_microbatches, plac
     if num_ranks == 0:
         raise ScheduleError("a schedule needs at least one rank")
     seen_rank: dict[int, tuple[int, int]] = {}
+    forwards: dict[int, set[int]] = {}  # the microbatches each stage runs forward
     max_stage, max_mb = -1, -1
     for rank, row in enumerate(rows):
         for step, action in enumerate(row):
@@ -228,6 +229,8 @@ def _infer_topology(rows: list[list[Action]], num_stages, num_microbatches, plac
                     max_mb = max(max_mb, leaf.microbatch)
                 if leaf.kind in (Kind.F, Kind.I, Kind.W, Kind.B) and leaf.stage not in seen_rank:
                     seen_rank[leaf.stage] = (rank, step)
+                if leaf.kind is Kind.F:
+                    forwards.setdefault(leaf.stage, set()).add(leaf.microbatch)
     if num_stages is None:
         num_stages = max_stage + 1
     elif max_stage >= num_stages:
@@ -250,13 +253,22 @@ def _infer_topology(rows: list[list[Action]], num_stages, num_microbatches, plac
         if bad:
             raise ScheduleError(f"placement maps stages to ranks outside 0..{num_ranks - 1}: {bad}")
         return Topology.chain("custom", [mapping[s] for s in range(num_stages)], num_microbatches, num_ranks)
-    # infer: the rank where each stage computes; the standard styles when they match
-    for style in ("loop", "v"):
+    # infer: the rank where each stage computes; the standard styles when they match. A style whose stages
+    # run forward on exactly its microbatches first: dualpipe's stages sit where the V placement puts them,
+    # and each runs half of the microbatches (torch's CSV has no placement to say which it is)
+    styles = []
+    for style in ("loop", "v", "dualpipe"):
         try:
             topo = Topology.from_style(style, num_ranks, num_stages, num_microbatches)
         except ScheduleError:
             continue
         if all(topo.stage_rank[s] == r for s, (r, _) in seen_rank.items()) and len(seen_rank) == num_stages:
+            styles.append(topo)
+    for topo in styles:
+        if all(forwards.get(s, set()) == set(topo.microbatches[s]) for s in range(num_stages)):
+            return topo
+    for topo in styles:
+        if topo.style != "dualpipe":  # an incomplete schedule: placed, and the validator names what is missing
             return topo
     missing = [s for s in range(num_stages) if s not in seen_rank]
     if missing:

@@ -13,7 +13,9 @@ training of the tied model gives. Where every stage holding a key is on one rank
 put the first and last stages on rank 0) the sum is local; two ranks exchange their sums once;
 more ranks all-reduce. Copies that are one Parameter on a rank (a model whose head *is* its
 embedding, split without copying, under a V placement) are one copy there: autograd already sums
-their uses into its `.grad`, so it is counted, set aside and added back once.
+their uses into its `.grad`, so it is counted, set aside and added back once. Copies that FSDP2
+shards (every stage holding one wrapped over the same data-parallel mesh) are made equal and summed
+shard by shard: a rank holds the same rows of each copy, and the replicas' sums already ran.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 
 from pipecore.errors import InputError
 from pipecore.executor.comm import Comm
+from pipecore.stage.dtensor import local_part
 from pipecore.stage.partitioning import shared_parameters
 
 
@@ -41,6 +44,7 @@ class TiedCopy:
     rank: int
     shape: tuple[int, ...]
     dtype: str
+    local_shape: tuple[int, ...]  # what this rank holds of it (an FSDP2 shard, or the whole weight)
 
 
 class TiedWeights:
@@ -50,7 +54,7 @@ class TiedWeights:
         """Learns every rank's ties (a collective over the pipeline's group) and makes the copies equal."""
         self._comm = comm
         mine = [TiedCopy(key, s.stage_index, topology.model_stage[s.stage_index], comm.rank, tuple(p.shape),
-                         str(p.dtype)) for s in stages for key, p in s.tied.items()]
+                         str(p.dtype), tuple(local_part(p).shape)) for s in stages for key, p in s.tied.items()]
         self._params: dict[tuple[str, int], nn.Parameter] = {
             (key, s.stage_index): p for s in stages for key, p in s.tied.items()}
         self._by_id: dict[int, tuple[str, int]] = {}  # a Parameter under several stages: its lowest one
@@ -81,6 +85,11 @@ class TiedWeights:
                 held = ", ".join(f"stage {c.stage} (rank {c.rank}) {list(c.shape)} {c.dtype}" for c in copies)
                 return (f"tied weight {key!r} has different shapes or dtypes on the stages that declare it: {held}. "
                         "A tie joins copies of one weight: declare the same parameter shape under one key")
+            if len({c.local_shape for c in copies}) > 1:
+                held = ", ".join(f"stage {c.stage} (rank {c.rank}) holds {list(c.local_shape)}" for c in copies)
+                return (f"tied weight {key!r} is sharded differently on the stages that declare it: {held}. The copies "
+                        "are summed shard by shard: wrap every stage that holds a copy alike (all in fully_shard over "
+                        "the same data-parallel mesh, or none)")
         return None
 
     def _distinct(self, key: str, copies: list[TiedCopy]) -> list[TiedCopy]:
@@ -104,12 +113,12 @@ class TiedWeights:
             if not here and len(holders) <= 2:
                 continue  # an all-reduce (more than two holders) needs every rank; an exchange only the two
             with torch.no_grad():
-                mine = self._params[(key, owner.stage)].detach() if owner.rank == rank else None
+                mine = local_part(self._params[(key, owner.stage)].detach()) if owner.rank == rank else None
                 value = mine if holders == [owner.rank] else self._reduce(key, holders, mine,
                                                                           "making tied weight copies equal")
                 for p in here:
                     if p is not self._params.get((key, owner.stage)):
-                        p.copy_(value)
+                        local_part(p).copy_(value)
 
     # -- after a step: each copy's gradient becomes the sum of the step's gradients -------------
     def stash(self) -> dict[tuple[str, int], tuple[nn.Parameter, torch.Tensor | None]]:
@@ -164,12 +173,18 @@ class TiedWeights:
                     continue
             self._compare_here(key, here)
             for c in here:
-                self._params[(key, c.stage)].grad = total.clone() if got else None
+                p = self._params[(key, c.stage)]
+                if not got:
+                    p.grad = None
+                    continue
+                grad = torch.zeros_like(p)  # an FSDP2 copy's gradient is a DTensor like it: its shard is summed
+                local_part(grad).copy_(total)
+                p.grad = grad
 
     # -- copies that parted: an optimizer that treats them differently ----------------------------
     def _sample(self, key: str, copy: TiedCopy) -> torch.Tensor:
         """SAMPLE entries of a copy, spread over it, in float32 (the same entries on every rank)."""
-        flat = self._params[(key, copy.stage)].detach().reshape(-1)
+        flat = local_part(self._params[(key, copy.stage)].detach()).reshape(-1)
         # integer steps: float indices round past the end above 2**24 entries (a real vocabulary)
         index = torch.arange(SAMPLE, device=flat.device) * (flat.numel() - 1) // (SAMPLE - 1)
         return flat.index_select(0, index).float()
@@ -202,8 +217,9 @@ class TiedWeights:
         return any(self._params[(key, c.stage)].grad is not None for c in copies)
 
     def _grad(self, key: str, copy: TiedCopy) -> torch.Tensor:
+        """This rank's part of a copy's gradient (zeros without one)."""
         p = self._params[(key, copy.stage)]
-        return p.grad if p.grad is not None else torch.zeros_like(p)
+        return local_part(p.grad if p.grad is not None else torch.zeros_like(p))
 
     @staticmethod
     def _sum(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -213,10 +229,10 @@ class TiedWeights:
         return total
 
     def _zeros(self, key: str) -> torch.Tensor:
-        """Zeros shaped like the tied weight, on this rank's device for it."""
+        """Zeros shaped like this rank's part of the tied weight, on this rank's device for it."""
         c = self.copies[key][0]
         here = [p for (k, _), p in self._params.items() if k == key]
-        return torch.zeros(c.shape, dtype=getattr(torch, c.dtype.removeprefix("torch.")),
+        return torch.zeros(c.local_shape, dtype=getattr(torch, c.dtype.removeprefix("torch.")),
                            device=here[0].device if here else self._comm.device_for())
 
     def _reduce(self, key: str, holders: list[int], mine: torch.Tensor | None, what: str) -> torch.Tensor:

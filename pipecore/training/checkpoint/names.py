@@ -45,7 +45,11 @@ class StageModules:
             elif stage.module is not self.modules[name]:  # the same module object twice is one copy
                 self.copies[f"copy{stage.stage_index}"] = name
                 self.modules[f"copy{stage.stage_index}"] = stage.module
-        self._names = {n for n, _ in self.modules.named_parameters(remove_duplicate=False)}
+        # each parameter under the name DCP gives it (a checkpoint_wrapper's or DDP's prefix left out,
+        # as TorchTitan's activation checkpointing wraps its blocks), every name of a shared one
+        self._params = {fqn: p for name, p in self.modules.named_parameters(remove_duplicate=False)
+                        for fqn in _dcp_names(self.modules, name)}
+        self._names = set(self._params)
         self.optimizer = optimizer
         if optimizer is not None:
             _check_optimizer(optimizer, self.modules)
@@ -122,10 +126,9 @@ class StageModules:
             set_optimizer_state_dict(self.modules, self.optimizer, state, options=OPTIONS)
         finally:
             _restore_grads(grads)
-        params = dict(self.modules.named_parameters(remove_duplicate=False))
         for fqn in stateless:
             for name in [fqn, *self._copy_names(fqn)]:
-                self.optimizer.state.pop(params[name], None)
+                self.optimizer.state.pop(self._params[name], None)
         for param in [p for p, entries in self.optimizer.state.items() if not entries]:
             del self.optimizer.state[param]  # no entries is no state, as before the save
 
@@ -181,6 +184,14 @@ class OptimizerStateSwap:
         if self.state is not None:
             self.optimizer.state = self.state
             self.state = None
+
+
+def _dcp_names(modules: nn.Module, name: str) -> set[str]:
+    """The names DCP's state dicts give the parameter `modules` calls `name` (its own rule, which drops
+    the prefixes of checkpoint_wrapper, DDP and torch.compile)."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    return set(_get_fqns(modules, name))
 
 
 def _check_optimizer(optimizer, modules: nn.Module) -> None:
