@@ -29,7 +29,7 @@ TRITON_SPEC := triton==3.9.0
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 
-.PHONY: all install install-test demo test gpu-check coverage bench clean
+.PHONY: all install install-test demo test soak gpu-check coverage bench clean
 
 all: install
 
@@ -96,6 +96,14 @@ demo: install
 
 test: install-test
 	$(PYTHON) -m pytest -q tests $(TEST_ARGS)
+
+# the generated configuration space at length (tests/config_space.py): SOAK_CONFIGS configurations drawn from a
+# seed other than the suite's, each compared with one process; a failure is shrunk to a one-line reproducer
+SOAK_CONFIGS ?= 5000
+SOAK_SEED ?= 5858
+soak: install-test
+	CONFIG_SPACE_COUNT=$(SOAK_CONFIGS) CONFIG_SPACE_SEED=$(SOAK_SEED) $(PYTHON) -m pytest -q -rA \
+		tests/test_config_space.py -k generated
 
 # first contact with a GPU machine: the CUDA tests, 2-GPU training and failure cases, a table (.ci/gpu_check.py)
 gpu-check: install-test

@@ -65,6 +65,8 @@ def pytest_terminal_summary(terminalreporter):
     for label, (n, worst) in sorted(exactness.summary(DIFFERENCES).items()):
         terminalreporter.write_line(f"exactness: {label}: {n} comparisons with a reference, largest difference "
                                     f"{worst:.2e} of the largest entry")
+    for line in exactness.notes(DIFFERENCES):
+        terminalreporter.write_line(line)
 
 
 def pytest_unconfigure(config):

@@ -143,11 +143,30 @@ def record(label: str, err: float) -> None:
             f.write(f"{label}\t{err!r}\n")
 
 
+def note(line: str) -> None:
+    """A line for the suite's closing summary (conftest prints `notes`), e.g. how many configurations a
+    generated search ran."""
+    folder = os.environ.get(RECORD_DIR)
+    if folder:
+        with open(os.path.join(folder, "notes.log"), "a") as f:
+            f.write(line.replace("\n", " ") + "\n")
+
+
+def notes(folder: str) -> list[str]:
+    path = os.path.join(folder, "notes.log")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return f.read().splitlines()
+
+
 def summary(folder: str) -> dict[str, tuple[int, float]]:
     """{label: (comparisons, largest difference)} over every file in `folder` (a line a process was
     killed while writing is skipped)."""
     out: dict[str, tuple[int, float]] = {}
     for name in os.listdir(folder):
+        if not name.endswith(".txt"):
+            continue
         with open(os.path.join(folder, name)) as f:
             for line in f:
                 try:
