@@ -11,15 +11,17 @@ The axes (`AXES`, each value list simplest first: the shrinker moves toward the 
   stage share; a parameter no forward uses;
 - wrapping: none, DDP, `fully_shard` of the stage module, `fully_shard` per block then the stage module,
   `fully_shard` over a LIST of modules (one FSDP state, several modules: [norm, head] and each stage's
-  blocks, TorchTitan's default) then the stage module; `reshard_after_forward` True, False or 1 on the
-  inner ones (RESHARD_AFTER_FORWARD);
+  blocks, TorchTitan's default) then the stage module; `reshard_after_forward` True or False on the
+  inner ones (its int form needs 4 replicas: not drawn); wrapped before the PipelineStage is built, or
+  in place after (fully_shard then replaces the Parameters the stage's ties named);
 - activation checkpointing: none, pipecore's own (`PipelineStage(activation_checkpointing=True)`),
   full and selective per block (torch's `checkpoint_wrapper`, as TorchTitan applies them);
 - schedule: every name in pc.SCHEDULES that trains, as built or round-tripped through torch's CSV;
   pipeline ranks 2 or 3, stages per rank where the schedule takes a number; microbatches fewer than, as
   many as and more than the stages, where the schedule allows;
 - steps: one or two optimizer steps, each after 1-3 `step()` calls (gradient accumulation); zero_grad
-  after the optimizer step or before the next group, to None or to zeros; SGD with momentum or AdamW;
+  after each optimizer step to None or to zeros (the wrappers then set aside and add back zeros); SGD
+  with momentum or AdamW;
   a mean loss, or a sum with `loss_divisor` (the token count, some targets ignored);
 - clipping: pc.clip_grad_norm_ at half the gradients' norm before each optimizer step, or none;
 - checkpoints: after each optimizer step, pc.save_checkpoint, the weights zeroed, pc.load_checkpoint
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import functools
 import random
 import sys
@@ -85,19 +88,19 @@ AXES: dict[str, tuple] = {
     "shared": (False, True),
     "unused": (False, True),
     "wrapping": ("none", "ddp", "fsdp", "fsdp_blocks", "fsdp_list"),
-    "reshard": ("true", "false", "1"),
+    "wrap_order": ("before_stage", "after_stage"),
+    "reshard": ("true", "false"),
     "checkpointing": ("none", "stage", "full", "selective"),
     "accumulate": ((1,), (2,), (3,), (1, 1), (2, 2), (1, 3), (3, 2)),
-    "zero_grad": ("after", "before", "after_zeros", "before_zeros"),
+    "zero_grad": ("none", "zeros"),
     "optimizer": ("sgd", "adamw"),
     "loss": ("mean", "tokens"),
     "clip": (False, True),
     "checkpoint": (False, True),
 }
-# reshard_after_forward by name (an axis value 1 would equal True in Python); an int that is a true divisor
-# of the mesh (a smaller group to reshard to) needs 4 replicas, more processes than this machine runs: at 1
-# or 2 replicas FSDP2 takes 1 as False
-RESHARD_AFTER_FORWARD = {"true": True, "false": False, "1": 1}
+# reshard_after_forward by name. Its int form (a smaller group to reshard to) needs 4 replicas or more, more
+# processes than this machine runs: at 1 or 2 replicas FSDP2 takes an int as True or False. Not drawn.
+RESHARD_AFTER_FORWARD = {"true": True, "false": False}
 # schedules whose stages per rank is fixed (their builder's default: 1 or 2)
 _FIXED_STAGES = {"gpipe": 1, "1f1b": 1, "zbh2": 1, "zb_auto": 1, "zbv": 2, "v_half": 2, "v_min": 2,
                  "dualpipe": 2, "dualpipev": 2}
@@ -118,10 +121,11 @@ class Config:
     shared: bool = False
     unused: bool = False
     wrapping: str = "none"
+    wrap_order: str = "before_stage"  # wrapped before the PipelineStage is built, or in place after
     reshard: str = "true"  # reshard_after_forward of the inner groups: RESHARD_AFTER_FORWARD[reshard]
     checkpointing: str = "none"
     accumulate: tuple = (1,)
-    zero_grad: str = "after"
+    zero_grad: str = "none"  # optimizer.zero_grad(set_to_none=...) after each optimizer step
     optimizer: str = "sgd"
     loss: str = "mean"
     clip: bool = False
@@ -159,6 +163,8 @@ def problem(c: Config) -> str | None:
         return "reshard_after_forward is FSDP2's"
     if c.wrapping == "fsdp" and c.reshard != "true":
         return "the stage module's own group is resharded by the pipeline (RESHARD)"
+    if c.checkpoint and len(c.accumulate) < 2:
+        return "a checkpoint is loaded between two optimizer steps"
     if c.checkpoint and c.dp == 2 and c.wrapping != "none":
         return "pc.save_checkpoint refuses stages wrapped over replicas (DCP saves them; tests/test_checkpoint.py)"
     if c.shared and c.blocks_per_stage < 2:
@@ -217,15 +223,17 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """Top-2 of 4 experts per token, weighted by the router's softmax; each expert runs on its tokens
-    only, so an expert no token of a microbatch chose gets nothing from that microbatch. `modules`: the
-    experts as modules of their own (an expert unused by a whole step keeps .grad None), else grouped
-    into one weight per projection (TorchTitan's GroupedExperts: unused rows get zeros)."""
+    """Top-2 of 4 experts per token, weighted by the router's softmax, the last expert never chosen;
+    each expert runs on its tokens only, so an expert no token of a microbatch chose gets nothing from
+    that microbatch. `modules`: the experts as modules of their own (an expert unused by a whole step
+    keeps .grad None: the last always, the others where a replica's tokens skip them), else grouped into
+    one weight per projection (TorchTitan's GroupedExperts: unused rows get zeros)."""
 
     def __init__(self, modules: bool):
         super().__init__()
         self.norm = nn.LayerNorm(WIDTH)
         self.router = nn.Linear(WIDTH, EXPERTS, bias=False)
+        self.register_buffer("dead", torch.arange(EXPERTS) == EXPERTS - 1, persistent=False)
         if modules:
             self.experts = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH, bias=False), nn.GELU(),
                                                        nn.Linear(2 * WIDTH, WIDTH, bias=False))
@@ -241,7 +249,10 @@ class MoE(nn.Module):
 
     def forward(self, x):
         h = self.norm(x).reshape(-1, WIDTH)
-        weights, chosen = torch.softmax(self.router(h), dim=-1).topk(TOP_K, dim=-1)
+        # the last expert is never chosen: its weights get no gradient from any token (None as a module
+        # of its own, zero rows when grouped), on every rank as in one process
+        logits = self.router(h).masked_fill(self.dead, float("-inf"))
+        weights, chosen = torch.softmax(logits, dim=-1).topk(TOP_K, dim=-1)
         out = torch.zeros_like(h)
         for e in range(EXPERTS):
             token, slot = (chosen == e).nonzero(as_tuple=True)
@@ -322,13 +333,13 @@ def wrap(c: Config, module: StageModule, mesh) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     dp_mesh = mesh["dp"]
-    inner = module.blocks[2:] if module.shares else module.blocks  # a shared Parameter stays in one group
     if c.wrapping == "fsdp_blocks":
-        for block in inner:
+        # a Parameter two blocks share stays in one group: the stage module's (FSDP2 would shard it twice)
+        for block in (module.blocks[2:] if module.shares else module.blocks):
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=RESHARD_AFTER_FORWARD[c.reshard])
-    elif c.wrapping == "fsdp_list":  # one state over several modules, as TorchTitan wraps [norm, head]
-        if len(inner):
-            fully_shard(list(inner), mesh=dp_mesh, reshard_after_forward=RESHARD_AFTER_FORWARD[c.reshard])
+    elif c.wrapping == "fsdp_list":  # one state over several modules, as TorchTitan wraps [norm, head]; the
+        # blocks' list holds both blocks that share a Parameter, as FSDP2 asks for shared parameters
+        fully_shard(list(module.blocks), mesh=dp_mesh, reshard_after_forward=RESHARD_AFTER_FORWARD[c.reshard])
         if module.head is not None:
             fully_shard([module.norm, module.head], mesh=dp_mesh,
                         reshard_after_forward=RESHARD_AFTER_FORWARD[c.reshard])
@@ -400,17 +411,26 @@ def run_one(rank: int, c: Config) -> tuple[dict, str | None]:
     count = len(set(topo.model_stage))
     model = build_model(c, count)
     reference = copy.deepcopy(model)
-    modules = {s: wrap(c, copy.deepcopy(model[topo.model_stage[s]]), mesh) for s in sched.rank_stages(position)}
-    stages = []
-    for s, module in modules.items():
+    modules, stages = {}, []
+    for s in sched.rank_stages(position):
+        module = copy.deepcopy(model[topo.model_stage[s]])
+        if c.wrap_order == "before_stage":
+            module = wrap(c, module, mesh)
         plain = _unwrapped(module)
         tied = {}
         if c.tied and plain.embed is not None:
             tied["embedding"] = plain.embed.weight
         if c.tied and plain.head is not None:
             tied["embedding"] = plain.head.weight
-        stages.append(pc.PipelineStage(module, s, sched.num_stages, tied=tied,
-                                       activation_checkpointing=c.checkpointing == "stage"))
+        stage = pc.PipelineStage(module, s, sched.num_stages, tied=tied,
+                                 activation_checkpointing=c.checkpointing == "stage")
+        if c.wrap_order == "after_stage":  # fully_shard in place (new Parameter objects); DDP through submod
+            wrapped = wrap(c, module, mesh)
+            if wrapped is not module:
+                stage.submod = wrapped
+            module = wrapped
+        modules[s] = module
+        stages.append(stage)
     loss_fn = _loss_fn("sum" if c.loss == "tokens" else "mean")
     pipe = pc.Pipeline(stages, sched, c.microbatches, loss_fn, group=mesh.get_group("pp"),
                        dp_group=mesh.get_group("dp") if c.dp > 1 else None, timeout=60)
@@ -427,6 +447,7 @@ def run_one(rank: int, c: Config) -> tuple[dict, str | None]:
     pairs = [(f"stage {s} {name}", p, reference[topo.model_stage[s]].get_parameter(name))
              for s, module in modules.items() for name, p in _unwrapped(module).named_parameters()]
     worst = {"grad": 0.0, "weight": 0.0, "loss": 0.0}
+    counts = {"none": 0, "losses": 0}  # gradients None on both sides; losses compared
     first: list[str] = []
 
     def differs(where: str) -> None:
@@ -441,6 +462,7 @@ def run_one(rank: int, c: Config) -> tuple[dict, str | None]:
     def compare_grads(when: str) -> None:
         for where, p, q in pairs:
             if q.grad is None or p.grad is None:
+                counts["none"] += q.grad is None and p.grad is None
                 if (q.grad is None) != (p.grad is None):
                     differs(f"{where}, {when}: .grad is {'not ' if p.grad is not None else ''}None, one "
                             f"process's is {'not ' if q.grad is not None else ''}None")
@@ -452,8 +474,6 @@ def run_one(rank: int, c: Config) -> tuple[dict, str | None]:
         ref_opt.zero_grad(set_to_none=set_to_none)
 
     for group, calls in enumerate(c.accumulate):
-        if c.zero_grad.startswith("before"):
-            zero(not c.zero_grad.endswith("zeros"))
         for call in range(calls):
             x, y = global_batch(c, group, call)
             ref_loss = _loss_fn("sum")(_forward(reference, x), y)
@@ -474,6 +494,7 @@ def run_one(rank: int, c: Config) -> tuple[dict, str | None]:
                     with torch.no_grad():
                         want = _loss_fn("sum" if c.loss == "tokens" else "mean")(_forward(reference, x[idx]), y[idx])
                     check("loss", _difference(got, want), FLOAT64_BOUND, f"loss of microbatch {mb}, {when}")
+                    counts["losses"] += 1
         if c.clip:
             max_norm = 0.5 * float(torch.linalg.vector_norm(torch.stack(
                 [q.grad.norm() for q in ref_params if q.grad is not None])))
@@ -486,18 +507,24 @@ def run_one(rank: int, c: Config) -> tuple[dict, str | None]:
         for where, p, q in pairs:
             check("weight", _difference(_full(p.detach()), q.detach()), weight_bound, f"{where} after optimizer "
                   f"step {group}")
+        zero(c.zero_grad == "none")
         if c.checkpoint:
             _round_trip(pipe, opt, params)
             for where, p, q in pairs:
                 check("weight", _difference(_full(p.detach()), q.detach()), weight_bound, f"{where} after a "
                       f"checkpoint's round trip, group {group}")
-        if c.zero_grad.startswith("after"):
-            zero(not c.zero_grad.endswith("zeros"))
-    return worst, (first[0] if first else None)
+    here = list(map(_unwrapped, modules.values()))
+    none_expected = ((c.unused and any(m.head is not None for m in here))
+                     or (c.experts == "modules" and any(isinstance(getattr(b, "_checkpoint_wrapped_module", b), MoE)
+                                                        for m in here for b in m.blocks)))
+    if none_expected and not counts["none"]:  # a comparison of None with None must have happened
+        differs("no parameter kept .grad None, though this rank holds one no forward uses or an expert never chosen")
+    return {**worst, **counts}, (first[0] if first else None)
 
 
 def _round_trip(pipe, opt, params) -> None:
-    """pc.save_checkpoint into a temporary folder every rank shares, the weights zeroed, pc.load_checkpoint."""
+    """pc.save_checkpoint into a temporary folder every rank shares, the weights zeroed and the optimizer's
+    state dropped, pc.load_checkpoint (the next group's optimizer step needs the state back)."""
     import shutil
     import tempfile
 
@@ -507,9 +534,10 @@ def _round_trip(pipe, opt, params) -> None:
     dist.broadcast_object_list(folder, src=0)
     try:
         pc.save_checkpoint(folder[0], pipe, opt)
-        with torch.no_grad():
+        with torch.no_grad():  # what the load must bring back: the weights and the optimizer's state
             for p in params:
                 local_part(p).zero_()
+        opt.state.clear()
         pc.load_checkpoint(folder[0], pipe, opt)
     finally:
         dist.barrier()
@@ -548,11 +576,36 @@ def run_batch(rank: int, world: int, lines: list[str]) -> list[tuple[str | None,
             out.append((traceback.format_exc(limit=-6), {}, True))
             break
         out.append((why, worst, raised))
-        try:
-            dist.barrier()
+        try:  # bounded: a rank that raised after the last collective does not hold the others for gloo's 30 min
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))
         except Exception:  # noqa: BLE001 - the group is gone: the driver starts a new pool
             break
     return out
+
+
+def tie_sharded_on_one_side(rank: int, world: int) -> str:
+    """dp=2 x pp=2: the embedding's stage in fully_shard, the head's plain, one tie between them: the
+    copies' shards differ, and every rank refuses the first step saying so."""
+    c = Config(dp=2, tied=True)
+    mesh = _mesh(2, 2)
+    position = rank % 2
+    model = build_model(c, 2)
+    module = copy.deepcopy(model[position])
+    if position == 0:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(module, mesh=mesh["dp"])
+    weight = module.embed.weight if position == 0 else module.head.weight
+    stage = pc.PipelineStage(module, position, 2, tied={"embedding": weight})
+    pipe = pc.Pipeline([stage], "1f1b", 2, _loss_fn("mean"), group=mesh.get_group("pp"),
+                       dp_group=mesh.get_group("dp"), timeout=60)
+    x, y = global_batch(c, 0, 0)
+    half = slice(0, len(x) // 2) if rank < 2 else slice(len(x) // 2, len(x))
+    try:
+        pipe.step(*((x[half],) if pipe.has_first else ()), target=y[half] if pipe.has_last else None)
+    except pc.InputError as exc:
+        return str(exc)
+    return "no error"
 
 
 def parse(line: str) -> Config:
@@ -578,29 +631,54 @@ def run(configs: list[Config], batch: int = 16, timeout_per_config: float = 90.0
             except Exception as exc:  # noqa: BLE001 - a rank died or hung past every timeout
                 ranks.broken = True
                 if len(chunk) > 1:  # again one at a time, to name the configuration
-                    results.extend(run(chunk, batch=1, timeout_per_config=timeout_per_config))
+                    alone = run(chunk, batch=1, timeout_per_config=timeout_per_config)
+                    if all(why is None for _, why in alone):  # state leaked from one configuration to the next
+                        alone[0] = (chunk[0], f"a batch of {len(chunk)} from this configuration on failed, and each "
+                                              f"passed alone: {exc}")
+                    results.extend(alone)
                 else:
                     results.append((chunk[0], f"the rank pool failed: {exc}"))
                 todo = todo[len(chunk):]
                 continue
             done = min(len(r) for r in per_rank)
+            assert done >= 1, "a batch returned no result"
             if done < len(chunk) or any(r[done - 1][2] for r in per_rank if len(r) >= done):
                 ranks.broken = True  # a configuration raised: the groups it waited on may be closed
             for i, c in enumerate(chunk[:done]):
                 errors = [f"rank {r}: {res[i][0]}" for r, res in enumerate(per_rank) if res[i][0] is not None]
+                compared = sum(res[i][1].get("losses", 0) for res in per_rank)
+                if not errors and compared != c.dp * c.microbatches * sum(c.accumulate):
+                    errors.append(f"{compared} microbatch losses compared, {c.dp * c.microbatches * sum(c.accumulate)} "
+                                  "computed")
                 results.append((c, "\n".join(errors) if errors else None))
             todo = todo[max(done, 1):]
     return results
 
 
-def fails(c: Config) -> str | None:
+def fails(c: Config, fresh: bool = False) -> str | None:
+    """What goes wrong with `c` (None: nothing); `fresh`: on new processes, as a reproducer runs."""
+    if fresh:
+        from dist_pool import pool
+
+        pool(c.world).broken = True  # the next run spawns a new pool
     return run([c], batch=1)[0][1]
 
 
+def _kind(failure: str) -> str:
+    """What sort of failure: a difference from one process, or the exception a rank raised."""
+    if "off one process" in failure or ".grad is" in failure or "losses compared" in failure:
+        return "a difference from one process"
+    raised = [line.split(":")[0] for line in failure.splitlines() if line and not line[0].isspace()
+              and line.split(":")[0].endswith(("Error", "Exception"))]
+    return raised[-1] if raised else failure.splitlines()[0][:80]
+
+
 def shrink(c: Config, failure: str, budget: int = 60) -> tuple[Config, str]:
-    """A simpler configuration that still fails: each axis in turn set to each simpler value (toward the
-    front of its list), kept where the failure stays; until no axis moves or `budget` runs."""
+    """A simpler configuration that fails the same way (`_kind`), on new processes: each axis in turn set
+    to each simpler value (toward the front of its list), kept where such a failure stays; until no axis
+    moves or `budget` runs."""
     runs = 0
+    kind = _kind(failure)
     changed = True
     while changed and runs < budget:
         changed = False
@@ -612,8 +690,8 @@ def shrink(c: Config, failure: str, budget: int = 60) -> tuple[Config, str]:
                 if candidate == c or problem(candidate) is not None:
                     continue
                 runs += 1
-                why = fails(candidate)
-                if why is not None:
+                why = fails(candidate, fresh=True)
+                if why is not None and _kind(why) == kind:
                     c, failure, changed = candidate, why, True
                     break
                 if runs >= budget:
@@ -648,12 +726,15 @@ def main(argv: list[str]) -> int:
     started = time.monotonic()
     failed = 0
     try:
-        for c, why in run(configs):
-            if why is not None:
-                failed += 1
-                if args.shrink:
-                    c, why = shrink(c, why)
-                print(f"FAILED {c.line()}\n{why}\n", flush=True)
+        for start in range(0, len(configs), 100):  # progress every 100
+            for c, why in run(configs[start:start + 100]):
+                if why is not None:
+                    failed += 1
+                    if args.shrink:
+                        c, why = shrink(c, why)
+                    print(f"FAILED {c.line()}\n{why}\n", flush=True)
+            print(f"[{min(start + 100, len(configs))} of {len(configs)}: {failed} failed, "
+                  f"{time.monotonic() - started:.0f} s]", flush=True)
     finally:
         from dist_pool import close_all
 

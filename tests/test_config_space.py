@@ -43,11 +43,11 @@ NAMED = {
     # have a sharding strategy", then a 60 s timeout on the peer)
     "tied_copies_sharded_by_fsdp": Config(tied=True, wrapping="fsdp_blocks", accumulate=(2,), seed=3),
     # ... and two of them on one rank (zbv's first and last stage: "index_select got mixed torch.Tensor and DTensor")
-    "tied_sharded_copies_on_one_rank": Config(schedule="zbv", stages_per_rank=2, microbatches=3, tied=True,
+    "tied_sharded_copies_on_one_rank": Config(schedule="zbv", stages_per_rank=2, microbatches=3, dp=2, tied=True,
                                               wrapping="fsdp_list", accumulate=(1, 2), optimizer="adamw", seed=4),
     # found by the search: load_checkpoint of blocks under torch's checkpoint_wrapper (TorchTitan's activation
     # checkpointing): DCP names its optimizer state without the wrapper's prefix ("loaded nothing: TypeError")
-    "checkpoint_of_checkpoint_wrapped_blocks": Config(checkpointing="selective", checkpoint=True, accumulate=(1, 1),
+    "checkpoint_of_checkpoint_wrapped_blocks": Config(checkpointing="selective", checkpoint=True, accumulate=(1, 2),
                                                       optimizer="adamw", seed=5),
     # found by the search: dualpipe's CSV read back without placement= was taken for a V schedule ("missing 0F4")
     "dualpipe_from_its_csv": Config(schedule="dualpipe", from_csv=True, stages_per_rank=2, microbatches=8, tied=True,
@@ -62,12 +62,26 @@ NAMED = {
     # data-parallel buckets where experts are skipped by some replica's tokens (None on one, a gradient on
     # the other), with a parameter no forward uses
     "replicas_skipping_experts": Config(dp=2, microbatches=1, blocks=("moe",), experts="modules", unused=True,
-                                        accumulate=(2,), zero_grad="before_zeros", seed=8),
-    # DDP and FSDP2 nested, resharding to 1 rank after forward, over two replicas
+                                        accumulate=(2,), zero_grad="zeros", seed=8),
+    # DDP over two replicas with a shared parameter; FSDP2 per block over two replicas with a tie (uneven
+    # shards: 11 rows of the tied embedding over 2 ranks are 6 and 5)
     "ddp_over_replicas_with_shared": Config(dp=2, blocks_per_stage=2, shared=True, wrapping="ddp", accumulate=(2,),
                                             clip=True, seed=9),
     "fsdp_blocks_over_replicas": Config(dp=2, schedule="interleaved_zb", stages_per_rank=2, microbatches=4,
-                                        wrapping="fsdp_blocks", reshard="1", accumulate=(2, 1), tied=True, seed=10),
+                                        wrapping="fsdp_blocks", reshard="false", accumulate=(2, 1), tied=True, seed=10),
+    # one FSDP state over a list of modules where the other places collect: clipping over replicas, a
+    # checkpoint, dualpipe's mirrors; the list holding two blocks that share a Parameter
+    "fsdp_list_clipped_over_replicas": Config(dp=2, wrapping="fsdp_list", tied=True, clip=True, accumulate=(2, 1),
+                                              seed=12),
+    "fsdp_list_checkpoint": Config(wrapping="fsdp_list", checkpointing="full", checkpoint=True, accumulate=(2, 1),
+                                   optimizer="adamw", seed=13),
+    "fsdp_list_dualpipe_mirrors_shared": Config(schedule="dualpipev", stages_per_rank=2, microbatches=4,
+                                                blocks_per_stage=2, shared=True, wrapping="fsdp_list", accumulate=(2,),
+                                                seed=14),
+    # ties named when the PipelineStage was built, then fully_shard in place (new Parameter objects): the
+    # ties follow the module's live parameters (before: the tie summed and compared stale tensors)
+    "wrapped_in_place_after_the_stage": Config(tied=True, wrapping="fsdp_list", wrap_order="after_stage",
+                                               accumulate=(2, 1), clip=True, seed=15),
 }
 
 
@@ -78,6 +92,14 @@ def test_named_configurations_match_one_process(name):
     assert space.problem(c) is None, space.problem(c)
     why = space.fails(c)
     assert why is None, f"python tests/config_space.py \"{c.line()}\"\n{why}"
+
+
+def test_a_tie_sharded_on_one_side_only_is_refused_on_every_rank():
+    from dist_pool import pool
+
+    for rank, message in enumerate(pool(4).run(space.tie_sharded_on_one_side, timeout=120)):
+        assert "sharded differently" in message and "shard every copy alike" in message, \
+            (rank, message)
 
 
 def test_a_line_names_its_configuration():

@@ -184,4 +184,7 @@ def test_torchtitan_moe_gradient_accumulation_with_its_fsdp2_at_dp1_gives_one_pr
         assert_matches(run["expert_biases"][name], want, f"{what}: {name} after the load-balancing hook")
     assert run["evals"], f"{what}: no rank returned eval losses"
     for losses in run["evals"]:
-        assert_matches(losses, ref["eval_losses"][0], f"{what}: eval losses after the optimizer step")
+        # float32 losses (TorchTitan's cross entropy) of weights that agree within after_adamw: a microbatch's
+        # loss is a float32 mean over its tokens, which may round either way
+        assert_matches(losses, ref["eval_losses"][0], f"{what}: eval losses after the optimizer step",
+                       bound=rounding_bound(torch.float32, cases.SEQ * cases.MICROBATCH))

@@ -26,3 +26,25 @@ def is_sharded(t: torch.Tensor) -> bool:
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """What this rank holds of `t`: a DTensor's local shard, any other tensor itself."""
     return t.to_local() if is_dtensor(t) else t
+
+
+def rows_held(t: torch.Tensor) -> tuple:
+    """Which entries of `t` this rank holds, as a (start, length) per dimension: the whole tensor for a
+    plain one; for a DTensor sharded (torch.chunk's rule, FSDP2's) or replicated over its mesh, the
+    block its mesh coordinate holds. Two ranks whose values agree hold the same entries. A DTensor of
+    other placements is described by its layout (placements, mesh shape, coordinate) instead."""
+    if not is_dtensor(t):
+        return tuple((0, n) for n in t.shape)
+    dt = _module()
+    mesh, placements = t.device_mesh, t.placements
+    coordinate = mesh.get_coordinate()
+    ranges = [(0, n) for n in t.shape]
+    if coordinate is None or not all(type(p) in (dt.Shard, dt.Replicate) for p in placements):
+        return ("layout", repr(tuple(placements)), tuple(mesh.shape), tuple(coordinate or ()))
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, dt.Shard):
+            start, length = ranges[p.dim]
+            chunk = -(-length // mesh.size(mesh_dim))  # torch.chunk: ceil-sized pieces, the last ones short
+            first = min(start + coordinate[mesh_dim] * chunk, start + length)
+            ranges[p.dim] = (first, min(chunk, start + length - first))
+    return tuple(ranges)

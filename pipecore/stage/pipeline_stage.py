@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
+from pipecore.errors import InputError
 from pipecore.stage.boundary import describe, tensor_leaves
 from pipecore.stage.stage_module import StageModule
 
@@ -79,6 +80,7 @@ class PipelineStage:
             raise ValueError(f"stage_index must be in 0..num_stages-1 = 0..{num_stages - 1}, got {stage_index}")
         self._declared_tied = tied
         self.tied = _tied_parameters(module, tied, stage_index)
+        self._tie_names = _names_in(module, self.tied)
         if not isinstance(activation_checkpointing, bool):
             raise TypeError(f"activation_checkpointing must be True or False, got {activation_checkpointing!r}")
         if autocast is not None and not (isinstance(autocast, torch.dtype) and autocast.is_floating_point):
@@ -108,6 +110,7 @@ class PipelineStage:
         """Whether this stage takes the batch's inputs and computes the loss under the schedule of the
         Pipeline that holds it (dualpipe has two of each); a Pipeline calls it when built."""
         self._role = (first, last)
+        self.tied = self._live_ties()
 
     # torch.distributed.pipelining's stage attributes
     @property
@@ -125,7 +128,23 @@ class PipelineStage:
             raise RuntimeError(f"stage {self.stage_index} is held by a Pipeline (a schedule was built over it), which "
                                "took its module's parameters and wrappers: set submod before building the schedule")
         self.tied = _tied_parameters(module, self._declared_tied, self.stage_index)
+        self._tie_names = _names_in(module, self.tied)
         self.module = module
+
+    def _live_ties(self) -> dict[str, nn.Parameter]:
+        """The tied parameters as the module holds them now, looked up by name: fully_shard (and
+        other wrappers applied in place) replaces a module's Parameter objects after the stage took
+        them, and a tie on a replaced one would sum gradients nobody trains with."""
+        live = {}
+        for key, name in self._tie_names.items():
+            try:
+                live[key] = self.module.get_parameter(name)
+            except AttributeError:
+                raise InputError(f"stage {self.stage_index}'s tied weight {key!r} was its module's parameter {name}, "
+                                 "which the module no longer has (a wrapper applied to it after the PipelineStage was "
+                                 "built renamed it): wrap the module first, then build the PipelineStage, or set "
+                                 "stage.submod to the wrapped module") from None
+        return live
 
     @property
     def is_first(self) -> bool:
@@ -248,6 +267,16 @@ def _tied_parameters(module: nn.Module, tied: Any, stage_index: int) -> dict[str
         raise ValueError(f"stage {stage_index} declares one parameter under several tied keys {sorted(tied)}: "
                          "use one key per shared weight")
     return dict(tied)
+
+
+def _names_in(module: nn.Module, tied: dict[str, nn.Parameter]) -> dict[str, str]:
+    """{key: the name `module` gives each tied parameter}."""
+    names: dict[str, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        for key, q in tied.items():
+            if q is p:
+                names.setdefault(key, name)
+    return names
 
 
 def _found_ties(module: nn.Module) -> dict[str, nn.Parameter]:

@@ -27,7 +27,7 @@ from torch import nn
 
 from pipecore.errors import InputError
 from pipecore.executor.comm import Comm
-from pipecore.stage.dtensor import local_part
+from pipecore.stage.dtensor import local_part, rows_held
 from pipecore.stage.partitioning import shared_parameters
 
 
@@ -45,6 +45,7 @@ class TiedCopy:
     shape: tuple[int, ...]
     dtype: str
     local_shape: tuple[int, ...]  # what this rank holds of it (an FSDP2 shard, or the whole weight)
+    rows: tuple  # which entries that is (dtensor.rows_held)
 
 
 class TiedWeights:
@@ -54,7 +55,8 @@ class TiedWeights:
         """Learns every rank's ties (a collective over the pipeline's group) and makes the copies equal."""
         self._comm = comm
         mine = [TiedCopy(key, s.stage_index, topology.model_stage[s.stage_index], comm.rank, tuple(p.shape),
-                         str(p.dtype), tuple(local_part(p).shape)) for s in stages for key, p in s.tied.items()]
+                         str(p.dtype), tuple(local_part(p).shape), rows_held(p))
+                for s in stages for key, p in s.tied.items()]
         self._params: dict[tuple[str, int], nn.Parameter] = {
             (key, s.stage_index): p for s in stages for key, p in s.tied.items()}
         self._by_id: dict[int, tuple[str, int]] = {}  # a Parameter under several stages: its lowest one
@@ -85,11 +87,12 @@ class TiedWeights:
                 held = ", ".join(f"stage {c.stage} (rank {c.rank}) {list(c.shape)} {c.dtype}" for c in copies)
                 return (f"tied weight {key!r} has different shapes or dtypes on the stages that declare it: {held}. "
                         "A tie joins copies of one weight: declare the same parameter shape under one key")
-            if len({c.local_shape for c in copies}) > 1:
-                held = ", ".join(f"stage {c.stage} (rank {c.rank}) holds {list(c.local_shape)}" for c in copies)
+            if len({(c.local_shape, c.rows) for c in copies}) > 1:
+                held = ", ".join(f"stage {c.stage} (rank {c.rank}) holds {_describe_rows(c)}" for c in copies)
                 return (f"tied weight {key!r} is sharded differently on the stages that declare it: {held}. The copies "
-                        "are summed shard by shard: wrap every stage that holds a copy alike (all in fully_shard over "
-                        "the same data-parallel mesh, or none)")
+                        "are summed shard by shard, so each rank must hold the same entries of every copy: shard "
+                        "every copy alike (fully_shard over data-parallel meshes of one size and rank order, or a "
+                        "plain copy only where the mesh has one rank)")
         return None
 
     def _distinct(self, key: str, copies: list[TiedCopy]) -> list[TiedCopy]:
@@ -185,6 +188,8 @@ class TiedWeights:
     def _sample(self, key: str, copy: TiedCopy) -> torch.Tensor:
         """SAMPLE entries of a copy, spread over it, in float32 (the same entries on every rank)."""
         flat = local_part(self._params[(key, copy.stage)].detach()).reshape(-1)
+        if flat.numel() == 0:  # a shard of no rows (a weight of fewer rows than replicas)
+            return torch.zeros(SAMPLE, dtype=torch.float32, device=flat.device)
         # integer steps: float indices round past the end above 2**24 entries (a real vocabulary)
         index = torch.arange(SAMPLE, device=flat.device) * (flat.numel() - 1) // (SAMPLE - 1)
         return flat.index_select(0, index).float()
@@ -246,6 +251,12 @@ class TiedWeights:
             theirs = self._comm.exchange(mine.detach(), peer, f"{what} {key!r} with rank {peer}")
             return mine + theirs  # the same on both ranks: a + b == b + a
         return self._comm.all_reduce_tensor(mine.detach(), "sum", f"{what} {key!r}")
+
+
+def _describe_rows(c: TiedCopy) -> str:
+    if c.rows and c.rows[0] == "layout":
+        return f"a shard of layout {c.rows[1]} at mesh coordinate {list(c.rows[3])}"
+    return "entries " + " x ".join(f"[{start}:{start + length}]" for start, length in c.rows)
 
 
 def check_shared_parameters(stages: list) -> None:

@@ -380,11 +380,9 @@ class _FSDPStage(WrappedStage):
                 # which gloo refuses: "Cannot use ReduceOp.PREMUL_SUM with Gloo")
                 g.gradient_divide_factor, g.force_sum_reduction_for_comms = 1.0, True
         try:
-            state = self.module._get_fsdp_state()
-            for s in state._state_ctx.all_states:
-                for group in s._fsdp_param_groups:
-                    group.post_backward()
-            state._root_post_backward_final_callback()
+            for group in self._groups:  # each group once (fsdp_states)
+                group.post_backward()
+            self.module._get_fsdp_state()._root_post_backward_final_callback()
         finally:
             for g, (factor, force_sum) in zip(self._groups, saved):
                 g.gradient_divide_factor, g.force_sum_reduction_for_comms = factor, force_sum
