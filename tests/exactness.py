@@ -62,9 +62,10 @@ def after_adamw(lr: float, steps: int, eps: float = 1e-8) -> float:
     lr * m / (sqrt(v) + eps) moves by at most lr / eps per unit of gradient difference. An entry whose
     gradient is zero in exact arithmetic meets that: attention's key bias, which the softmax cannot
     see, has rounding noise of about 1e-17 for a gradient, and AdamW turns it into steps of about
-    lr * 1e-9 that differ from one process's (4.0e-11 after 3 steps of lr 1e-2, measured). For the
-    weights themselves: what they compute next (losses, outputs, the next gradients) is compared
-    within FLOAT64_BOUND, since such an entry changes nothing that depends on it."""
+    lr * 1e-9 that differ from one process's (4.0e-11 after 3 steps of lr 1e-2, measured). What the
+    weights compute next (losses, outputs, the next gradients) moves with them: where such an entry
+    feeds later sums (a norm's bias, found by tests/config_space.py: 3.9e-12 after one step), the next
+    gradients are held to this bound too."""
     return FLOAT64_BOUND * (1 + steps * lr / eps)
 
 
