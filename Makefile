@@ -1,14 +1,19 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
-# Installed only when no torch is importable; an existing torch (CPU or CUDA build) is always kept,
-# and pip never resolves torch on its own here (--no-deps below).
+# Installed only when no torch is importable; an existing torch (CPU or CUDA build) is kept, and pip never
+# resolves torch on its own here (--no-deps below). Given on the command line (make test
+# TORCH_SPEC=torch==2.15.0), it is what the environment gets: pip installs it unless the torch there
+# satisfies it (a virtual environment's own, over one it sees in the system's packages).
 TORCH_SPEC ?= torch==2.13.0
+TORCH_ASKED := $(if $(filter command line,$(origin TORCH_SPEC)),$(TORCH_SPEC))
 # more pip arguments for that install, e.g. TORCH_PIP_ARGS="--index-url <a PyTorch wheel index>"
 TORCH_PIP_ARGS ?=
 # steps of `make demo` (CI runs a short one: make demo STEPS=20)
 STEPS ?= 200
 # more pytest arguments for `make test`, e.g. TEST_ARGS="-m exactness" (what .ci/run runs a second time)
 TEST_ARGS ?=
+# what `make test` runs: the whole suite, or e.g. TESTS="tests/test_compat.py tests/test_torchtitan.py"
+TESTS ?= tests
 DEMO_DIR ?= build/demo
 
 # What each target needs beyond torch. setuptools>=70.1 and wheel: a fresh venv's setuptools 65
@@ -38,8 +43,8 @@ all: install
 ENV_KEY_CMD = $(PYTHON) -c "import sys, os, hashlib, importlib.metadata as m; \
 	found = [next(iter(m.distributions(name=n)), None) for n in ('torch', 'pipecore')]; \
 	dists = [(d.version, d.read_text('direct_url.json')) if d else None for d in found]; \
-	env = [os.environ.get(v) for v in ('PIPECORE_NO_CUDA', 'PIPECORE_DEBUG_INFO', 'PIPECORE_TESTING', 'PIPECORE_COVERAGE', 'CC', 'CXX')]; \
-	print(hashlib.sha1(repr((sys.prefix, dists, env)).encode()).hexdigest()[:12])"
+	env = [os.environ.get(v) for v in ('PIPECORE_NO_CUDA', 'PIPECORE_DEBUG_INFO', 'PIPECORE_TESTING', 'PIPECORE_COVERAGE', 'CC', 'CXX', 'TORCH_CUDA_ARCH_LIST')]; \
+	print(hashlib.sha1(repr((sys.prefix, dists, env, '$(TORCH_ASKED)')).encode()).hexdigest()[:12])"
 ENV_KEY := $(shell $(ENV_KEY_CMD))
 INSTALLED := build/installed-$(or $(ENV_KEY),unknown)
 BUILD_INPUTS := Makefile setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/* csrc/testing/* pipecore/_C*.so)
@@ -59,7 +64,11 @@ $(INSTALLED): $(BUILD_INPUTS)
 		"python3-pip python3-venv) or use a virtual environment: python3 -m venv .venv && make $(MAKECMDGOALS)" \
 		"PYTHON=.venv/bin/python"; exit 1; }
 	$(PIP) install -q $(BUILD_DEPS) $(DEMO_DEPS)
-	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then :; else \
+	@if [ -n "$(TORCH_ASKED)" ]; then \
+		echo "installing $(TORCH_ASKED) $(TORCH_PIP_ARGS) (pip keeps a torch that satisfies it)"; \
+		$(PIP) install -q "$(TORCH_ASKED)" $(TORCH_PIP_ARGS); \
+		$(PYTHON) -c "import torch; print('torch', torch.__version__)"; \
+	elif $(PYTHON) -c "import torch" >/dev/null 2>&1; then :; else \
 		echo "torch not importable; installing $(TORCH_SPEC) $(TORCH_PIP_ARGS)"; \
 		$(PIP) install -q "$(TORCH_SPEC)" $(TORCH_PIP_ARGS); \
 		$(PYTHON) -c "import torch"; \
@@ -72,6 +81,9 @@ $(INSTALLED): $(BUILD_INPUTS)
 		-e 's|^ *ninja: no work to do.*|  nothing to compile: every object is up to date|p' \
 		-e 's|^ *\(.*-shared .* -o [^ ]*\(_C[^ /]*\.so\)\).*|  linked \2|p' \
 		-e '/error:/p' \
+		-e 's|^ *\(pipecore setup.py: no GPU is visible.*\)|  \1|p' \
+		-e 's|^ *\(pipecore setup.py: the CUDA toolkit at.*\)|  \1|p' \
+	| awk '!seen[$$0]++ { print; fflush() }' \
 	|| { echo "pipecore: the build failed; the end of build/install.log:"; tail -n 40 build/install.log; exit 1; }; \
 	echo "  done in $$(( $$(date +%s) - start )) s"
 	$(PYTHON) -m pipecore.tools.build_check
@@ -95,7 +107,7 @@ demo: install
 		--timeline $(DEMO_DIR)/gpt_timeline.png
 
 test: install-test
-	$(PYTHON) -m pytest -q tests $(TEST_ARGS)
+	$(PYTHON) -m pytest -q $(TESTS) $(TEST_ARGS)
 
 # the generated configuration space at length (tests/config_space.py): SOAK_CONFIGS configurations drawn from a
 # seed other than the suite's, each compared with one process; a failure is shrunk to a one-line reproducer

@@ -15,6 +15,7 @@ new temporary folder each time); ccache is used where it is installed.
 
 import glob
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -23,8 +24,9 @@ import sysconfig
 
 from setuptools import find_packages, setup
 
-# the torch versions the extension is built and tested against (CPU 2.13, CUDA 13 with 2.11)
-TORCH_REQUIREMENT = "torch>=2.11,<2.14"
+# the torch versions the extension is built and tested against: 2.13, 2.14 and 2.15 (CPU and CUDA wheels),
+# and 2.11 with CUDA 13 as a build target (docs/install.md)
+TORCH_REQUIREMENT = "torch>=2.11,<2.16"
 
 try:
     import torch
@@ -52,14 +54,18 @@ def _rel_sorted(pattern):
 
 
 def _cuda_home():
-    # Explicit environment first; torch's own detection (nvcc on PATH,
-    # /usr/local/cuda) is only populated for CUDA builds of torch. A CPU build still
-    # uses the toolkit's header-only NVTX when a toolkit is installed.
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), cpp_extension.CUDA_HOME,
-                 "/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True)):
-        if home and os.path.isdir(home):
+    """The CUDA toolkit to build with: the first of $CUDA_HOME, $CUDA_PATH, torch's guess, /usr/local/cuda
+    and /usr/local/cuda-* that holds both nvcc and the runtime's headers. torch guesses from the nvcc on
+    PATH (its folder's parent), which is wrong for a wrapper script such as /usr/local/bin/nvcc: the
+    headers would not be found. A CPU build still uses the toolkit's header-only NVTX when one is there."""
+    candidates = (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), cpp_extension.CUDA_HOME,
+                  "/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True))
+    homes = [h for h in candidates if h and os.path.isdir(h)]
+    for home in homes:
+        if os.path.isfile(os.path.join(home, "bin", "nvcc")) and \
+                os.path.isfile(os.path.join(home, "include", "cuda_runtime.h")):
             return home
-    return None
+    return homes[0] if homes else None
 
 
 def _use_cuda(cuda_home):
@@ -69,6 +75,52 @@ def _use_cuda(cuda_home):
         return False
     nvcc = os.path.join(cuda_home, "bin", "nvcc")
     return os.path.isfile(nvcc) and os.access(nvcc, os.X_OK)
+
+
+def _nvcc_arches(cuda_home):
+    """The compute capabilities this nvcc compiles for ("7.5", "12.0", ...), or [] if it cannot say."""
+    try:
+        out = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--list-gpu-arch"], capture_output=True,
+                             text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [f"{int(n) // 10}.{int(n) % 10}" for n in re.findall(r"compute_(\d+)\b", out)]
+
+
+def _default_cuda_arches(cuda_home):
+    """TORCH_CUDA_ARCH_LIST for a CUDA build that sees no GPU (a build or CI machine): torch would pick the
+    visible GPUs' architectures, and with none it fails inside cpp_extension (torch 2.15: an IndexError).
+    The extension runs wherever the torch it links runs, so it is built for the architectures that torch
+    was built for (torch._C._cuda_getArchFlags(): sm_75 to sm_120 for the 2.15 wheel), those this nvcc
+    can compile, with PTX of the newest for later GPUs. None: none of them (the CPU variant is built)."""
+    built_for = [f"{int(n) // 10}.{int(n) % 10}" for n in re.findall(r"sm_(\d+)\b", torch._C._cuda_getArchFlags())]
+    usable = [a for a in built_for if a in set(_nvcc_arches(cuda_home))]
+    usable = sorted(set(usable), key=lambda a: tuple(map(int, a.split("."))))
+    return ";".join(usable[:-1] + [usable[-1] + "+PTX"]) if usable else None
+
+
+def _choose_cuda(cuda_home):
+    """Whether to build the CUDA variant, setting TORCH_CUDA_ARCH_LIST where no GPU is visible and the
+    user set none; a line says what was chosen when it is not the obvious."""
+    if not _use_cuda(cuda_home):
+        return False
+    if not os.path.isfile(os.path.join(cuda_home, "include", "cuda_runtime.h")):
+        print(f"pipecore setup.py: the CUDA toolkit at {cuda_home} has no include/cuda_runtime.h: building the CPU "
+              "variant. For the CUDA one, set CUDA_HOME to a complete toolkit.")
+        return False
+    cpp_extension.CUDA_HOME = cuda_home  # torch's include and library paths follow it
+    if os.environ.get("TORCH_CUDA_ARCH_LIST") or torch.cuda.device_count() > 0:
+        return True  # the user's list, or the visible GPUs' (torch's own rule)
+    arches = _default_cuda_arches(cuda_home)
+    if arches is None:
+        print(f"pipecore setup.py: no GPU is visible and nvcc ({cuda_home}) compiles none of the architectures "
+              f"torch {torch.__version__} was built for ({torch._C._cuda_getArchFlags()}): building the CPU "
+              "variant. For the CUDA one, set TORCH_CUDA_ARCH_LIST (e.g. 9.0) or use a matching CUDA toolkit.")
+        return False
+    os.environ["TORCH_CUDA_ARCH_LIST"] = arches
+    print(f"pipecore setup.py: no GPU is visible: building the CUDA variant for torch's architectures "
+          f"TORCH_CUDA_ARCH_LIST={arches} (set TORCH_CUDA_ARCH_LIST to choose others)")
+    return True
 
 
 def _libstdcxx_link_args(cxx=None):
@@ -195,7 +247,7 @@ def _version():
 
 
 CUDA_HOME = _cuda_home()
-USE_CUDA = _use_cuda(CUDA_HOME)
+USE_CUDA = _choose_cuda(CUDA_HOME)
 
 # ninja installed into a virtual environment that is not activated (make ... PYTHON=venv/bin/python) is
 # not on PATH, and torch looks for it there: without it the build is serial and never incremental
