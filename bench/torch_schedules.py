@@ -62,8 +62,12 @@ def torch_order(name: str, num_ranks: int, num_microbatches: int, stages_per_ran
         # display); its runtime runs min(m, R - r) forwards, then one backward, one forward, ...
         return [_torch_1f1b_runtime(r, num_ranks, num_microbatches) for r in range(num_ranks)]
     order = torch_build(name, num_ranks, num_microbatches, stages_per_rank)
-    return [[str(a) for a in order[r] if a is not None and a.computation_type.value != "REDUCE_GRAD"]
+    # torch's orders hold each stage's REDUCE_GRAD, and since 2.15 its WAIT_REDUCE_GRAD
+    return [[str(a) for a in order[r] if a is not None and a.computation_type.value not in _REDUCTIONS]
             for r in range(num_ranks)]
+
+
+_REDUCTIONS = ("REDUCE_GRAD", "WAIT_REDUCE_GRAD")
 
 
 def _torch_1f1b_runtime(rank: int, num_ranks: int, m: int) -> list[str]:

@@ -34,7 +34,8 @@ def test_public_contract_example():
     assert str(a) == "1F0"
 
 
-@pytest.mark.parametrize("bad", ["", "F0", "1X0", "1F", "1FF0", "-1F0", "0REDUCE_GRAD3", "(0F1)OVERLAP_F_B",
+@pytest.mark.parametrize("bad", ["", "F0", "1X0", "1F", "1FF0", "-1F0", "0REDUCE_GRAD3", "0WAIT_REDUCE_GRAD3",
+                                 "1WAIT_SEND_F", "(0F1)OVERLAP_F_B", "(0F1;1WAIT_SEND_F1)OVERLAP_F_B",
                                  "(0F1;1SEND_F1)OVERLAP_F_B", "1F0 junk", "(0F1;1B0)"])
 def test_bad_strings_raise_schedule_error(bad):
     with pytest.raises(pc.ScheduleError, match="cannot parse action"):
@@ -44,12 +45,20 @@ def test_bad_strings_raise_schedule_error(bad):
 def test_string_form_matches_torch():
     from torch.distributed.pipelining.schedules import _Action
 
-    for text in ["1F0", "0I3", "2W1", "1SEND_F0", "2RECV_B3", "0UNSHARD", "0REDUCE_GRAD", "(0F3;1B1)OVERLAP_F_B"]:
+    from pipecore.compat.schedules import torch_has_waits
+
+    texts = ["1F0", "0I3", "2W1", "1SEND_F0", "2RECV_B3", "0UNSHARD", "0REDUCE_GRAD", "(0F3;1B1)OVERLAP_F_B"]
+    if torch_has_waits():  # torch 2.15's
+        texts += ["1WAIT_SEND_F0", "2WAIT_SEND_B3", "0WAIT_REDUCE_GRAD"]
+    for text in texts:
         assert str(_Action.from_str(text)) == str(Action.parse(text))
+        torchs = _Action.from_str(text)
+        if torchs.sub_actions is None:
+            assert torchs.computation_type.value == Action.parse(text).kind.name
 
 
 _single = st.builds(
-    lambda s, k, m: Action(s, k, None if k in (Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD) else m),
+    lambda s, k, m: Action(s, k, m if k.has_microbatch else None),
     st.integers(0, 65535), st.sampled_from([k for k in Kind if k is not Kind.OVERLAP_F_B]),
     st.integers(0, 2**31))
 

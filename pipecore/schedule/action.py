@@ -34,6 +34,12 @@ class Kind(IntEnum):
     RESHARD = 9
     REDUCE_GRAD = 10
     OVERLAP_F_B = 11
+    # torch 2.15's explicit waits (a lowered schedule's): for the send of (stage, microbatch), and for
+    # a stage's gradient reduction. pipecore's executor retires sends and reductions itself
+    # (docs/schedules.md, "Waits"); its own programs hold none.
+    WAIT_SEND_F = 12
+    WAIT_SEND_B = 13
+    WAIT_REDUCE_GRAD = 14
 
     def __str__(self) -> str:  # "F", "SEND_F", ... as in torch's strings
         return self.name
@@ -46,10 +52,23 @@ class Kind(IntEnum):
     def is_comm(self) -> bool:
         return Kind.SEND_F <= self <= Kind.RECV_B
 
+    @property
+    def is_wait(self) -> bool:
+        return self in _WAITS
 
+    @property
+    def has_microbatch(self) -> bool:
+        """Does an action of this kind name a microbatch ("1F0"), or only a stage ("0REDUCE_GRAD")?"""
+        return self not in _NO_MICROBATCH and self is not Kind.OVERLAP_F_B
+
+
+_WAITS = frozenset({Kind.WAIT_SEND_F, Kind.WAIT_SEND_B, Kind.WAIT_REDUCE_GRAD})
+# the kind bits are full: 0-14 are kinds, 15 is readiness.GRAD_DONE (a marker no action has); one more
+# kind needs a wider KIND_BITS
+assert max(Kind) < 15
 _COMPUTE = frozenset({Kind.F, Kind.I, Kind.W, Kind.B, Kind.OVERLAP_F_B})
 _KINDS = tuple(Kind)
-_NO_MICROBATCH = frozenset({Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD})
+_NO_MICROBATCH = frozenset({Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD, Kind.WAIT_REDUCE_GRAD})
 
 KIND_BITS = 4
 KIND_MASK = (1 << KIND_BITS) - 1  # a code's kind: code & KIND_MASK
@@ -145,7 +164,8 @@ class Action(NamedTuple):
         return decode(code)
 
 
-_SINGLE_RE = re.compile(r"(\d+)(F|I|W|B|SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)(\d*)")
+_SINGLE_RE = re.compile(
+    r"(\d+)(F|I|W|B|SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD|WAIT_SEND_F|WAIT_SEND_B|WAIT_REDUCE_GRAD)(\d*)")
 _CONTAINER_RE = re.compile(r"\((.*)\)(OVERLAP_F_B)")
 _parse_memo: dict[str, Action | None] = {}
 
@@ -191,7 +211,7 @@ def _parse_cached(text: str) -> Action | None:
 def _bad_action_message(text: object) -> str:
     return (
         f"cannot parse action {text!r}: expected [stage][kind][microbatch] such as '1F0', '0B3', "
-        "'2SEND_F1', '0UNSHARD', '0REDUCE_GRAD', or '(0F3;1B1)OVERLAP_F_B'; kinds: "
+        "'2SEND_F1', '0UNSHARD', '0REDUCE_GRAD', '1WAIT_SEND_F0', or '(0F3;1B1)OVERLAP_F_B'; kinds: "
         + " ".join(k.name for k in Kind)
     )
 

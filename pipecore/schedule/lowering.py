@@ -18,12 +18,18 @@ from pipecore.schedule.readiness import GRAD_DONE, Links
 F, I, W, B = int(Kind.F), int(Kind.I), int(Kind.W), int(Kind.B)
 SEND_F, RECV_F, SEND_B, RECV_B = int(Kind.SEND_F), int(Kind.RECV_F), int(Kind.SEND_B), int(Kind.RECV_B)
 UNSHARD, RESHARD, REDUCE_GRAD, OVERLAP = int(Kind.UNSHARD), int(Kind.RESHARD), int(Kind.REDUCE_GRAD), int(Kind.OVERLAP_F_B)
+WAIT_SEND_F, WAIT_SEND_B, WAIT_REDUCE_GRAD = int(Kind.WAIT_SEND_F), int(Kind.WAIT_SEND_B), int(Kind.WAIT_REDUCE_GRAD)
 
 
 def lower(schedule, *, merge_iw: bool = True, reduce_grad: bool = True,
-          sharded: Iterable[int] | bool = (), max_active_stages: int = 3):
+          sharded: Iterable[int] | bool = (), max_active_stages: int = 3, unshard_lookahead: int | None = None,
+          waits: bool = False, defer_reduce_grad_wait: bool = False):
     with gc_paused():
-        return _lower(schedule, merge_iw, reduce_grad, sharded, max_active_stages)
+        lowered = _lower(schedule, merge_iw, reduce_grad, sharded, max_active_stages, unshard_lookahead)
+        if waits:
+            lowered = type(lowered).from_codes([add_waits(row, defer_reduce_grad_wait) for row in lowered.codes],
+                                               lowered.topology, lowered.name)
+        return lowered
 
 
 @contextmanager
@@ -39,7 +45,7 @@ def gc_paused():
             gc.enable()
 
 
-def _lower(schedule, merge_iw, reduce_grad, sharded, max_active_stages):
+def _lower(schedule, merge_iw, reduce_grad, sharded, max_active_stages, unshard_lookahead):
     topo = schedule.topology
     codes = schedule.compute_only().codes
     if merge_iw:
@@ -52,7 +58,7 @@ def _lower(schedule, merge_iw, reduce_grad, sharded, max_active_stages):
     if bad:
         raise ScheduleError(f"sharded stages {bad} do not exist: stages are 0..{topo.num_stages - 1}")
     if sharded:
-        codes = [add_unshard_reshard(row, sharded, max_active_stages) for row in codes]
+        codes = [add_unshard_reshard(row, sharded, max_active_stages, unshard_lookahead) for row in codes]
     if reduce_grad and any((c & KIND_MASK) in (I, W, B, OVERLAP) for row in codes for c in row):
         codes = [add_reduce_grad(row, len(topo.rank_stages(r))) for r, row in enumerate(codes)]
     codes = add_send_recv(codes, topo)
@@ -116,30 +122,104 @@ def add_reduce_grad(row: list[int], num_stages: int | None = None) -> list[int]:
     return out
 
 
-def add_unshard_reshard(row: list[int], sharded: frozenset[int], max_active: int) -> list[int]:
-    """Keep at most `max_active` sharded stages unsharded, prefetching the next ones a rank computes
-    (UNSHARD before first use, RESHARD when a stage is not among the next `max_active`)."""
-    stages_at = [[stage_of(leaf) for leaf in leaf_codes(c)] for c in row]
+def check_residency(max_active: int, lookahead: int | None) -> int:
+    """The FSDP2 residency options checked (ScheduleError, a ValueError): at most `max_active` stages
+    unsharded, `lookahead` (default: all of them) fetched ahead; returns the lookahead."""
+    if isinstance(max_active, bool) or not isinstance(max_active, int) or max_active < 1:
+        raise ScheduleError(f"max_active_stages must be a positive integer (FSDP2 stages unsharded at once), got "
+                            f"{max_active!r}")
+    lookahead = max_active if lookahead is None else lookahead
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or not 1 <= lookahead <= max_active:
+        raise ScheduleError(f"unshard_lookahead must be an integer within [1, max_active_stages={max_active}] "
+                            f"(FSDP2 stages all-gathered ahead), got {lookahead!r}")
+    return lookahead
+
+
+def add_unshard_reshard(row: list[int], sharded: frozenset[int], max_active: int,
+                        lookahead: int | None = None) -> list[int]:
+    """Keep at most `max_active` sharded stages unsharded (RESHARD when a stage is not among the next
+    `max_active` the rank computes), and UNSHARD the next `lookahead` of them ahead of use (default:
+    `max_active`; torch 2.15's unshard_lookahead: fewer all-gathers in flight, each issued later).
+    Every stage is unsharded before it computes: the stage computing now is always the next one.
+    Only compute actions count and move the window: a lowered row's sends, receives and REDUCE_GRADs
+    are kept where they are, so a lowered row gets the UNSHARDs and RESHARDs its compute-only row gets
+    (torch's _add_unshard_reshard, which sees compute actions only)."""
+    lookahead = check_residency(max_active, lookahead)
+    stages_at = [[stage_of(leaf) for leaf in leaf_codes(c)] if c & KIND_MASK in _COMPUTE else None for c in row]
+
+    def upcoming(k: int, count: int) -> list[int]:
+        """The next `count` sharded stages the row computes from step k (whole steps: an OVERLAP_F_B
+        pair's stages all count, even past `count`)."""
+        found: list[int] = []
+        for stages in stages_at[k:]:
+            if stages is None:
+                continue
+            for s in stages:
+                if s in sharded and s not in found:
+                    found.append(s)
+            if len(found) >= count:
+                break
+        return found
+
     out: list[int] = []
     active: list[int] = []
     for k, c in enumerate(row):
-        upcoming: list[int] = []
-        for stages in stages_at[k:]:
-            for s in stages:
-                if s in sharded and s not in upcoming:
-                    upcoming.append(s)
-            if len(upcoming) >= max_active:
-                break
-        for s in [s for s in active if s not in upcoming]:
+        if stages_at[k] is None:
+            out.append(c)
+            continue
+        now = {s for s in stages_at[k] if s in sharded}
+        if len(now) > max_active:
+            raise ScheduleError(f"{decode(c)} computes {len(now)} sharded stages at once, more than "
+                                f"max_active_stages={max_active}: allow at least that many")
+        resident = upcoming(k, max_active)
+        for s in [s for s in active if s not in resident]:
             active.remove(s)
             out.append(RESHARD | (s << STAGE_SHIFT))
-        for s in upcoming:
+        for s in resident if lookahead == max_active else upcoming(k, lookahead):
             if s not in active:
                 active.append(s)
                 out.append(UNSHARD | (s << STAGE_SHIFT))
         out.append(c)
     for s in active:
         out.append(RESHARD | (s << STAGE_SHIFT))
+    return out
+
+
+_COMPUTE = frozenset({F, I, W, B, OVERLAP})
+
+
+def add_waits(row: list[int], defer_reduce_grad_wait: bool = False) -> list[int]:
+    """torch 2.15's explicit waits in a lowered row (its `_add_wait_send` and `_add_reduce_grad`
+    rules), for schedules handed to torch or written for it: WAIT_SEND_F of (stage, microbatch)
+    right after that stage's backward of the microbatch (the peer has consumed the activation by
+    then), every other send's wait at the row's end, in sending order; WAIT_REDUCE_GRAD right after
+    its REDUCE_GRAD, or, deferred, before the next REDUCE_GRAD and at the end (one reduction
+    pending at a time). pipecore's executor needs none of them (docs/schedules.md, "Waits")."""
+    out: list[int] = []
+    pending: dict[int, None] = {}  # the sends not waited for, as their wait's code, in sending order
+    deferred = -1
+    for c in row:
+        kind = c & KIND_MASK
+        if kind == REDUCE_GRAD and defer_reduce_grad_wait and deferred >= 0:
+            out.append(deferred)
+        out.append(c)
+        if kind == SEND_F or kind == SEND_B:
+            pending[(c & ~KIND_MASK) | (WAIT_SEND_F if kind == SEND_F else WAIT_SEND_B)] = None
+        elif kind == REDUCE_GRAD:
+            wait = (c & ~KIND_MASK) | WAIT_REDUCE_GRAD
+            if defer_reduce_grad_wait:
+                deferred = wait
+            else:
+                out.append(wait)
+        for leaf in leaf_codes(c):
+            if leaf & KIND_MASK in (B, I):
+                wait = (leaf & ~KIND_MASK) | WAIT_SEND_F
+                if wait in pending:
+                    del pending[wait]
+                    out.append(wait)
+    if deferred >= 0:  # (before the sends' waits, as torch: its reductions are placed before its sends)
+        out.append(deferred)
+    out.extend(pending)
     return out
 
 
@@ -292,4 +372,4 @@ def _describe_key(key: int) -> str:
 
 
 __all__ = ["lower", "merge_adjacent_iw", "input_grad_awaited", "add_reduce_grad", "add_unshard_reshard",
-           "add_send_recv", "leaf_codes", "encode"]
+           "add_waits", "check_residency", "add_send_recv", "leaf_codes", "encode"]

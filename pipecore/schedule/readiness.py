@@ -25,6 +25,7 @@ from pipecore.schedule.action import KIND_MASK, STAGE_MASK, STAGE_SHIFT, Kind, l
 F, I, W, B = int(Kind.F), int(Kind.I), int(Kind.W), int(Kind.B)
 SEND_F, RECV_F, SEND_B, RECV_B = int(Kind.SEND_F), int(Kind.RECV_F), int(Kind.SEND_B), int(Kind.RECV_B)
 OVERLAP = int(Kind.OVERLAP_F_B)
+WAIT_SEND_F, WAIT_SEND_B = int(Kind.WAIT_SEND_F), int(Kind.WAIT_SEND_B)
 GRAD_DONE = KIND_MASK  # the kind bits of "the input gradient of (stage, microbatch) is done": no Kind has them
 
 
@@ -100,6 +101,10 @@ def _dependencies(topo, lowered: bool, local: bool) -> dict[int, list[tuple]]:
                 offset = (d & ~KIND_MASK) - (c & ~KIND_MASK)
                 row.append((offset, sent[awaited] if cross and lowered else awaited, cross))
             table.append(tuple(row))
+    if lowered:  # torch 2.15's send waits: until the peer has posted the matching receive
+        for wait, send, recv in ((WAIT_SEND_F, SEND_F, RECV_F), (WAIT_SEND_B, SEND_B, RECV_B)):
+            deps[wait] = [(((topo.peer_stage(s, send) - s) << STAGE_SHIFT, recv, True),)
+                          if topo.crosses_ranks(s, send) else () for s in range(len(rank))]
     return deps
 
 

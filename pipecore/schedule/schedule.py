@@ -121,17 +121,22 @@ class Schedule:
 
     # -- passes ---------------------------------------------------------------------------
     def lower(self, *, merge_iw: bool = True, reduce_grad: bool = True,
-              sharded: Iterable[int] | bool = (), max_active_stages: int = 3) -> "Schedule":
+              sharded: Iterable[int] | bool = (), max_active_stages: int = 3, unshard_lookahead: int | None = None,
+              waits: bool = False, defer_reduce_grad_wait: bool = False) -> "Schedule":
         """The runnable form (what a Pipeline runs): comm actions inserted (never deadlocks),
         adjacent I+W merged into B where no other rank waits for that input gradient (elsewhere
         I, SEND_B, W: the gradient leaves before the weight gradients are computed, so the lowered
         program simulates to the schedule's makespan), REDUCE_GRAD after each stage's last
-        backward, UNSHARD/RESHARD around sharded stages."""
+        backward, UNSHARD/RESHARD around sharded stages (at most `max_active_stages` unsharded, the
+        next `unshard_lookahead` fetched ahead). `waits`: torch 2.15's WAIT_SEND_F/WAIT_SEND_B and
+        WAIT_REDUCE_GRAD placed as torch places them (lowering.add_waits), for a schedule handed to
+        torch; pipecore's executor retires sends and reductions itself and runs programs without."""
         return lower(self, merge_iw=merge_iw, reduce_grad=reduce_grad, sharded=sharded,
-                     max_active_stages=max_active_stages)
+                     max_active_stages=max_active_stages, unshard_lookahead=unshard_lookahead, waits=waits,
+                     defer_reduce_grad_wait=defer_reduce_grad_wait)
 
     def compute_only(self) -> "Schedule":
-        """This schedule without communication, REDUCE_GRAD and UNSHARD/RESHARD actions."""
+        """This schedule without communication, REDUCE_GRAD, UNSHARD/RESHARD and WAIT_* actions."""
         codes = [[c for c in row if (c & KIND_MASK) in _COMPUTE_KINDS] for row in self.codes]
         return Schedule.from_codes(codes, self.topology, self.name)
 

@@ -15,6 +15,9 @@ from pipecore.schedule.timeline import format_table
 F, I, W, B = int(Kind.F), int(Kind.I), int(Kind.W), int(Kind.B)
 SEND_F, RECV_F, SEND_B, RECV_B = int(Kind.SEND_F), int(Kind.RECV_F), int(Kind.SEND_B), int(Kind.RECV_B)
 UNSHARD, RESHARD, REDUCE_GRAD, OVERLAP = int(Kind.UNSHARD), int(Kind.RESHARD), int(Kind.REDUCE_GRAD), int(Kind.OVERLAP_F_B)
+WAIT_SEND_F, WAIT_SEND_B, WAIT_REDUCE_GRAD = int(Kind.WAIT_SEND_F), int(Kind.WAIT_SEND_B), int(Kind.WAIT_REDUCE_GRAD)
+# what each wait waits for: the same stage's (and microbatch's) action of this kind, earlier in the rank's list
+_WAITED = {WAIT_SEND_F: SEND_F, WAIT_SEND_B: SEND_B, WAIT_REDUCE_GRAD: REDUCE_GRAD}
 _COMPUTE = (F, I, W, B)
 _NO_PEER = {SEND_F: "sends no activations to another rank", RECV_F: "receives no activations from another rank",
             SEND_B: "sends no gradients to another rank", RECV_B: "receives no gradients from another rank"}
@@ -73,20 +76,21 @@ def validate(schedule) -> None:
                     rep.fail(r, k, f"stage {s} does not exist (stages 0..{num_stages - 1})")
                 if stage_rank[s] != r:
                     rep.fail(r, k, f"stage {s} is placed on rank {stage_rank[s]} ({topo.style} placement), not rank {r}")
-                if lk in (UNSHARD, RESHARD, REDUCE_GRAD):
+                if lk in (UNSHARD, RESHARD, REDUCE_GRAD, WAIT_REDUCE_GRAD):
                     lowered = True
-                    if lk == REDUCE_GRAD:
+                    if lk == REDUCE_GRAD or lk == WAIT_REDUCE_GRAD:
                         if lc in where:
-                            rep.fail(r, k, f"stage {s} reduces its gradients twice (first at step {where[lc][1]})")
+                            twice = "reduces its gradients" if lk == REDUCE_GRAD else "waits for its reduction"
+                            rep.fail(r, k, f"stage {s} {twice} twice (first at step {where[lc][1]})")
                         where[lc] = (r, k)
                     continue
                 mb = microbatch_of(lc)
                 if mb not in topo.microbatches[s]:
                     mbs = topo.microbatches[s]
                     rep.fail(r, k, f"microbatch {mb} is not one of stage {s}'s ({mbs.start}..{mbs.stop - 1})")
-                if lk in _NO_PEER:
-                    if not topo.crosses_ranks(s, lk):
-                        rep.fail(r, k, f"stage {s} {_NO_PEER[lk]}")
+                if lk in _NO_PEER or lk in (WAIT_SEND_F, WAIT_SEND_B):
+                    if not topo.crosses_ranks(s, _WAITED.get(lk, lk)):
+                        rep.fail(r, k, f"stage {s} {_NO_PEER[_WAITED.get(lk, lk)]}")
                     lowered = True
                 if lk in (I, W, B):
                     training = True
@@ -128,10 +132,44 @@ def validate(schedule) -> None:
                            for mb in topo.microbatches[s] for kind in (B, W))
                 if rg[1] < last:
                     rep.fail(r, rg[1], f"REDUCE_GRAD of stage {s} comes before its last backward (step {last})")
+    for lc, (r, k) in where.items():  # each wait after what it waits for, on the same rank (once: above)
+        waited = _WAITED.get(lc & KIND_MASK)
+        if waited is not None:
+            at = where.get(_with_kind(lc, waited))
+            if at is None or at[1] > k:
+                rep.fail(r, k, f"{decode(lc)} waits for {decode(_with_kind(lc, waited))}, which this rank has not "
+                               "run before it")
+    _check_waits(codes, where, rep)
     if lowered:
         _check_sharding(codes, rep)
         _check_comms(schedule, where, training, rep)
     _check_progress(schedule, lowered, rep)
+
+
+def _check_waits(codes, where, rep) -> None:
+    """torch 2.15's rules for a schedule that holds waits (what it loads): every send has its wait
+    once the schedule waits for sends, every REDUCE_GRAD its WAIT_REDUCE_GRAD once it waits for
+    reductions, and at most one reduction is pending on a rank at a time."""
+    kinds = {lc & KIND_MASK for lc in where}
+    waits_for_sends = bool(kinds & {WAIT_SEND_F, WAIT_SEND_B})
+    for wait in (WAIT_SEND_F, WAIT_SEND_B, WAIT_REDUCE_GRAD):
+        if not (wait in kinds if wait == WAIT_REDUCE_GRAD else waits_for_sends):
+            continue
+        for lc, (r, k) in where.items():
+            if lc & KIND_MASK == _WAITED[wait] and _with_kind(lc, wait) not in where:
+                rep.fail(r, k, f"{decode(lc)} has no {decode(_with_kind(lc, wait))}: a schedule that waits for its "
+                               f"{'reductions' if wait == WAIT_REDUCE_GRAD else 'sends'} waits for each")
+    if WAIT_REDUCE_GRAD in kinds:
+        for r, row in enumerate(codes):
+            pending = -1
+            for k, c in enumerate(row):
+                if c & KIND_MASK == REDUCE_GRAD:
+                    if pending >= 0:
+                        rep.fail(r, k, f"a second reduction starts while stage {pending}'s is pending (wait for it "
+                                       "first: one reduction pending at a time)")
+                    pending = stage_of(c)
+                elif c & KIND_MASK == WAIT_REDUCE_GRAD and stage_of(c) == pending:
+                    pending = -1
 
 
 def _check_sharding(codes, rep) -> None:
