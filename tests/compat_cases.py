@@ -89,6 +89,132 @@ def torch_and_pipecore(rank, world, schedule_name, n_microbatches, steps=3, rows
     return results
 
 
+def torch_215_loop(rank, world, schedule_name, n_microbatches, options, step_options, csv):
+    """torch 2.15's arguments in the loop: torch's run (which writes its compute_comms CSV, waits
+    included, to `csv`), pipecore's with the same arguments, and pipecore's _PipelineScheduleRuntime
+    running torch's CSV. Each: losses, gradients, parameters, and pipeline_order_with_comms."""
+    results = {}
+    for api, kwargs in (("torch", dict(dump_csv=csv)), ("pipecore", {}),
+                        ("pipecore_csv", dict(csv=csv, csv_format="compute_comms"))):
+        loop = load_loop("torch" if api == "torch" else "pipecore")
+        results[api] = loop.train(schedule_name, n_microbatches, 2, 16, 0, True, evaluate=False, options=options,
+                                  step_options=step_options, **kwargs)
+        dist.barrier()
+    return results
+
+
+def refused_215_option(rank, world, schedule_name, options):
+    """What the loop's schedule class says to `options` on pipecore (the error's type and text)."""
+    loop = load_loop("pipecore")
+    try:
+        loop.Run(schedule_name, 4, options=options)
+    except Exception as exc:  # noqa: BLE001 (the test checks what it is)
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def finalize_gradients_on_fsdp2(rank, world, wrapped_ranks):
+    """step(finalize_gradients=False) with FSDP2 stage modules on `wrapped_ranks` (dp=1), through
+    pipecore.compat: what each rank's step raises, then whether a plain step() works after it."""
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard
+
+    from pipecore.compat import PipelineStage
+    from pipecore.compat.schedules import Schedule1F1B
+    from wrapped_stage_cases import WIDTH as W, _mesh, stage_modules
+
+    mesh = _mesh(1, world)
+    module = stage_modules(world)[rank]
+    if rank in wrapped_ranks:
+        module = fully_shard(module, mesh=mesh["dp"])
+    schedule = Schedule1F1B(PipelineStage(module, rank, world, torch.device("cpu"), group=mesh.get_group("pp")),
+                            n_microbatches=2, loss_fn=F.mse_loss)
+    x, y = torch.randn(4, W), torch.randn(4, W)
+    args = (x,) if rank == 0 else ()
+    target = y if rank == world - 1 else None
+    try:
+        schedule.step(*args, target=target, finalize_gradients=False)
+        raised = None
+    except Exception as exc:  # noqa: BLE001 (the test checks what it is)
+        raised = (type(exc).__name__, str(exc))
+    schedule.step(*args, target=target)
+    return raised, all(p.grad is not None for p in module.parameters())
+
+
+def forward_contexts(rank, world, checkpointing=False):
+    """torch 2.15's register_forward_context on pipecore.compat's stages: what each factory saw, whether
+    the stage's module ran inside the context, after step(), eval() and after the handle's removal."""
+    import contextlib
+
+    from pipecore.compat import PipelineStage, PipelineStageInfo
+    from pipecore.compat.schedules import ScheduleInterleaved1F1B
+
+    inside = []
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(WIDTH, WIDTH)
+
+        def forward(self, x):
+            inside.append(bool(active))
+            return torch.tanh(self.lin(x))
+
+    active: list = []
+    seen: list = []
+
+    @contextlib.contextmanager
+    def context(info):
+        assert isinstance(info, PipelineStageInfo)
+        seen.append((info.stage_index, info.microbatch_index, info.is_metadata_inference))
+        active.append(info)
+        try:
+            yield
+        finally:
+            active.pop()
+
+    torch.manual_seed(0)
+    ids = [rank, rank + world]
+    stages = [PipelineStage(Probe(), s, 2 * world, torch.device("cpu"), activation_checkpointing=checkpointing)
+              for s in ids]
+    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=4, loss_fn=nn.functional.mse_loss)
+    handles = [s.register_forward_context(context) for s in stages]
+    try:
+        stages[0].register_forward_context(context)
+        second = None
+    except RuntimeError as exc:
+        second = str(exc)
+    x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+    run = dict(target=y if rank == world - 1 else None)
+    schedule.step(*((x,) if rank == 0 else ()), **run)
+    after_step = sorted(seen)
+    seen.clear()
+    schedule.eval(*((x,) if rank == 0 else ()), **run)
+    after_eval = sorted(seen)
+    seen.clear()
+    for h in handles:
+        h.remove()
+    schedule.step(*((x,) if rank == 0 else ()), **run)
+    return {"step": after_step, "eval": after_eval, "removed": list(seen), "inside": inside, "second": second}
+
+
+def activation_liveness(rank, world, schedule_name):
+    """torch 2.15's analyze_pipeline_activation_liveness (served by pipecore.compat) over a pipecore.compat
+    schedule, for each rank's stages: {rank: (num_slots, {(stage, mb): (forward, release)})}."""
+    from pipecore.compat import analyze_pipeline_activation_liveness
+
+    loop = load_loop("pipecore")
+    run = loop.Run(schedule_name, 4)
+    topo = run.schedule.schedule.topology
+    out = {}
+    for r in range(world):
+        plan = analyze_pipeline_activation_liveness(run.schedule, pp_rank=r, stage_indices=topo.rank_stages(r),
+                                                    granularity="stage_microbatch")
+        lifetimes = {key: plan.get_activation_lifetime(*key) for key in plan.slot_by_stage_and_microbatch}
+        out[r] = (plan.num_slots, lifetimes)
+    return out
+
+
 # -- torch's own stage objects, dw_builder, chunk specs -------------------------------------------
 
 WIDTH = 8
@@ -503,7 +629,9 @@ def misuse(rank, world, case, tmp):
                     assert words in str(exc), exc
             stages = [PipelineStage(nn.Linear(WIDTH, WIDTH), s, 2 * world) for s in (rank, rank + world)]
             sched = ScheduleInterleaved1F1B(stages, 4, loss_fn=nn.MSELoss(), trace=True, defer_pp_recv=True)
-            assert sched._pipeline_options == {"trace": True, "recv_window": 0}, sched._pipeline_options
+            # (and torch 2.15's FSDP2 residency defaults: 3 stages unsharded, all fetched ahead)
+            assert sched._pipeline_options == {"trace": True, "recv_window": 0, "max_active_stages": 3,
+                                               "unshard_lookahead": 3}, sched._pipeline_options
             sched.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
             names = [e["name"] for e in sched.pipeline.trace()]
             assert f"PP:{rank}F0" in names, names
@@ -578,7 +706,7 @@ def dw_builder_data_parallel(rank, world):
     return worst
 
 
-def fsdp2_stages(rank, world, schedule_name, steps=2, m=4):
+def fsdp2_stages(rank, world, schedule_name, steps=2, m=4, options=None):
     """A TorchTitan-style loop with FSDP2 stage modules (dp=2 x pp=world/2), written against torch's
     names and run as it is and with the imports switched to pipecore.compat (no dp_group anywhere:
     the stages' FSDP2 mesh says it). Each side's full gradients per step, per stage."""
@@ -604,7 +732,7 @@ def fsdp2_stages(rank, world, schedule_name, steps=2, m=4):
         ids = [position + k * pp for k in range(per_rank)]
         modules = {s: fully_shard(copy.deepcopy(model[s]), mesh=mesh["dp"]) for s in ids}
         stages = [PipelineStage(modules[s], s, n, torch.device("cpu"), group=mesh.get_group("pp")) for s in ids]
-        schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=m, loss_fn=F.mse_loss)
+        schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=m, loss_fn=F.mse_loss, **(options or {}))
         opt = torch.optim.SGD([p for mod in modules.values() for p in mod.parameters()], lr=0.1)
         grads = []
         for step in range(steps):

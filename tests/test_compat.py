@@ -9,7 +9,7 @@ import torch
 
 import pipecore as pc
 from compat_cases import (chunk_specs, dw_builder_data_parallel, dw_builder_run, dw_reference, fsdp2_stages, misuse,
-                          torch_and_pipecore, torch_stage_objects, traced_pipeline)
+                          activation_liveness, finalize_gradients_on_fsdp2, forward_contexts, refused_215_option, torch_215_loop, torch_and_pipecore, torch_stage_objects, traced_pipeline)
 from dist_pool import pool
 from exactness import FLOAT64_BOUND, after_adamw, assert_matches
 
@@ -39,6 +39,108 @@ def _by_model_name(result: dict) -> dict:
     strip = lambda d: {k.split(".", 1)[1]: v for k, v in d.items()}  # noqa: E731
     return {"losses": result["losses"], "grads": [strip(g) for g in result["grads"]],
             "params": strip(result["params"])}
+
+
+def _needs_torch_215():
+    from pipecore.compat.schedules import torch_has_waits
+
+    if not torch_has_waits():
+        pytest.skip("torch 2.15's arguments and action kinds: this torch is older")
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("schedule,options", [
+    ("Interleaved1F1B", dict(max_active_stages=2, unshard_lookahead="auto", defer_reduce_grad_wait=True)),
+    ("ZBVZeroBubble", dict(max_active_stages=1, unshard_lookahead=(1, 1))),
+    ("DualPipeV", dict(defer_reduce_grad_wait=False, max_outstanding_sends=None)),
+    ("LoopedBFS", dict(max_active_stages=3, unshard_lookahead="full", defer_reduce_grad_wait=True)),
+])
+def test_a_torch_215_loop_with_its_new_arguments_and_waits_runs_on_pipecore(schedule, options, tmp_path):
+    """torch 2.15's schedule arguments, step(finalize_gradients=False) (no FSDP2 stage: nothing to
+    defer, in torch and here) and its compute_comms CSV with WAIT_SEND_F/WAIT_SEND_B/WAIT_REDUCE_GRAD:
+    torch's losses and gradients to the bit, from pipecore's own schedule and from torch's CSV."""
+    _needs_torch_215()
+    results = pool(2).run(torch_215_loop, schedule, 4, options, {"finalize_gradients": False},
+                          str(tmp_path / "torch.csv"), timeout=300)
+    text = (tmp_path / "torch.csv").read_text()
+    assert "WAIT_SEND_F" in text and "WAIT_REDUCE_GRAD" in text  # torch's CSV holds the new kinds
+    for rank, out in enumerate(results):
+        want = out["torch"]
+        for api in ("pipecore", "pipecore_csv"):
+            got = out[api]
+            _compare_runs(got, want, f"rank {rank}: {api} against torch")
+            assert got["losses"] == want["losses"]
+            assert all(torch.equal(g[n], w[n]) for g, w in zip(got["grads"], want["grads"]) for n in w)
+        # what pipecore shows of its schedule holds torch's waits, where torch's rules place them
+        shown = out["pipecore"]["order_with_comms"]
+        assert any("WAIT_SEND" in a for a in shown) and any("WAIT_REDUCE_GRAD" in a for a in shown)
+        pc.Schedule([shown if r == rank else [] for r in range(2)], num_stages=4, num_microbatches=4,
+                    placement="v" if schedule in ("ZBVZeroBubble", "DualPipeV") else "loop")
+
+
+@pytest.mark.parametrize("options,error,text", [
+    (dict(max_outstanding_sends=2), "InputError", "pipecore's executor frees each send as soon as it completes"),
+    (dict(max_outstanding_sends=-1), "ValueError", "max_outstanding_sends must be a non-negative integer"),
+    (dict(unshard_lookahead=(1,)), "ValueError", "unshard_lookahead tuple length must equal the pipeline degree"),
+    (dict(max_active_stages=2, unshard_lookahead=(3, 1)), "ValueError", r"unshard_lookahead\[0\] must be an integer"),
+    (dict(max_active_stages=0), "ScheduleError", "max_active_stages must be a positive integer"),
+    (dict(defer_reduce_grad_wait="yes"), "TypeError", "defer_reduce_grad_wait must be True or False"),
+])
+def test_torch_215_arguments_pipecore_does_not_take_are_refused_on_every_rank(options, error, text):
+    import re
+
+    for rank, got in enumerate(pool(2).run(refused_215_option, "Interleaved1F1B", options, timeout=120)):
+        assert got is not None and got[0] == error and re.search(text, got[1]), (rank, got)
+
+
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV",
+                                      "LoopedBFS"])
+def test_torch_215_activation_liveness_of_a_pipecore_schedule(schedule):
+    """torch 2.15's analyze_pipeline_activation_liveness, given a pipecore.compat schedule, reads
+    pipecore's order: each activation lives from its F to its B (or W) in that order, and the slots it
+    needs are pipecore's own count of activations alive at once (one more where an OVERLAP_F_B pair
+    starts one as it ends another: torch counts a pair's position for both)."""
+    _needs_torch_215()
+    from pipecore.schedule.simulate import peak_activations
+
+    out = pool(2).run(activation_liveness, schedule, timeout=180)[0]
+    built = pc.build_schedule({"Interleaved1F1B": "interleaved_1f1b", "ZBVZeroBubble": "zbv",
+                               "InterleavedZeroBubble": "interleaved_zb", "DualPipeV": "dualpipev",
+                               "LoopedBFS": "looped_bfs"}[schedule], 2, 4, 2)
+    peaks = peak_activations(built.codes)
+    for rank, (slots, lifetimes) in out.items():
+        row = [str(a) for a in built.actions[rank]]
+        for (stage, mb), (start, release) in lifetimes.items():
+            assert f"{stage}F{mb}" in row[start]
+            assert f"{stage}B{mb}" in row[release] or f"{stage}W{mb}" in row[release]
+        overlaps = any(a.startswith("(") for a in row)
+        assert slots == peaks[rank] or (overlaps and slots == peaks[rank] + 1), (rank, slots, peaks[rank])
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_torch_215_forward_context_wraps_every_forward_of_the_stage(checkpointing):
+    """register_forward_context (torch 2.15): the factory gets each forward's stage and microbatch, in
+    step() and eval(), the module runs inside its context (the backward's recomputation too, under
+    activation checkpointing), one context at a time, and remove() ends it."""
+    for rank, out in enumerate(pool(2).run(forward_contexts, checkpointing, timeout=120)):
+        again = 2 if checkpointing else 1  # the recomputation enters the context again
+        wanted = sorted((s, mb, False) for s in (rank, rank + 2) for mb in range(4) for _ in range(again))
+        assert out["step"] == wanted, out
+        assert out["eval"] == sorted((s, mb, False) for s in (rank, rank + 2) for mb in range(4)), out
+        assert out["removed"] == [] and "already registered" in out["second"]
+        assert out["inside"] == [True] * (8 * again + 8) + [False] * 8 * again, out["inside"]
+
+
+@pytest.mark.parametrize("wrapped_ranks", [(0, 1), (1,)])
+def test_finalize_gradients_false_on_fsdp2_stages_is_refused_on_every_rank_and_loses_nothing(wrapped_ranks):
+    """torch 2.15 would defer the FSDP2 stages' reduce-scatter: pipecore refuses it, on every rank
+    (one rank's FSDP2 stage is enough), before anything runs, and the next step() works."""
+    for rank, (raised, has_grads) in enumerate(pool(2).run(finalize_gradients_on_fsdp2, wrapped_ranks,
+                                                            timeout=180)):
+        assert raised is not None, f"rank {rank} ran step(finalize_gradients=False) over an FSDP2 stage"
+        assert raised[0] == "InputError" and "finalize_gradients=False" in raised[1], (rank, raised)
+        assert "pipecore reduces FSDP2 stages at every step's REDUCE_GRAD" in raised[1]
+        assert has_grads
 
 
 @pytest.mark.exactness
@@ -280,9 +382,38 @@ def test_patch_torch_pipelining_makes_torchs_module_names_pipecores():
     assert done.returncode == 0 and done.stdout.strip() == "patched", done.stdout + done.stderr
 
 
+@pytest.mark.parametrize("options", [dict(max_active_stages=1), dict(max_active_stages=2, unshard_lookahead="auto")])
+def test_torch_215_fsdp2_residency_arguments_give_torchs_gradients(options):
+    """torch 2.15's max_active_stages and unshard_lookahead on FSDP2 stages (dp=2 x pp=2, two stages per
+    rank): each stage resharded and fetched again as torch's window says, the gradients torch's."""
+    _needs_torch_215()
+    for rank, worst in enumerate(pool(4).run(fsdp2_stages, "Interleaved1F1B", 2, 4, options, timeout=180)):
+        assert worst <= FLOAT64_BOUND, f"rank {rank}: gradients differ from torch's by {worst:.2e}"
+
+
 @pytest.mark.parametrize("schedule_name", ["1F1B", "Interleaved1F1B"])
 def test_a_loop_with_fsdp2_stages_switches_by_import(schedule_name):
     """A loop written for torch.distributed.pipelining with FSDP2 stage modules (4 ranks, dp=2 x pp=2)
     runs on pipecore.compat by changing its imports, with torch's gradients."""
     for rank, worst in enumerate(pool(4).run(fsdp2_stages, schedule_name, timeout=180)):
         assert worst <= FLOAT64_BOUND, f"rank {rank}: gradients differ from torch's by {worst:.2e}"
+
+
+def test_a_forward_context_that_swallows_the_modules_error_is_refused():
+    """A context manager that suppresses the stage module's exception would make the forward return
+    None, a silent hole in the step: refused, as torch 2.15 refuses it."""
+    import contextlib
+
+    from pipecore.compat import PipelineStage
+
+    class Fails(torch.nn.Module):
+        def forward(self, x):
+            raise ValueError("the module's own error")
+
+    stage = PipelineStage(Fails(), 0, 2)
+    handle = stage.register_forward_context(lambda info: contextlib.suppress(ValueError))
+    with pytest.raises(RuntimeError, match="forward context suppressed an exception"):
+        stage.forward((torch.zeros(1),), {}, 0)
+    handle.remove()
+    with pytest.raises(ValueError, match="the module's own error"):
+        stage.forward((torch.zeros(1),), {}, 0)

@@ -180,7 +180,8 @@ def test_a_wrapper_over_one_rank_adds_no_collective_and_keeps_what_worked(kind, 
     for rank, r in enumerate(pool(2).run(cases.pipeline_train, kind, "zbv", 4, options, timeout=180)):
         assert not r["dp_replicas"], f"rank {rank}: a DataParallel over one rank"
         said = r["first_step"]
-        assert said.startswith("RuntimeError: mat1 and mat2") if rank == 0 else (
+        # (torch 2.15 says "addmm: mat1 and mat2 ...")
+        assert (said.startswith("RuntimeError: ") and "mat1 and mat2" in said) if rank == 0 else (
             said.startswith("PeerFailedError") and "rank 0" in said and "mat1 and mat2" in said), (rank, said)
         assert max(r["grad"]) <= FLOAT64_BOUND and max(r["weight"]) <= FLOAT64_BOUND, (rank, r)
         assert max(r["norm"]) <= FLOAT64_BOUND, (rank, r["norm"])

@@ -102,7 +102,8 @@ class Run:
     """One rank's part of the training: its stages, the schedule and the optimizer."""
 
     def __init__(self, schedule_name: str, n_microbatches: int, seed: int = 0, scale_grads: bool = True,
-                 csv: str | None = None):
+                 csv: str | None = None, options: dict | None = None, step_options: dict | None = None,
+                 csv_format: str = "compute_only"):
         rank, world = dist.get_rank(), dist.get_world_size()
         looped = issubclass(get_schedule_class(schedule_name), PipelineScheduleMulti)
         # csv: TorchTitan's pipeline_parallel_schedule_csv (stages placed as schedule_name places them)
@@ -117,9 +118,10 @@ class Run:
         loss_fn = cross_entropy if scale_grads else (lambda pred, labels, **kw: cross_entropy(pred, labels, **kw)
                                                      / n_microbatches)
         self.schedule = schedule_class(stages if looped else stages[0], n_microbatches=n_microbatches,
-                                       loss_fn=loss_fn, scale_grads=scale_grads)
+                                       loss_fn=loss_fn, scale_grads=scale_grads, **(options or {}))
         if csv:
-            self.schedule._load_csv(csv)
+            self.schedule._load_csv(csv, format=csv_format)
+        self.step_options = step_options or {}  # e.g. torch 2.15's finalize_gradients
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         self.opt = torch.optim.AdamW([p for s in self.ids for p in self.chunks[s].parameters()], lr=1e-2)
@@ -135,10 +137,10 @@ class Run:
         target = labels if self.has_last else None
         if self.has_first:
             self.schedule.step(tokens, pos_bias=pos_bias, target=target, losses=losses, return_outputs=False,
-                               loss_kwargs={"ignore_index": -1})
+                               loss_kwargs={"ignore_index": -1}, **self.step_options)
         else:
             self.schedule.step(pos_bias=pos_bias, target=target, losses=losses, return_outputs=False,
-                               loss_kwargs={"ignore_index": -1})
+                               loss_kwargs={"ignore_index": -1}, **self.step_options)
         self.opt.step()
         return losses
 
@@ -152,12 +154,19 @@ class Run:
 
 
 def train(schedule_name: str, n_microbatches: int, steps: int = 3, rows: int = 16, seed: int = 0,
-          scale_grads: bool = True, evaluate: bool = True, csv: str | None = None) -> dict:
+          scale_grads: bool = True, evaluate: bool = True, csv: str | None = None, options: dict | None = None,
+          step_options: dict | None = None, csv_format: str = "compute_only", dump_csv: str | None = None) -> dict:
     """Trains `steps` optimizer steps; returns this rank's losses, gradients per step (by global
-    parameter name "stage.name"), final parameters, and eval()'s losses and outputs."""
-    run = Run(schedule_name, n_microbatches, seed, scale_grads, csv)
+    parameter name "stage.name"), final parameters, and eval()'s losses and outputs. `options` go to
+    the schedule class, `step_options` to every step(); `dump_csv`: rank 0 writes the schedule's
+    compute_comms CSV there."""
+    run = Run(schedule_name, n_microbatches, seed, scale_grads, csv, options, step_options, csv_format)
+    if dump_csv is not None and dist.get_rank() == 0:
+        run.schedule._dump_csv(dump_csv, format="compute_comms")
     result = {"losses": [], "grads": [],
-              "schedule_type": f"{type(run.schedule).__module__}.{type(run.schedule).__name__}"}
+              "schedule_type": f"{type(run.schedule).__module__}.{type(run.schedule).__name__}",
+              "order_with_comms": [str(a) for a in getattr(run.schedule, "pipeline_order_with_comms", {}).get(
+                  dist.get_rank(), [])]}
     data = batches(steps, rows, seed + 1)
     for batch in data[:steps]:
         grads = {}

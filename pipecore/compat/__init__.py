@@ -22,7 +22,7 @@ from torch.distributed.pipelining import Pipe, SplitPoint, pipe_split, pipeline
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
 from pipecore.compat._fallback import torch_fallback
-from pipecore.stage.pipeline_stage import PipelineStage
+from pipecore.stage.pipeline_stage import PipelineStage, PipelineStageInfo
 from pipecore.compat.schedules import (PipelineScheduleMulti, PipelineScheduleSingle, Schedule1F1B, ScheduleDualPipe,
                         ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
                         ScheduleLoopedBFS, ScheduleZBVZeroBubble, get_schedule_class)
@@ -54,6 +54,6 @@ def patch_torch_pipelining() -> None:
 
 
 __all__ = ["patch_torch_pipelining", "build_stage", "Pipe", "pipe_split", "SplitPoint", "pipeline", "PipelineStage",
-           "TensorChunkSpec", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+           "TensorChunkSpec", "PipelineStageInfo", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
            "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "ScheduleDualPipe",
            "PipelineScheduleSingle", "PipelineScheduleMulti", "get_schedule_class"]

@@ -17,7 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipecore.compat._fallback import torch_fallback
+from pipecore.errors import InputError
 from pipecore.schedule import Schedule, ScheduleError, build_schedule
+from pipecore.schedule.lowering import check_residency
 from pipecore.stage.pipeline_stage import PipelineStage, is_torch_stage
 
 __all__ = ["_PipelineSchedule", "PipelineScheduleSingle", "PipelineScheduleMulti", "_PipelineScheduleRuntime",
@@ -33,7 +35,8 @@ class _PipelineSchedule:
 
     def __init__(self, stages: list, n_microbatches: int, loss_fn: Callable | None = None,
                  args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None, scale_grads: bool = True,
-                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False, **pipeline_options):
+                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False, runtime_options=None,
+                 **pipeline_options):
         if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
             raise ValueError(f"n_microbatches must be a positive integer, got {n_microbatches!r}")
         if not backward_requires_autograd:
@@ -55,10 +58,39 @@ class _PipelineSchedule:
         self._pipeline_options = dict(pipeline_options)
         if defer_pp_recv:
             self._pipeline_options.setdefault("recv_window", 0)
+        self._defer_reduce_grad_wait = False
+        if runtime_options is not None:  # torch 2.15's _PipelineScheduleRuntime arguments
+            self._take_runtime_options(**runtime_options)
         self.pipeline: Any = None  # the pipecore.Pipeline that runs the steps
         self.schedule: Schedule | None = None  # its compute-only schedule
         if self._schedule_name is not None:
             self._build(build_schedule(self._schedule_name, self.pp_group_size, n_microbatches, len(stages)))
+
+    def _take_runtime_options(self, max_active_stages=3, unshard_lookahead="full", defer_reduce_grad_wait=False,
+                              max_outstanding_sends=None) -> None:
+        """torch 2.15's arguments of the multi-stage schedules, with torch's checks: `max_active_stages` and
+        `unshard_lookahead` place this rank's FSDP2 UNSHARD/RESHARD as torch's do (Pipeline's options of the
+        same names); `defer_reduce_grad_wait` places WAIT_REDUCE_GRAD in the schedules this class shows and
+        writes (pipeline_order_with_comms, _dump_csv): pipecore's executor starts each reduction at
+        REDUCE_GRAD and has all of them done by the end of step() either way; `max_outstanding_sends`
+        (a count) is refused: pipecore bounds the sends in flight to a peer in bytes (send_budget)."""
+        self._pipeline_options.setdefault("max_active_stages", max_active_stages)
+        self._pipeline_options.setdefault("unshard_lookahead", _unshard_lookahead_of(
+            unshard_lookahead, self.rank, self.pp_group_size, max_active_stages))
+        if not isinstance(defer_reduce_grad_wait, bool):
+            raise TypeError(f"defer_reduce_grad_wait must be True or False, got {defer_reduce_grad_wait!r}")
+        self._defer_reduce_grad_wait = defer_reduce_grad_wait
+        if max_outstanding_sends is not None:
+            if isinstance(max_outstanding_sends, bool) or not isinstance(max_outstanding_sends, int) \
+                    or max_outstanding_sends < 0:
+                raise ValueError("max_outstanding_sends must be a non-negative integer")
+            from pipecore.executor.native import DEFAULT_SEND_BUDGET
+
+            raise InputError(
+                f"max_outstanding_sends={max_outstanding_sends} caps torch's pending send batches per rank; pipecore's "
+                "executor frees each send as soon as it completes (a thread per peer waits for them) and bounds what "
+                "is in flight to each peer in bytes: pass send_budget=<bytes> (default "
+                f"{DEFAULT_SEND_BUDGET}; 0: one message in flight per peer) instead")
 
     @property
     def scale_grads(self) -> bool:
@@ -88,7 +120,7 @@ class _PipelineSchedule:
 
     def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
              loss_kwargs: dict | None = None, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
-             target_mbs: list | None = None, **kwargs):
+             target_mbs: list | None = None, finalize_gradients: bool = True, **kwargs):
         """One iteration over the whole batch, as torch's `step`: inputs on the rank(s) holding a first
         stage, `target` on those holding a last stage; `losses` is filled with the per-microbatch losses
         there; keyword arguments go to every stage of this rank; returns the merged last-stage outputs
@@ -98,15 +130,19 @@ class _PipelineSchedule:
         Or, in the keyword form of a newer torch that TorchTitan calls, the microbatches the caller
         split: `arg_mbs` (a tuple of positional inputs per microbatch, on ranks with a first stage),
         `kwarg_mbs` (a dict per microbatch) and `target_mbs` (ranks with a last stage), as
-        `_step_microbatches` takes them; it returns the outputs as a list, one per microbatch."""
+        `_step_microbatches` takes them; it returns the outputs as a list, one per microbatch.
+
+        `finalize_gradients` (torch 2.15): False changes nothing on stages that are not FSDP2, as in
+        torch, and is refused on FSDP2 stages (Pipeline.step)."""
         if _microbatches_given("step", args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs):
-            return self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs)
+            return self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs,
+                                           finalize_gradients)
         pipe = self._pipeline()
         if not self._has_backward:  # (torch's forwards keep a graph nothing will use; these build none)
             return pipe.eval(*args, target=target, losses=losses, return_outputs=return_outputs,
                              loss_kwargs=loss_kwargs, **kwargs)
         return pipe.step(*args, target=target, losses=losses, return_outputs=return_outputs,
-                         loss_kwargs=loss_kwargs, **kwargs)
+                         loss_kwargs=loss_kwargs, finalize_gradients=finalize_gradients, **kwargs)
 
     def eval(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
              loss_kwargs: dict | None = None, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
@@ -121,14 +157,16 @@ class _PipelineSchedule:
 
     def _step_microbatches(self, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
                            target_mbs: list | None = None, losses: list | None = None, return_outputs: bool = True,
-                           loss_kwargs: dict | None = None):
+                           loss_kwargs: dict | None = None, finalize_gradients: bool = True):
         """torch's: one iteration over microbatches the caller split (`Pipeline.step_microbatches`:
         each microbatch may have its own shapes, at every step); returns the last stage's outputs as
         a list (torch's returns None and keeps them on its stage)."""
         pipe = self._pipeline()
-        run = pipe.step_microbatches if self._has_backward else pipe.eval_microbatches
-        return run(arg_mbs, kwarg_mbs, target_mbs, losses=losses, return_outputs=return_outputs,
-                   loss_kwargs=loss_kwargs)
+        if not self._has_backward:
+            return pipe.eval_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses=losses,
+                                          return_outputs=return_outputs, loss_kwargs=loss_kwargs)
+        return pipe.step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses=losses, return_outputs=return_outputs,
+                                      loss_kwargs=loss_kwargs, finalize_gradients=finalize_gradients)
 
     def _pipeline(self):
         if self.pipeline is None:
@@ -141,7 +179,12 @@ class _PipelineSchedule:
     def _write_csv(self, filename, lowered: bool) -> None:
         if self.schedule is None:
             raise RuntimeError(f"{type(self).__name__} has no schedule yet: load one with _load_csv(path)")
-        (self.schedule.lower() if lowered else self.schedule).to_csv(filename)
+        (self._lowered() if lowered else self.schedule).to_csv(filename)
+
+    def _lowered(self) -> Schedule:
+        """The schedule with its communication, as torch shows and writes it: with torch 2.15's waits
+        where this torch has them (its compute_comms CSVs must hold them)."""
+        return self.schedule.lower(waits=torch_has_waits(), defer_reduce_grad_wait=self._defer_reduce_grad_wait)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.pipeline!r})"
@@ -202,11 +245,15 @@ class _PipelineScheduleRuntime(PipelineScheduleMulti):
     def __init__(self, stages: Sequence, n_microbatches: int, loss_fn: Callable | None = None, args_chunk_spec=None,
                  kwargs_chunk_spec=None, output_merge_spec=None, use_full_backward: bool | None = None,
                  scale_grads: bool = True, backward_requires_autograd: bool = True, *, defer_pp_recv: bool = False,
-                 **pipeline_options):
-        # torch's takes PipelineScheduleMulti's arguments (use_full_backward: ignored there too)
+                 max_active_stages: int = 3, unshard_lookahead: str | tuple[int, ...] = "full",
+                 defer_reduce_grad_wait: bool = False, max_outstanding_sends: int | None = None, **pipeline_options):
+        # torch's takes PipelineScheduleMulti's arguments (use_full_backward: ignored there too), and torch
+        # 2.15's runtime options (_take_runtime_options)
+        runtime = dict(max_active_stages=max_active_stages, unshard_lookahead=unshard_lookahead,
+                       defer_reduce_grad_wait=defer_reduce_grad_wait, max_outstanding_sends=max_outstanding_sends)
         _PipelineSchedule.__init__(self, _pipecore_stages(stages, type(self).__name__), n_microbatches, loss_fn,
                                    args_chunk_spec, kwargs_chunk_spec, output_merge_spec, scale_grads,
-                                   backward_requires_autograd, defer_pp_recv, **pipeline_options)
+                                   backward_requires_autograd, defer_pp_recv, runtime, **pipeline_options)
 
     def _load_csv(self, filename: str | os.PathLike, format: str = "compute_only") -> None:
         """Runs the schedule in `filename`: "compute_only" (compute actions) or "compute_comms" (with
@@ -235,7 +282,7 @@ class _PipelineScheduleRuntime(PipelineScheduleMulti):
     @property
     def pipeline_order_with_comms(self) -> dict[int, list]:
         """{rank: every action it runs, communication included} (pipecore's lowering)."""
-        return _torch_actions(self.schedule.lower()) if self.schedule is not None else {}
+        return _torch_actions(self._lowered()) if self.schedule is not None else {}
 
 
 class ScheduleGPipe(PipelineScheduleSingle):
@@ -255,9 +302,14 @@ class _BuiltSchedule(_PipelineScheduleRuntime):
 
     def __init__(self, stages: Sequence, n_microbatches: int, loss_fn: Callable | None = None, args_chunk_spec=None,
                  kwargs_chunk_spec=None, output_merge_spec=None, scale_grads: bool = True,
-                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False, **pipeline_options):
+                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False, max_active_stages: int = 3,
+                 unshard_lookahead: str | tuple[int, ...] = "full", *, defer_reduce_grad_wait: bool = False,
+                 max_outstanding_sends: int | None = None, **pipeline_options):
         super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec, None,
-                         scale_grads, backward_requires_autograd, defer_pp_recv=defer_pp_recv, **pipeline_options)
+                         scale_grads, backward_requires_autograd, defer_pp_recv=defer_pp_recv,
+                         max_active_stages=max_active_stages, unshard_lookahead=unshard_lookahead,
+                         defer_reduce_grad_wait=defer_reduce_grad_wait, max_outstanding_sends=max_outstanding_sends,
+                         **pipeline_options)
 
 
 class ScheduleInterleaved1F1B(_BuiltSchedule):
@@ -298,9 +350,13 @@ class ScheduleLoopedBFS(_PipelineScheduleRuntime):
 
     def __init__(self, stages: Sequence, n_microbatches: int, loss_fn: Callable | None = None,
                  output_merge_spec=None, scale_grads: bool = True, backward_requires_autograd: bool = True,
-                 defer_pp_recv: bool = False, **pipeline_options):  # torch's takes no chunk specs
+                 defer_pp_recv: bool = False, max_active_stages: int = 3, unshard_lookahead: str | tuple[int, ...] = "full",
+                 *, defer_reduce_grad_wait: bool = False, max_outstanding_sends: int | None = None,
+                 **pipeline_options):  # torch's takes no chunk specs
         super().__init__(stages, n_microbatches, loss_fn, None, None, output_merge_spec, None, scale_grads,
-                         backward_requires_autograd, defer_pp_recv=defer_pp_recv, **pipeline_options)
+                         backward_requires_autograd, defer_pp_recv=defer_pp_recv, max_active_stages=max_active_stages,
+                         unshard_lookahead=unshard_lookahead, defer_reduce_grad_wait=defer_reduce_grad_wait,
+                         max_outstanding_sends=max_outstanding_sends, **pipeline_options)
 
 
 _BY_NAME = {
@@ -368,6 +424,34 @@ def _check_pipeline_options(schedule: str, options: dict) -> None:
     if unknown:
         raise TypeError(f"{schedule} got unexpected keyword arguments {unknown}: it takes torch's arguments and "
                         f"pipecore.Pipeline's options {sorted(known)}")
+
+
+def _unshard_lookahead_of(lookahead, rank: int, ranks: int, max_active_stages) -> int:
+    """This rank's count of FSDP2 stages all-gathered ahead, from torch 2.15's unshard_lookahead (its
+    rules and checks): "full" is max_active_stages, "auto" min(rank + 2, max_active_stages) (earlier
+    ranks wait longer for their first inputs), or a tuple of one count per pipeline rank."""
+    check_residency(max_active_stages, None)
+    if lookahead == "full":
+        return max_active_stages
+    if lookahead == "auto":
+        return min(rank + 2, max_active_stages)
+    if not isinstance(lookahead, tuple):
+        raise ValueError(f"unshard_lookahead must be 'full', 'auto', or a tuple of {ranks} integers, got {lookahead!r}")
+    if len(lookahead) != ranks:
+        raise ValueError(f"unshard_lookahead tuple length must equal the pipeline degree ({ranks}), got "
+                         f"{len(lookahead)}")
+    for r, n in enumerate(lookahead):
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_active_stages:
+            raise ValueError(f"unshard_lookahead[{r}] must be an integer within [1, max_active_stages="
+                             f"{max_active_stages}], got {n!r}")
+    return lookahead[rank]
+
+
+def torch_has_waits() -> bool:
+    """Does this torch know 2.15's WAIT_SEND_F, WAIT_SEND_B and WAIT_REDUCE_GRAD actions?"""
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    return hasattr(_ComputationType, "WAIT_SEND_F")
 
 
 def _torch_actions(schedule: Schedule) -> dict[int, list]:

@@ -30,7 +30,7 @@ from pipecore.runtime.rollback import Rollback
 from pipecore.runtime.split_backward import fallbacks, warn_new_fallbacks
 from pipecore.runtime.step import StepInputs, StepRun, read_inputs
 from pipecore.schedule import SCHEDULES, Schedule, build_schedule
-from pipecore.schedule.lowering import add_unshard_reshard
+from pipecore.schedule.lowering import add_unshard_reshard, check_residency
 from pipecore.stage import boundary as wire
 from pipecore.stage.microbatch import merge, merge_by_spec
 from pipecore.stage.pipeline_stage import PipelineStage, pipeline_group, stage_list
@@ -71,6 +71,8 @@ class Pipeline:
     would exceed the budget first waits for earlier sends to that peer (a larger message goes
     alone). It bounds what a rank holds for a peer that is behind, e.g. a GPipe first stage whose
     sends would otherwise pile up.
+
+    `max_active_stages`, `unshard_lookahead`: torch 2.15's FSDP2 residency (lowering.add_unshard_reshard).
 
     `dp_group`: data-parallel replicas of this pipeline (`pc.init_mesh(dp, pp).get_group("dp")`; see
     pipecore/training/data_parallel.py). Each replica steps its share of the global batch and `.grad` becomes
@@ -126,7 +128,8 @@ class Pipeline:
                  recv_window: int = DEFAULT_RECV_WINDOW, send_budget: int = DEFAULT_SEND_BUDGET,
                  dp_group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap_f_b: str | Callable = "lockstep",
                  args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None,
-                 keyword_inputs: str = "first_stage", variable_shapes: bool | None = None):
+                 keyword_inputs: str = "first_stage", variable_shapes: bool | None = None, max_active_stages: int = 3,
+                 unshard_lookahead: int | None = None):
         if not dist.is_initialized():
             raise RuntimeError("Pipeline needs torch.distributed: call dist.init_process_group first")
         stages = stage_list(stages)
@@ -182,6 +185,7 @@ class Pipeline:
             raise ValueError(f"recv_window must be an integer >= 0 (receives posted ahead), got {recv_window!r}")
         if isinstance(send_budget, bool) or not isinstance(send_budget, int) or send_budget < 0:
             raise ValueError(f"send_budget must be an integer >= 0 (bytes in flight per peer), got {send_budget!r}")
+        check_residency(max_active_stages, unshard_lookahead)
         topo = schedule.topology
         for s in self.stages:  # is_first/is_last as this schedule says (dualpipe: two first and two last stages)
             s.place(first=topo.prev_stage[s.stage_index] < 0, last=topo.next_stage[s.stage_index] < 0)
@@ -214,7 +218,8 @@ class Pipeline:
         run = dict(lowered)
         if self._wrappers is not None and self._wrappers.sharded:
             rows = [list(row) for row in lowered[True].codes]
-            rows[self.rank] = add_unshard_reshard(rows[self.rank], self._wrappers.sharded, max_active=3)
+            rows[self.rank] = add_unshard_reshard(rows[self.rank], self._wrappers.sharded, max_active_stages,
+                                                  unshard_lookahead)
             run[True] = Schedule.from_codes(rows, lowered[True].topology, lowered[True].name)
         self.programs = {training: encode(v, self.rank, local_index) for training, v in run.items()}
         self.executor = C.Executor(self.group, len(self.stages), num_microbatches, self.timeout)
@@ -279,7 +284,8 @@ class Pipeline:
 
     # -- public -------------------------------------------------------------------------
     def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
-             loss_kwargs: dict | None = None, loss_divisor: float | torch.Tensor | None = None, **kwargs):
+             loss_kwargs: dict | None = None, loss_divisor: float | torch.Tensor | None = None,
+             finalize_gradients: bool = True, **kwargs):
         """One training step over `num_microbatches` microbatches (see the class doc).
 
         `loss_divisor` (read on ranks holding a last stage): `loss_fn` returns a sum over a
@@ -289,12 +295,14 @@ class Pipeline:
         when microbatches hold different numbers of tokens; it replaces the row-share weighting of
         `scale_grads`. `losses` still holds what `loss_fn` returned. With `dp_group`, `loss_divisor`
         is the token count of the whole global batch (every replica's: all-reduce it over the dp
-        group) and the replicas' gradients are summed."""
-        return self._train(args, kwargs, target, losses, return_outputs, loss_kwargs, loss_divisor)
+        group) and the replicas' gradients are summed. `finalize_gradients`: step.check_finalize_gradients."""
+        return self._train(args, kwargs, target, losses, return_outputs, loss_kwargs, loss_divisor,
+                           finalize_gradients=finalize_gradients)
 
     def step_microbatches(self, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
                           target_mbs: list | None = None, losses: list | None = None, return_outputs: bool = True,
-                          loss_kwargs: dict | None = None, loss_divisor: float | torch.Tensor | None = None):
+                          loss_kwargs: dict | None = None, loss_divisor: float | torch.Tensor | None = None,
+                          finalize_gradients: bool = True):
         """One training step over microbatches split by the caller, as torch's `_step_microbatches`:
         `arg_mbs` (ranks with a first stage) a list of `num_microbatches` tuples of positional
         inputs, `kwarg_mbs` their keyword inputs, `target_mbs` (ranks with a last stage) their
@@ -303,9 +311,11 @@ class Pipeline:
         share of the rows, or 1/num_microbatches without targets (torch's rule; give `loss_divisor`
         for a mean over tokens). Returns the last stage's outputs as a list, one per microbatch (as
         `losses`: dualpipe's two last stages each fill theirs, None elsewhere)."""
-        return self._train((), {}, target_mbs, losses, return_outputs, loss_kwargs, loss_divisor, (arg_mbs, kwarg_mbs))
+        return self._train((), {}, target_mbs, losses, return_outputs, loss_kwargs, loss_divisor, (arg_mbs, kwarg_mbs),
+                           finalize_gradients)
 
-    def _train(self, args, kwargs, target, losses, return_outputs, loss_kwargs, loss_divisor, microbatches=None):
+    def _train(self, args, kwargs, target, losses, return_outputs, loss_kwargs, loss_divisor, microbatches=None,
+               finalize_gradients: bool = True):
         if not self._trains:  # every rank has this schedule: each raises here
             raise InputError(f"step() trains, but schedule {self.schedule.name!r} has no backward: call "
                              "pipe.eval(...) for forward-only runs, or build the Pipeline with a training schedule "
@@ -315,7 +325,7 @@ class Pipeline:
             try:
                 self.gradients.begin_step()
                 out = self._run(args, kwargs, target, losses, True, return_outputs, loss_kwargs, loss_divisor,
-                                microbatches)
+                                microbatches, finalize_gradients)
             except BaseException as exc:
                 self.gradients.abandon(exc)  # .grad as before the step, on every failure path
                 raise
@@ -400,13 +410,13 @@ class Pipeline:
 
     # -- step ---------------------------------------------------------------------------
     def _run(self, args, kwargs, target, losses, training: bool, return_outputs: bool, loss_kwargs,
-             loss_divisor=None, microbatches: tuple | None = None):
+             loss_divisor=None, microbatches: tuple | None = None, finalize_gradients: bool = True):
         """One step (or eval) on this rank, in the phases every rank goes through in the same order."""
         self._check_usable()
         step = self.comm.step = self._step_count
         self._step_count += 1
         inputs, problem = self._check(args, kwargs, target, training, return_outputs, loss_kwargs, loss_divisor,
-                                      microbatches)
+                                      microbatches, finalize_gradients)
         if problem is not None:
             self._release_peers(problem, training)
         self._plan(step, inputs, training)
@@ -425,12 +435,12 @@ class Pipeline:
                                      f"({self.comm.broken}); rebuild the group and the Pipeline before stepping again")
 
     def _check(self, args, kwargs, target, training, return_outputs, loss_kwargs, loss_divisor,
-               microbatches) -> tuple[StepInputs | None, Exception | None]:
+               microbatches, finalize_gradients=True) -> tuple[StepInputs | None, Exception | None]:
         """Everything that can be checked before communicating (step.py): (the step's inputs, None), or
         (None, what is wrong), which the peers must learn before it is raised."""
         try:
             return read_inputs(self, args, kwargs, target, training, return_outputs, loss_kwargs, loss_divisor,
-                               microbatches), None
+                               microbatches, finalize_gradients), None
         except (ValueError, TypeError) as exc:
             return None, exc
 

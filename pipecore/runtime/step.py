@@ -47,7 +47,7 @@ class StepInputs:
 
 
 def read_inputs(pipe, args, kwargs, target, training: bool, return_outputs, loss_kwargs, loss_divisor,
-                microbatches: tuple | None) -> StepInputs:
+                microbatches: tuple | None, finalize_gradients: bool = True) -> StepInputs:
     """Checks a step's arguments (InputError, or torch's ValueError or TypeError) and splits them;
     `microbatches`: step_microbatches' (arg_mbs, kwarg_mbs), else None."""
     if microbatches is not None:  # the caller's own microbatches
@@ -57,6 +57,7 @@ def read_inputs(pipe, args, kwargs, target, training: bool, return_outputs, loss
     if parted is not None:  # found at the last step's gradient sum: every rank fails this step
         raise InputError(f"rank {pipe.rank}: {parted}")
     loss_divisor = check_step_options(pipe, return_outputs, loss_kwargs, loss_divisor)
+    check_finalize_gradients(pipe, finalize_gradients)
     with nvtx_range("pipecore.split"):
         batch = split_batch(pipe, args, kwargs, target, given=microbatches is not None)
     signature = rows = 0
@@ -68,6 +69,21 @@ def read_inputs(pipe, args, kwargs, target, training: bool, return_outputs, loss
         shaped = pipe.executor.shapes_travel
         signature = wire.signature((wire.describe(args, shaped), wire.describe(kwargs, shaped), training))
     return StepInputs(batch, signature, rows, loss_divisor)
+
+
+def check_finalize_gradients(pipe, finalize: bool) -> None:
+    """torch 2.15's step(finalize_gradients=False): nothing to do but on FSDP2 stages, which pipecore
+    reduces at every step's REDUCE_GRAD (what deferring their reduction would change: refused)."""
+    if finalize:  # (read as torch reads it: its truth)
+        return
+    wrapped = pipe._wrappers.wrapped if pipe._wrappers is not None else {}
+    sharded = [pipe.stages[local].stage_index for local, adapter in sorted(wrapped.items()) if adapter.sharded]
+    if sharded:
+        raise InputError(
+            f"rank {pipe.rank}: finalize_gradients=False asks to defer the FSDP2 gradient reduction of stages "
+            f"{sharded} to a later step(); pipecore reduces FSDP2 stages at every step's REDUCE_GRAD, and the "
+            "sharded gradients of several step() calls add up to the same gradients (the sum, reduced per step): "
+            "call step() without finalize_gradients for each step you accumulate")
 
 
 def check_step_options(pipe, return_outputs, loss_kwargs, divisor) -> float | None:
@@ -246,7 +262,7 @@ class StepRun:
         try:
             wrapper = self._wrapped.get(local) if self._training else None
             with wrapper.forward_context() if wrapper is not None else nullcontext():
-                out = stage.forward(args, kwargs)
+                out = stage.forward(args, kwargs, mb)
         except Exception as exc:
             shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_flatten((args, kwargs))[0]
                       if isinstance(t, torch.Tensor)]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -98,6 +100,8 @@ class PipelineStage:
         if (input_args is None) != (output_args is None):
             raise ValueError("give both input_args (one microbatch's inputs) and output_args (what the stage returns "
                              "for them), or neither to have shapes found on the first step")
+        # register_forward_context's, by handle id (an OrderedDict: the handle holds it weakly)
+        self._forward_contexts: OrderedDict[int, Callable] = OrderedDict()
         self._given_in: list[tuple] | None = None
         self._given_out: Any = None
         if input_args is not None:
@@ -168,12 +172,66 @@ class PipelineStage:
         """The size of the stage's group (torch's attribute)."""
         return dist.get_world_size(self.group)
 
-    def forward(self, args: tuple, kwargs: dict) -> Any:
-        """The module on one microbatch's inputs, under this stage's autocast and checkpointing."""
+    def forward(self, args: tuple, kwargs: dict, microbatch: int = 0) -> Any:
+        """The module on one microbatch's inputs, under this stage's forward context (if one is
+        registered), autocast and checkpointing."""
+        if not self._forward_contexts:
+            return self._run_module(args, kwargs, None)
+        factory = next(iter(self._forward_contexts.values()))
+        info = PipelineStageInfo(stage_index=self.stage_index, microbatch_index=microbatch)
+        ran = False
+        with factory(info):
+            out = self._run_module(args, kwargs, lambda: factory(info))
+            ran = True
+        if not ran:
+            raise RuntimeError(f"stage {self.stage_index}'s forward context suppressed an exception of the stage's "
+                               f"module (microbatch {microbatch}): a forward context must let them through")
+        return out
+
+    def _run_module(self, args: tuple, kwargs: dict, context: Callable | None) -> Any:
         with self.autocast_context():
             if self.activation_checkpointing and torch.is_grad_enabled():
-                return checkpoint(self.module, *args, use_reentrant=False, **kwargs)
+                # the backward's recomputation runs in the forward context too
+                recompute = (lambda: (nullcontext(), context())) if context is not None else None
+                extra = {"context_fn": recompute} if recompute is not None else {}
+                return checkpoint(self.module, *args, use_reentrant=False, **extra, **kwargs)
             return self.module(*args, **kwargs)
+
+    # torch 2.15's stage methods
+    def register_forward_context(self, context_factory: Callable[[Any], Any]):
+        """torch 2.15's: `context_factory(PipelineStageInfo)` returns a context manager that every
+        forward of this stage runs inside (each microbatch's, in step() and eval(), and the backward's
+        recomputation under activation checkpointing). pipecore has no separate shape probe, so
+        `is_metadata_inference` is always False; a step pipecore runs again (a peer's batch changed
+        shape) calls the factory again for its microbatches. One at a time; the
+        returned handle's remove() unregisters it. A torch stage object's registration is carried
+        over when a schedule converts it."""
+        from torch.utils.hooks import RemovableHandle
+
+        if not callable(context_factory):
+            raise TypeError(f"context_factory must be a callable(PipelineStageInfo) -> context manager, got "
+                            f"{type(context_factory).__name__}")
+        if self._forward_contexts:
+            raise RuntimeError("A pipeline forward context is already registered; remove its handle before "
+                               "registering another")
+        handle = RemovableHandle(self._forward_contexts)
+        self._forward_contexts[handle.id] = context_factory
+        return handle
+
+    def release_fwd_send_outputs(self, fwd_chunk_id: int) -> None:
+        """torch 2.15's: drops the stage's references to a microbatch's outputs whose sends completed.
+        pipecore's executor does that itself as each send completes (csrc/send_tracker.h): nothing is
+        left to release here."""
+
+    def start_gradient_reduction(self) -> None:
+        """torch 2.15's runtime starts an FSDP stage's reduction here at REDUCE_GRAD; pipecore's step()
+        does it at its own REDUCE_GRAD (pipecore/training/wrapped_stages.py). Not for calling outside."""
+        raise NotImplementedError(_STEP_DRIVES_REDUCTION)
+
+    def wait_for_gradient_reduction(self, grad_scale_factor: int) -> None:
+        """torch 2.15's runtime waits for an FSDP stage's reduction here; pipecore's step() has every
+        reduction done, and the gradients scaled, by the time it returns."""
+        raise NotImplementedError(_STEP_DRIVES_REDUCTION)
 
     def autocast_context(self):
         """torch.autocast for this stage's device and dtype, or a no-op without autocast."""
@@ -194,6 +252,24 @@ class PipelineStage:
         return f"PipelineStage({self.stage_index}/{self.num_stages}, {type(self.module).__name__}, {self.device})"
 
 
+_STEP_DRIVES_REDUCTION = (
+    "pipecore's step() starts each FSDP2 stage's gradient reduction at the schedule's REDUCE_GRAD and has it done, "
+    "scaled, when step() returns; a stage's reduction is not driven from outside a step")
+
+
+try:  # torch 2.15's, where torch has it (users may check isinstance)
+    from torch.distributed.pipelining.stage import PipelineStageInfo
+except ImportError:
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class PipelineStageInfo:
+        """One forward of a pipeline stage, as register_forward_context's factory receives it (torch 2.15's
+        class of the same name)."""
+
+        stage_index: int
+        microbatch_index: int
+        is_metadata_inference: bool = False
+
+
 def is_torch_stage(obj: Any) -> bool:
     """Is `obj` one of torch.distributed.pipelining's stage objects?"""
     return any(c.__module__.startswith("torch.distributed.pipelining") and c.__name__ == "_PipelineStageBase"
@@ -203,8 +279,10 @@ def is_torch_stage(obj: Any) -> bool:
 def from_torch_stage(stage: Any) -> PipelineStage:
     """pipecore's stage for torch.distributed.pipelining's `stage`: the same module (not a copy), index,
     stage count, device, group and dw_builder. Shapes are learnt on the first step, as for any stage."""
-    return PipelineStage(stage.submod, stage.stage_index, stage.num_stages, stage.device, group=stage.group,
+    ours = PipelineStage(stage.submod, stage.stage_index, stage.num_stages, stage.device, group=stage.group,
                          dw_builder=stage.dw_builder)
+    ours._forward_contexts = getattr(stage, "_forward_contexts", ours._forward_contexts)  # torch 2.15's, shared
+    return ours
 
 
 def stage_list(stages) -> list[PipelineStage]:

@@ -314,6 +314,16 @@ class _DDPStage(WrappedStage):
         self.module.require_forward_param_sync = True
 
 
+def _drop_unsharded_grad(fsdp_param) -> None:
+    """Drops the gradient a failed step accumulated unsharded on an FSDPParam. torch 2.13 and 2.14 keep
+    a reduce-dtype copy in `unsharded_accumulated_grad` beside the unsharded parameter's .grad; in 2.15
+    that name is a read-only view of the .grad."""
+    if not isinstance(getattr(type(fsdp_param), "unsharded_accumulated_grad", None), property):
+        fsdp_param.unsharded_accumulated_grad = None
+    if hasattr(fsdp_param, "_unsharded_param"):
+        fsdp_param._unsharded_param.grad = None
+
+
 def _sum_hook(group, bucket):
     """A DDP comm hook: the bucket summed over the group (DDP's default divides by its size first)."""
     future = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
@@ -397,9 +407,7 @@ class _FSDPStage(WrappedStage):
             self._pending = []
             for g in self._groups:
                 for p in g.fsdp_params:
-                    p.unsharded_accumulated_grad = None
-                    if hasattr(p, "_unsharded_param"):
-                        p._unsharded_param.grad = None
+                    _drop_unsharded_grad(p)
         else:
             # a module left unsharded would compute with stale parameters after the optimizer step
             self.reshard()
