@@ -44,6 +44,19 @@ def _tree_state() -> set[str] | None:
     return {line for line in out.stdout.splitlines() if line[:2] in ("??", "!!") and "__pycache__" not in line}
 
 
+# Where torch versions differ: torch.distributed.pipelining's surface (action kinds, schedule arguments,
+# its CSVs), FSDP2's internals, TorchTitan, the build and its metadata. `-m versions` selects them
+# (.ci/run runs them, with every exactness test, on the newest torch too).
+VERSION_SENSITIVE = {"test_action.py", "test_builders.py", "test_compat.py", "test_csv_and_format.py",
+                     "test_lowering.py", "test_packaging.py", "test_torchtitan.py", "test_wrapped_stages.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in VERSION_SENSITIVE:
+            item.add_marker(pytest.mark.versions)
+
+
 def pytest_sessionstart(session):
     session.config._tree_before = _tree_state()
     try:
