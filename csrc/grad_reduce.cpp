@@ -2,6 +2,7 @@
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 
 #include <chrono>
