@@ -18,6 +18,7 @@ UNSHARD, RESHARD, REDUCE_GRAD, OVERLAP = int(Kind.UNSHARD), int(Kind.RESHARD), i
 WAIT_SEND_F, WAIT_SEND_B, WAIT_REDUCE_GRAD = int(Kind.WAIT_SEND_F), int(Kind.WAIT_SEND_B), int(Kind.WAIT_REDUCE_GRAD)
 # what each wait waits for: the same stage's (and microbatch's) action of this kind, earlier in the rank's list
 _WAITED = {WAIT_SEND_F: SEND_F, WAIT_SEND_B: SEND_B, WAIT_REDUCE_GRAD: REDUCE_GRAD}
+_WAIT_OF = {done: wait for wait, done in _WAITED.items()}
 _COMPUTE = (F, I, W, B)
 _NO_PEER = {SEND_F: "sends no activations to another rank", RECV_F: "receives no activations from another rank",
             SEND_B: "sends no gradients to another rank", RECV_B: "receives no gradients from another rank"}
@@ -132,13 +133,6 @@ def validate(schedule) -> None:
                            for mb in topo.microbatches[s] for kind in (B, W))
                 if rg[1] < last:
                     rep.fail(r, rg[1], f"REDUCE_GRAD of stage {s} comes before its last backward (step {last})")
-    for lc, (r, k) in where.items():  # each wait after what it waits for, on the same rank (once: above)
-        waited = _WAITED.get(lc & KIND_MASK)
-        if waited is not None:
-            at = where.get(_with_kind(lc, waited))
-            if at is None or at[1] > k:
-                rep.fail(r, k, f"{decode(lc)} waits for {decode(_with_kind(lc, waited))}, which this rank has not "
-                               "run before it")
     _check_waits(codes, where, rep)
     if lowered:
         _check_sharding(codes, rep)
@@ -147,18 +141,25 @@ def validate(schedule) -> None:
 
 
 def _check_waits(codes, where, rep) -> None:
-    """torch 2.15's rules for a schedule that holds waits (what it loads): every send has its wait
-    once the schedule waits for sends, every REDUCE_GRAD its WAIT_REDUCE_GRAD once it waits for
-    reductions, and at most one reduction is pending on a rank at a time."""
+    """Each wait after what it waits for, on the same rank (once: checked above); and torch 2.15's rules
+    for a schedule that holds waits (what it loads): every send has its wait once the schedule waits
+    for sends, every REDUCE_GRAD its WAIT_REDUCE_GRAD once it waits for reductions, and at most one
+    reduction is pending on a rank at a time."""
     kinds = {lc & KIND_MASK for lc in where}
     waits_for_sends = bool(kinds & {WAIT_SEND_F, WAIT_SEND_B})
-    for wait in (WAIT_SEND_F, WAIT_SEND_B, WAIT_REDUCE_GRAD):
-        if not (wait in kinds if wait == WAIT_REDUCE_GRAD else waits_for_sends):
-            continue
-        for lc, (r, k) in where.items():
-            if lc & KIND_MASK == _WAITED[wait] and _with_kind(lc, wait) not in where:
-                rep.fail(r, k, f"{decode(lc)} has no {decode(_with_kind(lc, wait))}: a schedule that waits for its "
-                               f"{'reductions' if wait == WAIT_REDUCE_GRAD else 'sends'} waits for each")
+    for lc, (r, k) in where.items():
+        kind = lc & KIND_MASK
+        waited = _WAITED.get(kind)
+        if waited is not None:
+            at = where.get(_with_kind(lc, waited))
+            if at is None or at[1] > k:
+                rep.fail(r, k, f"{decode(lc)} waits for {decode(_with_kind(lc, waited))}, which this rank has not "
+                               "run before it")
+        wait = _WAIT_OF.get(kind)
+        if wait is not None and (wait in kinds if wait == WAIT_REDUCE_GRAD else waits_for_sends) \
+                and _with_kind(lc, wait) not in where:
+            rep.fail(r, k, f"{decode(lc)} has no {decode(_with_kind(lc, wait))}: a schedule that waits for its "
+                           f"{'reductions' if wait == WAIT_REDUCE_GRAD else 'sends'} waits for each")
     if WAIT_REDUCE_GRAD in kinds:
         for r, row in enumerate(codes):
             pending = -1
