@@ -55,12 +55,13 @@ class FirstFailure:
         self.store, watch_store = (dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                                  is_master=False, timeout=timedelta(seconds=30)) for _ in range(2))
         self.done = threading.Event()
-        threading.Thread(target=self._watch, args=(watch_store,), daemon=True, name="first-failure").start()
+        self.watcher = threading.Thread(target=self._watch, args=(watch_store,), daemon=True, name="first-failure")
+        self.watcher.start()
 
     def close(self) -> None:
         """Training ended well on this rank: stop watching (and nobody waits for this rank to say it
         stopped)."""
-        self.done.set()
+        self._stop_watching()
         try:
             self.store.set(f"{self.stopped_prefix}{self.rank}", "ended")
         except Exception:  # noqa: BLE001 - torchrun's store is gone
@@ -68,7 +69,7 @@ class FirstFailure:
 
     def failed(self, error: Exception) -> None:
         """This rank's error: name the first error of the run on this rank's output, then exit(1)."""
-        self.done.set()
+        self._stop_watching()
         mine = f"rank {self.rank} failed: {type(error).__name__}: {error}"
         derived = isinstance(error, DERIVED) or "Connection closed by peer" in str(error)
         first = self._first(mine, wait=self.derived_wait if derived else 0.0)
@@ -85,6 +86,15 @@ class FirstFailure:
             say(f"[rank {self.rank}] stopped: {first} (here: {own})")
             self._stopped(self.store, first)
         sys.exit(1)
+
+    def _stop_watching(self) -> None:
+        """The watching thread ended before this rank leaves. A daemon thread still inside a store call when
+        the interpreter exits aborts the process ("terminate called without an active exception", exit
+        code -6: Python 3.11 ends such a thread by unwinding it through pybind11's GIL release, which must
+        not throw), which failed 1 in about 10 demos here. The join lasts one poll and one store call (if
+        the thread found another rank's error meanwhile, it ends this process itself)."""
+        self.done.set()
+        self.watcher.join()
 
     def _first(self, mine: str, wait: float) -> str:
         """The run's first error: another rank's if posted (within `wait` seconds), else this one's."""
