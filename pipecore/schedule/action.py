@@ -46,7 +46,7 @@ class Kind(IntEnum):
 
     @property
     def is_compute(self) -> bool:
-        return self in _COMPUTE
+        return self in COMPUTE_KINDS
 
     @property
     def is_comm(self) -> bool:
@@ -66,7 +66,8 @@ _WAITS = frozenset({Kind.WAIT_SEND_F, Kind.WAIT_SEND_B, Kind.WAIT_REDUCE_GRAD})
 # the kind bits are full: 0-14 are kinds, 15 is readiness.GRAD_DONE (a marker no action has); one more
 # kind needs a wider KIND_BITS
 assert max(Kind) < 15
-_COMPUTE = frozenset({Kind.F, Kind.I, Kind.W, Kind.B, Kind.OVERLAP_F_B})
+# the kinds that run a stage's computation, as the codes' kind bits (ints: a code's `c & KIND_MASK`)
+COMPUTE_KINDS = frozenset(int(k) for k in (Kind.F, Kind.I, Kind.W, Kind.B, Kind.OVERLAP_F_B))
 _KINDS = tuple(Kind)
 _NO_MICROBATCH = frozenset({Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD, Kind.WAIT_REDUCE_GRAD})
 
@@ -140,7 +141,7 @@ class Action(NamedTuple):
     # -- properties --------------------------------------------------------------------
     @property
     def is_compute(self) -> bool:
-        return self.kind in _COMPUTE
+        return self.kind in COMPUTE_KINDS
 
     @property
     def is_comm(self) -> bool:

@@ -10,8 +10,8 @@ import gc
 from collections.abc import Iterable
 from contextlib import contextmanager
 
-from pipecore.schedule.action import (KIND_MASK, STAGE_MASK, STAGE_SHIFT, Kind, decode, encode, leaf_codes,
-                                      microbatch_of, stage_of)
+from pipecore.schedule.action import (COMPUTE_KINDS, KIND_MASK, STAGE_MASK, STAGE_SHIFT, Kind, decode, encode,
+                                      leaf_codes, microbatch_of, stage_of)
 from pipecore.schedule.errors import ScheduleError
 from pipecore.schedule.readiness import GRAD_DONE, Links
 
@@ -145,7 +145,7 @@ def add_unshard_reshard(row: list[int], sharded: frozenset[int], max_active: int
     are kept where they are, so a lowered row gets the UNSHARDs and RESHARDs its compute-only row gets
     (torch's _add_unshard_reshard, which sees compute actions only)."""
     lookahead = check_residency(max_active, lookahead)
-    stages_at = [[stage_of(leaf) for leaf in leaf_codes(c)] if c & KIND_MASK in _COMPUTE else None for c in row]
+    stages_at = [[stage_of(leaf) for leaf in leaf_codes(c)] if c & KIND_MASK in COMPUTE_KINDS else None for c in row]
 
     def upcoming(k: int, count: int) -> list[int]:
         """The next `count` sharded stages the row computes from step k (whole steps: an OVERLAP_F_B
@@ -184,8 +184,6 @@ def add_unshard_reshard(row: list[int], sharded: frozenset[int], max_active: int
         out.append(RESHARD | (s << STAGE_SHIFT))
     return out
 
-
-_COMPUTE = frozenset({F, I, W, B, OVERLAP})
 
 
 def add_waits(row: list[int], defer_reduce_grad_wait: bool = False) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 
-from pipecore.schedule.action import KIND_MASK, Action, Kind, decode
+from pipecore.schedule.action import COMPUTE_KINDS, KIND_MASK, Action, Kind, decode
 from pipecore.schedule.csvio import read_csv, write_csv
 from pipecore.schedule.errors import ScheduleError
 from pipecore.schedule.lowering import lower
@@ -113,7 +113,7 @@ class Schedule:
     @property
     def is_lowered(self) -> bool:
         """True when the schedule already holds communication (or other non-compute) actions."""
-        return any((c & KIND_MASK) not in _COMPUTE_KINDS for row in self.codes for c in row)
+        return any((c & KIND_MASK) not in COMPUTE_KINDS for row in self.codes for c in row)
 
     @property
     def has_backward(self) -> bool:
@@ -137,7 +137,7 @@ class Schedule:
 
     def compute_only(self) -> "Schedule":
         """This schedule without communication, REDUCE_GRAD, UNSHARD/RESHARD and WAIT_* actions."""
-        codes = [[c for c in row if (c & KIND_MASK) in _COMPUTE_KINDS] for row in self.codes]
+        codes = [[c for c in row if (c & KIND_MASK) in COMPUTE_KINDS] for row in self.codes]
         return Schedule.from_codes(codes, self.topology, self.name)
 
     def validate(self) -> "Schedule":
@@ -188,7 +188,6 @@ class Schedule:
         return self.format()
 
 
-_COMPUTE_KINDS = frozenset(int(k) for k in (Kind.F, Kind.I, Kind.W, Kind.B, Kind.OVERLAP_F_B))
 _BACKWARD_KINDS = frozenset(int(k) for k in (Kind.I, Kind.W, Kind.B, Kind.OVERLAP_F_B))
 
 

@@ -13,13 +13,12 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pipecore.schedule.action import KIND_MASK, Action, Kind, decode, leaf_codes
+from pipecore.schedule.action import COMPUTE_KINDS, KIND_MASK, Action, Kind, decode, leaf_codes
 from pipecore.schedule.errors import ScheduleError
 from pipecore.schedule.readiness import replay
 
 F, I, W, B = int(Kind.F), int(Kind.I), int(Kind.W), int(Kind.B)
 OVERLAP = int(Kind.OVERLAP_F_B)
-_COMPUTE = frozenset({F, I, W, B, OVERLAP})
 _EXTRA_KINDS = {int(Kind.REDUCE_GRAD): "REDUCE_GRAD", int(Kind.UNSHARD): "UNSHARD", int(Kind.RESHARD): "RESHARD"}
 # how the executor runs an OVERLAP_F_B pair's halves (Pipeline's `overlap_f_b`), its default first
 OVERLAP_MODES = ("lockstep", "concurrent", "sequential")
@@ -138,7 +137,7 @@ def simulate(schedule, costs: Mapping[str, object] | None = None, overlap: str =
 
     def record(r: int, c: int, start: float, end: float) -> None:
         # sends and receives take no rank time (their latency is `comm`): not in the timeline
-        if end > start or c & KIND_MASK in _COMPUTE:
+        if end > start or c & KIND_MASK in COMPUTE_KINDS:
             timeline[r].append((decode(c), start, end))
             busy[r] += end - start
 
