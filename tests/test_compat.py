@@ -82,7 +82,7 @@ def test_a_torch_215_loop_with_its_new_arguments_and_waits_runs_on_pipecore(sche
     (dict(max_outstanding_sends=2), "InputError", "pipecore's executor frees each send as soon as it completes"),
     (dict(max_outstanding_sends=-1), "ValueError", "max_outstanding_sends must be a non-negative integer"),
     (dict(unshard_lookahead=(1,)), "ValueError", "unshard_lookahead tuple length must equal the pipeline degree"),
-    (dict(max_active_stages=2, unshard_lookahead=(3, 1)), "ValueError", r"unshard_lookahead\[0\] must be an integer"),
+    (dict(max_active_stages=2, unshard_lookahead=(3, 1)), "ScheduleError", r"unshard_lookahead\[0\] must be an integer"),
     (dict(max_active_stages=0), "ScheduleError", "max_active_stages must be a positive integer"),
     (dict(defer_reduce_grad_wait="yes"), "TypeError", "defer_reduce_grad_wait must be True or False"),
 ])

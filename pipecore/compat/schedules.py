@@ -441,9 +441,7 @@ def _unshard_lookahead_of(lookahead, rank: int, ranks: int, max_active_stages) -
         raise ValueError(f"unshard_lookahead tuple length must equal the pipeline degree ({ranks}), got "
                          f"{len(lookahead)}")
     for r, n in enumerate(lookahead):
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_active_stages:
-            raise ValueError(f"unshard_lookahead[{r}] must be an integer within [1, max_active_stages="
-                             f"{max_active_stages}], got {n!r}")
+        check_residency(max_active_stages, n, name=f"unshard_lookahead[{r}]")
     return lookahead[rank]
 
 

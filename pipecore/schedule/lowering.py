@@ -122,15 +122,16 @@ def add_reduce_grad(row: list[int], num_stages: int | None = None) -> list[int]:
     return out
 
 
-def check_residency(max_active: int, lookahead: int | None) -> int:
+def check_residency(max_active: int, lookahead: int | None, name: str = "unshard_lookahead") -> int:
     """The FSDP2 residency options checked (ScheduleError, a ValueError): at most `max_active` stages
-    unsharded, `lookahead` (default: all of them) fetched ahead; returns the lookahead."""
+    unsharded, `lookahead` (default: all of them) fetched ahead; returns the lookahead. `name`: how the
+    error names the lookahead (one entry of torch's per-rank tuple names its index)."""
     if isinstance(max_active, bool) or not isinstance(max_active, int) or max_active < 1:
         raise ScheduleError(f"max_active_stages must be a positive integer (FSDP2 stages unsharded at once), got "
                             f"{max_active!r}")
     lookahead = max_active if lookahead is None else lookahead
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or not 1 <= lookahead <= max_active:
-        raise ScheduleError(f"unshard_lookahead must be an integer within [1, max_active_stages={max_active}] "
+        raise ScheduleError(f"{name} must be an integer within [1, max_active_stages={max_active}] "
                             f"(FSDP2 stages all-gathered ahead), got {lookahead!r}")
     return lookahead
 
