@@ -9,6 +9,10 @@ the old shapes) before it learns their status, since the host never waits for a 
 starts and puts them back when the step does not count, so the next run draws and normalises as
 if the failed or replaced pass had never run.
 
+A DTensor buffer (tensor parallelism's, e.g. a rope cache) is saved, compared and put back as the
+part this rank holds: DTensor's own `torch.equal` gathers every rank's answer over the default group,
+a collective per buffer that pipeline ranks holding different numbers of them would enter unevenly.
+
 What it cannot put back is Python state a forward changes (a counter in an attribute)."""
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+from pipecore.stage.dtensor import is_dtensor
 
 
 class Rollback:
@@ -33,7 +39,8 @@ class Rollback:
         self._cuda = sorted({d.index if d.index is not None else torch.cuda.current_device()
                              for d in devices if d.type == "cuda"})
         self._changing: list[int] = []  # slots some forward changed
-        self._copies: dict[int, torch.Tensor] = {}  # slot -> its saved value, kept from run to run
+        self._copies: dict[int, torch.Tensor] = {}  # slot -> its saved value (local part), kept from run to run
+        self._layouts: dict[int, tuple] = {}  # slot -> a DTensor buffer's (mesh, placements, shape, stride)
         self._due: bool | None = None  # save at the next forward (learning: True) or not at all (None)
         self._learning = False
         self._saved: list[int] | None = None  # the slots saved in this run; None: nothing saved
@@ -53,9 +60,9 @@ class Rollback:
         self._rng = torch.get_rng_state()
         self._cuda_rng = [torch.cuda.get_rng_state(d) for d in self._cuda]  # host state: no device wait
         self._learning = learn
-        buffers = {i: self._buffer(i) for i in (range(len(self._slots)) if learn else self._changing)}
-        buffers = {i: b for i, b in buffers.items() if b is not None}
         with torch.no_grad():
+            buffers = {i: self._buffer(i, saving=True) for i in (range(len(self._slots)) if learn else self._changing)}
+            buffers = {i: b for i, b in buffers.items() if b is not None}
             same, into = [], []
             for i, b in buffers.items():
                 if _fits(self._copies.get(i), b):
@@ -91,7 +98,7 @@ class Rollback:
                     b.copy_(copy)
                 else:  # the run rebound it to another shape or type: the saved tensor becomes the buffer
                     owner, name = self._slots[i]
-                    owner._buffers[name] = copy.clone()
+                    owner._buffers[name] = self._rebuilt(i, copy.clone())
 
     def restore_or_explain(self) -> str:
         """`restore()` for a step that failed or runs again: returns why it could not put everything
@@ -102,13 +109,31 @@ class Rollback:
             return f"pipecore: the step's RNG states and buffers could not be put back: {type(exc).__name__}: {exc}"
         return ""
 
-    def _buffer(self, i: int) -> torch.Tensor | None:
+    def _buffer(self, i: int, saving: bool = False) -> torch.Tensor | None:
+        """Slot i's buffer as this rank holds it (under no_grad: a DTensor's local tensor itself, whose
+        changes are the buffer's); `saving`: its layout is noted for `_rebuilt`."""
         owner, name = self._slots[i]
-        return owner._buffers.get(name)
+        b = owner._buffers.get(name)
+        if saving:
+            if is_dtensor(b):
+                self._layouts[i] = (b.device_mesh, tuple(b.placements), b.shape, b.stride())
+            else:
+                self._layouts.pop(i, None)
+        return b.to_local() if is_dtensor(b) else b
+
+    def _rebuilt(self, i: int, local: torch.Tensor) -> torch.Tensor:
+        """A saved local part as the buffer it was: a DTensor of its layout again (no communication)."""
+        if i not in self._layouts:
+            return local
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride = self._layouts[i]
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
     def _same(self, i: int) -> bool:
-        b, copy = self._buffer(i), self._copies[i]
-        return _fits(b, copy) and torch.equal(b, copy)
+        with torch.no_grad():
+            b, copy = self._buffer(i), self._copies[i]
+            return _fits(b, copy) and torch.equal(b, copy)
 
 
 def _fits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

@@ -1,0 +1,122 @@
+"""DTensors inside stages (tensor parallelism's buffers and parameters, as TorchTitan's llama3 holds its
+rope cache), run on gloo ranks against one process (tests/test_dtensor.py).
+
+DTensor's `torch.equal` gathers every rank's answer over the default group (DTensor dispatch:
+`all_gather_object`): any helper of pipecore's that compared such tensors entered one collective per
+tensor, and pipeline ranks holding different numbers of them (an uneven split) entered different
+numbers: every rank hung for the whole gloo timeout."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import pipecore as pc
+from exactness import assert_matches
+from models import make_batch
+
+WIDTH, CLASSES = 16, 5
+
+
+class BufferedBlock(nn.Module):
+    """A residual block whose scale is a buffer (a DTensor replicated over `mesh`, or a plain tensor
+    without one) and which counts its forwards in another (as batch norm counts its batches)."""
+
+    def __init__(self, seed: int, mesh=None):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.randn(WIDTH, WIDTH, generator=g) / WIDTH ** 0.5)
+            self.lin.bias.copy_(torch.randn(WIDTH, generator=g) / 10)
+        scale, count = 1 + torch.rand(WIDTH, generator=g), torch.zeros(())
+        if mesh is not None:
+            from torch.distributed.tensor import DTensor, Replicate
+
+            scale, count = (DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in (scale, count))
+        self.register_buffer("scale", scale)
+        self.register_buffer("count", count)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.count.add_(1)
+        scale = self.scale.to_local() if hasattr(self.scale, "to_local") else self.scale
+        return x + torch.tanh(self.lin(x)) * scale
+
+
+def buffered_model(stage_blocks: list[int], mesh=None) -> list[nn.Module]:
+    """One nn.Sequential per model stage, stage s holding stage_blocks[s] blocks; the last ends in a head."""
+    stages, seed = [], 0
+    for s, count in enumerate(stage_blocks):
+        layers: list[nn.Module] = []
+        for _ in range(count):
+            layers.append(BufferedBlock(seed, mesh))
+            seed += 1
+        if s == len(stage_blocks) - 1:
+            head = nn.Linear(WIDTH, CLASSES)
+            with torch.no_grad():
+                g = torch.Generator().manual_seed(1000)
+                head.weight.copy_(torch.randn(CLASSES, WIDTH, generator=g) / WIDTH ** 0.5)
+                head.bias.zero_()
+            layers.append(head)
+        stages.append(nn.Sequential(*layers))
+    return stages
+
+
+def dtensor_buffers_in_uneven_stages(rank, world, name, stage_blocks, rows=(8, 12, 12)):
+    """Schedule `name` over stages holding different numbers of DTensor buffers, a step per entry of
+    `rows`: every gradient and loss as one process computes them (float64), and each forward counted once
+    per microbatch (a step whose batch changed shape runs again: the counts its first pass added are put
+    back)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    sched = pc.build_schedule(name, world, 4, len(stage_blocks) // world)
+    assert sched.num_stages == len(stage_blocks)
+    model, ref = buffered_model(stage_blocks, mesh), buffered_model(stage_blocks)
+    mine = [pc.PipelineStage(model[s], s, sched.num_stages) for s in sched.rank_stages(rank)]
+    loss_fn = nn.CrossEntropyLoss()
+    pipe = pc.Pipeline(mine, sched, 4, loss_fn=loss_fn, timeout=60)
+    worst = 0.0
+    for step, n in enumerate(rows):
+        x, y = make_batch(n, WIDTH, CLASSES, seed=step + 1)
+        losses: list = []
+        pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None, losses=losses)
+        value = x
+        for stage in ref:
+            value = stage(value)
+        loss_fn(value, y).backward()
+        for s in mine:
+            for (n, p), (_, q) in zip(s.module.named_parameters(), ref[s.stage_index].named_parameters()):
+                worst = max(worst, assert_matches(p.grad, q.grad, f"rank {rank} stage {s.stage_index} {n} step {step}"))
+                p.grad, q.grad = None, None
+        if pipe.has_last:
+            assert_matches(torch.stack(losses).mean(), loss_fn(value, y).detach(), f"rank {rank} loss step {step}")
+    counts = {int(b.count.to_local()) for s in mine for b in s.module if isinstance(b, BufferedBlock)}
+    assert counts == {4 * len(rows)}, counts  # 4 microbatches a step, each forward once
+    return worst
+
+
+def dtensor_buffer_rebound_is_put_back(rank, world):
+    """A step that does not count and rebound a DTensor buffer to another shape: the saved one comes back
+    as a DTensor of its layout, with its values."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from pipecore.runtime.rollback import Rollback
+
+    mesh = init_device_mesh("cpu", (world,))
+    block = BufferedBlock(0, mesh)
+    block.register_buffer("rows", DTensor.from_local(torch.arange(3.0) + 3 * rank, mesh, [Shard(0)], run_check=False))
+    before = {n: (b.to_local().clone(), b.placements, b.shape) for n, b in block.named_buffers()}
+    rollback = Rollback([block], [torch.device("cpu")])
+    rollback.arm(learn=True)
+    rollback.before_forward()
+    block.count.add_(5)  # changed in place
+    block.rows = DTensor.from_local(torch.zeros(2), mesh, [Replicate()], run_check=False)  # rebound: other shape
+    rollback.restore()
+    for n, b in block.named_buffers():
+        local, placements, shape = before[n]
+        assert isinstance(b, DTensor) and b.placements == placements and b.shape == shape, (n, b)
+        assert torch.equal(b.to_local(), local), (n, b.to_local(), local)
+    return True

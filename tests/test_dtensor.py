@@ -1,0 +1,20 @@
+"""DTensors inside stages: no collective hidden in pipecore's own bookkeeping (tests/dtensor_cases.py)."""
+
+import pytest
+
+from dist_pool import pool
+from dtensor_cases import dtensor_buffer_rebound_is_put_back, dtensor_buffers_in_uneven_stages
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("name, stage_blocks", [("1f1b", [3, 1]), ("zbv", [3, 1, 2, 1]), ("interleaved_1f1b", [1, 3, 2, 2]),
+                                                ("dualpipev", [2, 1, 1, 3])])
+def test_dtensor_buffers_in_uneven_stages_train_as_one_process(name, stage_blocks):
+    """Pipeline ranks holding different numbers of DTensor buffers (TorchTitan's rope cache under tensor
+    parallelism; here replicated over the world): the step learns which buffers forwards change without
+    a collective of DTensor's (it hung on every rank for the whole timeout), and trains as one process."""
+    pool(2).run(dtensor_buffers_in_uneven_stages, name, stage_blocks, timeout=120)
+
+
+def test_a_rebound_dtensor_buffer_is_put_back_as_a_dtensor():
+    assert pool(2).run(dtensor_buffer_rebound_is_put_back) == [True, True]
