@@ -120,3 +120,73 @@ def dtensor_buffer_rebound_is_put_back(rank, world):
         assert isinstance(b, DTensor) and b.placements == placements and b.shape == shape, (n, b)
         assert torch.equal(b.to_local(), local), (n, b.to_local(), local)
     return True
+
+
+class TPBlock(nn.Module):
+    """A residual MLP block, tensor-parallel when given a mesh: its first Linear column-wise, its second
+    row-wise (Megatron's split, torch's ColwiseParallel/RowwiseParallel), so its weights' gradients are
+    DTensors sharded over the TP mesh and what it returns is a plain tensor."""
+
+    def __init__(self, seed: int, tp_mesh=None):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.up, self.down = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH)
+        with torch.no_grad():
+            for lin in (self.up, self.down):
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) / lin.in_features ** 0.5)
+                lin.bias.copy_(torch.randn(lin.bias.shape, generator=g) / 10)
+        if tp_mesh is not None:
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            parallelize_module(self, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+def tp_stages(stage_blocks: list[int], tp_mesh=None) -> list[nn.Module]:
+    stages, seed = [], 0
+    for s, count in enumerate(stage_blocks):
+        layers: list[nn.Module] = []
+        for _ in range(count):
+            layers.append(TPBlock(seed, tp_mesh))
+            seed += 1
+        if s == len(stage_blocks) - 1:
+            g = torch.Generator().manual_seed(1000)
+            head = nn.Linear(WIDTH, CLASSES)
+            with torch.no_grad():
+                head.weight.copy_(torch.randn(CLASSES, WIDTH, generator=g) / WIDTH ** 0.5)
+                head.bias.zero_()
+            layers.append(head)
+        stages.append(nn.Sequential(*layers))
+    return stages
+
+
+def clipped_tensor_parallel_gradients(rank, world, name, stage_blocks, max_norm_ratio=0.5):
+    """TP=2 x PP=world/2: pc.clip_grad_norm_ over stages whose weights are TP-sharded DTensors returns one
+    process's norm on every rank and scales every gradient as one process's clipping does."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("pp", "tp"))
+    pp_group, pp_rank = mesh["pp"].get_group(), mesh["pp"].get_local_rank()
+    sched = pc.build_schedule(name, world // 2, 4, len(stage_blocks) // (world // 2))
+    model, ref = tp_stages(stage_blocks, mesh["tp"]), tp_stages(stage_blocks)
+    mine = [pc.PipelineStage(model[s], s, sched.num_stages, group=pp_group) for s in sched.rank_stages(pp_rank)]
+    loss_fn = nn.CrossEntropyLoss()
+    pipe = pc.Pipeline(mine, sched, 4, loss_fn=loss_fn, group=pp_group, timeout=60)
+    x, y = make_batch(8, WIDTH, CLASSES, seed=1)
+    pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
+    value = x
+    for stage in ref:
+        value = stage(value)
+    loss_fn(value, y).backward()
+    ref_params = [p for stage in ref for p in stage.parameters()]
+    whole = torch.nn.utils.get_total_norm([p.grad for p in ref_params])
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, max_norm_ratio * float(whole))
+    norm = pc.clip_grad_norm_(pipe, max_norm_ratio * float(whole))
+    assert_matches(torch.as_tensor(norm).reshape(()), ref_norm, f"rank {rank}: the gradients' norm")
+    for s in mine:
+        for (n, p), (_, q) in zip(s.module.named_parameters(), ref[s.stage_index].named_parameters()):
+            got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            assert_matches(got, q.grad, f"rank {rank} stage {s.stage_index} {n} after clipping")
+    return float(norm)

@@ -3,12 +3,13 @@
 import pytest
 
 from dist_pool import pool
-from dtensor_cases import dtensor_buffer_rebound_is_put_back, dtensor_buffers_in_uneven_stages
+from dtensor_cases import (clipped_tensor_parallel_gradients, dtensor_buffer_rebound_is_put_back,
+                           dtensor_buffers_in_uneven_stages)
 
 
 @pytest.mark.exactness
-@pytest.mark.parametrize("name, stage_blocks", [("1f1b", [3, 1]), ("zbv", [3, 1, 2, 1]), ("interleaved_1f1b", [1, 3, 2, 2]),
-                                                ("dualpipev", [2, 1, 1, 3])])
+@pytest.mark.parametrize("name, stage_blocks", [("1f1b", [3, 1]), ("zbv", [3, 1, 2, 1]),
+                                                ("interleaved_1f1b", [1, 3, 2, 2]), ("dualpipev", [2, 1, 1, 3])])
 def test_dtensor_buffers_in_uneven_stages_train_as_one_process(name, stage_blocks):
     """Pipeline ranks holding different numbers of DTensor buffers (TorchTitan's rope cache under tensor
     parallelism; here replicated over the world): the step learns which buffers forwards change without
@@ -18,3 +19,12 @@ def test_dtensor_buffers_in_uneven_stages_train_as_one_process(name, stage_block
 
 def test_a_rebound_dtensor_buffer_is_put_back_as_a_dtensor():
     assert pool(2).run(dtensor_buffer_rebound_is_put_back) == [True, True]
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("name, stage_blocks", [("1f1b", [2, 1]), ("zbv", [1, 2, 1, 1])])
+def test_clipping_tensor_parallel_gradients_is_one_process_clipping(name, stage_blocks):
+    """TP=2 x PP=2 (4 ranks), weights sharded over the TP mesh: the norm pc.clip_grad_norm_ returns and
+    the gradients it leaves are one process's."""
+    norms = pool(4).run(clipped_tensor_parallel_gradients, name, stage_blocks, timeout=180)
+    assert len(set(norms)) == 1, norms

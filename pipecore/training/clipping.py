@@ -1,15 +1,16 @@
 """`pc.clip_grad_norm_(pipe, max_norm)`: `torch.nn.utils.clip_grad_norm_` over the whole model: the
 norm over every stage on every rank, a tied weight and a dualpipe stage's mirrored copy counted
 once, equal on every rank. With data parallel replicas (`dp_group=`) the replicas' gradients are
-equal after the step, except FSDP2's sharded ones, whose shards' norms are summed over the dp group
-first.
+equal after the step. A DTensor gradient (FSDP2's, tensor parallelism's) counts as this rank's part
+of it, summed over the mesh dimensions it is sharded on (FSDP2's data-parallel ranks, the TP ranks)
+and not over those it is replicated on; the pipeline's ranks then sum their stages'.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pipecore.stage.dtensor import is_sharded, local_part
+from pipecore.stage.dtensor import is_dtensor, local_part
 
 
 def clip_grad_norm_(pipe, max_norm: float, norm_type: float = 2.0,
@@ -28,18 +29,17 @@ def clip_grad_norm_(pipe, max_norm: float, norm_type: float = 2.0,
     if not norm_type > 0:
         raise ValueError(f"norm_type must be positive (2.0, 1.0 or inf), got {norm_type}")
     counted, every = _grads_to_norm(pipe)
-    comm, dp = pipe.comm, pipe.gradients.dp
+    comm = pipe.comm
     device = comm.device_for()
     inf = norm_type == float("inf")
-    sharded = [local_part(g) for g in counted if is_sharded(g)]
-    local = _norm_part([g for g in counted if not is_sharded(g)], norm_type, device)
-    if sharded:  # FSDP2 stages: each replica holds a shard of the gradient (a wrapper over this rank
-        # alone: all of it); the shards' norms are summed over the replicas, the same on each
-        part = _norm_part(sharded, norm_type, device if dp is None else comm.device_for(dp.group))
-        if dp is not None:
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    for groups, grads in _by_sharding(counted).items():
+        part = _norm_part(grads, norm_type, comm.device_for(groups[0]) if groups else device)
+        for group in groups:  # the other parts of these gradients: every rank of the group holds the same stages
             part = comm.all_reduce_tensor(part.reshape(1), "max" if inf else "sum",
-                                          "clip_grad_norm_: summing the sharded gradients' norms over the "
-                                          "data-parallel group (call it on every rank)", group=dp.group)[0].to(device)
+                                          "clip_grad_norm_: summing the norms of gradients sharded over a device "
+                                          "mesh (call it on every rank)", group=group)[0]
+        part = part.to(device)
         local = torch.maximum(local, part) if inf else local + part
     local = local.reshape(1)
     if pipe.world > 1:
@@ -63,6 +63,24 @@ def _norm_part(grads: list[torch.Tensor], norm_type: float, device: torch.device
         return torch.zeros((), dtype=torch.float64, device=device)
     norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).to(device) for g in grads]).double()
     return norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
+
+
+def _by_sharding(grads: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    """`grads` as the parts this rank holds, by the process groups of the mesh dimensions each is
+    sharded on (() for a plain or replicated one: this rank holds all of it), in first-seen order."""
+    out: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        groups: tuple = ()
+        if is_dtensor(g):
+            if any(p.is_partial() for p in g.placements):
+                raise ValueError(f"clip_grad_norm_: a gradient is a DTensor with a Partial placement ({g.placements}): "
+                                 "its parts are unreduced sums whose norm no rank can tell; reduce it first "
+                                 "(redistribute to Shard or Replicate)")
+            mesh = g.device_mesh
+            groups = tuple(mesh.get_group(d) for d, p in enumerate(g.placements)
+                           if p.is_shard() and mesh.size(d) > 1)
+        out.setdefault(groups, []).append(local_part(g))
+    return out
 
 
 def _is_pipeline(obj) -> bool:
