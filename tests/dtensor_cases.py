@@ -98,8 +98,8 @@ def dtensor_buffers_in_uneven_stages(rank, world, name, stage_blocks, rows=(8, 1
 
 
 def dtensor_buffer_rebound_is_put_back(rank, world):
-    """A step that does not count and rebound a DTensor buffer to another shape: the saved one comes back
-    as a DTensor of its layout, with its values."""
+    """A step that does not count and rebound DTensor buffers, one to another shape, one to another layout
+    of the same local shape: the saved ones come back as DTensors of their layouts, with their values."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -114,6 +114,7 @@ def dtensor_buffer_rebound_is_put_back(rank, world):
     rollback.before_forward()
     block.count.add_(5)  # changed in place
     block.rows = DTensor.from_local(torch.zeros(2), mesh, [Replicate()], run_check=False)  # rebound: other shape
+    block.scale = DTensor.from_local(torch.zeros(WIDTH), mesh, [Shard(0)], run_check=False)  # other layout
     rollback.restore()
     for n, b in block.named_buffers():
         local, placements, shape = before[n]
@@ -190,3 +191,49 @@ def clipped_tensor_parallel_gradients(rank, world, name, stage_blocks, max_norm_
             got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             assert_matches(got, q.grad, f"rank {rank} stage {s.stage_index} {n} after clipping")
     return float(norm)
+
+
+def sharded_gradient_norms(rank, world):
+    """The global norm's share that clipping computes (`stages_norm_part`) for gradients of every layout a
+    tensor-parallel or FSDP2 stage gives, on a dp=2 x tp=2 mesh, against the norm of the whole tensors:
+    TP-sharded (Shard(0), Shard(1), uneven, a shard of no entries), replicated on one mesh dimension and
+    sharded on the other, FSDP2 over TP (fully_shard of a ColwiseParallel Linear: _StridedShard, which is no
+    Shard), and Partial (unreduced sums). Norms 2, 1 and inf."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from pipecore.executor.comm import Comm
+    from pipecore.training.clipping import stages_norm_part
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    g = torch.Generator().manual_seed(7)
+    full = [torch.randn(6, 4, generator=g), torch.randn(5, 3, generator=g), torch.randn(3, generator=g),
+            torch.randn(1, generator=g), torch.randn(4, 6, generator=g)]
+    grads = [distribute_tensor(full[0], mesh["tp"], [Shard(0)]), distribute_tensor(full[1], mesh["tp"], [Shard(1)]),
+             distribute_tensor(full[2], mesh["tp"], [Shard(0)]),  # uneven: 2 and 1 entries
+             distribute_tensor(full[3], mesh["tp"], [Shard(0)]),  # one rank holds no entry
+             distribute_tensor(full[4], mesh, [Replicate(), Shard(1)])]
+    lin = nn.Linear(4, 8)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(8, 4, generator=g))
+        full.append(lin.weight.detach().clone())
+    parallelize_module(lin, mesh["tp"], ColwiseParallel())
+    fully_shard(lin, mesh=mesh["dp"])
+    strided = lin.weight.detach()
+    assert not any(p.is_replicate() or p.is_shard() for p in strided.placements[:1]), strided.placements
+    grads.append(strided)
+    partial_full = torch.randn(2, 3, generator=g)
+    full.append(partial_full)  # the sum of the ranks' parts below
+    tp_rank = mesh["tp"].get_local_rank()
+    part = partial_full * (0.25 if tp_rank == 0 else 0.75)
+    grads.append(DTensor.from_local(part, mesh["tp"], [Partial()], run_check=False))
+    comm = Comm(torch.distributed.group.WORLD, 60.0, torch.device("cpu"))
+    worst = 0.0
+    for norm_type in (2.0, 1.0, float("inf")):
+        got = stages_norm_part(grads, norm_type, comm)
+        norms = torch.stack([torch.linalg.vector_norm(t.double(), norm_type) for t in full])
+        want = norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
+        worst = max(worst, assert_matches(got, want, f"rank {rank}: the norm's share of order {norm_type}"))
+    return worst

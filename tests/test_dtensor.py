@@ -4,7 +4,7 @@ import pytest
 
 from dist_pool import pool
 from dtensor_cases import (clipped_tensor_parallel_gradients, dtensor_buffer_rebound_is_put_back,
-                           dtensor_buffers_in_uneven_stages)
+                           dtensor_buffers_in_uneven_stages, sharded_gradient_norms)
 
 
 @pytest.mark.exactness
@@ -28,3 +28,10 @@ def test_clipping_tensor_parallel_gradients_is_one_process_clipping(name, stage_
     the gradients it leaves are one process's."""
     norms = pool(4).run(clipped_tensor_parallel_gradients, name, stage_blocks, timeout=180)
     assert len(set(norms)) == 1, norms
+
+
+@pytest.mark.exactness
+def test_clipping_counts_every_gradient_layout_once():
+    """Clipping's share of the norm over TP-sharded, uneven, empty, replicated-and-sharded, FSDP2-over-TP
+    (_StridedShard) and Partial DTensor gradients on a dp=2 x tp=2 mesh: the norm of the whole tensors."""
+    pool(4).run(sharded_gradient_norms, timeout=180)

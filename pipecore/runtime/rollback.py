@@ -40,7 +40,7 @@ class Rollback:
                              for d in devices if d.type == "cuda"})
         self._changing: list[int] = []  # slots some forward changed
         self._copies: dict[int, torch.Tensor] = {}  # slot -> its saved value (local part), kept from run to run
-        self._layouts: dict[int, tuple] = {}  # slot -> a DTensor buffer's (mesh, placements, shape, stride)
+        self._layouts: dict[int, tuple | None] = {}  # slot -> its layout when saved (`_layout`; None: no DTensor)
         self._due: bool | None = None  # save at the next forward (learning: True) or not at all (None)
         self._learning = False
         self._saved: list[int] | None = None  # the slots saved in this run; None: nothing saved
@@ -94,9 +94,9 @@ class Rollback:
         with torch.no_grad():
             for i in self._saved:
                 b, copy = self._buffer(i), self._copies[i]
-                if _fits(b, copy):
+                if self._as_saved(i, b):
                     b.copy_(copy)
-                else:  # the run rebound it to another shape or type: the saved tensor becomes the buffer
+                else:  # the run rebound it to another shape, type or layout: the saved tensor becomes the buffer
                     owner, name = self._slots[i]
                     owner._buffers[name] = self._rebuilt(i, copy.clone())
 
@@ -115,15 +115,18 @@ class Rollback:
         owner, name = self._slots[i]
         b = owner._buffers.get(name)
         if saving:
-            if is_dtensor(b):
-                self._layouts[i] = (b.device_mesh, tuple(b.placements), b.shape, b.stride())
-            else:
-                self._layouts.pop(i, None)
+            self._layouts[i] = _layout(b)
         return b.to_local() if is_dtensor(b) else b
+
+    def _as_saved(self, i: int, held: torch.Tensor | None) -> bool:
+        """Is slot i's buffer, whose local part is `held`, laid out as when it was saved (the saved
+        values can be copied into it)?"""
+        owner, name = self._slots[i]
+        return _fits(held, self._copies[i]) and _layout(owner._buffers.get(name)) == self._layouts.get(i)
 
     def _rebuilt(self, i: int, local: torch.Tensor) -> torch.Tensor:
         """A saved local part as the buffer it was: a DTensor of its layout again (no communication)."""
-        if i not in self._layouts:
+        if self._layouts.get(i) is None:
             return local
         from torch.distributed.tensor import DTensor
 
@@ -133,7 +136,12 @@ class Rollback:
     def _same(self, i: int) -> bool:
         with torch.no_grad():
             b, copy = self._buffer(i), self._copies[i]
-            return _fits(b, copy) and torch.equal(b, copy)
+            return self._as_saved(i, b) and torch.equal(b, copy)
+
+
+def _layout(t: torch.Tensor | None) -> tuple | None:
+    """A DTensor's layout (mesh, placements, global shape and stride); None for any other tensor."""
+    return (t.device_mesh, tuple(t.placements), t.shape, t.stride()) if is_dtensor(t) else None
 
 
 def _fits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

@@ -30,18 +30,8 @@ def clip_grad_norm_(pipe, max_norm: float, norm_type: float = 2.0,
         raise ValueError(f"norm_type must be positive (2.0, 1.0 or inf), got {norm_type}")
     counted, every = _grads_to_norm(pipe)
     comm = pipe.comm
-    device = comm.device_for()
     inf = norm_type == float("inf")
-    local = torch.zeros((), dtype=torch.float64, device=device)
-    for groups, grads in _by_sharding(counted).items():
-        part = _norm_part(grads, norm_type, comm.device_for(groups[0]) if groups else device)
-        for group in groups:  # the other parts of these gradients: every rank of the group holds the same stages
-            part = comm.all_reduce_tensor(part.reshape(1), "max" if inf else "sum",
-                                          "clip_grad_norm_: summing the norms of gradients sharded over a device "
-                                          "mesh (call it on every rank)", group=group)[0]
-        part = part.to(device)
-        local = torch.maximum(local, part) if inf else local + part
-    local = local.reshape(1)
+    local = stages_norm_part(counted, norm_type, comm).reshape(1)
     if pipe.world > 1:
         local = comm.all_reduce_tensor(local, "max" if inf else "sum",
                                        "clip_grad_norm_: summing the gradient norms of every rank (call it on every rank)")
@@ -57,8 +47,29 @@ def clip_grad_norm_(pipe, max_norm: float, norm_type: float = 2.0,
     return total.to(local_part(every[0]).device) if every else total
 
 
+def stages_norm_part(grads: list[torch.Tensor], norm_type: float, comm) -> torch.Tensor:
+    """This rank's stages' share of the global norm of `grads` (max |g| for inf, else the sum of |g|^p),
+    a float64 scalar on the pipeline's collective device: each DTensor gradient's parts summed over the
+    mesh groups it is sharded on. Every rank of such a group holds the same stages, so all enter the
+    same all-reduces in the same order."""
+    inf = norm_type == float("inf")
+    device = comm.device_for()
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    for groups, parts in _by_sharding(grads).items():
+        part = _norm_part(parts, norm_type, device)
+        for group in groups:
+            part = comm.all_reduce_tensor(part.to(comm.device_for(group)).reshape(1), "max" if inf else "sum",
+                                          "clip_grad_norm_: summing the norms of gradients sharded over a device "
+                                          "mesh (call it on every rank)", group=group)[0]
+        part = part.to(device)
+        local = torch.maximum(local, part) if inf else local + part
+    return local
+
+
 def _norm_part(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """max |g| (inf) or the sum of |g|^p over `grads`, as a float64 scalar on `device`."""
+    """max |g| (inf) or the sum of |g|^p over `grads`, as a float64 scalar on `device` (a shard of no
+    entries adds nothing: the inf norm of an empty tensor is an error)."""
+    grads = [g for g in grads if g.numel()]
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
     norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).to(device) for g in grads]).double()
@@ -67,18 +78,21 @@ def _norm_part(grads: list[torch.Tensor], norm_type: float, device: torch.device
 
 def _by_sharding(grads: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
     """`grads` as the parts this rank holds, by the process groups of the mesh dimensions each is
-    sharded on (() for a plain or replicated one: this rank holds all of it), in first-seen order."""
+    split over (() for a plain or replicated one: this rank holds all of it), in first-seen order.
+    Every placement but Replicate splits: Shard, and FSDP2-over-TP's _StridedShard (not a Shard, and
+    its is_shard() is False). A Partial gradient (unreduced sums) is reduced into a copy first: the
+    norm is of the sum."""
     out: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         groups: tuple = ()
         if is_dtensor(g):
-            if any(p.is_partial() for p in g.placements):
-                raise ValueError(f"clip_grad_norm_: a gradient is a DTensor with a Partial placement ({g.placements}): "
-                                 "its parts are unreduced sums whose norm no rank can tell; reduce it first "
-                                 "(redistribute to Shard or Replicate)")
-            mesh = g.device_mesh
+            mesh, placements = g.device_mesh, g.placements
+            if any(p.is_partial() for p in placements):
+                from torch.distributed.tensor import Replicate
+
+                g = g.redistribute(mesh, [Replicate() if p.is_partial() else p for p in placements])
             groups = tuple(mesh.get_group(d) for d, p in enumerate(g.placements)
-                           if p.is_shard() and mesh.size(d) > 1)
+                           if not p.is_replicate() and mesh.size(d) > 1)
         out.setdefault(groups, []).append(local_part(g))
     return out
 
