@@ -44,13 +44,14 @@ class BufferedBlock(nn.Module):
         return x + torch.tanh(self.lin(x)) * scale
 
 
-def buffered_model(stage_blocks: list[int], mesh=None) -> list[nn.Module]:
-    """One nn.Sequential per model stage, stage s holding stage_blocks[s] blocks; the last ends in a head."""
+def staged_model(stage_blocks: list[int], block) -> list[nn.Module]:
+    """One nn.Sequential per model stage, stage s holding stage_blocks[s] blocks `block(seed)` (seeds 0, 1,
+    ... in model order); the last ends in a head."""
     stages, seed = [], 0
     for s, count in enumerate(stage_blocks):
         layers: list[nn.Module] = []
         for _ in range(count):
-            layers.append(BufferedBlock(seed, mesh))
+            layers.append(block(seed))
             seed += 1
         if s == len(stage_blocks) - 1:
             head = nn.Linear(WIDTH, CLASSES)
@@ -73,7 +74,8 @@ def dtensor_buffers_in_uneven_stages(rank, world, name, stage_blocks, rows=(8, 1
     mesh = init_device_mesh("cpu", (world,))
     sched = pc.build_schedule(name, world, 4, len(stage_blocks) // world)
     assert sched.num_stages == len(stage_blocks)
-    model, ref = buffered_model(stage_blocks, mesh), buffered_model(stage_blocks)
+    model = staged_model(stage_blocks, lambda seed: BufferedBlock(seed, mesh))
+    ref = staged_model(stage_blocks, BufferedBlock)
     mine = [pc.PipelineStage(model[s], s, sched.num_stages) for s in sched.rank_stages(rank)]
     loss_fn = nn.CrossEntropyLoss()
     pipe = pc.Pipeline(mine, sched, 4, loss_fn=loss_fn, timeout=60)
@@ -145,24 +147,6 @@ class TPBlock(nn.Module):
         return x + self.down(torch.tanh(self.up(x)))
 
 
-def tp_stages(stage_blocks: list[int], tp_mesh=None) -> list[nn.Module]:
-    stages, seed = [], 0
-    for s, count in enumerate(stage_blocks):
-        layers: list[nn.Module] = []
-        for _ in range(count):
-            layers.append(TPBlock(seed, tp_mesh))
-            seed += 1
-        if s == len(stage_blocks) - 1:
-            g = torch.Generator().manual_seed(1000)
-            head = nn.Linear(WIDTH, CLASSES)
-            with torch.no_grad():
-                head.weight.copy_(torch.randn(CLASSES, WIDTH, generator=g) / WIDTH ** 0.5)
-                head.bias.zero_()
-            layers.append(head)
-        stages.append(nn.Sequential(*layers))
-    return stages
-
-
 def clipped_tensor_parallel_gradients(rank, world, name, stage_blocks, max_norm_ratio=0.5):
     """TP=2 x PP=world/2: pc.clip_grad_norm_ over stages whose weights are TP-sharded DTensors returns one
     process's norm on every rank and scales every gradient as one process's clipping does."""
@@ -171,7 +155,8 @@ def clipped_tensor_parallel_gradients(rank, world, name, stage_blocks, max_norm_
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("pp", "tp"))
     pp_group, pp_rank = mesh["pp"].get_group(), mesh["pp"].get_local_rank()
     sched = pc.build_schedule(name, world // 2, 4, len(stage_blocks) // (world // 2))
-    model, ref = tp_stages(stage_blocks, mesh["tp"]), tp_stages(stage_blocks)
+    model = staged_model(stage_blocks, lambda seed: TPBlock(seed, mesh["tp"]))
+    ref = staged_model(stage_blocks, TPBlock)
     mine = [pc.PipelineStage(model[s], s, sched.num_stages, group=pp_group) for s in sched.rank_stages(pp_rank)]
     loss_fn = nn.CrossEntropyLoss()
     pipe = pc.Pipeline(mine, sched, 4, loss_fn=loss_fn, group=pp_group, timeout=60)
