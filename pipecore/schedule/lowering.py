@@ -186,7 +186,6 @@ def add_unshard_reshard(row: list[int], sharded: frozenset[int], max_active: int
     return out
 
 
-
 def add_waits(row: list[int], defer_reduce_grad_wait: bool = False) -> list[int]:
     """torch 2.15's explicit waits in a lowered row (its `_add_wait_send` and `_add_reduce_grad`
     rules), for schedules handed to torch or written for it: WAIT_SEND_F of (stage, microbatch)
