@@ -18,11 +18,6 @@ def is_dtensor(t) -> bool:
     return dt is not None and isinstance(t, dt.DTensor)
 
 
-def is_sharded(t: torch.Tensor) -> bool:
-    """A DTensor sharded over some mesh dimension (an FSDP2 parameter or gradient)."""
-    return is_dtensor(t) and any(isinstance(p, _module().Shard) for p in t.placements)
-
-
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """What this rank holds of `t`: a DTensor's local shard, any other tensor itself."""
     return t.to_local() if is_dtensor(t) else t
