@@ -1,10 +1,10 @@
 """DTensors inside stages (tensor parallelism's buffers and parameters, as TorchTitan's llama3 holds its
 rope cache), run on gloo ranks against one process (tests/test_dtensor.py).
 
-DTensor's `torch.equal` gathers every rank's answer over the default group (DTensor dispatch:
-`all_gather_object`): any helper of pipecore's that compared such tensors entered one collective per
-tensor, and pipeline ranks holding different numbers of them (an uneven split) entered different
-numbers: every rank hung for the whole gloo timeout."""
+DTensor's `torch.equal` reduces every rank's answer over the default group (an all-reduce in DTensor's
+dispatch): any helper of pipecore's that compared such tensors entered one collective per tensor, and
+pipeline ranks holding different numbers of them (an uneven split) entered different numbers: the ranks
+failed or hung."""
 
 from __future__ import annotations
 

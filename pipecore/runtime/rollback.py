@@ -10,7 +10,7 @@ starts and puts them back when the step does not count, so the next run draws an
 if the failed or replaced pass had never run.
 
 A DTensor buffer (tensor parallelism's, e.g. a rope cache) is saved, compared and put back as the
-part this rank holds: DTensor's own `torch.equal` gathers every rank's answer over the default group,
+part this rank holds: DTensor's own `torch.equal` reduces every rank's answer over the default group,
 a collective per buffer that pipeline ranks holding different numbers of them would enter unevenly.
 
 What it cannot put back is Python state a forward changes (a counter in an attribute)."""
