@@ -12,7 +12,8 @@ its seconds and what it saw. Exit status 1 if a check failed.
   stopped rank (2 GPUs)                  kill -STOP of a rank: CommunicationError with the abort
   growth past 8 MiB, complex64 boundary, variable_shapes on one rank (2 GPUs): .ci/gpu_cases.py
 
-`--cpu` runs the multi-rank parts on 2 CPU processes over gloo (the script's own dry run).
+`--cpu` runs the multi-rank parts on 2 CPU processes over gloo (the script's own dry run). The table also goes
+to build/gpu-check/table.txt and every command's output to build/gpu-check/output.log (`--out` moves both).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEDULES = [("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2), ("dualpipev", 2)]
+OUTPUTS: list[str] = []  # every command run and what it printed, for output.log
 
 
 def descendants(pid: int) -> list[int]:
@@ -65,13 +67,15 @@ def run(cmd, timeout, env=None):
                             env={**os.environ, **(env or {})})
     try:
         out, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, out
+        code = proc.returncode
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)  # a stopped rank holds the output open
         out, _ = proc.communicate()
-        return None, out
+        code = None
     finally:
         kill_tree(proc.pid)
+    OUTPUTS.append(f"$ {' '.join(map(str, cmd))}\n(exit {code})\n{out}\n")
+    return code, out
 
 
 def torchrun(args, timeout, env=None):
@@ -82,6 +86,8 @@ def torchrun(args, timeout, env=None):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="the multi-rank parts on CPU processes over gloo")
+    ap.add_argument("--out", default=os.path.join(ROOT, "build", "gpu-check"),
+                    help="folder for table.txt and output.log (default: build/gpu-check)")
     args = ap.parse_args()
     import torch
 
@@ -107,9 +113,9 @@ def main() -> int:
                      (problem or "").removeprefix("ok: ")))
 
     def test_cuda():
-        code, out = run([sys.executable, "-m", "pytest", "-q", "tests/test_cuda.py"], 240)
+        code, out = run([sys.executable, "-m", "pytest", "-q", "-rfEs", "tests/test_cuda.py"], 240)
         tail = out.strip().splitlines()[-1] if out.strip() else ""
-        return "" if code == 0 else f"exit {code}: {tail}"
+        return f"ok: {tail}" if code == 0 else f"exit {code}: {tail}"
 
     check("tests/test_cuda.py", test_cuda, skip=None if gpus else "no CUDA GPU")
 
@@ -183,9 +189,16 @@ def main() -> int:
     check("variable_shapes on one rank only", lambda: case("shapes_on_one_rank"), needs_two=True)
 
     width = max(len(r[0]) for r in rows)
-    print(f"\n{'check':<{width}}  {'result':<7}  {'s':>6}  detail")
-    for name, result, seconds, detail in rows:
-        print(f"{name:<{width}}  {result:<7}  {seconds:6.1f}  {detail}")
+    table = [f"{'check':<{width}}  {'result':<7}  {'s':>6}  detail"]
+    table += [f"{name:<{width}}  {result:<7}  {seconds:6.1f}  {detail}" for name, result, seconds, detail in rows]
+    print("\n" + "\n".join(table))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "table.txt"), "w") as f:
+        f.write(f"torch {torch.__version__}, {gpus} GPU(s)"
+                f"{': ' + torch.cuda.get_device_name() if gpus else ''}\n" + "\n".join(table) + "\n")
+    with open(os.path.join(args.out, "output.log"), "w") as f:
+        f.writelines(OUTPUTS)
+    print(f"table: {os.path.join(args.out, 'table.txt')}, every command's output: {os.path.join(args.out, 'output.log')}")
     return 1 if any(r[1] == "FAIL" for r in rows) else 0
 
 
