@@ -39,7 +39,7 @@ void Executor::set_links(int64_t stage, int64_t next_local, int64_t prev_local) 
 }
 
 void Executor::set_program(std::vector<int64_t> flat, std::vector<std::string> labels) {
-  program_.load(flat, std::move(labels), grid_, [this](int64_t stage) { return evented(stage); });
+  program_.load(flat, std::move(labels), grid_, rank_, [this](int64_t stage) { return evented(stage); });
 }
 
 std::vector<uint8_t> Executor::stage_mask(const std::vector<int64_t>& stages) const {

@@ -71,22 +71,24 @@ void derive_pairs(Program& p) {
 }
 
 // A batch: a run of consecutive SEND/RECV actions; in a discovery run, also cut before each receive
-// of activations (p2p_order.py, rules 1 and 5).
-void derive_batches(Program& p) {
+// of activations from another rank (p2p_order.py, rules 1 and 5; a receive from `rank` itself stays
+// with its send: NCCL refuses a send to self without its receive in the same group).
+void derive_batches(Program& p, int64_t rank) {
   p.batch_end.assign(p.size(), 0);
   p.learning_end.assign(p.size(), 0);
   for (size_t i = p.size(); i-- > 0;) {
     if (!is_comm(p[i].op)) continue;
     const bool next_comm = i + 1 < p.size() && p.batch_end[i + 1] != 0;
     p.batch_end[i] = next_comm ? p.batch_end[i + 1] : i + 1;
-    p.learning_end[i] = next_comm && p[i + 1].op != kRecvF ? p.learning_end[i + 1] : i + 1;
+    const bool cut = next_comm && p[i + 1].op == kRecvF && p[i + 1].peer != rank;
+    p.learning_end[i] = next_comm && !cut ? p.learning_end[i + 1] : i + 1;
   }
 }
 
 }  // namespace
 
 void Program::load(const std::vector<int64_t>& flat, std::vector<std::string> names, const SlotGrid& grid,
-                   const std::function<bool(int64_t)>& runs_whole) {
+                   int64_t rank, const std::function<bool(int64_t)>& runs_whole) {
   constexpr size_t n = kInstructionFields;
   TORCH_CHECK(flat.size() % n == 0, "pipecore: program must hold ", n, " integers per instruction");
   std::vector<Instr> loaded;
@@ -109,7 +111,7 @@ void Program::load(const std::vector<int64_t>& flat, std::vector<std::string> na
   derive_waits_next(p, grid);
   derive_pairs(p);
   p.mark_last_backwards(runs_whole);
-  derive_batches(p);
+  derive_batches(p, rank);
   *this = std::move(p);
 }
 

@@ -57,12 +57,13 @@ struct Program {
   std::vector<int64_t> send_before_recv;  // [k]: last SEND to RECV k's peer before it (-1: none)
   std::vector<size_t> pair_end;          // [i] for an OVERLAP_F_B opening bracket: its closing bracket's index
   std::vector<size_t> batch_end;         // [i] for a SEND/RECV: one past the last action of its device batch
-  std::vector<size_t> learning_end;      // the same in a discovery run (cut before each later RECV_F)
+  std::vector<size_t> learning_end;      // the same in a discovery run (cut before each later RECV_F from a peer)
   std::vector<int64_t> last_backward_of;  // [i]: the stage whose last backward before its REDUCE_GRAD it is, or -1
 
-  // Checks `flat` (kInstructionFields integers per instruction) against `grid` and derives the tables;
-  // `runs_whole(stage)`: that stage's backward runs whole at I (its last backward may be an I).
-  void load(const std::vector<int64_t>& flat, std::vector<std::string> names, const SlotGrid& grid,
+  // Checks `flat` (kInstructionFields integers per instruction) against `grid` and derives the tables
+  // of group rank `rank`'s program; `runs_whole(stage)`: that stage's backward runs whole at I (its
+  // last backward may be an I).
+  void load(const std::vector<int64_t>& flat, std::vector<std::string> names, const SlotGrid& grid, int64_t rank,
             const std::function<bool(int64_t)>& runs_whole);
   // Re-derives last_backward_of when which stages run whole changed.
   void mark_last_backwards(const std::function<bool(int64_t)>& runs_whole);

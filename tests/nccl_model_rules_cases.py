@@ -106,3 +106,14 @@ def release_on_the_posting_stream(rank, world):
     except RuntimeError:  # (the ledger refuses as it records)
         pass
     return dropped, list(model.violations())
+
+
+def send_to_self_without_its_receive(rank, world):
+    """Each rank posts a send to itself, its receive in a later batch: NCCL refuses the first group
+    at its end (invalid usage), as c10d's endCoalescing raises it. The error's text."""
+    model = _model(timeout=30)
+    try:
+        model.post([(True, rank, torch.ones(8, dtype=torch.float64))])
+    except RuntimeError as e:
+        return str(e)
+    raise AssertionError("posted")

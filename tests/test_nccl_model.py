@@ -13,7 +13,8 @@ from nccl_model_cases import (descriptions_on_a_communicator_of_their_own, grown
                               side_tensors_cross, store_operations_per_step, stuck_replica_aborts_its_group,
                               timed_out_send_is_held)
 from nccl_model_rules_cases import (groups_on_one_communicator_run_in_order, posting_error_aborts_the_communicator,
-                                     receive_of_another_size, release_on_the_posting_stream)
+                                     receive_of_another_size, release_on_the_posting_stream,
+                                     send_to_self_without_its_receive)
 from pipecore.errors import InputError
 from pipecore.runtime.message_path import check_device_path_settings
 from shaped_message_cases import LENGTHS, step_lengths, steps_for
@@ -157,6 +158,13 @@ def test_a_receive_of_another_size_than_its_send_is_named_on_both_ranks(model_po
     for text, mine, theirs in [(sender, "rank 0's send to rank 1 (512 bytes, action 0)", "rank 1's receive"),
                                (receiver, "rank 1's receive from rank 0 (384 bytes, action 0)", "rank 0's send")]:
         assert "this would hang" in text and mine in text and theirs in text, text
+
+
+def test_a_send_to_self_without_its_receive_in_the_group_is_refused(model_pool):
+    # NCCL on one GPU (tests/test_cuda.py's loopback): "Trying to send to self without a matching recv"
+    for rank, text in enumerate(model_pool.run(send_to_self_without_its_receive, timeout=60)):
+        assert f"1 send(s) to rank {rank} itself and 0 receive(s) from it" in text, text
+        assert "invalid usage" in text, text
 
 
 def test_a_posting_error_aborts_the_communicator_and_ends_its_pending_operations(model_pool):

@@ -71,27 +71,26 @@ def test_message_order_disagreement_is_named():
         replay_serialized(swapped)
 
 
-def executor_batches(rank, world, name, R, learning=False):
-    """On a one-rank gloo group: the executor's batches of each rank's program, as action names
-    (`learning`: as a step that learns shapes posts them)."""
+def executor_batches(rank, world, lowered, learning=False):
+    """On rank `rank` of a gloo group of `lowered`'s ranks: the executor's batches of this rank's
+    program, as action names (`learning`: as a step that learns shapes posts them)."""
     import torch.distributed as dist
     from pipecore._C import Executor
     from pipecore.executor.program import encode
-    lowered = pc.build_schedule(name, R, 2 * R).lower()
-    out = []
-    for r in range(R):
-        mine = lowered.rank_stages(r)
-        program = encode(lowered, r, {s: i for i, s in enumerate(mine)})
-        flat, labels = program.instructions, program.labels
-        ex = Executor(dist.group.WORLD, len(mine), 2 * R, 10.0)
-        ex.set_program(flat, labels)
-        ends = ex.batch_ends(learning)
-        groups: dict[int, list[str]] = {}
-        for j, end in enumerate(ends):
-            if end:
-                groups.setdefault(end, []).append(labels[flat[5 * j + 4]][3:])
-        out.append([groups[e] for e in sorted(groups)])
-    return out
+    mine = lowered.rank_stages(rank)
+    program = encode(lowered, rank, {s: i for i, s in enumerate(mine)})
+    flat, labels = program.instructions, program.labels
+    ex = Executor(dist.group.WORLD, len(mine), lowered.num_microbatches, 10.0)
+    ex.set_program(flat, labels)
+    groups: dict[int, list[str]] = {}
+    for j, end in enumerate(ex.batch_ends(learning)):
+        if end:
+            groups.setdefault(end, []).append(labels[flat[5 * j + 4]][3:])
+    return [groups[e] for e in sorted(groups)]
+
+
+def _replayed_batches(lowered, rank, learning):
+    return [[str(lowered.actions[rank][i]) for i in b] for b in p2p_batches(lowered, rank, learning)]
 
 
 @pytest.mark.parametrize("learning", [False, True], ids=["steady", "learning"])
@@ -100,10 +99,23 @@ def test_executor_batches_are_the_replayed_batches(name, R, learning):
     """The C++ executor's batches (csrc/program.cpp, Program::load) are p2p_batches' for every rank,
     in steady steps and in steps that learn shapes."""
     from dist_pool import pool
-    got = pool(1).run(executor_batches, name, R, learning)[0]
     lowered = pc.build_schedule(name, R, 2 * R).lower()
-    want = [[[str(lowered.actions[r][i]) for i in b] for b in p2p_batches(lowered, r, learning)] for r in range(R)]
-    assert got == want
+    got = pool(R).run(executor_batches, lowered, learning)
+    assert got == [_replayed_batches(lowered, r, learning) for r in range(R)]
+
+
+@pytest.mark.parametrize("name, V", [("interleaved_1f1b", 4), ("zbv", 2), ("dualpipev", 2), ("interleaved_zb", 2)])
+def test_a_send_to_self_and_its_receive_are_one_batch_in_a_learning_step(name, V):
+    """tests/cuda_loopback.py sends every boundary of a one-rank pipeline to itself (the device path on
+    one GPU): NCCL refuses a send to self whose receive is in another group, so a learning step does not
+    cut before a receive from the rank itself (rule 5); the executor and p2p_batches agree."""
+    from cuda_loopback import loopback_schedule
+    from dist_pool import pool
+    lowered = loopback_schedule(pc.build_schedule(name, 1, 2 * V, stages_per_rank=V))
+    got = pool(1).run(executor_batches, lowered, True)[0]
+    assert got == _replayed_batches(lowered, 0, True)
+    sends = [b for b in got if any("SEND_F" in a for a in b)]
+    assert sends and all(any("RECV_F" in a for a in b) for b in sends)
 
 
 def _rows_from_labels(labels: list[str]) -> list:

@@ -342,6 +342,20 @@ void post_with_notes(const std::shared_ptr<CommTask>& op, std::vector<PostedOp>&
   plain.push_back({op->works});
 }
 
+// As NCCL refuses at a group's end (ncclInvalidUsage, "Trying to send to self without a matching recv"):
+// a send to the rank itself whose receive is not in the same group, or a receive from itself without
+// its send.
+void check_sends_to_self(const char* kind, const std::vector<CommTask*>& tasks) {
+  int sends = 0;
+  int receives = 0;
+  for (const CommTask* task : tasks) {
+    if (task->peer == rank_of(*task)) ++(task->send ? sends : receives);
+  }
+  TORCH_CHECK(sends == receives, "pipecore (model of NCCL): ", kind, " holds ", sends, " send(s) to rank ",
+              rank_of(*tasks.front()), " itself and ", receives, " receive(s) from it; NCCL refuses a send to self "
+              "without its receive in the same group (invalid usage)");
+}
+
 // One communicator's stream: its groups launch one after another, each once the group before it
 // completed, as NCCL's kernels do on the communicator's stream. A thread of its own posts them (the
 // host never waits for a launch).
@@ -359,6 +373,7 @@ class GroupStream final : public CommStream {
     for (auto& [group, ops] : queue_) group->launch({}, "pipecore (model of NCCL): the executor went first");
   }
   c10::intrusive_ptr<c10d::Work> queue(const char* kind, const std::vector<CommTask*>& tasks) override {
+    check_sends_to_self(kind, tasks);
     std::vector<std::shared_ptr<CommTask>> ops;
     std::ostringstream what;
     what << kind << ":";

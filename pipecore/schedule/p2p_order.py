@@ -24,10 +24,11 @@ The rules (the CUDA executor, csrc/device_comm.cpp, follows them; why NCCL needs
    csrc/device_comm.h).
 
 5. **A step that learns shapes** (the first of each batch signature) posts a batch in parts: a receive
-   of activations that is not first in its batch starts a new group, since its buffer's shapes
-   may come from the peer's forward of a message the batch sends. A group led by such a receive
-   is posted once its shapes are known: once the sender ran the forward (``p2p_batches(...,
-   learning=True)``; the replay models that wait too).
+   of activations from another rank that is not first in its batch starts a new group, since its
+   buffer's shapes may come from the peer's forward of a message the batch sends. A group led by
+   such a receive is posted once its shapes are known: once the sender ran the forward
+   (``p2p_batches(..., learning=True)``; the replay models that wait too). A receive from the rank
+   itself (only a test's loopback sends to itself) stays in its send's group, as NCCL needs.
 
 `replay_serialized` replays a lowered schedule under the strictest model of such a backend: every
 rank has one FIFO of batches, a batch runs only at the head of its rank's FIFO, and a batch
@@ -58,7 +59,8 @@ def p2p_batches(lowered: Schedule, rank: int, learning: bool = False) -> list[li
     for i, a in enumerate(lowered.actions[rank]):
         comm = a.kind.is_comm
         if comm:
-            if not previous_comm or (learning and a.kind is Kind.RECV_F):
+            from_peer = lowered.topology.peer_rank(a.stage, a.kind) != rank
+            if not previous_comm or (learning and a.kind is Kind.RECV_F and from_peer):
                 batches.append([])
             batches[-1].append(i)
         previous_comm = comm
