@@ -1,13 +1,17 @@
 #include "grad_reduce.h"
 
 #include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 
 #include <chrono>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 #include "diagnostics.h"
 #include "errors.h"
@@ -17,6 +21,26 @@ namespace pipecore {
 namespace {
 double now_us() {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// `flags` on the host once the current stream reached them: on a device, copied to pinned memory and
+// its event polled (a synchronising copy would make the host wait for the whole device, unbounded);
+// undefined if that did not happen within `timeout`.
+at::Tensor flags_on_host(const at::Tensor& flags, std::chrono::milliseconds timeout) {
+  if (flags.is_cpu()) return flags.contiguous();
+  at::Tensor host = at::empty(flags.sizes(), flags.options().device(at::kCPU).pinned_memory(true));
+  host.copy_(flags, /*non_blocking=*/true);
+  const c10::impl::VirtualGuardImpl guard(flags.device().type());
+  c10::Event copied(flags.device().type());
+  copied.record(guard.getStream(flags.device()));
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto pause = std::chrono::microseconds(10);
+  while (!copied.query()) {
+    if (std::chrono::steady_clock::now() > deadline) return {};
+    std::this_thread::sleep_for(pause);
+    pause = std::min(2 * pause, std::chrono::microseconds(500));
+  }
+  return host;
 }
 }  // namespace
 
@@ -203,7 +227,13 @@ bool GradReducer::finish(bool failed, double scale) {
   // once, at the end of the step)
   std::vector<at::Tensor> parts;
   for (const auto& b : buckets_) parts.push_back(b.flat.narrow(0, b.payload, b.params.size() + 1).to(at::kFloat));
-  const at::Tensor all_flags = at::cat(parts).cpu().contiguous();
+  const at::Tensor all_flags = flags_on_host(at::cat(parts), std::chrono::milliseconds(timeout_ms_));
+  if (!all_flags.defined()) {
+    succeeded_ = false;
+    throw CommError("rank " + std::to_string(group_->getRank()) + " of the data-parallel group: the reduced "
+                    "gradients did not arrive within " + seconds(std::chrono::milliseconds(timeout_ms_)) +
+                    " (a replica stopped, or the device is stuck)");
+  }
   std::vector<const float*> flags;  // per bucket: one flag per parameter, then the failure flag
   const float* next_flags = all_flags.data_ptr<float>();
   for (const auto& b : buckets_) {

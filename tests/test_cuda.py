@@ -21,8 +21,9 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def nccl_world():
+    """A one-rank NCCL group of its own for each test: one whose step failed aborted its communicator."""
     import pipecore._C as C
     if not C.build_info().get("cuda"):
         pytest.skip("pipecore._C was built without CUDA sources")
@@ -31,7 +32,8 @@ def nccl_world():
     dev = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl", rank=0, world_size=1, store=dist.HashStore(), device_id=dev)
     yield dev
-    dist.destroy_process_group()
+    if dist.is_initialized():  # (a CommunicationError's abort destroyed it)
+        dist.destroy_process_group()
 
 
 def _build(name, V, dev, width=32, m=8, loopback=False, loss_fn=None, timeout=60, **options):
@@ -178,6 +180,10 @@ def test_allocator_reuse_on_one_stream_does_not_protect_another_stream(nccl_worl
         assert seen[False][1] != 2.0 * n
 
 
+@pytest.mark.xfail(strict=True, reason="measured on an H200 (torch 2.11): a 2 s timeout, a 5 s kernel: the receiving "
+                   "stage's read of its input's values timed out at 2 s, yet the CommunicationError came after 5.6 s "
+                   "(faulthandler at 3 s: inside executor.run, no Python frame): the executor's handling of a stage's "
+                   "own error waits on the host for the device (issue 62: every wait bounded)")
 def test_a_stuck_device_times_out_and_a_rebuilt_group_steps_again(nccl_world):
     """A stage whose kernels run longer than the timeout: the step's status is not read in time, so
     CommunicationError (within two timeouts); then the README's recipe (destroy the group, make a

@@ -28,6 +28,7 @@ from datetime import timedelta
 
 import torch
 
+from pipecore.stage.host_reads import poll
 from pipecore.executor.native import C
 
 CHUNK = 1024  # bytes of a description's first message: most boundaries' descriptions fit in one
@@ -132,7 +133,7 @@ class Descriptions:
                 host.copy_(buffer, non_blocking=True)
                 arrived = torch.cuda.Event()
                 arrived.record(self._stream)
-                done = _poll(arrived, deadline)
+                done = poll(arrived, deadline)
         if not done:
             self._stuck.append(buffer)
             raise DescriptionTimeout(f"nothing arrived from rank {peer}")
@@ -141,13 +142,3 @@ class Descriptions:
     def _on_stream(self):
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
-
-def _poll(event, deadline: float) -> bool:
-    """Whether `event` completed before `deadline` (queried, never synchronized)."""
-    pause = 1e-5
-    while not event.query():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(pause)
-        pause = min(2 * pause, 5e-4)
-    return True
