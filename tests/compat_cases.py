@@ -600,7 +600,8 @@ def misuse(rank, world, case, tmp):
             except TypeError as exc:
                 assert "get_mesh must be a callable" in str(exc), exc
         elif case == "dtensor_boundary":
-            # a stage that returns a DTensor (tensor-parallel activations) is refused with the fix
+            # a stage returns a DTensor (tensor-parallel activations) to a stage with no mesh of its dimensions
+            # and no get_mesh: refused with the fix
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.tensor import DTensor, Replicate
 

@@ -222,3 +222,83 @@ def sharded_gradient_norms(rank, world):
         want = norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
         worst = max(worst, assert_matches(got, want, f"rank {rank}: the norm's share of order {norm_type}"))
     return worst
+
+
+class DTensorBlock(nn.Module):
+    """A residual MLP block whose input and output are DTensors on the TP mesh, laid out as `layout`
+    (Replicate, or Shard(0): sequence parallel's split of the rows), as TorchTitan's DTensor TP backends
+    hand activations from block to block: what crosses a stage boundary is a DTensor. Without a mesh, the
+    same arithmetic on plain tensors (one process's reference)."""
+
+    def __init__(self, seed: int, tp_mesh=None, layout: str = "replicate"):
+        super().__init__()
+        self.inner = TPBlock(seed)
+        self.tp_mesh, self.layout = tp_mesh, layout
+        if tp_mesh is not None:
+            from torch.distributed.tensor import Replicate, Shard
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            between = Shard(0) if layout == "shard" else Replicate()
+            parallelize_module(self.inner, tp_mesh, {
+                "up": ColwiseParallel(input_layouts=between, use_local_output=False),
+                "down": RowwiseParallel(output_layouts=between, use_local_output=False)})
+
+    def forward(self, x):
+        if self.tp_mesh is None:
+            return self.inner(x)
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        if not isinstance(x, DTensor):  # the first block: the batch as every TP rank has it
+            x = DTensor.from_local(x, self.tp_mesh, [Replicate()], run_check=False)
+            if self.layout == "shard":
+                x = x.redistribute(self.tp_mesh, [Shard(0)])
+        return self.inner(x)
+
+
+class FullHead(nn.Module):
+    """The head of a DTensor model: its input gathered into a plain tensor first."""
+
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.head = head
+
+    def forward(self, x):
+        return self.head(x.full_tensor() if hasattr(x, "full_tensor") else x)
+
+
+def dtensor_activations_cross_stages(rank, world, name, stage_blocks, layout):
+    """TP=2 x PP=world/2: stages hand DTensor activations (`layout`) to each other; the losses and every
+    gradient (gathered) match one process, on two batch shapes (the second learnt in its first step)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("pp", "tp"))
+    pp_group, pp_rank = mesh["pp"].get_group(), mesh["pp"].get_local_rank()
+    R = world // 2
+    sched = pc.build_schedule(name, R, 4, len(stage_blocks) // R)
+    model = staged_model(stage_blocks, lambda seed: DTensorBlock(seed, mesh["tp"], layout))
+    model[-1][-1] = FullHead(model[-1][-1])
+    ref = staged_model(stage_blocks, DTensorBlock)
+    mine = [pc.PipelineStage(model[s], s, sched.num_stages, group=pp_group) for s in sched.rank_stages(pp_rank)]
+    loss_fn = nn.CrossEntropyLoss()
+    pipe = pc.Pipeline(mine, sched, 4, loss_fn=loss_fn, group=pp_group, timeout=60)
+    worst = 0.0
+    for rows in (8, 16, 8):
+        x, y = make_batch(rows, WIDTH, CLASSES, seed=rows)
+        for s in mine:
+            s.module.zero_grad(set_to_none=True)
+        for r in ref:
+            r.zero_grad(set_to_none=True)
+        losses = []
+        pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None, losses=losses)
+        value = x
+        for stage in ref:
+            value = stage(value)
+        loss = loss_fn(value, y)
+        loss.backward()
+        if pipe.has_last:
+            assert_matches(sum(losses) / len(losses), loss, f"rank {rank}: the loss of {rows} rows")
+        for s in mine:
+            for (n, p), (_, q) in zip(s.module.named_parameters(), ref[s.stage_index].named_parameters()):
+                got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                worst = max(worst, assert_matches(got, q.grad, f"rank {rank} stage {s.stage_index} {n}, {rows} rows") or 0.0)
+    return worst

@@ -3,7 +3,8 @@
 import pytest
 
 from dist_pool import pool
-from dtensor_cases import (clipped_tensor_parallel_gradients, dtensor_buffer_rebound_is_put_back,
+from dtensor_cases import (clipped_tensor_parallel_gradients, dtensor_activations_cross_stages,
+                           dtensor_buffer_rebound_is_put_back,
                            dtensor_buffers_in_uneven_stages, sharded_gradient_norms)
 
 
@@ -35,3 +36,15 @@ def test_clipping_counts_every_gradient_layout_once():
     """Clipping's share of the norm over TP-sharded, uneven, empty, replicated-and-sharded, FSDP2-over-TP
     (_StridedShard) and Partial DTensor gradients on a dp=2 x tp=2 mesh: the norm of the whole tensors."""
     pool(4).run(sharded_gradient_norms, timeout=180)
+
+
+@pytest.mark.parametrize("layout", ["replicate", "shard"])
+@pytest.mark.parametrize("name, stage_blocks", [("1f1b", [2, 1]), ("interleaved_1f1b", [1, 1, 1, 1]),
+                                                ("zbv", [1, 2, 1, 1]), ("dualpipev", [1, 1, 1, 1])])
+def test_dtensor_activations_cross_stages_as_one_process(name, stage_blocks, layout):
+    """TP=2 x PP=2 on 4 ranks: what a stage returns is a DTensor on its TP mesh (replicated, or sharded
+    by rows as sequence parallel splits them); the next stage gets that DTensor on its own TP mesh, the
+    gradients come back as DTensors, and every gradient matches one process, the I/W split and V
+    schedules included."""
+    worst = pool(4).run(dtensor_activations_cross_stages, name, stage_blocks, layout, timeout=240)
+    assert len(worst) == 4

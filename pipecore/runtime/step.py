@@ -20,6 +20,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from pipecore.errors import InputError
+from pipecore.executor.native import CommError
 from pipecore.runtime.discovery import declared_mismatch
 from pipecore.runtime.nvtx_ranges import nvtx_range
 from pipecore.stage import boundary as wire
@@ -249,7 +250,12 @@ class StepRun:
         if topo.prev_stage[s] < 0:
             args, kwargs = self._batch.inputs[mb]
         else:
-            args, kwargs = wire.as_call(self._plans.in_use[s].inputs[mb].decode(received))
+            try:
+                args, kwargs = wire.as_call(self._plans.in_use[s].inputs[mb].decode(
+                    received, time.monotonic() + pipe.timeout, stage.mesh_for))
+            except TimeoutError as e:  # the device did not reach the message within the timeout
+                raise CommError(f"pipecore rank {pipe.rank}, stage {s}'s input of microbatch {mb}: {e} within "
+                                f"{pipe.timeout:g} s (a peer stopped sending, or the device is stuck)") from None
             extra = self._batch.stage_kwargs
             if extra is not None:
                 clash = sorted(set(kwargs) & set(extra[mb]))
@@ -319,7 +325,8 @@ class StepRun:
         any_shape = pipe.executor.shapes_travel  # messages carry their shapes: any shape of the planned ranks
         if discovery is None:
             boundary = self._plans.in_use[s].outputs[mb]
-            if boundary.single and isinstance(out, torch.Tensor) and boundary.fits(out, any_shape):
+            if boundary.single and boundary.tree.layout is None and isinstance(out, torch.Tensor) and \
+                    boundary.fits(out, any_shape):
                 # the steady path's common case: one tensor, as the first step of this structure had it
                 return [_viewless(out)]
         nxt = pipe.schedule.topology.next_stage[s]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 import pickle
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,23 +23,29 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from pipecore.errors import InputError
-from pipecore.stage.dtensor import is_dtensor
+from pipecore.stage.host_reads import to_device, to_host
+from pipecore.stage.dtensor import from_local, is_dtensor, layout_of, local_part
 
 
 @dataclass(frozen=True)
 class TensorMeta:
+    """A tensor as it travels: this rank's part of it (a DTensor's local tensor), and for a DTensor
+    its `layout` (stage/dtensor.py layout_of), with which the receiver rebuilds it."""
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
+    layout: tuple | None = None
 
     @staticmethod
     def of(t: torch.Tensor, any_shape: bool = False) -> "TensorMeta":
         """`any_shape`: the shape as its rank only (each dimension -1), where messages carry shapes."""
-        return TensorMeta((-1,) * t.dim() if any_shape else tuple(t.shape), t.dtype,
-                          bool(t.requires_grad and t.is_floating_point()))
+        local = local_part(t)
+        return TensorMeta((-1,) * local.dim() if any_shape else tuple(local.shape), t.dtype,
+                          bool(t.requires_grad and t.is_floating_point()), layout_of(t, any_shape))
 
     def anyshaped(self) -> "TensorMeta":
-        return TensorMeta((-1,) * len(self.shape), self.dtype, self.requires_grad)
+        layout = None if self.layout is None else (*self.layout[:3], None, None)
+        return TensorMeta((-1,) * len(self.shape), self.dtype, self.requires_grad, layout)
 
     def meta_tensor(self) -> torch.Tensor:
         t = torch.empty(self.shape, dtype=self.dtype, device="meta")
@@ -100,6 +107,8 @@ class Boundary:
         check, without flattening (`mismatch` says what differs); `any_shape`: of any shape of its rank
         (messages carry their shapes)."""
         m = self.tree
+        if m.layout is not None or is_dtensor(t):
+            return TensorMeta.of(t, any_shape) == (m.anyshaped() if any_shape else m)
         return t.dtype == m.dtype and (t.dim() == len(m.shape) if any_shape else t.shape == m.shape) and \
             (t.requires_grad and t.is_floating_point()) == m.requires_grad
 
@@ -107,13 +116,6 @@ class Boundary:
     def of(out: Any, what: str) -> "Boundary":
         """The boundary of output `out` (`what` names it in errors)."""
         leaves = tree_flatten(out)[0]
-        if any(is_dtensor(x) for x in leaves):
-            # torch's PipelineStage sends the local tensor with its placements and rebuilds the DTensor
-            # on the mesh get_mesh returns; pipecore's messages carry plain tensors only
-            raise InputError(f"{what} holds a DTensor (tensor-parallel activations): pipecore sends plain tensors "
-                             "between stages and does not rebuild DTensors there (torch's get_mesh). Return "
-                             "x.to_local() or x.full_tensor() from the stage, e.g. with use_local_output=True in "
-                             "the last parallelize_module plan of the stage")
         tree = describe(out)
         values = _values(leaves)
         if not values:
@@ -149,7 +151,8 @@ class Boundary:
 
     def encode(self, leaves: list, device: torch.device, what: str) -> list[torch.Tensor]:
         """The message of an output flattened to `leaves` (which fits this boundary)."""
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        # a DTensor sends this rank's part (to_local: its gradient comes back as this rank's part too)
+        tensors = [local_part(x) for x in leaves if isinstance(x, torch.Tensor)]
         if not self.value_bytes:
             return tensors
         data = _pickled(_values(leaves), what)
@@ -160,16 +163,23 @@ class Boundary:
         buf = bytearray(self.value_bytes)
         buf[:_LENGTH_BYTES] = len(data).to_bytes(_LENGTH_BYTES, "little")
         buf[_LENGTH_BYTES:_LENGTH_BYTES + len(data)] = data
-        return [*tensors, torch.frombuffer(buf, dtype=torch.uint8).to(device)]
+        return [*tensors, to_device(torch.frombuffer(buf, dtype=torch.uint8), device)]
 
-    def decode(self, received: list[torch.Tensor]) -> Any:
-        """The output a message carried: its tensors, and its values as sent this step."""
+    def decode(self, received: list[torch.Tensor], deadline: float = math.inf, mesh_for=None) -> Any:
+        """The output a message carried: its tensors (DTensors rebuilt on `mesh_for(names, shape)`, the
+        receiving stage's mesh), and its values as sent this step (read on the host: TimeoutError if they
+        had not arrived by `deadline`, time.monotonic())."""
+        if any(m.layout is not None for m in self.tensors):
+            received = [t if m.layout is None else from_local(t, mesh_for(*m.layout[:2]), _layout_for(t, m))
+                        for t, m in zip(received, self.tensors)] + list(received[len(self.tensors):])
         if self.single:
             return received[0]
         tensors = iter(received)
         values = None
         if self.value_bytes:
-            raw = received[len(self.tensors)].cpu().numpy().tobytes()  # a device's values come to the host
+            raw = to_host(received[len(self.tensors)], deadline)  # a device's values come to the host
+            if raw is None:
+                raise TimeoutError("its non-tensor values did not arrive")
             size = int.from_bytes(raw[:_LENGTH_BYTES], "little")
             # zero: an aborted message whose status the device checks later (its payload is zeros); the
             # first step's values stand in, the step fails at its end anyway
@@ -211,6 +221,13 @@ def _pickled(values: list, what: str) -> bytes:
         raise InputError(f"{what} holds non-tensor values ({', '.join(kinds)}) that cannot be pickled ({exc}): only "
                          "tensors and picklable values can cross a stage boundary") from None
     return buf.getvalue()
+
+
+def _layout_for(local: torch.Tensor, m: TensorMeta) -> tuple:
+    """The layout to rebuild a received part with: as learnt, or where the message carried another shape
+    (shapes travel), with the global shape left to follow from the part (even shards: the sender's
+    layout_of checked that)."""
+    return m.layout if tuple(local.shape) == m.shape else (*m.layout[:3], None, None)
 
 
 def _show(m: TensorMeta) -> tuple:

@@ -4,9 +4,12 @@ it costs a second."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import torch
+
+from pipecore.errors import InputError
 
 
 def _module():
@@ -43,3 +46,47 @@ def rows_held(t: torch.Tensor) -> tuple:
             first = min(start + coordinate[mesh_dim] * chunk, start + length)
             ranges[p.dim] = (first, min(chunk, start + length - first))
     return tuple(ranges)
+
+
+def layout_of(t: torch.Tensor, any_shape: bool = False) -> tuple | None:
+    """How a DTensor crossing a stage boundary is rebuilt on the receiving stage: (its mesh's dimension
+    names, the mesh's shape, its placements, its global shape and stride; those two None with
+    `any_shape`, where messages carry their shapes); None for any other tensor. The mesh itself does not
+    travel: the receiver uses its own mesh of those names and shape (`mesh_in`), as torch's stage does
+    through get_mesh."""
+    if not is_dtensor(t):
+        return None
+    mesh = t.device_mesh
+    shape, stride = (None, None) if any_shape else (tuple(t.shape), tuple(t.stride()))
+    if any_shape:  # the receiver derives the global shape from its part: exact only for even shards
+        for i, p in enumerate(t.placements):
+            dim = getattr(p, "dim", None)
+            if dim is not None and t.shape[dim] % mesh.size(i):
+                raise InputError(f"a DTensor of shape {tuple(t.shape)} sharded unevenly ({p} over {mesh.size(i)} "
+                                 "ranks) crosses a stage boundary whose shapes travel in the messages: its "
+                                 "receiver could not tell its global shape. Keep the sharded dimension a "
+                                 "multiple of the mesh's size, or the batch's shapes fixed")
+    return tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape), tuple(t.placements), shape, stride
+
+
+def mesh_in(module: torch.nn.Module, names: tuple, shape: tuple):
+    """A DeviceMesh of these dimension names and shape that `module`'s DTensor parameters or buffers
+    live on (or a part of one: a (dp, tp) mesh holds a (tp,) one), or None."""
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if not is_dtensor(t):
+            continue
+        mesh = t.device_mesh
+        held = tuple(mesh.mesh_dim_names or ())
+        if names and held != names and set(names) <= set(held):
+            mesh = mesh[names]
+        if tuple(mesh.mesh_dim_names or ()) == names and tuple(mesh.shape) == shape:
+            return mesh
+    return None
+
+
+def from_local(local: torch.Tensor, mesh, layout: tuple) -> torch.Tensor:
+    """`local`, this rank's part of a DTensor of `layout` (`layout_of`), as that DTensor on `mesh`: no
+    communication, and differentiable (its gradient comes back as this rank's part)."""
+    _, _, placements, shape, stride = layout
+    given = {} if shape is None else {"shape": torch.Size(shape), "stride": stride}
+    return _module().DTensor.from_local(local, mesh, placements, run_check=False, **given)

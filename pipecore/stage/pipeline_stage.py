@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipecore.errors import InputError
 from pipecore.stage.boundary import describe, tensor_leaves
+from pipecore.stage.dtensor import mesh_in
 from pipecore.stage.stage_module import StageModule
 
 
@@ -49,10 +50,11 @@ class PipelineStage:
     (Zero-bubble schedules then give this stage's whole backward at I: the split is reported.)
     `autocast=torch.bfloat16` runs the forward, and on a last stage the loss, under
     `torch.autocast` on the stage's device, as single-process mixed-precision training does.
-    `get_mesh` is taken as torch's stage takes it (TorchTitan always passes one) and kept: torch calls
-    it to rebuild DTensor activations received from the previous stage. pipecore's messages carry
-    plain tensors, so a stage output that is a DTensor is refused with the fix, and the callback is
-    not called.
+    A stage may return DTensors (tensor-parallel activations, TorchTitan's DTensor TP): this rank's
+    part travels, with the DTensor's placements and its mesh's dimension names and shape, and the
+    next stage gets a DTensor of those placements on its own mesh of those names and shape: one its
+    module's DTensor parameters or buffers live on, else `get_mesh(names, None)` as torch's stage
+    takes it (TorchTitan always passes one). Gradients come back the same way.
     """
 
     def __init__(self, module: nn.Module, stage_index: int, num_stages: int, device: torch.device | str | None = None,
@@ -74,6 +76,7 @@ class PipelineStage:
         self.group = group
         self.dw_builder = dw_builder
         self.get_mesh = get_mesh
+        self._meshes: dict[tuple, Any] = {}  # mesh_for's, by (dimension names, shape)
         self._role: tuple[bool, bool] | None = None  # (first, last) under the schedule of a Pipeline
         for label, value in (("stage_index", stage_index), ("num_stages", num_stages)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -198,6 +201,21 @@ class PipelineStage:
             return self.module(*args, **kwargs)
 
     # torch 2.15's stage methods
+    def mesh_for(self, names: tuple, shape: tuple):
+        """This stage's DeviceMesh of these dimension names and shape, on which it rebuilds DTensor
+        activations received from the previous stage."""
+        key = (names, shape)
+        if key not in self._meshes:
+            mesh = mesh_in(self.module, names, shape)
+            if mesh is None and self.get_mesh is not None:
+                mesh = self.get_mesh(names, None)
+            if mesh is None or tuple(mesh.shape) != shape:
+                raise InputError(f"stage {self.stage_index} receives a DTensor on a mesh of dimensions {names} and shape "
+                                 f"{shape} from stage {self.stage_index - 1}, and has no such mesh: hold a DTensor "
+                                 "parameter on it, or give PipelineStage(..., get_mesh=lambda names, layout: mesh)")
+            self._meshes[key] = mesh
+        return self._meshes[key]
+
     def register_forward_context(self, context_factory: Callable[[Any], Any]):
         """torch 2.15's: `context_factory(PipelineStageInfo)` returns a context manager that every
         forward of this stage runs inside (each microbatch's, in step() and eval(), and the backward's
