@@ -401,12 +401,15 @@ def _model_spec(model: str = "llama3", experts: str = "model dtype"):
 
 def _trainer_config(schedule: str, dp: int, csv_path: str | None, seed: int, dtype: str, spmd_backend: str | None,
                     ac: str, *, model: str = "llama3", accumulate: int = 1, layers_per_stage: int | None = None,
-                    experts: str = "model dtype", pp: int = PP):
+                    experts: str = "model dtype", pp: int = PP, tp: int = 1, sequence_parallel: bool = True,
+                    parts: list[list[str]] | None = None):
     """Trainer.Config as each model's debug config builds it (llama3_debugmodel, config_registry.py:34-70),
     shrunk, float32/64 everywhere (no bf16), PP=2; `accumulate` optimizer-step batches of
     `accumulate` x dp x local_batch_size rows (training.global_batch_size: gradient_accumulation_steps is
     `accumulate`). `pp`=1: TorchTitan's non-pipeline path, which the reference drives with batches of
-    single rows (local_batch_size = the pipeline's microbatch size) and the same global batch."""
+    single rows (local_batch_size = the pipeline's microbatch size) and the same global batch. `tp`:
+    parallelism.tensor_parallel_degree (its enable_sequence_parallel: `sequence_parallel`); `parts`: its
+    module_fqns_per_model_part (an uneven split)."""
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -437,6 +440,9 @@ def _trainer_config(schedule: str, dp: int, csv_path: str | None, seed: int, dty
         pipeline_parallel_schedule_csv=csv_path or "",
         pipeline_parallel_microbatch_size=MICROBATCH,
         pipeline_parallel_layers_per_stage=layers_per_stage,
+        tensor_parallel_degree=tp if pp > 1 else 1,
+        enable_sequence_parallel=sequence_parallel,
+        module_fqns_per_model_part=parts,
     )
     if spmd_backend is not None:
         par_kwargs["spmd_backend"] = spmd_backend
@@ -753,11 +759,13 @@ def _train(self, steps: int, batches: Callable[[int], list]) -> dict:
 def run(rank: int, world: int, schedule: str, dp: int = 1, csv_path: str | None = None, steps: int = 1,
         patch: Callable[[], Any] | None = None, *, seed: int = DEFAULT_SEED, dtype: str = "float64",
         spmd_backend: str | None = None, ac: str = "selective", evaluate: bool = False, model: str = "llama3",
-        accumulate: int = 1, layers_per_stage: int | None = None, experts: str = "model dtype") -> dict:
+        accumulate: int = 1, layers_per_stage: int | None = None, experts: str = "model dtype", tp: int = 1,
+        sequence_parallel: bool = True, parts: list[list[str]] | None = None) -> dict:
     """Run `steps` of TorchTitan's Trainer.train_step on this rank, each `accumulate` calls of
     pp_forward_backward_step (gradient_accumulation_steps) before its clipping and optimizer step.
 
-    Must be called inside an initialised gloo process group with world == PP * dp.
+    Must be called inside an initialised gloo process group with world == PP * dp * tp (`tp`, `sequence_parallel`,
+    `parts`: _trainer_config's).
     `schedule` is TorchTitan's parallelism.pipeline_parallel_schedule; with
     `csv_path` it still decides the stage layout (stages/rank, loop vs V) while
     the CSV decides the order (TorchTitan then uses _PipelineScheduleRuntime).
@@ -775,11 +783,12 @@ def run(rank: int, world: int, schedule: str, dp: int = 1, csv_path: str | None 
     import torch.distributed as dist
 
     assert dist.is_initialized(), "run() expects an initialised process group"
-    assert world == dist.get_world_size() == PP * dp, (world, dist.get_world_size(), dp)
+    assert world == dist.get_world_size() == PP * dp * tp, (world, dist.get_world_size(), dp, tp)
     t_start = time.perf_counter()
 
     config = _trainer_config(schedule, dp, csv_path, seed, dtype, spmd_backend, ac, model=model,
-                             accumulate=accumulate, layers_per_stage=layers_per_stage, experts=experts)
+                             accumulate=accumulate, layers_per_stage=layers_per_stage, experts=experts, tp=tp,
+                             sequence_parallel=sequence_parallel, parts=parts)
     self = _trainer(config, world, rank, seed, methods)
     _observe_accumulation(self, 1)
     t_built = time.perf_counter()
