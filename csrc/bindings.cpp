@@ -245,8 +245,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   auto executor = py::class_<pipecore::Executor, std::unique_ptr<pipecore::Executor, ExecutorDeleter>>(m, "Executor");
   executor
-      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, int64_t, int64_t, double>(), py::arg("group"),
-           py::arg("num_stages"), py::arg("num_microbatches"), py::arg("timeout"))
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, int64_t, int64_t, double, std::string>(), py::arg("group"),
+           py::arg("num_stages"), py::arg("num_microbatches"), py::arg("timeout"), py::arg("who") = "")
       .def("set_program", &pipecore::Executor::set_program, py::arg("instructions"), py::arg("labels"))
       .def(
           "set_specs",

@@ -79,12 +79,12 @@ void Executor::post_batch(size_t index, const RunMode& mode) {
 void Executor::await_step_status() {
   int64_t status = kMessageOk;
   if (!device_comm_->finish_step(timeout_, status)) {
-    throw CommError("pipecore rank " + std::to_string(rank_) + ": the step's work on the device did not finish within " +
+    throw CommError("pipecore " + who_ + ": the step's work on the device did not finish within " +
                     seconds(timeout_) + " (a peer stopped sending or receiving)");
   }
-  if (status == kMessageUnknown) throw CommError(step_status_text(rank_, status));
-  if (status == kMessageReplan) throw PeerReplan(step_status_text(rank_, status));
-  if (status == kMessageAborted) throw PeerAbort(step_status_text(rank_, status));
+  if (status == kMessageUnknown) throw CommError(step_status_text(who_, status));
+  if (status == kMessageReplan) throw PeerReplan(step_status_text(who_, status));
+  if (status == kMessageAborted) throw PeerAbort(step_status_text(who_, status));
 }
 
 }  // namespace pipecore

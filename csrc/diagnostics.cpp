@@ -31,9 +31,9 @@ std::string wait_failure(const std::string& where, const char* what, int64_t mb,
   return os.str();
 }
 
-std::string step_status_text(int64_t rank, int64_t status) {
+std::string step_status_text(const std::string& who, int64_t status) {
   std::ostringstream os;
-  os << "pipecore rank " << rank << ": ";
+  os << "pipecore " << who << ": ";
   if (status == kMessageUnknown) {
     os << "a message received in this step does not end with pipecore's trailer: the messages between this rank "
           "and a peer "

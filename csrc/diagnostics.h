@@ -25,7 +25,7 @@ std::string out_of_step(const std::string& where, const char* what, int64_t mb, 
 std::string wait_failure(const std::string& where, const char* what, int64_t mb, int64_t peer,
                          std::chrono::milliseconds timeout, const char* why);
 
-// What a step status other than ok (message_status.h) means, for rank `rank`'s error message.
-std::string step_status_text(int64_t rank, int64_t status);
+// What a step status other than ok (message_status.h) means, in the error message of `who` ("rank 5").
+std::string step_status_text(const std::string& who, int64_t status);
 
 }  // namespace pipecore

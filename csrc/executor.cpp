@@ -12,9 +12,10 @@
 namespace pipecore {
 
 Executor::Executor(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t num_stages, int64_t num_microbatches,
-                   double timeout_s)
+                   double timeout_s, std::string who)
     : pg_(std::move(pg)),
       rank_(pg_->getRank()),
+      who_(who.empty() ? "rank " + std::to_string(rank_) : std::move(who)),
       timeout_(timeout_of(timeout_s)),
       grid_{num_stages, num_microbatches},
       slots_(grid_.size()),
@@ -95,7 +96,7 @@ int64_t Executor::peak_send_bytes() const { return sends_->peak_bytes(); }
 int64_t Executor::held_failed_sends() const { return sends_->held_failed(); }
 
 std::string Executor::where(const Instr& in) const {
-  return "pipecore rank " + std::to_string(rank_) + ", action " + program_.label(in);
+  return "pipecore " + who_ + ", action " + program_.label(in);
 }
 
 }  // namespace pipecore

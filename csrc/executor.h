@@ -136,7 +136,7 @@ struct RunMode {
 class Executor {
  public:
   Executor(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t num_stages, int64_t num_microbatches,
-           double timeout_s);
+           double timeout_s, std::string who = {});
   ~Executor();
   // Joins the threads it owns (the comm worker, the send tracker's lanes, aborting sends still in
   // flight, and the overlap pairs' backward thread) before it is destroyed. Python's deleter calls it
@@ -483,7 +483,7 @@ class Executor {
   void begin_trace();   // a run's start: no events yet
   double trace_time();  // host time now, or an event index on an accelerator
 
-  // "pipecore rank R, action L": where an error happened.
+  // "pipecore rank 5 (pp rank 1), action L": where an error happened.
   std::string where(const Instr& in) const;
   Slot& slot(const Instr& in) { return slots_[grid_.key(in)]; }
   Slot& slot(int64_t stage, int64_t mb) { return slots_[grid_.key(stage, mb)]; }
@@ -493,6 +493,7 @@ class Executor {
   c10::intrusive_ptr<c10d::Backend> group_backend_;  // the device path's: pg_'s for its device (set at first use)
   c10::intrusive_ptr<c10d::Backend> reverse_;
   int64_t rank_;
+  std::string who_;  // this rank in errors: "rank 5 (pp rank 1)" where the group is not the world
   std::chrono::milliseconds timeout_;
 
   // The program, its slots and what their messages carry.

@@ -124,7 +124,7 @@ Executor::Failure Executor::explained_by_step_status(Failure failure) {
   failure.kind = status == kMessageReplan    ? Failure::kReplan
                  : status == kMessageAborted ? Failure::kPeer
                                              : Failure::kComm;
-  failure.text = step_status_text(rank_, status) + " (here that made action " + action_name(failure.at) +
+  failure.text = step_status_text(who_, status) + " (here that made action " + action_name(failure.at) +
                  " fail: " + error_text(failure.origin) + ")";
   return failure;
 }

@@ -130,7 +130,7 @@ void Executor::check_sends() {
 void Executor::drain_sends() {
   SpentOn spent(profile_, Spent::kWait);
   if (!sends_->drain(timeout_)) {
-    throw CommError("pipecore rank " + std::to_string(rank_) + ": sends of this step did not complete within " +
+    throw CommError("pipecore " + who_ + ": sends of this step did not complete within " +
                     seconds(timeout_) + " (a peer stopped receiving)");
   }
   check_sends();

@@ -302,3 +302,21 @@ def dtensor_activations_cross_stages(rank, world, name, stage_blocks, layout):
                 got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
                 worst = max(worst, assert_matches(got, q.grad, f"rank {rank} stage {s.stage_index} {n}, {rows} rows") or 0.0)
     return worst
+
+
+def dtensor_to_a_stage_without_its_mesh(rank, world):
+    """TP=2 x PP=2: stage 0 returns a DTensor, stage 1 (a plain Linear, no get_mesh) has no TP mesh. Each
+    rank's error: (its type, its text with its notes)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pp_group, pp_rank = mesh["pp"].get_group(), mesh["pp"].get_local_rank()
+    module = DTensorBlock(0, mesh["tp"]) if pp_rank == 0 else nn.Sequential(FullHead(nn.Linear(WIDTH, CLASSES)))
+    pipe = pc.Pipeline([pc.PipelineStage(module, pp_rank, 2, group=pp_group)], "1f1b", 2, loss_fn=nn.CrossEntropyLoss(),
+                       group=pp_group, timeout=60)
+    x, y = make_batch(4, WIDTH, CLASSES, seed=1)
+    try:
+        pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
+    except Exception as exc:  # noqa: BLE001 - what each rank says
+        return type(exc).__name__, "\n".join([str(exc), *getattr(exc, "__notes__", [])])
+    return "ok", ""

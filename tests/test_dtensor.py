@@ -4,7 +4,7 @@ import pytest
 
 from dist_pool import pool
 from dtensor_cases import (clipped_tensor_parallel_gradients, dtensor_activations_cross_stages,
-                           dtensor_buffer_rebound_is_put_back,
+                           dtensor_buffer_rebound_is_put_back, dtensor_to_a_stage_without_its_mesh,
                            dtensor_buffers_in_uneven_stages, sharded_gradient_norms)
 
 
@@ -48,3 +48,17 @@ def test_dtensor_activations_cross_stages_as_one_process(name, stage_blocks, lay
     schedules included."""
     worst = pool(4).run(dtensor_activations_cross_stages, name, stage_blocks, layout, timeout=240)
     assert len(worst) == 4
+
+
+def test_a_stage_without_the_senders_mesh_is_refused_naming_global_and_pipeline_ranks():
+    """The receiving stage has no mesh of the DTensor's dimensions: it says so with the fix; every rank's
+    error names ranks as "rank G (pp rank P)" where the pipeline group is not the world."""
+    results = pool(4).run(dtensor_to_a_stage_without_its_mesh, timeout=120)
+    for rank, (kind, text) in enumerate(results):
+        if rank >= 2:  # pipeline rank 1: the receiver
+            assert kind == "InputError" and "has no such mesh" in text and "get_mesh=" in text, text
+            assert text.startswith(f"rank {rank} (pp rank 1): stage 1 receives a DTensor"), text
+        else:
+            assert kind == "PeerFailedError", (kind, text)
+            assert text.startswith(f"rank {rank} (pp rank 0): step 0 aborted because rank "), text
+            assert "(pp rank 1) failed in PP:1F" in text, text

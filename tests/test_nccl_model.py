@@ -47,10 +47,10 @@ def test_the_device_path_refuses_a_watchdog_or_blocking_wait_that_would_act_firs
     # waits for every batch. Both were accepted silently.
     backend = type("NcclBackend", (), {"options": _NcclOptions(group_s)})()
     if refused is None:
-        check_device_path_settings(3, timeout, backend, environ)
+        check_device_path_settings("rank 3", timeout, backend, environ)
         return
     with pytest.raises(InputError, match="rank 3: ") as caught:
-        check_device_path_settings(3, timeout, backend, environ)
+        check_device_path_settings("rank 3", timeout, backend, environ)
     assert refused in str(caught.value), caught.value
 
 

@@ -31,6 +31,7 @@ class Comm:
     def __init__(self, group, timeout: float, device: torch.device):
         self.group = group
         self.rank = dist.get_rank(group)
+        self.who = who(group)  # this rank in errors
         self.world = dist.get_world_size(group)
         self.timeout = timeout
         self.device = device  # the stages' device
@@ -194,7 +195,7 @@ class Comm:
             if time.monotonic() > deadline:
                 missing = [r for r, key in enumerate(arrived) if not store.check([key])]
                 aborted = self.mark_broken(f"ranks {missing} did not arrive")
-                raise CommunicationError(f"rank {self.rank}: {what} failed within {self.timeout} s: group ranks "
+                raise CommunicationError(f"{self.who}: {what} failed within {self.timeout} s: group ranks "
                                          f"{missing} did not arrive; a rank hung or died: {aborted}rebuild the "
                                          "process group")
             time.sleep(pause)
@@ -262,7 +263,7 @@ class Comm:
                 channel = dist.ProcessGroupGloo(store, self.rank, self.world, options)
         except RuntimeError as exc:
             aborted = self.mark_broken(str(exc))
-            raise CommunicationError(f"rank {self.rank}: connecting the ranks' {name} channel failed within "
+            raise CommunicationError(f"{self.who}: connecting the ranks' {name} channel failed within "
                                      f"{self.timeout} s ({exc}); a rank hung or died: {aborted}rebuild the process "
                                      "group") from None
         self.channels.append(channel)
@@ -288,10 +289,11 @@ def cannot_meet(kind: str, group, text: str) -> None:
 
 
 def who(group) -> str:
-    """This rank as the other ranks' errors name it: its rank in `group`, and where that differs
-    (data parallel), its global rank first."""
-    me, mine = dist.get_rank(), dist.get_rank(group)
-    return f"rank {me}" if me == mine else f"rank {me} (pp rank {mine})"
+    """This rank as every error names it: its global rank, and where the pipeline `group` is not every
+    rank (data or tensor parallel besides), its rank in that group too: "rank 5 (pp rank 1)"."""
+    me = dist.get_rank()
+    return f"rank {me}" if dist.get_world_size(group) == dist.get_world_size() else \
+        f"rank {me} (pp rank {dist.get_rank(group)})"
 
 
 def leave_first(store, keys: list[str], text: str) -> None:

@@ -61,7 +61,7 @@ class Agreement:
             sig, failed, trainers, rows, givers = comm.all_reduce_sum(
                 [local_sig, int(failed), int(training), batch_rows, int(batch_rows > 0)], what)
             if 0 < trainers < comm.world:
-                raise InputError(f"rank {comm.rank}: {trainers} of the {comm.world} ranks called step() and the "
+                raise InputError(f"{comm.who}: {trainers} of the {comm.world} ranks called step() and the "
                                  f"others eval() (this rank: {'step' if training else 'eval'}()): every rank makes "
                                  "the same call")
             agreed = sig, bool(failed), rows // givers if givers else 0
@@ -75,7 +75,7 @@ class Agreement:
         comm = self.comm
         told = comm.meet("first", REACH_STEP)  # a rank that could not build its Pipeline says so there
         if told is not None:
-            self._refuse(f"rank {comm.rank}: {told}. Fix it there and build the Pipeline again on every rank: this "
+            self._refuse(f"{comm.who}: {told}. Fix it there and build the Pipeline again on every rank: this "
                          "one cannot run")
         fields = [signature(v) for v in self.summary.values()]
         rows = comm.all_gather([local_sig, int(failed), self._nonce, int(training), self._ties, batch_rows, *fields],
@@ -92,7 +92,7 @@ class Agreement:
             self._refuse(str(exc))
         if len({r[3] for r in rows}) > 1:
             calls = ", ".join(f"rank {r} {'step' if row[3] else 'eval'}()" for r, row in enumerate(rows))
-            raise InputError(f"rank {comm.rank}: the ranks made different calls ({calls}): every rank makes the same "
+            raise InputError(f"{comm.who}: the ranks made different calls ({calls}): every rank makes the same "
                              "call, step() or eval()")
         sig = (sum(r[0] for r in rows) + (1 << 63)) % (1 << 64) - (1 << 63)  # int64 wrap-around, as all_reduce
         return sig, any(r[1] for r in rows), sum(given) // len(given) if given else 0
@@ -131,7 +131,7 @@ class Agreement:
                     lines.append(f"{name} differs between ranks {' / '.join(str(g) for g in groups.values())}")
                 else:
                     lines.append(f"{name}: " + ", ".join(f"rank {r} {t[name]!r}" for r, t in enumerate(theirs)))
-        return (f"rank {comm.rank}: the ranks were built with different pipelines ({'; '.join(lines)}). Build the "
+        return (f"{comm.who}: the ranks were built with different pipelines ({'; '.join(lines)}). Build the "
                 "same Pipeline on every rank: the same schedule, num_microbatches, number of stages and "
                 "variable_shapes, on a group with the same backend for the stages' device")
 

@@ -19,7 +19,7 @@ from pipecore.errors import CommunicationError, PeerFailedError
 
 def peer_failed(step: int, noticed: Exception, rollback_note: str, comm, plans) -> PeerFailedError:
     plans.end_discovery(failed=True)  # the ranks agree that this step learnt no plan
-    failed = PeerFailedError(f"rank {comm.rank}: step {step} aborted because {comm.peer_error()} "
+    failed = PeerFailedError(f"{comm.who}: step {step} aborted because {comm.peer_error()} "
                              f"(noticed here: {noticed}). The group is fine: zero the gradients and step again.")
     if rollback_note:
         failed.add_note(rollback_note)
@@ -43,7 +43,7 @@ def own_error(step: int, error: BaseException, rollback_note: str, comm, plans, 
     if also:  # this rank's own error, and releasing its peers failed too: the group broke
         aborted = comm.mark_broken(also)
         plans.forget_discovery()
-        return CommunicationError(f"rank {comm.rank}: step {step} failed ({type(error).__name__}: {error}), and "
+        return CommunicationError(f"{comm.who}: step {step} failed ({type(error).__name__}: {error}), and "
                                   f"telling the other ranks failed too: {also}. A peer hung or died: {aborted}rebuild "
                                   "the process group and the Pipeline.")
     plans.end_discovery(failed=True)

@@ -21,7 +21,7 @@ import torch
 from pipecore.errors import InputError
 
 
-def configure_messages(executor, gloo: bool, device: torch.device, rank: int, recv_window: int, send_budget: int,
+def configure_messages(executor, gloo: bool, device: torch.device, who: str, recv_window: int, send_budget: int,
                        variable_shapes: bool | None, timeout: float, backend) -> None:
     """Sets up `executor`'s messages for a group that is gloo (or not) on `device`, whose backend
     there is `backend`; `timeout` is the Pipeline's."""
@@ -34,19 +34,19 @@ def configure_messages(executor, gloo: bool, device: torch.device, rank: int, re
     # compute thread
     executor.set_comm_thread(gloo)
     # NCCL: batches on a communication stream, no host wait for a message's data (csrc/device_comm.h)
-    use_device_path(executor, gloo, device, rank)
+    use_device_path(executor, gloo, device, who)
     if executor.device_comm:
-        check_device_path_settings(rank, timeout, backend, os.environ)
+        check_device_path_settings(who, timeout, backend, os.environ)
     executor.set_shapes_travel(gloo and not executor.device_comm if variable_shapes is None else variable_shapes)
 
 
-def use_device_path(executor, gloo: bool, device: torch.device, rank: int) -> None:
+def use_device_path(executor, gloo: bool, device: torch.device, who: str) -> None:
     """NCCL on CUDA: messages go the device path (csrc/device_comm.h). A build without the
     extension's CUDA part has none, and its host path is not safe there: its receives posted ahead can
     deadlock on NCCL ([Note: NCCL pair order], csrc/device_comm.h). Refused, on every rank (they share the build), saying what to do."""
     if gloo or device.type != "cuda" or executor.set_device_comm(str(device)):
         return
-    raise InputError(f"rank {rank}: this pipecore was built without its CUDA part (csrc/cuda: no nvcc was found "
+    raise InputError(f"{who}: this pipecore was built without its CUDA part (csrc/cuda: no nvcc was found "
                      "when it was built; pipecore._C.build_info()['cuda'] is False), so it cannot run this Pipeline's "
                      "messages over NCCL. Rebuild it with the CUDA toolkit installed (`make install` with nvcc on PATH "
                      "or CUDA_HOME set; docs/install.md), or give the Pipeline a gloo group")
@@ -63,19 +63,19 @@ def describe_messages(executor) -> str:
 BLOCKING_WAIT_VARIABLES = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
 
 
-def check_device_path_settings(rank: int, timeout: float, backend, environ) -> None:
+def check_device_path_settings(who: str, timeout: float, backend, environ) -> None:
     """What the device path needs of its NCCL group, refused with the fix: a host that never blocks on a
     transfer (with blocking wait, c10d makes the host wait for each batch's Work), and a group timeout
     above the Pipeline's (at or below it, c10d's watchdog ends a stuck transfer by killing the process
     before pipecore's own timeout can abort the communicator and say which message was missing)."""
     for name in BLOCKING_WAIT_VARIABLES:
         if environ.get(name, "0").strip() not in ("", "0"):
-            raise InputError(f"rank {rank}: {name}={environ[name]} makes the host wait for every NCCL transfer, and "
+            raise InputError(f"{who}: {name}={environ[name]} makes the host wait for every NCCL transfer, and "
                              "pipecore's device path never waits for one inside a step (its own timeout bounds each "
                              f"wait and aborts the communicator): unset {name}")
     group_timeout = getattr(getattr(backend, "options", None), "_timeout", None)
     if group_timeout is not None and timeout >= group_timeout.total_seconds():
-        raise InputError(f"rank {rank}: the Pipeline's timeout ({timeout:g} s) is not below its NCCL group's "
+        raise InputError(f"{who}: the Pipeline's timeout ({timeout:g} s) is not below its NCCL group's "
                          f"({group_timeout.total_seconds():g} s): c10d's watchdog would end a stuck transfer by "
                          "killing the process first. Give the Pipeline a smaller timeout=, or the group a larger one "
                          "(init_process_group(timeout=...) or new_group(timeout=...))")

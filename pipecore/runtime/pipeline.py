@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from pipecore.errors import CommunicationError, InputError
-from pipecore.executor.comm import Comm, backend_of
+from pipecore.executor.comm import Comm, backend_of, who
 from pipecore.executor.native import (DEFAULT_RECV_WINDOW, DEFAULT_SEND_BUDGET, MESSAGE_STATUS, C, CommError, PeerAbort,
                                       PeerReplan)
 from pipecore.executor.program import encode, forward_only
@@ -139,7 +139,7 @@ class Pipeline:
                              "the gradients its autograd hooks see, not those a dw_builder's runner computes. Drop the "
                              "dw_builder (pipecore splits the backward itself) or the wrapper")
         self.group = pipeline_group(group, stages)
-        self.rank = dist.get_rank(self.group)
+        self.rank, self.who = dist.get_rank(self.group), who(self.group)  # who: this rank in errors
         self.world = dist.get_world_size(self.group)
         if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
@@ -160,7 +160,7 @@ class Pipeline:
         mine = schedule.rank_stages(self.rank)
         given = sorted(s.stage_index for s in stages)
         if given != mine:
-            raise ValueError(f"rank {self.rank} must hold stages {mine} under {schedule.name or 'this'} schedule's "
+            raise ValueError(f"{self.who} must hold stages {mine} under {schedule.name or 'this'} schedule's "
                              f"{schedule.placement} placement, but was given stages {given}")
         schedule.compute_only().validate()
         self.schedule = schedule
@@ -222,7 +222,7 @@ class Pipeline:
                                                   unshard_lookahead)
             run[True] = Schedule.from_codes(rows, lowered[True].topology, lowered[True].name)
         self.programs = {training: encode(v, self.rank, local_index) for training, v in run.items()}
-        self.executor = C.Executor(self.group, len(self.stages), num_microbatches, self.timeout)
+        self.executor = C.Executor(self.group, len(self.stages), num_microbatches, self.timeout, self.who)
         for s in self.stages:
             nxt, prv = topo.next_stage[s.stage_index], topo.prev_stage[s.stage_index]
             self.executor.set_links(
@@ -233,7 +233,7 @@ class Pipeline:
         self.executor.set_trace(bool(trace), str(device))
         self.executor.set_profile(bool(trace))
         gloo = self.comm.p2p_is_gloo()
-        configure_messages(self.executor, gloo, device, self.rank, recv_window, send_budget, variable_shapes,
+        configure_messages(self.executor, gloo, device, self.who, recv_window, send_budget, variable_shapes,
                            self.timeout, backend_of(self.group, device))
         # what every rank must agree on before the first step (checked at the first agreement)
         summary = {
@@ -431,7 +431,7 @@ class Pipeline:
         if self._agreement.misbuilt is not None:
             raise InputError(self._agreement.misbuilt)
         if self.comm.broken is not None:
-            raise CommunicationError(f"rank {self.rank}: this Pipeline's process group broke in an earlier step "
+            raise CommunicationError(f"{self.who}: this Pipeline's process group broke in an earlier step "
                                      f"({self.comm.broken}); rebuild the group and the Pipeline before stepping again")
 
     def _check(self, args, kwargs, target, training, return_outputs, loss_kwargs, loss_divisor,
@@ -562,7 +562,7 @@ class Pipeline:
         """All ranks agree on the batch signature; its plan is loaded, or this step learns it."""
         sig, failed = self.plans.agree(desc, training, self.has_first, rows)
         if failed:  # another rank's input checks failed on the first step of this mode
-            raise InputError(f"rank {self.rank}: step {step} not run: {self.comm.peer_error()}")
+            raise InputError(f"{self.who}: step {step} not run: {self.comm.peer_error()}")
         if self._wants_reverse_channel and self.reverse_channel is None:
             self.reverse_channel = self.comm.open_reverse_channel()
             self.executor.set_reverse_channel(self.reverse_channel)

@@ -56,7 +56,7 @@ def read_inputs(pipe, args, kwargs, target, training: bool, return_outputs, loss
     check_inputs(pipe, args, kwargs, target, training)
     parted = pipe.gradients.ties.parted if pipe.gradients.ties else None
     if parted is not None:  # found at the last step's gradient sum: every rank fails this step
-        raise InputError(f"rank {pipe.rank}: {parted}")
+        raise InputError(f"{pipe.who}: {parted}")
     loss_divisor = check_step_options(pipe, return_outputs, loss_kwargs, loss_divisor)
     check_finalize_gradients(pipe, finalize_gradients)
     with nvtx_range("pipecore.split"):
@@ -81,7 +81,7 @@ def check_finalize_gradients(pipe, finalize: bool) -> None:
     sharded = [pipe.stages[local].stage_index for local, adapter in sorted(wrapped.items()) if adapter.sharded]
     if sharded:
         raise InputError(
-            f"rank {pipe.rank}: finalize_gradients=False asks to defer the FSDP2 gradient reduction of stages "
+            f"{pipe.who}: finalize_gradients=False asks to defer the FSDP2 gradient reduction of stages "
             f"{sharded} to a later step(); pipecore reduces FSDP2 stages at every step's REDUCE_GRAD, and the "
             "sharded gradients of several step() calls add up to the same gradients (the sum, reduced per step): "
             "call step() without finalize_gradients for each step you accumulate")
@@ -93,7 +93,7 @@ def check_step_options(pipe, return_outputs, loss_kwargs, divisor) -> float | No
         if isinstance(divisor, torch.Tensor) and divisor.numel() == 1 and not divisor.is_complex():
             divisor = float(divisor)
         if isinstance(divisor, bool) or not isinstance(divisor, (int, float)) or not 0 < divisor < float("inf"):
-            raise InputError(f"rank {pipe.rank}: loss_divisor must be a positive number (the batch's token count, "
+            raise InputError(f"{pipe.who}: loss_divisor must be a positive number (the batch's token count, "
                              f"for a loss_fn that returns a sum), got {divisor!r}")
     if not isinstance(return_outputs, bool):
         raise InputError(f"return_outputs must be True or False, got {return_outputs!r}")
@@ -105,25 +105,25 @@ def check_step_options(pipe, return_outputs, loss_kwargs, divisor) -> float | No
 
 def check_inputs(pipe, args, kwargs, target, training: bool) -> None:
     if training and not torch.is_grad_enabled():
-        raise InputError(f"rank {pipe.rank}: step() computes gradients but was called under torch.no_grad(): "
+        raise InputError(f"{pipe.who}: step() computes gradients but was called under torch.no_grad(): "
                          "call eval() for forward passes only")
     if training and pipe.has_last and pipe.loss_fn is None:
-        raise InputError(f"rank {pipe.rank} holds a last stage ({_last_stages(pipe)}): training needs loss_fn")
+        raise InputError(f"{pipe.who} holds a last stage ({_last_stages(pipe)}): training needs loss_fn")
     if pipe.has_first and not args and not kwargs:
-        raise InputError(f"rank {pipe.rank} holds a first stage: step() needs the batch's inputs here")
+        raise InputError(f"{pipe.who} holds a first stage: step() needs the batch's inputs here")
     if not pipe.has_first and kwargs and pipe.keyword_inputs == "first_stage":
-        raise InputError(f"rank {pipe.rank} holds no first stage (stages {[s.stage_index for s in pipe.stages]}): "
+        raise InputError(f"{pipe.who} holds no first stage (stages {[s.stage_index for s in pipe.stages]}): "
                          f"step()'s keyword arguments {sorted(kwargs)} would reach no stage. Pass them on the "
                          "ranks holding a first stage, or build the Pipeline with keyword_inputs='every_stage' "
                          "to give them to every stage of the rank they are given on (torch's rule)")
     if training and pipe.has_last and target is None and pipe.loss_fn is not None and takes_two_args(pipe.loss_fn):
-        raise InputError(f"rank {pipe.rank} holds a last stage ({_last_stages(pipe)}): step() needs target= "
+        raise InputError(f"{pipe.who} holds a last stage ({_last_stages(pipe)}): step() needs target= "
                          "for loss_fn(output, target) (or give a loss_fn that takes the output alone)")
     if training and pipe.has_first:
         for i, t in enumerate(tree_flatten((args, kwargs))[0]):
             if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
                 raise InputError(
-                    f"rank {pipe.rank}: step()'s input tensor {i} was computed with a gradient outside the "
+                    f"{pipe.who}: step()'s input tensor {i} was computed with a gradient outside the "
                     f"pipeline (grad_fn {type(t.grad_fn).__name__}): each microbatch's backward would run through "
                     "that shared graph again. Compute it inside the first stage, or pass "
                     "x.detach().requires_grad_() and backward x's .grad into that graph after the step")
@@ -134,10 +134,10 @@ def microbatches_as_call(pipe, arg_mbs, kwarg_mbs) -> tuple[tuple, dict]:
     apart: ((each microbatch's positional inputs, each one's keyword inputs), {})."""
     m = pipe.num_microbatches
     if pipe.has_first and arg_mbs is None and kwarg_mbs is None:
-        raise InputError(f"rank {pipe.rank} holds a first stage: step_microbatches() needs arg_mbs (or kwarg_mbs) here")
+        raise InputError(f"{pipe.who} holds a first stage: step_microbatches() needs arg_mbs (or kwarg_mbs) here")
     if not pipe.has_first and pipe.keyword_inputs == "first_stage":
         if kwarg_mbs:
-            raise InputError(f"rank {pipe.rank} holds no first stage: kwarg_mbs would reach no stage (see step())")
+            raise InputError(f"{pipe.who} holds no first stage: kwarg_mbs would reach no stage (see step())")
         return ((), ()), {}
     arg_mbs = _per_microbatch(arg_mbs, m, "arg_mbs", ()) if pipe.has_first else [()] * m
     kwarg_mbs = _per_microbatch(kwarg_mbs, m, "kwarg_mbs", {})
@@ -253,14 +253,16 @@ class StepRun:
             try:
                 args, kwargs = wire.as_call(self._plans.in_use[s].inputs[mb].decode(
                     received, time.monotonic() + pipe.timeout, stage.mesh_for))
+            except InputError as e:  # (a DTensor this stage has no mesh for)
+                raise InputError(f"{pipe.who}: {e}") from None
             except TimeoutError as e:  # the device did not reach the message within the timeout
-                raise CommError(f"pipecore rank {pipe.rank}, stage {s}'s input of microbatch {mb}: {e} within "
+                raise CommError(f"pipecore {pipe.who}, stage {s}'s input of microbatch {mb}: {e} within "
                                 f"{pipe.timeout:g} s (a peer stopped sending, or the device is stuck)") from None
             extra = self._batch.stage_kwargs
             if extra is not None:
                 clash = sorted(set(kwargs) & set(extra[mb]))
                 if clash:
-                    raise InputError(f"rank {pipe.rank}: stage {s} receives keyword inputs {clash} from stage "
+                    raise InputError(f"{pipe.who}: stage {s} receives keyword inputs {clash} from stage "
                                      f"{topo.prev_stage[s]} and from step()'s keyword arguments: rename one")
                 kwargs = {**kwargs, **extra[mb]}
         clock = self._clock
@@ -272,7 +274,7 @@ class StepRun:
         except Exception as exc:
             shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_flatten((args, kwargs))[0]
                       if isinstance(t, torch.Tensor)]
-            exc.add_note(f"pipecore: raised by stage {s}'s forward of microbatch {mb} on rank {pipe.rank}, inputs "
+            exc.add_note(f"pipecore: raised by stage {s}'s forward of microbatch {mb} on {pipe.who}, inputs "
                          f"{shapes}")
             if "leaf Variable that requires grad" in str(exc) and topo.prev_stage[s] >= 0:
                 exc.add_note("pipecore: a stage's received inputs are leaves that need a gradient, so they cannot "
@@ -290,7 +292,7 @@ class StepRun:
         targets = self._batch.targets
         if pipe.loss_fn is not None and (self._training or targets is not None):
             if out is None:
-                raise InputError(f"rank {pipe.rank}: stage {s}'s output for microbatch {mb} is None, but loss_fn takes "
+                raise InputError(f"{pipe.who}: stage {s}'s output for microbatch {mb} is None, but loss_fn takes "
                                  "it: a last stage returns what loss_fn takes. Does its forward miss a `return`?")
             started = clock() if clock else 0.0
             with stage.autocast_context():
@@ -305,7 +307,7 @@ class StepRun:
                                 f"{' of shape ' + str(tuple(loss.shape)) if isinstance(loss, torch.Tensor) else ''}")
             self.losses[mb] = loss.detach()
             if pipe.check_finite and not torch.isfinite(loss.detach()).all():
-                raise FloatingPointError(f"rank {pipe.rank}: loss of microbatch {mb} is {loss.item()} "
+                raise FloatingPointError(f"{pipe.who}: loss of microbatch {mb} is {loss.item()} "
                                          "(check_finite=True)")
             if pipe.scale_grads or self._loss_divisor is not None:
                 seed = self._loss_weight(mb)
@@ -330,7 +332,7 @@ class StepRun:
                 # the steady path's common case: one tensor, as the first step of this structure had it
                 return [_viewless(out)]
         nxt = pipe.schedule.topology.next_stage[s]
-        what = f"rank {pipe.rank}: stage {s}'s output for microbatch {mb}"
+        what = f"{pipe.who}: stage {s}'s output for microbatch {mb}"
         if out is None:
             raise InputError(f"{what} is None, but stage {nxt} takes it as its input: a stage returns what the next "
                              "stage takes (a tensor, or a tuple, list or dict of tensors and other values). Does its "

@@ -69,7 +69,7 @@ class TiedWeights:
         self.copies = {k: sorted(v, key=lambda c: c.stage) for k, v in sorted(copies.items())}
         problem = self._problem()
         if problem is not None:
-            raise InputError(f"rank {comm.rank}: {problem}")
+            raise InputError(f"{comm.who}: {problem}")
         # why the copies of a tie differ (found at a step's gradient sum): every later step fails with it,
         # until the Pipeline is built again (its first agreement makes the copies equal)
         self.parted: str | None = None

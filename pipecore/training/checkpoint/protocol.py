@@ -37,7 +37,7 @@ def save_checkpoint(path: str | os.PathLike, pipe, optimizer: torch.optim.Optimi
     dp = pipe.gradients.dp
     if dp is not None:  # data-parallel replicas hold the same state: replica 0 writes it
         if dp.wrapped:
-            raise InputError(f"rank {pipe.rank}: save_checkpoint saves plain stages; this Pipeline has stages wrapped "
+            raise InputError(f"{pipe.who}: save_checkpoint saves plain stages; this Pipeline has stages wrapped "
                              "in DDP or FSDP2: save those with torch.distributed.checkpoint over the device mesh")
         failed = None
         if dp.rank == 0:
