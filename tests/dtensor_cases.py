@@ -320,3 +320,45 @@ def dtensor_to_a_stage_without_its_mesh(rank, world):
     except Exception as exc:  # noqa: BLE001 - what each rank says
         return type(exc).__name__, "\n".join([str(exc), *getattr(exc, "__notes__", [])])
     return "ok", ""
+
+
+def dtensor_microbatches_of_their_own_shapes(rank, world, name, stage_blocks, rows):
+    """TP=2 x PP=2, sequence-parallel activations (Shard(0) over the TP mesh), step_microbatches with
+    microbatches of `rows` rows each (new at every step: their shapes travel in the messages), two steps:
+    every gradient matches one process's (each microbatch's loss weighted by its share of the rows, as
+    the pipeline weighs it). An odd row count cannot be split evenly over the TP mesh: refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("pp", "tp"))
+    pp_group, pp_rank = mesh["pp"].get_group(), mesh["pp"].get_local_rank()
+    R = world // 2
+    sched = pc.build_schedule(name, R, len(rows[0]), len(stage_blocks) // R)
+    model = staged_model(stage_blocks, lambda seed: DTensorBlock(seed, mesh["tp"], "shard"))
+    model[-1][-1] = FullHead(model[-1][-1])
+    ref = staged_model(stage_blocks, DTensorBlock)
+    mine = [pc.PipelineStage(model[s], s, sched.num_stages, group=pp_group) for s in sched.rank_stages(pp_rank)]
+    loss_fn = nn.CrossEntropyLoss()
+    pipe = pc.Pipeline(mine, sched, len(rows[0]), loss_fn=loss_fn, group=pp_group, timeout=60)
+    for step, sizes in enumerate(rows):
+        x, y = make_batch(sum(sizes), WIDTH, CLASSES, seed=step)
+        xs, ys = list(x.split(sizes)), list(y.split(sizes))
+        for s in mine:
+            s.module.zero_grad(set_to_none=True)
+        for r in ref:
+            r.zero_grad(set_to_none=True)
+        try:
+            pipe.step_microbatches([(t,) for t in xs] if pipe.has_first else None,
+                                   target_mbs=ys if pipe.has_last else None)
+        except (pc.InputError, pc.PeerFailedError) as exc:
+            return f"step {step}: {type(exc).__name__}: {exc}"
+        total = sum(sizes)
+        for xm, ym in zip(xs, ys):
+            value = xm
+            for stage in ref:
+                value = stage(value)
+            (loss_fn(value, ym) * (len(ym) / total)).backward()
+        for s in mine:
+            for (n, p), (_, q) in zip(s.module.named_parameters(), ref[s.stage_index].named_parameters()):
+                got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                assert_matches(got, q.grad, f"rank {rank} stage {s.stage_index} {n}, step {step}")
+    return "ok"

@@ -4,7 +4,8 @@ import pytest
 
 from dist_pool import pool
 from dtensor_cases import (clipped_tensor_parallel_gradients, dtensor_activations_cross_stages,
-                           dtensor_buffer_rebound_is_put_back, dtensor_to_a_stage_without_its_mesh,
+                           dtensor_buffer_rebound_is_put_back, dtensor_microbatches_of_their_own_shapes,
+                           dtensor_to_a_stage_without_its_mesh,
                            dtensor_buffers_in_uneven_stages, sharded_gradient_norms)
 
 
@@ -62,3 +63,15 @@ def test_a_stage_without_the_senders_mesh_is_refused_naming_global_and_pipeline_
             assert kind == "PeerFailedError", (kind, text)
             assert text.startswith(f"rank {rank} (pp rank 0): step 0 aborted because rank "), text
             assert "(pp rank 1) failed in PP:1F" in text, text
+
+
+@pytest.mark.parametrize("name, stage_blocks", [("1f1b", [2, 1]), ("zbv", [1, 1, 1, 1])])
+def test_dtensor_activations_in_microbatches_of_their_own_shapes(name, stage_blocks):
+    """step_microbatches with sequence-parallel DTensor activations and microbatches whose rows differ, new
+    at every step: one process's gradients; a row count the TP mesh cannot split evenly is refused on every
+    rank, saying why."""
+    assert pool(4).run(dtensor_microbatches_of_their_own_shapes, name, stage_blocks,
+                       [[2, 4, 2, 6], [6, 2, 4, 4]], timeout=180) == ["ok"] * 4
+    for said in pool(4).run(dtensor_microbatches_of_their_own_shapes, name, stage_blocks,
+                            [[2, 4, 2, 6], [2, 3, 4, 4]], timeout=180):
+        assert said.startswith("step 1: ") and "sharded unevenly" in said and "rank " in said, said

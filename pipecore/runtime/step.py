@@ -346,7 +346,10 @@ class StepRun:
             tensors = boundary.encode(leaves, stage.device, what)
             discovery.learnt_output(local, mb, boundary)
         else:
-            problem = boundary.mismatch(leaves, spec, any_shape)
+            try:
+                problem = boundary.mismatch(leaves, spec, any_shape)
+            except InputError as e:  # (a DTensor its receiver cannot rebuild)
+                raise InputError(f"{what}: {e}") from None
             if problem is not None:
                 if any_shape:
                     raise InputError(f"{what} has {problem}: stage {nxt} receives what the first step with this "
