@@ -23,8 +23,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from pipecore.errors import InputError
-from pipecore.stage.host_reads import to_device, to_host
 from pipecore.stage.dtensor import from_local, is_dtensor, layout_of, local_part
+from pipecore.stage.host_reads import to_device, to_host
 
 
 @dataclass(frozen=True)
