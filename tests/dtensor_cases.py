@@ -362,3 +362,27 @@ def dtensor_microbatches_of_their_own_shapes(rank, world, name, stage_blocks, ro
                 got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
                 assert_matches(got, q.grad, f"rank {rank} stage {s.stage_index} {n}, step {step}")
     return "ok"
+
+
+def tensor_parallel_checkpoint_is_refused(rank, world, path):
+    """TP=2 x PP=2: pc.save_checkpoint and load_checkpoint of stages whose parameters are sharded over the
+    TP mesh (ranks of the other pipeline too) are refused on every rank, nothing written. Each rank's
+    (type, text) of both."""
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pp_group, pp_rank = mesh["pp"].get_group(), mesh["pp"].get_local_rank()
+    model = staged_model([1, 1], lambda seed: DTensorBlock(seed, mesh["tp"]))
+    model[-1][-1] = FullHead(model[-1][-1])
+    pipe = pc.Pipeline([pc.PipelineStage(model[pp_rank], pp_rank, 2, group=pp_group)], "1f1b", 2,
+                       loss_fn=nn.CrossEntropyLoss(), group=pp_group, timeout=60)
+    said = []
+    for call in (pc.save_checkpoint, pc.load_checkpoint):
+        try:
+            call(path, pipe)
+            said.append(("ok", ""))
+        except Exception as exc:  # noqa: BLE001 - what each rank says
+            said.append((type(exc).__name__, str(exc)))
+    return said, os.path.exists(path) and bool(os.listdir(path))

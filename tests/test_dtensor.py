@@ -5,7 +5,7 @@ import pytest
 from dist_pool import pool
 from dtensor_cases import (clipped_tensor_parallel_gradients, dtensor_activations_cross_stages,
                            dtensor_buffer_rebound_is_put_back, dtensor_microbatches_of_their_own_shapes,
-                           dtensor_to_a_stage_without_its_mesh,
+                           dtensor_to_a_stage_without_its_mesh, tensor_parallel_checkpoint_is_refused,
                            dtensor_buffers_in_uneven_stages, sharded_gradient_norms)
 
 
@@ -75,3 +75,15 @@ def test_dtensor_activations_in_microbatches_of_their_own_shapes(name, stage_blo
     for said in pool(4).run(dtensor_microbatches_of_their_own_shapes, name, stage_blocks,
                             [[2, 4, 2, 6], [2, 3, 4, 4]], timeout=180):
         assert said.startswith("step 1: ") and "sharded unevenly" in said and "rank " in said, said
+
+
+def test_a_checkpoint_of_tensor_parallel_stages_is_refused_on_every_rank(tmp_path):
+    """pc.save_checkpoint writes one pipeline's ranks' state: with TP the other pipeline's ranks hold other
+    shards of the same parameters and would write into the same files. Refused on every rank, saying what
+    to use; nothing is written."""
+    path = str(tmp_path / "checkpoint")
+    for rank, (said, written) in enumerate(pool(4).run(tensor_parallel_checkpoint_is_refused, path, timeout=120)):
+        assert not written, rank
+        for kind, text in said:
+            assert kind == "InputError" and "outside this pipeline (tensor parallel)" in text, (rank, kind, text)
+            assert "torch.distributed.checkpoint over the whole device mesh" in text, text

@@ -1,5 +1,5 @@
 """`make gpu-check` (.ci/gpu_check.py) on a machine without a GPU: every check is listed, each
-skipped with its reason, and the script succeeds. (Its --cpu dry run, the multi-rank cases on gloo,
+skipped with its reason, the table is also written to a file, and the script succeeds. (Its --cpu dry run, the multi-rank cases on gloo,
 takes minutes: run by hand, see docs/cuda.md.)"""
 
 import os
@@ -13,10 +13,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: make gpu-check runs the checks")
-def test_gpu_check_lists_every_check_with_why_it_is_skipped():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, ".ci", "gpu_check.py")], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT)
+def test_gpu_check_lists_every_check_with_why_it_is_skipped(tmp_path):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, ".ci", "gpu_check.py"), "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
+    with open(tmp_path / "table.txt") as f:  # the table, also in a file
+        assert f.read().splitlines()[1:] == [line for line in out.stdout.splitlines() if line][:-1], out.stdout
     rows = [line for line in out.stdout.splitlines() if "  skipped  " in line]
     assert any(r.startswith("tests/test_cuda.py") and "no CUDA GPU" in r for r in rows), out.stdout
     for name in ("train_gpt 1f1b", "train_gpt dualpipev, no caching allocator", "stopped rank (kill -STOP)",

@@ -17,11 +17,13 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from pipecore.errors import InputError
+from pipecore.stage.dtensor import is_dtensor
 
 EXTRA_KEY = "pipecore.extra"
 # one optimizer per rank over stages that differ between ranks: DCP's nested optimizer state dict
@@ -50,6 +52,7 @@ class StageModules:
         self._params = {fqn: p for name, p in self.modules.named_parameters(remove_duplicate=False)
                         for fqn in _dcp_names(self.modules, name)}
         self._names = set(self._params)
+        _check_within_pipeline(pipe, self.modules)
         self.optimizer = optimizer
         if optimizer is not None:
             _check_optimizer(optimizer, self.modules)
@@ -257,3 +260,17 @@ def set_rng_state(pipe, kind: str, state: torch.Tensor) -> None:
         torch.set_rng_state(state)
     elif pipe.stages[0].device.type == "cuda":
         torch.cuda.set_rng_state(state, pipe.stages[0].device)
+
+
+def _check_within_pipeline(pipe, modules: nn.Module) -> None:
+    """A checkpoint is written by the pipeline's own ranks: a DTensor held also by ranks outside it (tensor
+    parallel, sharded over other pipelines' ranks) would be written by each pipeline into the same files.
+    Refused, saying what to use."""
+    mine = set(dist.get_process_group_ranks(pipe.group))
+    for name, t in [*modules.named_parameters(), *modules.named_buffers()]:
+        if is_dtensor(t):
+            outside = sorted(set(t.device_mesh.mesh.flatten().tolist()) - mine)
+            if outside:
+                raise InputError(f"{pipe.who}: {name} is a DTensor over ranks {outside} outside this pipeline "
+                                 f"(tensor parallel): save_checkpoint writes a pipeline's own ranks' state; save "
+                                 "such stages with torch.distributed.checkpoint over the whole device mesh")
