@@ -68,22 +68,33 @@ def _matches_one_process(run: dict, ref: dict, what: str, grads: str = "grads", 
         assert_matches(*float32, f"{what}: the step's loss", bound=_loss_bound(ref))
 
 
+def _on_both(world: int, runs: list[dict], timeout: float) -> tuple[dict, list[tuple[dict, dict, dict]]]:
+    """`runs` on torch's runtime and on pipecore, each in processes of its own: one process's reference and,
+    per run, (its options, pipecore's `_merged` run, torch's)."""
+    on_torch = run_fresh(world, cases.titan, "torch", runs, 1, timeout=timeout)
+    on_pipecore = run_fresh(world, cases.titan, "pipecore", runs, timeout=timeout)
+    return on_torch[0]["reference"], [(options, _merged(on_pipecore, at), _merged(on_torch, at))
+                                       for at, options in enumerate(runs)]
+
+
+def _bit_for_bit(ours: dict, theirs: dict, what: str) -> None:
+    """pipecore's losses and every gradient (`_merged` runs) are torch's runtime's, bit for bit."""
+    assert ours["losses"] == theirs["losses"], f"{what}: losses {ours['losses']} against torch's {theirs['losses']}"
+    different = [n for n, g in theirs["grads"].items() if not torch.equal(ours["grads"][n], g)]
+    assert not different, f"{what}: gradients not bitwise torch's: {different}"
+
+
 @pytest.mark.exactness
 def test_torchtitan_runs_on_pipecore_with_torchs_numbers():
     """1F1B, Interleaved1F1B and a CSV schedule: pipecore's losses and every gradient equal torch's runtime's
     bit for bit, and both equal one process's within the float64 bound."""
-    on_torch = run_fresh(2, cases.titan, "torch", TORCH_RIGHT, 1, timeout=300)
-    on_pipecore = run_fresh(2, cases.titan, "pipecore", TORCH_RIGHT, timeout=300)
-    ref = on_torch[0]["reference"]
-    for at, options in enumerate(TORCH_RIGHT):
+    ref, pairs = _on_both(2, TORCH_RIGHT, timeout=300)
+    for options, ours, theirs in pairs:
         what = f"{options['schedule']}{' from a CSV' if options.get('csv') else ''}"
-        theirs, ours = _merged(on_torch, at), _merged(on_pipecore, at)
         assert all(i["schedule_class"].startswith("pipecore.compat.schedules.") and
                    i["stage_class"] == "pipecore.stage.pipeline_stage.PipelineStage" for i in ours["info"]), ours["info"]
         assert all(i["schedule_class"].startswith("torch.distributed.pipelining.") for i in theirs["info"])
-        assert ours["losses"] == theirs["losses"], f"{what}: losses {ours['losses']} against torch's {theirs['losses']}"
-        different = [n for n, g in theirs["grads"].items() if not torch.equal(ours["grads"][n], g)]
-        assert not different, f"{what}: gradients not bitwise torch's: {different}"
+        _bit_for_bit(ours, theirs, what)
         _matches_one_process(ours, ref, f"pipecore, {what}")
         _matches_one_process(theirs, ref, f"torch, {what}")
 
@@ -224,16 +235,11 @@ def test_torchtitan_tensor_parallel_runs_on_pipecore_with_torchs_numbers():
     """TP=2 x PP=2 with sequence parallel, 1F1B (partial_dtensor) and Interleaved1F1B (full_dtensor): DTensor
     activations cross stages; losses and every gradient equal torch's runtime's bit for bit, and one
     process's within the float32 bound of TorchTitan's loss head."""
-    on_torch = run_fresh(4, cases.titan, "torch", TP_TORCH_RIGHT, 1, timeout=400)
-    on_pipecore = run_fresh(4, cases.titan, "pipecore", TP_TORCH_RIGHT, timeout=400)
-    ref = on_torch[0]["reference"]
-    for at, options in enumerate(TP_TORCH_RIGHT):
+    ref, pairs = _on_both(4, TP_TORCH_RIGHT, timeout=400)
+    for options, ours, theirs in pairs:
         what = f"{options['schedule']}, TP=2 ({options['spmd_backend']})"
-        theirs, ours = _merged(on_torch, at), _merged(on_pipecore, at)
         assert all(i["schedule_class"].startswith("pipecore.compat.schedules.") for i in ours["info"]), ours["info"]
-        assert ours["losses"] == theirs["losses"], f"{what}: losses {ours['losses']} against torch's {theirs['losses']}"
-        different = [n for n, g in theirs["grads"].items() if not torch.equal(ours["grads"][n], g)]
-        assert not different, f"{what}: gradients not bitwise torch's: {different}"
+        _bit_for_bit(ours, theirs, what)
         _matches_one_process(ours, ref, f"pipecore, {what}", bound=_tensor_parallel_bound())
 
 
