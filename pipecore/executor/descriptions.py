@@ -28,7 +28,7 @@ from datetime import timedelta
 
 import torch
 
-from pipecore.stage.host_reads import poll
+from pipecore.stage.host_reads import to_device, to_host
 from pipecore.executor.native import C
 
 CHUNK = 1024  # bytes of a description's first message: most boundaries' descriptions fit in one
@@ -67,14 +67,9 @@ class Descriptions:
         parts = [first.ljust(CHUNK, b"\0")] + ([data[room:]] if len(data) > room else [])
         with self._post:
             with self._on_stream():
-                wire = [torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in parts]
-                kept = wire
-                if self._stream is not None:  # (copied from pinned memory: from pageable memory the host waits)
-                    pinned = [t.pin_memory() for t in wire]
-                    wire = [t.to(self._device, non_blocking=True) for t in pinned]
-                    kept = pinned + wire
+                wire = [to_device(torch.frombuffer(bytearray(p), dtype=torch.uint8), self._device) for p in parts]
                 works = [self._backend.send([t], peer, self._tag) for t in wire]
-            self._sending.append((works, kept))
+            self._sending.append((works, wire))
 
     def receive(self, peer: int, step: int, stage: int, mb: int, timeout: float) -> bytes | None:
         """The payload of stage `stage`'s output for `mb` in `step`, from `peer` (None: it has none).
@@ -126,18 +121,14 @@ class Descriptions:
                     done = work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
                 except RuntimeError:  # (gloo: its connections are closed then)
                     done = False
-                host = buffer
             else:
+                done = True
                 work.wait()  # (this stream waits for the transfer; the host does not)
-                host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-                host.copy_(buffer, non_blocking=True)
-                arrived = torch.cuda.Event()
-                arrived.record(self._stream)
-                done = poll(arrived, deadline)
-        if not done:
+            data = to_host(buffer, deadline) if done else None  # (on a device: read after the transfer)
+        if data is None:
             self._stuck.append(buffer)
             raise DescriptionTimeout(f"nothing arrived from rank {peer}")
-        return host.numpy().tobytes()
+        return data
 
     def _on_stream(self):
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()

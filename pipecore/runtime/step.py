@@ -252,7 +252,7 @@ class StepRun:
         else:
             try:
                 args, kwargs = wire.as_call(self._plans.in_use[s].inputs[mb].decode(
-                    received, time.monotonic() + pipe.timeout, stage.mesh_for))
+                    received, pipe.timeout, stage.mesh_for))
             except InputError as e:  # (a DTensor this stage has no mesh for)
                 raise InputError(f"{pipe.who}: {e}") from None
             except TimeoutError as e:  # the device did not reach the message within the timeout

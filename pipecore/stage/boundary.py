@@ -16,6 +16,7 @@ import hashlib
 import io
 import math
 import pickle
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,10 +166,10 @@ class Boundary:
         buf[_LENGTH_BYTES:_LENGTH_BYTES + len(data)] = data
         return [*tensors, to_device(torch.frombuffer(buf, dtype=torch.uint8), device)]
 
-    def decode(self, received: list[torch.Tensor], deadline: float = math.inf, mesh_for=None) -> Any:
+    def decode(self, received: list[torch.Tensor], timeout: float = math.inf, mesh_for=None) -> Any:
         """The output a message carried: its tensors (DTensors rebuilt on `mesh_for(names, shape)`, the
         receiving stage's mesh), and its values as sent this step (read on the host: TimeoutError if they
-        had not arrived by `deadline`, time.monotonic())."""
+        had not arrived within `timeout` seconds)."""
         if any(m.layout is not None for m in self.tensors):
             received = [t if m.layout is None else from_local(t, mesh_for(*m.layout[:2]), _layout_for(t, m))
                         for t, m in zip(received, self.tensors)] + list(received[len(self.tensors):])
@@ -177,7 +178,7 @@ class Boundary:
         tensors = iter(received)
         values = None
         if self.value_bytes:
-            raw = to_host(received[len(self.tensors)], deadline)  # a device's values come to the host
+            raw = to_host(received[len(self.tensors)], time.monotonic() + timeout)  # a device's values to the host
             if raw is None:
                 raise TimeoutError("its non-tensor values did not arrive")
             size = int.from_bytes(raw[:_LENGTH_BYTES], "little")

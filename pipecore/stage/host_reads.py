@@ -27,10 +27,10 @@ def to_host(data: torch.Tensor, deadline: float) -> bytes | None:
     host.copy_(data, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()
-    return host.numpy().tobytes() if poll(copied, deadline) else None
+    return host.numpy().tobytes() if _poll(copied, deadline) else None
 
 
-def poll(event, deadline: float) -> bool:
+def _poll(event, deadline: float) -> bool:
     """Whether `event` completed before `deadline` (queried, never synchronized)."""
     pause = 1e-5
     while not event.query():
