@@ -266,10 +266,15 @@ class FullHead(nn.Module):
         return self.head(x.full_tensor() if hasattr(x, "full_tensor") else x)
 
 
-def dtensor_activations_cross_stages(rank, world, name, stage_blocks, layout):
+def dtensor_activations_cross_stages(rank, world, name, stage_blocks, layout, messages="default", tie=False):
     """TP=2 x PP=world/2: stages hand DTensor activations (`layout`) to each other; the losses and every
-    gradient (gathered) match one process, on two batch shapes (the second learnt in its first step)."""
+    gradient (gathered) match one process, on two batch shapes (the second learnt in its first step).
+    `messages`: how they travel (pipeline_cases.set_messages; "device": the NCCL path's protocol on its CPU
+    model). `tie`: the first and the last stage's first blocks share their column-parallel weight (a
+    DTensor sharded over the TP mesh), one Parameter in the reference."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeline_cases import set_messages
 
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("pp", "tp"))
     pp_group, pp_rank = mesh["pp"].get_group(), mesh["pp"].get_local_rank()
@@ -278,9 +283,15 @@ def dtensor_activations_cross_stages(rank, world, name, stage_blocks, layout):
     model = staged_model(stage_blocks, lambda seed: DTensorBlock(seed, mesh["tp"], layout))
     model[-1][-1] = FullHead(model[-1][-1])
     ref = staged_model(stage_blocks, DTensorBlock)
-    mine = [pc.PipelineStage(model[s], s, sched.num_stages, group=pp_group) for s in sched.rank_stages(pp_rank)]
+    last = len(stage_blocks) - 1
+    if tie:
+        ref[last][0].inner.up.weight = ref[0][0].inner.up.weight
+    ties = {0: {"up": model[0][0].inner.up.weight}, last: {"up": model[last][0].inner.up.weight}} if tie else {}
+    mine = [pc.PipelineStage(model[s], s, sched.num_stages, group=pp_group, tied=ties.get(s, {}))
+            for s in sched.rank_stages(pp_rank)]
     loss_fn = nn.CrossEntropyLoss()
     pipe = pc.Pipeline(mine, sched, 4, loss_fn=loss_fn, group=pp_group, timeout=60)
+    set_messages(pipe, messages)
     worst = 0.0
     for rows in (8, 16, 8):
         x, y = make_batch(rows, WIDTH, CLASSES, seed=rows)

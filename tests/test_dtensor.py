@@ -51,6 +51,20 @@ def test_dtensor_activations_cross_stages_as_one_process(name, stage_blocks, lay
     assert len(worst) == 4
 
 
+@pytest.mark.exactness
+@pytest.mark.parametrize("name, stage_blocks, layout, messages", [
+    ("1f1b", [2, 1], "shard", "device"), ("zbv", [1, 2, 1, 1], "replicate", "device"),
+    ("interleaved_1f1b", [1, 1, 1, 1], "shard", "default")])
+def test_tied_tensor_parallel_weights_and_the_device_paths_messages_match_one_process(name, stage_blocks, layout,
+                                                                                     messages):
+    """The same TP=2 x PP=2 model with a weight sharded over the TP mesh tied between the first and the last
+    stage (summed between pipeline ranks, or on one rank under the V placement), its DTensor activations
+    travelling as the NCCL path sends them (its CPU model: batches of exact sizes, no shapes in messages)
+    or as gloo does: one process's gradients, the tied one's the sum of both uses."""
+    worst = pool(4).run(dtensor_activations_cross_stages, name, stage_blocks, layout, messages, True, timeout=240)
+    assert len(worst) == 4
+
+
 def test_a_stage_without_the_senders_mesh_is_refused_naming_global_and_pipeline_ranks():
     """The receiving stage has no mesh of the DTensor's dimensions: it says so with the fix; every rank's
     error names ranks as "rank G (pp rank P)" where the pipeline group is not the world."""
