@@ -1,4 +1,4 @@
-"""A test-only CPU allocator (built once with load_inline) that counts live tensor bytes exactly,
+"""A test-only CPU allocator (built once, tests/jit_extension.py) that counts live tensor bytes exactly,
 keeps their peak, and can refuse allocations the way a full GPU does (c10::OutOfMemoryError):
 above a cap of live bytes, or the k-th allocation of at least a watched size.
 
@@ -8,8 +8,8 @@ counted. Installed once per process, it stays (with no cap and nothing armed it 
 from __future__ import annotations
 
 _SOURCE = r"""
-#include <torch/extension.h>
 #include <c10/core/CPUAllocator.h>
+#include <pybind11/pybind11.h>
 
 #include <algorithm>
 #include <atomic>
@@ -105,9 +105,8 @@ def probe():
     """The allocator's controls, installed in this process."""
     global _module
     if _module is None:
-        from torch.utils.cpp_extension import load_inline
+        from jit_extension import load_extension
 
-        _module = load_inline("pipecore_test_memory_probe", cpp_sources=[_SOURCE], functions=_FUNCTIONS,
-                              verbose=False)
+        _module = load_extension("pipecore_test_memory_probe", _SOURCE, _FUNCTIONS)
         _module.install()
     return _module

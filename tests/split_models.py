@@ -99,13 +99,14 @@ class ReturnsGradLinearFunc(_LinearFunc):
 
 
 _CPP_FUNCTION = r"""
-#include <torch/extension.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/utils/pybind.h>
 // A fused linear written as a C++ autograd Function: accumulates its weight gradient into
 // main_grad itself (a side effect) and counts its backward calls.
 static int64_t backward_calls = 0;
 struct CppMainGradLinear : public torch::autograd::Function<CppMainGradLinear> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x, torch::Tensor weight,
-                               torch::Tensor main_grad) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor x, at::Tensor weight,
+                            at::Tensor main_grad) {
     ctx->save_for_backward({x, weight});
     ctx->saved_data["main_grad"] = main_grad;
     return x.matmul(weight.t());
@@ -115,10 +116,10 @@ struct CppMainGradLinear : public torch::autograd::Function<CppMainGradLinear> {
     ++backward_calls;
     auto saved = ctx->get_saved_variables();
     ctx->saved_data["main_grad"].toTensor().add_(grad_out[0].t().matmul(saved[0]));
-    return {grad_out[0].matmul(saved[1]), torch::Tensor(), torch::Tensor()};
+    return {grad_out[0].matmul(saved[1]), at::Tensor(), at::Tensor()};
   }
 };
-torch::Tensor cpp_main_grad_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor main_grad) {
+at::Tensor cpp_main_grad_linear(at::Tensor x, at::Tensor weight, at::Tensor main_grad) {
   return CppMainGradLinear::apply(x, weight, main_grad);
 }
 int64_t cpp_backward_calls() { return backward_calls; }
@@ -127,10 +128,9 @@ int64_t cpp_backward_calls() { return backward_calls; }
 
 def cpp_extension():
     """The C++ Function above, built once per machine (torch caches it) and loaded per process."""
-    from torch.utils.cpp_extension import load_inline
+    from jit_extension import load_extension
 
-    return load_inline("pipecore_test_cpp_function", cpp_sources=[_CPP_FUNCTION],
-                       functions=["cpp_main_grad_linear", "cpp_backward_calls"], verbose=False)
+    return load_extension("pipecore_test_cpp_function", _CPP_FUNCTION, ["cpp_main_grad_linear", "cpp_backward_calls"])
 
 
 class CppFunction:
