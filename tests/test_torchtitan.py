@@ -68,13 +68,21 @@ def _matches_one_process(run: dict, ref: dict, what: str, grads: str = "grads", 
         assert_matches(*float32, f"{what}: the step's loss", bound=_loss_bound(ref))
 
 
-def _on_both(world: int, runs: list[dict], timeout: float) -> tuple[dict, list[tuple[dict, dict, dict]]]:
-    """`runs` on torch's runtime and on pipecore, each in processes of its own: one process's reference and,
-    per run, (its options, pipecore's `_merged` run, torch's)."""
-    on_torch = run_fresh(world, cases.titan, "torch", runs, 1, timeout=timeout)
-    on_pipecore = run_fresh(world, cases.titan, "pipecore", runs, timeout=timeout)
-    return on_torch[0]["reference"], [(options, _merged(on_pipecore, at), _merged(on_torch, at))
-                                       for at, options in enumerate(runs)]
+_SHARED: dict[str, list[dict]] = {}
+
+
+def _shared(key: str, world: int, api: str, runs: list[dict], reference=None, timeout: float = 400) -> list[dict]:
+    """cases.titan's results for `runs`, computed once for the tests that read them (starting processes that
+    import TorchTitan is most of what a run costs: 10-20 s for 2 or 4 ranks on 2 cores). A run that raises ends
+    its list, so runs that fail on purpose go last."""
+    if key not in _SHARED:
+        _SHARED[key] = run_fresh(world, cases.titan, api, runs, reference, timeout=timeout)
+    return _SHARED[key]
+
+
+def _on_both(runs: list[dict], on_pipecore: list[dict], on_torch: list[dict]) -> list[tuple[dict, dict, dict]]:
+    """Per run of `runs`, the first runs of both results: (its options, pipecore's `_merged` run, torch's)."""
+    return [(options, _merged(on_pipecore, at), _merged(on_torch, at)) for at, options in enumerate(runs)]
 
 
 def _bit_for_bit(ours: dict, theirs: dict, what: str) -> None:
@@ -88,8 +96,9 @@ def _bit_for_bit(ours: dict, theirs: dict, what: str) -> None:
 def test_torchtitan_runs_on_pipecore_with_torchs_numbers():
     """1F1B, Interleaved1F1B and a CSV schedule: pipecore's losses and every gradient equal torch's runtime's
     bit for bit, and both equal one process's within the float64 bound."""
-    ref, pairs = _on_both(2, TORCH_RIGHT, timeout=300)
-    for options, ours, theirs in pairs:
+    ours_all = _shared("pipecore, 2 ranks", 2, "pipecore", TORCH_RIGHT + ZERO_BUBBLE, 1)
+    ref = ours_all[0]["reference"]
+    for options, ours, theirs in _on_both(TORCH_RIGHT, ours_all, _shared("torch, 2 ranks", 2, "torch", TORCH_ALL)):
         what = f"{options['schedule']}{' from a CSV' if options.get('csv') else ''}"
         assert all(i["schedule_class"].startswith("pipecore.compat.schedules.") and
                    i["stage_class"] == "pipecore.stage.pipeline_stage.PipelineStage" for i in ours["info"]), ours["info"]
@@ -103,6 +112,9 @@ ZERO_BUBBLE = [{"schedule": "ZBVZeroBubble", "evaluate": True}, {"schedule": "In
                {"schedule": "DualPipeV", "evaluate": True},
                # without checkpointing: torch 2.13 leaves norm.weight's gradient None under the chunked loss
                {"schedule": "ZBVZeroBubble", "ac": "none"}, {"schedule": "InterleavedZeroBubble", "ac": "none"}]
+# where torch's runtime fails (test_torchs_runtime_fails_where_pipecore_does_not): the second raises, so last
+TORCH_FAILS = [{"schedule": "ZBVZeroBubble", "ac": "none"}, {"schedule": "ZBVZeroBubble"}]
+TORCH_ALL = TORCH_RIGHT + TORCH_FAILS
 
 
 @pytest.mark.exactness
@@ -111,9 +123,9 @@ def test_torchtitan_zero_bubble_schedules_with_its_fsdp2_at_dp1_give_one_process
     and where torch 2.13 fails (test_torchs_runtime_fails_where_pipecore_does_not): every gradient,
     norm.weight's included, and the loss equal one process's; eval() of the V schedules (TorchTitan's
     validator's call) gives one process's eval losses."""
-    results = run_fresh(2, cases.titan, "pipecore", ZERO_BUBBLE, 1, timeout=300)
+    results = _shared("pipecore, 2 ranks", 2, "pipecore", TORCH_RIGHT + ZERO_BUBBLE, 1)
     ref = results[0]["reference"]
-    for at, options in enumerate(ZERO_BUBBLE):
+    for at, options in enumerate(ZERO_BUBBLE, start=len(TORCH_RIGHT)):
         what = f"{options['schedule']} (activation checkpointing: {options.get('ac', 'selective')})"
         run = _merged(results, at)
         _matches_one_process(run, ref, what)
@@ -140,11 +152,11 @@ def test_torchs_runtime_fails_where_pipecore_does_not():
     """What the docs say torch 2.13 does with TorchTitan's defaults, measured: under the chunked loss and the
     I/W split norm.weight gets no gradient, and with selective activation checkpointing the I/W split
     fails ("backward an extra time"). test_torchtitan_zero_bubble_schedules_... runs both on pipecore."""
-    runs = [{"schedule": "ZBVZeroBubble", "ac": "none"}, {"schedule": "ZBVZeroBubble"}]
-    results = run_fresh(2, cases.titan, "torch", runs, timeout=300)
-    missing = sorted({name for r in results for name in r["runs"][0]["info"]["missing_grads"]})
+    results = _shared("torch, 2 ranks", 2, "torch", TORCH_ALL)
+    first = len(TORCH_RIGHT)
+    missing = sorted({name for r in results for name in r["runs"][first]["info"]["missing_grads"]})
     assert missing == ["norm.weight"], missing
-    errors = [r["runs"][1].get("error", "") for r in results]
+    errors = [r["runs"][first + 1].get("error", "") for r in results]
     assert any("backward an extra time" in e and "checkpoint" in e for e in errors), errors
 
 
@@ -169,11 +181,12 @@ def test_torchtitan_moe_gradient_accumulation_with_its_fsdp2_at_dp1_gives_one_pr
     through its validator's eval(arg_mbs=...) after the step, equal one process's (TorchTitan's
     non-pipeline train_step), the MoE experts in float64 (tests/torchtitan_cases.py: their bf16 GEMMs
     swapped)."""
-    options = {"model": model, "accumulate": ACCUMULATE, "evaluate": True, **MOE_SCHEDULES[schedule]}
-    results = run_fresh(2, cases.titan, "pipecore", [options], {"model": model, "accumulate": ACCUMULATE},
-                        timeout=300)
+    order = sorted(MOE_SCHEDULES)  # both schedules of a model in one set of processes
+    runs = [{"model": model, "accumulate": ACCUMULATE, "evaluate": True, **MOE_SCHEDULES[s]} for s in order]
+    results = _shared(f"pipecore, {model}", 2, "pipecore", runs, {"model": model, "accumulate": ACCUMULATE})
     ref = results[0]["reference"]
-    run = _merged(results, 0)
+    options = runs[order.index(schedule)]
+    run = _merged(results, order.index(schedule))
     what = f"{model}, {schedule}"
     info = run["info"]
     # the configuration the test is about: TorchTitan's wrapping of its last stage, its accumulation, the layout
@@ -235,8 +248,9 @@ def test_torchtitan_tensor_parallel_runs_on_pipecore_with_torchs_numbers():
     """TP=2 x PP=2 with sequence parallel, 1F1B (partial_dtensor) and Interleaved1F1B (full_dtensor): DTensor
     activations cross stages; losses and every gradient equal torch's runtime's bit for bit, and one
     process's within the float32 bound of TorchTitan's loss head."""
-    ref, pairs = _on_both(4, TP_TORCH_RIGHT, timeout=400)
-    for options, ours, theirs in pairs:
+    ours_all = _shared("pipecore, TP", 4, "pipecore", TP_TORCH_RIGHT, 1)
+    ref = ours_all[0]["reference"]
+    for options, ours, theirs in _on_both(TP_TORCH_RIGHT, ours_all, _shared("torch, TP", 4, "torch", TP_TORCH_RIGHT)):
         what = f"{options['schedule']}, TP=2 ({options['spmd_backend']})"
         assert all(i["schedule_class"].startswith("pipecore.compat.schedules.") for i in ours["info"]), ours["info"]
         _bit_for_bit(ours, theirs, what)
@@ -248,6 +262,8 @@ def test_torchtitan_tensor_parallel_zero_bubble_and_uneven_splits_give_one_proce
     """TP=2 x PP=2 on ZBV (the I/W split, V stages) and on uneven splits (3 layers and 1; a V of 2, 1, 1 and
     the head alone), both DTensor backends, sequence parallel on and off: every gradient and the loss equal
     one process's within the float32 bound of TorchTitan's loss head. These hung before (rollback)."""
+    # processes of their own: after TP_TORCH_RIGHT's runs in the same processes, TorchTitan's full_dtensor
+    # backend fails in fully_shard ("Expected param's DTensor mesh to be the same mesh passed to fully_shard")
     results = run_fresh(4, cases.titan, "pipecore", TP_ONE_PROCESS, 1, timeout=400)
     ref = results[0]["reference"]
     for at, options in enumerate(TP_ONE_PROCESS):
