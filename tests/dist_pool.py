@@ -110,16 +110,24 @@ class RankPool:
             raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
         return [out[r] for r in range(self.world)]
 
-    def close(self):
-        for q in self.tasks:
-            try:
-                q.put(None)
-            except Exception:
-                pass
+    def close(self, graceful: bool = True):
+        """Ends the ranks: asked to leave (5 s in all), or at once where the pool is broken (a rank stuck in
+        a broken group never reads the request; each case already wrote its coverage counts)."""
+        import time
+
+        if graceful:
+            for q in self.tasks:
+                try:
+                    q.put(None)
+                except Exception:
+                    pass
+            deadline = time.monotonic() + 5
+            for p in self.procs:
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
-            p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+            p.join()
 
 
 def _fresh_worker(rank, world, port, timeout, fn, args, out_path):
@@ -185,7 +193,7 @@ def pool(world: int) -> RankPool:
     p = _POOLS.get(world)
     if p is None or p.broken or not all(proc.is_alive() for proc in p.procs):
         if p is not None:
-            p.close()
+            p.close(graceful=not p.broken)
         p = _POOLS[world] = RankPool(world)
     return p
 
