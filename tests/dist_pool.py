@@ -110,18 +110,21 @@ class RankPool:
             raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
         return [out[r] for r in range(self.world)]
 
-    def close(self, graceful: bool = True):
-        """Ends the ranks: asked to leave (5 s in all), or at once where the pool is broken (a rank stuck in
-        a broken group never reads the request; each case already wrote its coverage counts)."""
+    def ask_to_leave(self):
+        for q in self.tasks:
+            try:
+                q.put(None)
+            except Exception:
+                pass
+
+    def close(self, graceful: bool = True, deadline: float | None = None):
+        """Ends the ranks: asked to leave (until `deadline`, or 5 s from now), or at once where the pool is
+        broken (a rank stuck in a broken group never reads the request; each case wrote its coverage counts)."""
         import time
 
         if graceful:
-            for q in self.tasks:
-                try:
-                    q.put(None)
-                except Exception:
-                    pass
-            deadline = time.monotonic() + 5
+            self.ask_to_leave()
+            deadline = time.monotonic() + 5 if deadline is None else deadline
             for p in self.procs:
                 p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
@@ -199,8 +202,14 @@ def pool(world: int) -> RankPool:
 
 
 def close_all():
+    """Every pool asked to leave at once, given 5 s in all."""
+    import time
+
     for p in _POOLS.values():
-        p.close()
+        p.ask_to_leave()
+    deadline = time.monotonic() + 5
+    for p in _POOLS.values():
+        p.close(graceful=not p.broken, deadline=deadline)
     _POOLS.clear()
 
 
