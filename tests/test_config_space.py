@@ -1,10 +1,12 @@
-"""The generated configuration space (tests/config_space.py): a fixed seed's first configurations, each
-trained through pc.Pipeline and compared with one process in float64. `make test` draws
-CONFIG_SPACE_COUNT of them (DEFAULT_COUNT unless set); `make soak` thousands more, from another seed. A
-failing configuration is shrunk and printed as a one-line reproducer."""
+"""The generated configuration space (tests/config_space.py): configurations drawn from a fixed seed, each
+trained through pc.Pipeline and compared with one process in float64. `make test` runs SUITE_COUNT of the
+seed's first draws, chosen to draw the most pairs of axis values (`config_space.covering`); `make soak`
+CONFIG_SPACE_COUNT draws in turn, from another seed. A failing configuration is shrunk and printed as a
+one-line reproducer."""
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -14,20 +16,30 @@ import config_space as space
 from config_space import Config
 from exactness import note
 
-DEFAULT_COUNT = 120  # the fewest of seed 58 that draw every value of every axis (a test checks it)
+SUITE_COUNT = 80
 SEED = int(os.environ.get("CONFIG_SPACE_SEED", "58"))
-COUNT = int(os.environ.get("CONFIG_SPACE_COUNT", str(DEFAULT_COUNT)))
+SOAK_COUNT = int(os.environ.get("CONFIG_SPACE_COUNT", "0"))  # make soak: that many draws in turn
 SHRINK_RUNS = 40  # configurations tried while shrinking a failure (each runs on a pool)
 
 
-def test_the_draw_covers_every_axis_value():
-    """Every value of every axis is drawn within the suite's budget (an axis nobody draws is a gap)."""
-    drawn = space.configurations(SEED, COUNT)
+@functools.cache
+def drawn() -> tuple[Config, ...]:
+    return tuple(space.configurations(SEED, SOAK_COUNT) if SOAK_COUNT else space.covering(SEED, SUITE_COUNT))
+
+
+def test_the_draw_covers_every_axis_value_and_most_pairs():
+    """Every value of every axis is drawn within the suite's budget (an axis nobody draws is a gap), and 97%
+    of the pairs of values that the first 1,000 draws hold (a bug that needs two choices together)."""
+    configs = drawn()
     for axis, values in space.AXES.items():
-        seen = {getattr(c, axis) for c in drawn}
-        assert set(values) <= seen, f"axis {axis}: {sorted(map(repr, set(values) - seen))} never drawn in {COUNT}"
-    assert all(space.problem(c) is None for c in drawn)
-    assert len({c.line() for c in drawn}) == len(drawn), "a configuration drawn twice"
+        seen = {getattr(c, axis) for c in configs}
+        assert set(values) <= seen, f"axis {axis}: {sorted(map(repr, set(values) - seen))} never drawn in {len(configs)}"
+    assert all(space.problem(c) is None for c in configs)
+    assert len({c.line() for c in configs}) == len(configs), "a configuration drawn twice"
+    if not SOAK_COUNT:
+        pairs = set().union(*map(space.value_pairs, configs))
+        possible = set().union(*map(space.value_pairs, space.configurations(SEED, 1000)))
+        assert len(pairs) >= 0.97 * len(possible), f"{len(pairs)} of {len(possible)} pairs of values drawn"
 
 
 # Places that collect parameters, gradients or wrapper state from a module tree (wrappers, ties, clipping,
@@ -115,9 +127,9 @@ def test_a_line_names_its_configuration():
 @pytest.mark.exactness
 def test_generated_configurations_match_one_process():
     """Every gradient after each step(), every loss and every weight after each optimizer step of
-    COUNT drawn configurations equals one process's (tests/config_space.py lists the axes)."""
+    drawn configurations equals one process's (tests/config_space.py lists the axes)."""
     started = time.monotonic()
-    results = space.run(space.configurations(SEED, COUNT))
+    results = space.run(list(drawn()))
     failures = [(c, why) for c, why in results if why is not None]
     note(
         f"config space: {len(results)} configurations (seed {SEED}) compared with one process in "
