@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import pipecore as pc
+from pipecore.stage import pipeline_stage
 from dist_pool import pool
 from exactness import FLOAT64_BOUND
 from pipeline_cases import (changing_batch_shapes, loss_divisor_over_scale_grads, output_only_loss, eval_matches, given_shapes, pipelines_on_subgroups, profiler_events,
@@ -186,3 +187,24 @@ def test_a_pipeline_is_freed_with_its_last_reference(name, tie):
     from pipeline_cases import freed_with_its_last_reference
 
     assert pool(2).run(freed_with_its_last_reference, name, tie) == [True, True]
+
+
+@pytest.mark.skipif(pipeline_stage._torch_has_stage_info(),
+                    reason="from torch 2.15 pipecore takes torch's PipelineStageInfo, which imports its pipelining")
+def test_a_step_imports_neither_torchs_pipelining_nor_dynamo():
+    """Every rank's start: importing torch.distributed.pipelining (which imports torch._dynamo) cost 1.7 s
+    of each process's start, for a class torch before 2.15 does not have."""
+    import subprocess
+    import sys
+
+    from dist_pool import free_port
+
+    code = (f"import sys, torch, torch.distributed as dist, pipecore as pc; from torch import nn;"
+            f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{free_port()}', rank=0, world_size=1);"
+            "stages = [pc.PipelineStage(nn.Linear(4, 4), s, 2) for s in range(2)];"
+            "pipe = pc.Pipeline(stages, 'interleaved_1f1b', 2, loss_fn=nn.MSELoss());"
+            "pipe.step(torch.randn(4, 4), target=torch.randn(4, 4));"
+            "print(sorted(m for m in ('torch._dynamo', 'torch.distributed.pipelining') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout

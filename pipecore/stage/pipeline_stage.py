@@ -275,9 +275,22 @@ _STEP_DRIVES_REDUCTION = (
     "scaled, when step() returns; a stage's reduction is not driven from outside a step")
 
 
-try:  # torch 2.15's, where torch has it (users may check isinstance)
+def _torch_has_stage_info() -> bool:
+    """torch 2.15's PipelineStageInfo exists from 2.15 on: an older torch is not asked, since importing
+    torch.distributed.pipelining costs 1.7 s per process (it imports torch._dynamo)."""
+    major, minor = (int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    if (major, minor) < (2, 15):
+        return False
+    try:
+        from torch.distributed.pipelining.stage import PipelineStageInfo  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+if _torch_has_stage_info():  # torch's, where torch has it (users may check isinstance)
     from torch.distributed.pipelining.stage import PipelineStageInfo
-except ImportError:
+else:
     @dataclass(frozen=True, slots=True, kw_only=True)
     class PipelineStageInfo:
         """One forward of a pipeline stage, as register_forward_context's factory receives it (torch 2.15's
