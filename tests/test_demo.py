@@ -68,7 +68,7 @@ def test_demo_trains_writes_its_files_and_resumes(tmp_path):
     assert "sample (the prompt, then what the model wrote)" in first.stdout
 
     # resumed for 2 more steps: the same losses as 6 steps in one go
-    resumed = run(demo_command(6, demo_dir) + ["--resume"], work)
+    resumed = run(demo_command(6, demo_dir) + ["--resume", "--timeline", "", "--sample-tokens", "0"], work)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resumed from {os.path.join(demo_dir, 'checkpoint')} at step 4" in resumed.stdout, resumed.stdout
     straight = run([sys.executable, SCRIPT, *demo_command(6, "unused")[2:], "--checkpoint-dir", "", "--timeline", "",
