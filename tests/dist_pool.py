@@ -23,11 +23,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _context():
+def _context(spawn: bool = False):
     """Ranks forked from multiprocessing's fork server, which imported torch and pipecore once: a rank starts in
     a fraction of a second, not the 2.3 s a spawned one spends importing them again, and is still a process of
     its own (nothing it does reaches the server or other ranks). Only those two are imported there: a module
-    imported before a case's patch (TorchTitan's, after patch_torch_pipelining) would keep torch's names."""
+    imported before a case's patch (TorchTitan's, after patch_torch_pipelining) would keep torch's names.
+    The server's environment is this process's when it started: `spawn` for ranks that must see the
+    environment as it is now."""
+    if spawn:
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "pipecore"])
     return ctx
@@ -70,9 +74,10 @@ def _worker(rank, world, port, tasks, results):
 
 
 class RankPool:
-    def __init__(self, world: int):
+    def __init__(self, world: int, spawn: bool = False):
+        """`spawn`: new interpreters, which see this process's environment as it is now (`_context`)."""
         self.world = world
-        ctx = _context()
+        ctx = _context(spawn)
         port = free_port()
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()

@@ -59,7 +59,7 @@ def test_nvtx_ranges_of_a_multi_rank_step(injection, monkeypatch):
     log = d / "step"
     monkeypatch.setenv("NVTX_INJECTION64_PATH", str(lib))
     monkeypatch.setenv("PIPECORE_NVTX_LOG", str(log))
-    ranks = RankPool(2)  # fresh processes: they read the injection path at their first range
+    ranks = RankPool(2, spawn=True)  # fresh processes that see these variables: they read them at their first range
     try:
         expected = ranks.run(nvtx_step, False)
     finally:
@@ -83,7 +83,7 @@ def test_nvtx_ranges_stay_balanced_when_an_action_raises(injection, monkeypatch)
     log = d / "raise"
     monkeypatch.setenv("NVTX_INJECTION64_PATH", str(lib))
     monkeypatch.setenv("PIPECORE_NVTX_LOG", str(log))
-    ranks = RankPool(1)
+    ranks = RankPool(1, spawn=True)
     try:
         ranks.run(nvtx_step, True)
     finally:
