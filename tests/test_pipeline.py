@@ -189,7 +189,7 @@ def test_a_pipeline_is_freed_with_its_last_reference(name, tie):
     assert pool(2).run(freed_with_its_last_reference, name, tie) == [True, True]
 
 
-@pytest.mark.skipif(pipeline_stage._torch_has_stage_info(),
+@pytest.mark.skipif(pipeline_stage._TORCHS_STAGE_INFO is not None,
                     reason="from torch 2.15 pipecore takes torch's PipelineStageInfo, which imports its pipelining")
 def test_a_step_imports_neither_torchs_pipelining_nor_dynamo():
     """Every rank's start: importing torch.distributed.pipelining (which imports torch._dynamo) cost 1.7 s

@@ -275,21 +275,22 @@ _STEP_DRIVES_REDUCTION = (
     "scaled, when step() returns; a stage's reduction is not driven from outside a step")
 
 
-def _torch_has_stage_info() -> bool:
-    """torch 2.15's PipelineStageInfo exists from 2.15 on: an older torch is not asked, since importing
-    torch.distributed.pipelining costs 1.7 s per process (it imports torch._dynamo)."""
+def _torchs_stage_info() -> type | None:
+    """torch's PipelineStageInfo, which exists from 2.15 on (None before): an older torch is not asked, since
+    importing torch.distributed.pipelining costs 1.7 s per process (it imports torch._dynamo)."""
     major, minor = (int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
     if (major, minor) < (2, 15):
-        return False
+        return None
     try:
-        from torch.distributed.pipelining.stage import PipelineStageInfo  # noqa: F401
+        from torch.distributed.pipelining.stage import PipelineStageInfo as torchs
     except ImportError:
-        return False
-    return True
+        return None
+    return torchs
 
 
-if _torch_has_stage_info():  # torch's, where torch has it (users may check isinstance)
-    from torch.distributed.pipelining.stage import PipelineStageInfo
+_TORCHS_STAGE_INFO = _torchs_stage_info()
+if _TORCHS_STAGE_INFO is not None:  # torch's, where torch has it (users may check isinstance)
+    PipelineStageInfo = _TORCHS_STAGE_INFO
 else:
     @dataclass(frozen=True, slots=True, kw_only=True)
     class PipelineStageInfo:
