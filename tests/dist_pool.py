@@ -132,20 +132,25 @@ class RankPool:
             except Exception:
                 pass
 
-    def close(self, graceful: bool = True, deadline: float | None = None):
-        """Ends the ranks: asked to leave (until `deadline`, or 5 s from now), or at once where the pool is
-        broken (a rank stuck in a broken group never reads the request; each case wrote its coverage counts)."""
+    def end(self, deadline: float):
+        """The ranks that have not left by `deadline` (time.monotonic()) are killed."""
         import time
 
-        if graceful:
-            self.ask_to_leave()
-            deadline = time.monotonic() + 5 if deadline is None else deadline
-            for p in self.procs:
-                p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
                 p.kill()
             p.join()
+
+    def close(self):
+        """Ends the ranks: asked to leave, given 5 s; at once where the pool is broken (a rank stuck in a
+        broken group never reads the request; each case wrote its coverage counts)."""
+        import time
+
+        if not self.broken:
+            self.ask_to_leave()
+        self.end(time.monotonic() + (0 if self.broken else 5))
 
 
 def _fresh_worker(rank, world, port, timeout, fn, args, out_path):
@@ -211,7 +216,7 @@ def pool(world: int) -> RankPool:
     p = _POOLS.get(world)
     if p is None or p.broken or not all(proc.is_alive() for proc in p.procs):
         if p is not None:
-            p.close(graceful=not p.broken)
+            p.close()
         p = _POOLS[world] = RankPool(world)
     return p
 
@@ -221,10 +226,11 @@ def close_all():
     import time
 
     for p in _POOLS.values():
-        p.ask_to_leave()
-    deadline = time.monotonic() + 5
+        if not p.broken:
+            p.ask_to_leave()
+    now = time.monotonic()
     for p in _POOLS.values():
-        p.close(graceful=not p.broken, deadline=deadline)
+        p.end(now + (0 if p.broken else 5))
     _POOLS.clear()
 
 
