@@ -14,6 +14,8 @@ STEPS ?= 200
 TEST_ARGS ?=
 # what `make test` runs: the whole suite, or e.g. TESTS="tests/test_compat.py tests/test_torchtitan.py"
 TESTS ?= tests
+# pytest processes `make test` runs the suite in (0: one, pytest's own)
+TEST_WORKERS ?= 2
 DEMO_DIR ?= build/demo
 
 # What each target needs beyond torch. setuptools>=70.1 and wheel: a fresh venv's setuptools 65
@@ -23,6 +25,9 @@ DEMO_DEPS := numpy matplotlib
 # transformers: the Hugging Face causal LMs that tests/test_hf.py trains (built from configs, never downloaded);
 # a range pip resolves without touching torch (transformers does not require it)
 HF_SPEC := "transformers>=5.0,<6"
+# pytest-xdist runs the suite in TEST_WORKERS processes: much of it waits (timeouts a test provokes, ranks
+# starting, rendezvous), and on 2 cores two workers took the suite from 21 to 14 minutes (docs/architecture.md, Build)
+XDIST_DEPS := pytest-xdist==3.8.0 execnet==2.1.2
 TEST_DEPS := pytest hypothesis nvtx $(HF_SPEC)
 # TorchTitan's own pipeline code, the real client tests/test_torchtitan.py trains, with what its pipeline and
 # model modules import (triton too, installed only where none is: a CUDA torch brings its own); --no-deps, so
@@ -97,6 +102,8 @@ install-test:
 	@PIPECORE_TESTING=1 $(MAKE) --no-print-directory install
 	@$(PYTHON) -c "import pytest, hypothesis, nvtx, transformers; assert transformers.__version__.startswith('5.')" \
 		2>/dev/null || $(PIP) install -q $(TEST_DEPS)
+	@$(PYTHON) -c "import importlib.metadata as m; assert m.version('pytest-xdist') == '3.8.0'" 2>/dev/null \
+		|| $(PIP) install -q --no-deps $(XDIST_DEPS)
 	@$(PYTHON) -c "import triton" 2>/dev/null || $(PIP) install -q --no-deps $(TRITON_SPEC)
 	@$(PYTHON) -c "import importlib.metadata as m; assert m.version('torchtitan') == '0.3.0'; \
 		import torchtitan.distributed.pipeline_parallel" 2>/dev/null || $(PIP) install -q --no-deps $(TITAN_DEPS)
@@ -107,7 +114,7 @@ demo: install
 		--timeline $(DEMO_DIR)/gpt_timeline.png
 
 test: install-test
-	$(PYTHON) -m pytest -q $(TESTS) $(TEST_ARGS)
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(TESTS) $(TEST_ARGS)
 
 # the generated configuration space at length (tests/config_space.py): SOAK_CONFIGS configurations drawn from a
 # seed other than the suite's, each compared with one process; a failure is shrunk to a one-line reproducer

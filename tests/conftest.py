@@ -27,7 +27,10 @@ set_hypothesis_home_dir(HYPOTHESIS_HOME)
 # session, in any process, lands in this folder for the summary at the end
 import exactness  # noqa: E402
 
-DIFFERENCES = tempfile.mkdtemp(prefix="pipecore-differences-")
+# pytest-xdist's workers (`make test` runs the suite in two) inherit the controller's environment: they record
+# into its folder, and the controller alone reports, removes it and checks the tree
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+DIFFERENCES = os.environ[exactness.RECORD_DIR] if WORKER else tempfile.mkdtemp(prefix="pipecore-differences-")
 os.environ[exactness.RECORD_DIR] = DIFFERENCES
 
 
@@ -58,7 +61,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionstart(session):
-    session.config._tree_before = _tree_state()
+    session.config._tree_before = None if WORKER else _tree_state()
     try:
         import torch  # before the extension: it links torch's libraries, which torch itself loads first
 
@@ -83,7 +86,8 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(DIFFERENCES, ignore_errors=True)  # after the terminal summary read it
+    if not WORKER:
+        shutil.rmtree(DIFFERENCES, ignore_errors=True)  # after the terminal summary read it
 
 
 def pytest_sessionfinish(session, exitstatus):
