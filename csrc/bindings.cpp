@@ -357,7 +357,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("stage"), py::arg("mb"), py::arg("send_f"), py::arg("like"))
       .def("forget_specs", &pipecore::Executor::forget_specs)
       .def("set_shapes_travel", &pipecore::Executor::set_shapes_travel, py::arg("on"),
-           "host path: messages carry their shapes, set shapes are capacities (csrc/executor.h)")
+           "messages carry their shapes (the host and the device path), set shapes are capacities (csrc/executor.h)")
       .def_property_readonly("shapes_travel", &pipecore::Executor::shapes_travel)
       .def_property("batch_rows", &pipecore::Executor::batch_rows, &pipecore::Executor::set_batch_rows,
                     "shaped messages: the step's batch rows (set on first-stage ranks, learnt elsewhere; -1: not yet)")

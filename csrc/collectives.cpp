@@ -5,7 +5,6 @@
 
 #include <chrono>
 #include <cstring>
-#include <sstream>
 #include <stdexcept>
 
 #include "diagnostics.h"
@@ -31,9 +30,7 @@ void wait(const c10::intrusive_ptr<c10d::Work>& work, const c10d::ProcessGroup& 
   try {
     work->wait(timeout);
   } catch (const std::exception& e) {
-    std::ostringstream os;
-    os << "rank " << group.getRank() << ": " << what << " failed within " << seconds(timeout) << " (" << e.what() << ")";
-    throw CommError(os.str());
+    throw CommError(not_within("rank " + std::to_string(group.getRank()) + ": " + what + " failed", timeout, e.what()));
   }
 }
 }  // namespace

@@ -132,8 +132,7 @@ int64_t message_status(const std::vector<at::Tensor>& parts) {
   if (!trailer.is_cpu()) trailer = trailer.cpu();
   int64_t words[2];
   std::memcpy(words, trailer.data_ptr(), sizeof(words));
-  if (words[1] != kMagic || words[0] < kMessageOk || words[0] > kMessageReplan) return kMessageUnknown;
-  return words[0];
+  return status_of_code(trailer_code(words[0], words[1]));
 }
 
 std::vector<at::Tensor> unframe(const std::vector<at::Tensor>& parts, const std::vector<TensorSpec>& specs) {

@@ -1,73 +1,10 @@
 #include "comm_worker.h"
 
-#include <pthread.h>
-#include <sched.h>
-
 #include <stdexcept>
 
-#include <c10/util/Exception.h>
+#include "helper_thread.h"
 
 namespace pipecore {
-
-std::vector<at::Tensor> wire_parts(const CommTask& task) {
-  std::vector<at::Tensor> wire;
-  wire.reserve(task.parts.size());
-  for (const auto& part : task.parts) {
-    TORCH_CHECK(part.is_contiguous(), "pipecore: a message part is not contiguous (", part.sizes(), ")");
-    wire.push_back(part.reshape({-1}).view(at::kByte));
-  }
-  return wire;
-}
-
-void post_parts(CommTask& task) {
-  auto post = [&](auto& on, std::vector<at::Tensor>& bufs) {  // a ProcessGroup or a Backend
-    return task.send ? on.send(bufs, task.peer, task.tag) : on.recv(bufs, task.peer, task.tag);
-  };
-  for (auto& part : wire_parts(task)) {
-    std::vector<at::Tensor> bufs{part};
-    task.works.push_back(task.channel ? post(*task.channel, bufs) : post(*task.group, bufs));
-  }
-}
-
-std::string error_text(const std::exception_ptr& error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "unknown error";
-  }
-}
-
-void CommTask::mark_posted(std::exception_ptr failure) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    error = std::move(failure);
-    posted_ = true;
-  }
-  cv_.notify_all();
-}
-
-bool CommTask::wait_posted(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  return cv_.wait_for(lock, timeout, [&] { return posted_; });
-}
-
-bool CommTask::posted() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return posted_;
-}
-
-void become_helper_thread(const char* name) {
-#ifdef __linux__
-  pthread_setname_np(pthread_self(), name);  // (at most 15 characters)
-  sched_param param{};
-  param.sched_priority = 0;
-  pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);  // allowed unprivileged; on failure it stays as it was
-#else
-  (void)name;
-#endif
-}
 
 CommWorker::CommWorker() {
   thread_ = std::thread([this] {

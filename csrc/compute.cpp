@@ -16,7 +16,7 @@ void Executor::do_forward(const Instr& in) {
   Slot& s = slot(in);
   if (s.recv_f.posted()) {
     const auto& specs = specs_.received(in);
-    const auto& parts = receive(s.recv_f, in, "activations");
+    const auto& parts = receive(s.recv_f, in, message_name(in.op));
     s.inputs = shaped_.travel ? unframe_shaped(parts, s.recv_f.task->layout, s.recv_f.task->shapes)
                               : unframe(parts, specs);
     for (size_t k = 0; k < specs.size(); ++k) {
@@ -72,7 +72,7 @@ void Executor::do_backward(const Instr& in, bool split) {
     }
   } else {
     if (s.recv_b.posted()) {
-      const auto& parts = receive(s.recv_b, in, "output gradients");
+      const auto& parts = receive(s.recv_b, in, message_name(in.op));
       s.out_grads = shaped_.travel ? unframe_shaped(parts, s.recv_b.task->layout, s.recv_b.task->shapes)
                                    : unframe(parts, specs_.received(in));
       let_go(s.recv_b);

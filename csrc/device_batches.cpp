@@ -4,10 +4,11 @@
 #include <c10/util/Exception.h>
 
 #include "comm.h"
-#include "comm_worker.h"
+#include "comm_task.h"
 #include "device_comm.h"
 #include "diagnostics.h"
 #include "executor.h"
+#include "outcome.h"
 
 namespace pipecore {
 
@@ -79,12 +80,10 @@ void Executor::post_batch(size_t index, const RunMode& mode) {
 void Executor::await_step_status() {
   int64_t status = kMessageOk;
   if (!device_comm_->finish_step(timeout_, status)) {
-    throw CommError("pipecore " + who_ + ": the step's work on the device did not finish within " +
-                    seconds(timeout_) + " (a peer stopped sending or receiving)");
+    throw CommError(not_within("pipecore " + who_ + ": the step's work on the device did not finish", timeout_,
+                               "a peer stopped sending or receiving"));
   }
-  if (status == kMessageUnknown) throw CommError(step_status_text(who_, status));
-  if (status == kMessageReplan) throw PeerReplan(step_status_text(who_, status));
-  if (status == kMessageAborted) throw PeerAbort(step_status_text(who_, status));
+  raise_if_failed(status, [&] { return step_status_text(who_, status); });
 }
 
 }  // namespace pipecore

@@ -101,7 +101,7 @@ class DevicePath final : public DeviceComm {
     }();
     if (!ops_->host_wait(*read, timeout)) return false;
     const int64_t code = ops_->status_on_host();
-    status = code == kStatusNotOurs ? kMessageUnknown : code;
+    status = status_of_code(code);
     return true;
   }
 

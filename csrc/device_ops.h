@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "comm_worker.h"
+#include "comm_task.h"
 #include "stream_contract.h"
 
 namespace pipecore {

@@ -34,7 +34,7 @@ void Executor::set_output_specs(int64_t stage, int64_t mb, std::vector<TensorSpe
 
 bool Executor::learn_specs(const Instr& in, bool aborted) {
   const size_t key = grid_.key(in);
-  const bool input = in.op == kRecvF;
+  const bool input = in.op == kRecvF;  // (else a SEND_F's: this stage's outputs)
   auto known = [&] { return input ? specs_.input_known(key) : specs_.output_known(key); };
   if (known()) return true;
   TORCH_CHECK(spec_source_ != nullptr, where(in), ": no shapes known for this message");
@@ -45,12 +45,11 @@ bool Executor::learn_specs(const Instr& in, bool aborted) {
   }
   if (answer == kSpecsTimedOut) {
     abort_may_wait_ = false;  // the rest of an aborted run does not wait a timeout per receive
-    std::ostringstream os;
-    os << where(in) << ": the shapes of microbatch " << in.mb << "'s activations did not arrive from rank "
-       << in.peer << " within " << seconds(timeout_)
-       << " (its forward of the first step with this batch shape did not finish: a first forward that "
-          "compiles or loads for longer needs a larger timeout=)";
-    throw CommError(os.str());
+    throw CommError(not_within(where(in) + ": the shapes of microbatch " + std::to_string(in.mb) +
+                                   "'s activations did not arrive from rank " + std::to_string(in.peer),
+                               timeout_,
+                               "its forward of the first step with this batch shape did not finish: a first forward "
+                               "that compiles or loads for longer needs a larger timeout="));
   }
   if (answer == kSpecsSet) {
     TORCH_CHECK(known(), where(in), ": the spec source answered without setting the shapes");
@@ -67,7 +66,7 @@ bool Executor::learn_specs(const Instr& in, bool aborted) {
 }
 
 std::vector<TensorSpec> Executor::learn_send_specs(const Instr& in) {
-  if (in.op == kSendF && !learn_specs(in, /*aborted=*/true)) return {};
+  if (carries_activations(in.op) && !learn_specs(in, /*aborted=*/true)) return {};
   return specs_.of(in);
 }
 

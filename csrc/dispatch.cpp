@@ -24,11 +24,11 @@ void Executor::exec(size_t index, const RunMode& mode) {
   switch (in.op) {
     case kF:
       if (!mode.aborted) return do_forward(in);
-      return drain(slot(in).recv_f, in, "activations", mode.wait);
+      return drain(slot(in).recv_f, in, message_name(in.op), mode.wait);
     case kB:
     case kI:
       if (!mode.aborted) return do_backward(in, /*split=*/in.op == kI);
-      return drain(slot(in).recv_b, in, "output gradients", mode.wait);
+      return drain(slot(in).recv_b, in, message_name(in.op), mode.wait);
     case kW:
       if (!mode.aborted) do_weight(in);
       return;

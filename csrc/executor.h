@@ -25,6 +25,7 @@
 #include "comm.h"
 #include "errors.h"
 #include "message_specs.h"
+#include "outcome.h"
 #include "overlap.h"
 #include "program.h"
 #include "recv_window.h"
@@ -102,7 +103,7 @@ struct Slot {
   // An aborted step's: drops graphs and activations, keeps the receives posted (they are drained).
   void drop_compute();
   // The receive a RECV_F (activations) or a RECV_B (output gradients) posts into.
-  Inbox& inbox_of(int64_t recv_op) { return recv_op == kRecvF ? recv_f : recv_b; }
+  Inbox& inbox_of(int64_t recv_op) { return carries_activations(recv_op) ? recv_f : recv_b; }
 };
 
 // Told once when this rank's own action fails (before its peers are told), with the error text.
@@ -321,18 +322,12 @@ class Executor {
  private:
   // --- run.cpp: the driver and its abort protocol
   // What stopped a run's program, by what it means for the rest of the step.
-  struct Failure {
-    enum Kind { kNone, kOrigin, kPeer, kReplan, kComm } kind = kNone;
-    std::exception_ptr origin;  // kOrigin: this rank's own error
-    std::string text;           // the others: what happened
-    size_t at = 0;              // the program index it stopped at
-  };
   void begin_run(const ForwardFn& forward);
-  Failure execute_program();
-  Failure explained_by_step_status(Failure failure);
-  void tell_abort(const Failure& failure, const AbortFn& on_abort);
-  std::string release_peers(const Failure& failure);
-  [[noreturn]] void rethrow(const Failure& failure, const std::string& comm_failure);
+  Outcome execute_program();
+  Outcome explained_by_step_status(Outcome outcome);
+  void tell_abort(const Outcome& outcome, const AbortFn& on_abort);
+  std::string release_peers(const Outcome& outcome);
+  [[noreturn]] void rethrow(const Outcome& outcome, const std::string& comm_failure);
   void end_step();
   // Runs program[from..] aborted; returns the first communication failure met (empty if none).
   std::string finish_aborted(size_t from, bool wait, int64_t status);
@@ -370,14 +365,11 @@ class Executor {
   void let_go(Inbox& inbox);
   // Lets go of every slot's receives and drops every slot's state.
   void clear_slots();
-  // Waits for every part of the receive `task` (`what`: "activations" / "output gradients" for the error).
+  // Waits for every part of the receive `task` (`what`: its message_name, for the error).
   void wait_task(CommTask& task, const Instr& in, const char* what);
-  void check_message(const std::vector<at::Tensor>& parts, const Instr& in, const char* what);
-  // Throws what a received message's status other than ok says (PeerReplan, PeerAbort).
-  void check_message_status(int64_t status, const Instr& in, const char* what);
   // Shaped messages: reads a received message's header (once); a grown one is received again at its
   // own size (comm.h). Records what crossed the boundary. Unless `draining` (an aborted run's
-  // receive, dropped), a status other than ok throws as check_message does. The two halves of an
+  // receive, dropped), a status other than ok throws what it says (outcome.h). The two halves of an
   // OVERLAP_F_B pair may settle at once.
   void settle(CommTask& task, const Instr& in, const char* what, bool draining);
   // settle's reading of one message for action `consumer` (waits for it; a grown one's follow-up too,

@@ -216,11 +216,10 @@ bool GradReducer::finish(bool failed, double scale) {
     b.end_us = b.done_us && *b.done_us > 0 ? *b.done_us : now_us();
   }
   if (!broken.empty()) {
-    std::ostringstream os;
-    os << "rank " << group_->getRank() << " of the data-parallel group: reducing the gradients failed within "
-       << seconds(std::chrono::milliseconds(timeout_ms_)) << " (" << broken << ")";
     succeeded_ = false;
-    throw CommError(os.str());
+    throw CommError(not_within("rank " + std::to_string(group_->getRank()) + " of the data-parallel group: reducing "
+                               "the gradients failed",
+                               std::chrono::milliseconds(timeout_ms_), broken.c_str()));
   }
   at::NoGradGuard no_grad;
   // every bucket's flags in one copy to the host (on CUDA the host waits for the reductions here,
@@ -230,9 +229,9 @@ bool GradReducer::finish(bool failed, double scale) {
   const at::Tensor all_flags = flags_on_host(at::cat(parts), std::chrono::milliseconds(timeout_ms_));
   if (!all_flags.defined()) {
     succeeded_ = false;
-    throw CommError("rank " + std::to_string(group_->getRank()) + " of the data-parallel group: the reduced "
-                    "gradients did not arrive within " + seconds(std::chrono::milliseconds(timeout_ms_)) +
-                    " (a replica stopped, or the device is stuck)");
+    throw CommError(not_within("rank " + std::to_string(group_->getRank()) + " of the data-parallel group: the "
+                               "reduced gradients did not arrive",
+                               std::chrono::milliseconds(timeout_ms_), "a replica stopped, or the device is stuck"));
   }
   std::vector<const float*> flags;  // per bucket: one flag per parameter, then the failure flag
   const float* next_flags = all_flags.data_ptr<float>();

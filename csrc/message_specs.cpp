@@ -61,7 +61,7 @@ std::vector<TensorSpec> MessageSpecs::of(const Instr& in) const {
 
 const std::vector<TensorSpec>& MessageSpecs::received(const Instr& in) const {
   const size_t key = grid_.key(in);
-  return in.op == kRecvF || in.op == kF ? recv_f_[key] : recv_b_[key];
+  return carries_activations(in.op) ? recv_f_[key] : recv_b_[key];
 }
 
 }  // namespace pipecore

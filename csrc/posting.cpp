@@ -2,7 +2,6 @@
 // owns post, wait and free): each message is addressed here, posted (on the device path as one group,
 // on the host from the comm worker or this thread), counted, and a send handed to the send tracker,
 // which frees it once it completed.
-#include <sstream>
 #include <thread>
 
 #include "comm.h"
@@ -88,12 +87,7 @@ CommError Executor::post_failure(const CommTask& task, const Instr& in, const st
 }
 
 void Executor::await_posted(CommTask& task, const Instr& in) {
-  if (!task.wait_posted(timeout_)) {
-    std::ostringstream os;
-    os << where(in) << ": " << (task.send ? "a send to" : "a receive from") << " rank " << task.peer
-       << " was not posted within " << seconds(timeout_) << " (the group's posting is stuck)";
-    throw CommError(os.str());
-  }
+  if (!task.wait_posted(timeout_)) throw CommError(not_posted(where(in), task.send, task.peer, timeout_));
   if (task.error) throw post_failure(task, in, error_text(task.error));
 }
 

@@ -21,6 +21,11 @@ enum Op : int64_t {
 inline bool is_send(int64_t op) { return op == kSendF || op == kSendB; }
 inline bool is_recv(int64_t op) { return op == kRecvF || op == kRecvB; }
 inline bool is_comm(int64_t op) { return op >= kSendF && op <= kRecvB; }
+// Does action `op` send, receive or consume activations (F, SEND_F, RECV_F), rather than output
+// gradients (B, I, SEND_B, RECV_B)?
+inline bool carries_activations(int64_t op) { return op == kF || op == kSendF || op == kRecvF; }
+// What that message is called in errors.
+inline const char* message_name(int64_t op) { return carries_activations(op) ? "activations" : "output gradients"; }
 
 // Stage events told to Python for stages whose module reduces its own gradients (torch DDP,
 // FSDP2): the schedule's UNSHARD, RESHARD, REDUCE_GRAD, and this one, before the stage's last

@@ -5,15 +5,16 @@
 #include <cstring>
 
 #include "comm.h"
-#include "comm_worker.h"
+#include "comm_task.h"
 #include "device_comm.h"
 #include "diagnostics.h"
 #include "executor.h"
+#include "outcome.h"
 
 namespace pipecore {
 
 std::shared_ptr<CommTask> Executor::make_recv(const Instr& in, bool aborted) {
-  const bool activations = in.op == kRecvF;
+  const bool activations = carries_activations(in.op);
   // output gradients whose shapes were never learnt: this stage's forward did not run, nothing comes
   if (activations ? !learn_specs(in, aborted) : !specs_.output_known(grid_.key(in))) return nullptr;
   const auto& specs = specs_.received(in);
@@ -73,9 +74,10 @@ const std::vector<at::Tensor>& Executor::receive(Inbox& inbox, const Instr& in, 
     settle(task, in, what, /*draining=*/false);  // (waits for it)
   } else {
     wait_task(task, in, what);
-    Instr from = in;  // (a consuming action names no peer)
-    from.peer = task.peer;
-    check_message(task.parts, from, what);
+    const int64_t status = message_status(task.parts);
+    raise_if_failed(status, [&] {
+      return message_status_text(where(in), what, in.mb, task.peer, status, "do not end with pipecore's trailer");
+    });
   }
   return task.follow_up_parts.empty() ? task.parts : task.follow_up_parts;
 }
@@ -130,25 +132,6 @@ void Executor::wait_task(CommTask& task, const Instr& in, const char* what) {
   task.works.clear();
 }
 
-void Executor::check_message(const std::vector<at::Tensor>& parts, const Instr& in, const char* what) {
-  const int64_t status = message_status(parts);
-  if (status == kMessageUnknown) {  // not this rank's error: the channel to the peer is out of step
-    throw CommError(out_of_step(where(in), what, in.mb, in.peer, "do not end with pipecore's trailer"));
-  }
-  check_message_status(status, in, what);
-}
-
-void Executor::check_message_status(int64_t status, const Instr& in, const char* what) {
-  if (status == kMessageReplan) {
-    throw PeerReplan(where(in) + ": the " + what + " of microbatch " + std::to_string(in.mb) +
-                     " say a first stage's batch changed shape");
-  }
-  if (status == kMessageAborted) {
-    throw PeerAbort(where(in) + ": the " + what + " of microbatch " + std::to_string(in.mb) +
-                    " say the sender's step was aborted");
-  }
-}
-
 void Executor::settle(CommTask& task, const Instr& action, const char* what, bool draining) {
   Instr in = action;  // the action that consumes the message (F, B, I): it came from the task's peer
   in.peer = task.peer;
@@ -160,18 +143,17 @@ void Executor::settle(CommTask& task, const Instr& action, const char* what, boo
     }
   }
   if (draining) return;
-  if (task.status == kMessageUnknown) {
-    throw CommError(out_of_step(where(in), what, in.mb, in.peer,
-                                task.follow_up_failed ? "came again (grown) with other shapes than their header said"
-                                                      : "do not start with pipecore's header"));
-  }
-  check_message_status(task.status, in, what);
+  raise_if_failed(task.status, [&] {
+    return message_status_text(where(in), what, in.mb, in.peer, task.status,
+                               task.follow_up_failed ? "came again (grown) with other shapes than their header said"
+                                                     : "do not start with pipecore's header");
+  });
 }
 
 void Executor::read_header(CommTask& task, const Instr& consumer, bool draining) {
   if (task.settled) return;
   const Instr& in = program_[task.action];  // its RECV (waits are the consuming action's, in errors)
-  const char* what = in.op == kRecvF ? "activations" : "output gradients";
+  const char* what = message_name(in.op);
   const bool exact = device_comm_ != nullptr;  // NCCL: every message at its capacity's size (comm.h)
   ShapedHeader header;
   if (device_comm_ && !host_reads_) {  // its header's copy on the host, not the data on the device
@@ -205,7 +187,7 @@ void Executor::read_header(CommTask& task, const Instr& consumer, bool draining)
     }
   }
   task.settled = true;
-  if (task.status == kMessageOk && in.op == kRecvF) {
+  if (task.status == kMessageOk && carries_activations(in.op)) {
     std::lock_guard<std::mutex> lock(settle_mu_);
     specs_.crossed_in(in.stage, with_shapes(task.layout, task.shapes));
     if (shaped_.batch_rows < 0) shaped_.batch_rows = header.rows;  // (set_batch_rows)

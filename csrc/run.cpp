@@ -5,6 +5,7 @@
 #include "diagnostics.h"
 #include "executor.h"
 #include "message_status.h"
+#include "outcome.h"
 #include "send_tracker.h"
 
 namespace pipecore {
@@ -43,10 +44,10 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const Spec
     ~Profiled() { profile.end(); }
   } profiled{profile_};
   begin_run(forward);
-  Failure failure = explained_by_step_status(execute_program());
-  if (failure.kind == Failure::kNone) return end_step();
-  tell_abort(failure, on_abort);
-  rethrow(failure, release_peers(failure));
+  const Outcome outcome = explained_by_step_status(execute_program());
+  if (outcome.ok()) return end_step();
+  tell_abort(outcome, on_abort);
+  rethrow(outcome, release_peers(outcome));
 }
 
 void Executor::run_aborted(int64_t status) {
@@ -79,9 +80,8 @@ void Executor::begin_run(const ForwardFn& forward) {
   if (device_comm_) device_comm_->begin_step();
 }
 
-Executor::Failure Executor::execute_program() {
-  Failure failure;
-  size_t& i = failure.at;
+Outcome Executor::execute_program() {
+  size_t i = 0;
   try {
     for (; i < program_.size(); ++i) {
       check_sends();
@@ -94,39 +94,30 @@ Executor::Failure Executor::execute_program() {
     }
     drain_sends();
     if (device_comm_) await_step_status();
-  } catch (const PeerAbort& e) {
-    failure.kind = Failure::kPeer;
-    failure.text = e.what();
-  } catch (const PeerReplan& e) {
-    failure.kind = Failure::kReplan;
-    failure.text = e.what();
-  } catch (const CommError& e) {
-    failure.kind = Failure::kComm;
-    failure.text = e.what();
   } catch (...) {
-    failure.kind = Failure::kOrigin;
-    failure.origin = std::current_exception();
+    Outcome failed = Outcome::of_current_exception();
+    failed.at = i;
+    return failed;
   }
-  return failure;
+  return Outcome();
 }
 
-Executor::Failure Executor::explained_by_step_status(Failure failure) {
+Outcome Executor::explained_by_step_status(Outcome outcome) {
   // The device path computes on what arrived before its status is known: on a peer's aborted or
   // "shapes changed" message (zeros of the old shapes) a stage or the loss may fail (this step's
   // targets against the old shapes). Then the status says what happened; this error is its echo.
-  if (failure.kind != Failure::kOrigin || !device_comm_) return failure;
+  if (outcome.kind != Outcome::kOrigin || !device_comm_) return outcome;
   int64_t status = kMessageOk;
   try {
-    if (!device_comm_->finish_step(timeout_, status) || status == kMessageOk) return failure;
+    if (!device_comm_->finish_step(timeout_, status) || status == kMessageOk) return outcome;
   } catch (...) {
-    return failure;  // the status cannot be read: this rank's error stands
+    return outcome;  // the status cannot be read: this rank's error stands
   }
-  failure.kind = status == kMessageReplan    ? Failure::kReplan
-                 : status == kMessageAborted ? Failure::kPeer
-                                             : Failure::kComm;
-  failure.text = step_status_text(who_, status) + " (here that made action " + action_name(failure.at) +
-                 " fail: " + error_text(failure.origin) + ")";
-  return failure;
+  Outcome explained = Outcome::of_status(status, step_status_text(who_, status) + " (here that made action " +
+                                                     action_name(outcome.at) + " fail: " + error_text(outcome.origin) +
+                                                     ")");
+  explained.at = outcome.at;
+  return explained;
 }
 
 void Executor::end_step() {
@@ -135,40 +126,34 @@ void Executor::end_step() {
   send_scratch_ = at::Tensor();  // (grown device messages' parts: sends in flight keep theirs)
 }
 
-void Executor::tell_abort(const Failure& failure, const AbortFn& on_abort) {
-  if (failure.kind != Failure::kOrigin || !on_abort) return;
+void Executor::tell_abort(const Outcome& outcome, const AbortFn& on_abort) {
+  if (outcome.kind != Outcome::kOrigin || !on_abort) return;
   try {
-    on_abort(error_text(failure.origin), action_name(failure.at));
+    on_abort(error_text(outcome.origin), action_name(outcome.at));
   } catch (...) {
   }
 }
 
-std::string Executor::release_peers(const Failure& failure) {
+std::string Executor::release_peers(const Outcome& outcome) {
   for (auto& s : slots_) s.drop_compute();  // graphs and activations are not needed any more
   // After a broken connection or a timeout, waiting again could take a timeout per receive: only the
   // sends are posted then. The failed action runs again aborted: it may have failed before posting.
   // On the device path nothing more goes: posting onto the wedged communicator could block this thread
   // in the group's end until c10d's watchdog ends the process; the caller aborts it (Comm.abandon_group).
-  const bool wedged = failure.kind == Failure::kComm && device_comm_;
-  const std::string comm_failure = finish_aborted(wedged ? program_.size() : failure.at,
-                                                  /*wait=*/failure.kind != Failure::kComm,
-                                                  failure.kind == Failure::kReplan ? kMessageReplan : kMessageAborted);
+  const bool wedged = outcome.kind == Outcome::kComm && device_comm_;
+  const std::string comm_failure = finish_aborted(wedged ? program_.size() : outcome.at,
+                                                  /*wait=*/outcome.kind != Outcome::kComm, outcome.status_for_peers());
   kept_.clear();
   return comm_failure;
 }
 
-void Executor::rethrow(const Failure& failure, const std::string& comm_failure) {
-  switch (failure.kind) {
-    case Failure::kOrigin:
-      comm_failure_ = comm_failure;
-      std::rethrow_exception(failure.origin);
-    case Failure::kComm:
-      throw CommError(failure.text);
-    default:
-      if (!comm_failure.empty()) throw CommError(failure.text + "; then: " + comm_failure);
-      if (failure.kind == Failure::kReplan) throw PeerReplan(failure.text);
-      throw PeerAbort(failure.text);
+void Executor::rethrow(const Outcome& outcome, const std::string& comm_failure) {
+  if (outcome.kind == Outcome::kOrigin) {
+    comm_failure_ = comm_failure;  // (last_comm_failure: this rank's own error stands)
+  } else if (outcome.kind != Outcome::kComm && !comm_failure.empty()) {
+    throw CommError(outcome.text + "; then: " + comm_failure);  // releasing the peers broke the group
   }
+  outcome.raise();
 }
 
 std::string Executor::finish_aborted(size_t from, bool wait, int64_t status) {

@@ -5,7 +5,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <sstream>
 
 #include "comm.h"
 #include "device_comm.h"
@@ -40,7 +39,7 @@ void Executor::send_action(size_t index, const RunMode& mode) {
 
 std::vector<at::Tensor> Executor::outgoing(const Instr& in) {
   Slot& s = slot(in);
-  if (in.op == kSendB) return take_input_grads(s);
+  if (!carries_activations(in.op)) return take_input_grads(s);
   TORCH_CHECK(!s.outputs.empty(), where(in), ": nothing to send (forward produced no tensors)");
   // The slot lets go of the outputs: the message keeps the data alive until sent, the autograd graph
   // lives on through the stored gradient edges.
@@ -94,7 +93,7 @@ std::vector<at::Tensor> Executor::message_of(const Instr& in, bool aborted, int6
         !fits && exact ? scratch(options, payload_bytes(cap), /*for_sends=*/true) : at::Tensor();
     std::vector<at::Tensor> parts = frame_shaped(tensors, cap, large_message_bytes_, fits ? kMessageOk : kMessageGrown,
                                                  rows, options, exact, filler, follow_up_key);
-    if (in.op == kSendF && crossing != nullptr) *crossing = std::move(sent);
+    if (carries_activations(in.op) && crossing != nullptr) *crossing = std::move(sent);
     return parts;
   }
   if (!device_comm_) return frame(tensors, large_message_bytes_);
@@ -111,10 +110,8 @@ void Executor::send(std::vector<at::Tensor> parts, size_t index, bool budgeted, 
     reserved = sends_->reserve(static_cast<int>(in.peer), bytes, send_budget_, timeout_);
   }
   if (!reserved) {
-    std::ostringstream os;
-    os << where(in) << ": earlier sends to rank " << in.peer << " did not complete within " << seconds(timeout_)
-       << " (the peer stopped receiving)";
-    throw CommError(os.str());
+    throw CommError(not_within(where(in) + ": earlier sends to rank " + std::to_string(in.peer) + " did not complete",
+                               timeout_, "the peer stopped receiving"));
   }
   if (!aborted) check_sends();  // an aborted step still releases every peer it can
   auto task = std::make_shared<CommTask>();
@@ -130,8 +127,8 @@ void Executor::check_sends() {
 void Executor::drain_sends() {
   SpentOn spent(profile_, Spent::kWait);
   if (!sends_->drain(timeout_)) {
-    throw CommError("pipecore " + who_ + ": sends of this step did not complete within " +
-                    seconds(timeout_) + " (a peer stopped receiving)");
+    throw CommError(not_within("pipecore " + who_ + ": sends of this step did not complete", timeout_,
+                               "a peer stopped receiving"));
   }
   check_sends();
 }

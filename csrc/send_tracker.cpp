@@ -3,9 +3,10 @@
 #include <c10/core/DeviceGuard.h>
 
 #include <algorithm>
-#include <sstream>
 
+#include "deadline.h"
 #include "diagnostics.h"
+#include "helper_thread.h"
 
 namespace pipecore {
 
@@ -100,11 +101,7 @@ std::string SendTracker::wait_posted_and_sent(const Entry& e) {
   // what is left of the send's timeout, which started at its posting (a small send is collected late);
   // at least 1 ms: c10d reads a zero timeout as "none"
   auto left = [&] { return std::max(time_left(e.deadline), std::chrono::milliseconds(1)); };
-  if (!task.wait_posted(left())) {
-    std::ostringstream os;
-    os << e.what << " was not posted within " << seconds(e.timeout) << " (the group is stuck)";
-    return os.str();
-  }
+  if (!task.wait_posted(left())) return not_within(e.what + " was not posted", e.timeout, kPostingStuck);
   if (task.error) return e.what + " failed to post: " + error_text(task.error);
   std::string text;
   // Device messages (NCCL): polled. Work::wait would make this thread's current stream wait for the
@@ -124,11 +121,7 @@ std::string SendTracker::wait_posted_and_sent(const Entry& e) {
     } catch (const std::exception& ex) {
       text = ex.what();
     }
-    if (!text.empty()) {
-      std::ostringstream os;
-      os << e.what << " failed (timeout " << seconds(e.timeout) << "): " << text;
-      return os.str();
-    }
+    if (!text.empty()) return failed_waiting(e.what, e.timeout, text.c_str());
   }
   return {};
 }

@@ -29,7 +29,7 @@
 #include <thread>
 #include <vector>
 
-#include "comm_worker.h"
+#include "comm_task.h"
 
 namespace pipecore {
 

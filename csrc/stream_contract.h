@@ -33,7 +33,7 @@
 #include <memory>
 #include <vector>
 
-#include "comm_worker.h"
+#include "comm_task.h"
 
 namespace pipecore {
 

@@ -9,15 +9,13 @@ namespace pipecore::cuda {
 namespace {
 
 __global__ void fold_trailer_kernel(const int64_t* trailer, int64_t* status) {
-  const int64_t word = trailer[0];
-  const int64_t code = trailer[1] == kTrailerMagic && word >= kMessageOk && word <= kMessageReplan ? word : kStatusNotOurs;
+  const int64_t code = trailer_code(trailer[0], trailer[1]);
   // atomic: the two halves of an overlapped pair enqueue folds from two host threads
   atomicMax(reinterpret_cast<unsigned long long*>(status), static_cast<unsigned long long>(code));
 }
 
 __global__ void write_trailer_kernel(int64_t* trailer, const int64_t* status) {
-  const int64_t code = *status;
-  trailer[0] = code > kMessageReplan ? kMessageAborted : code;
+  trailer[0] = trailer_status(*status);
   trailer[1] = kTrailerMagic;
 }
 

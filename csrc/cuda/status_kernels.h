@@ -7,8 +7,8 @@
 
 namespace pipecore::cuda {
 
-// Device status codes: 0 ok, 1 a peer's step aborted, 2 shapes changed, 3 (kStatusNotOurs,
-// message_status.h) a trailer was not pipecore's. The step status is the largest code seen.
+// Device status codes (message_status.h): 0 ok, 1 a peer's step aborted, 2 shapes changed,
+// kStatusNotOurs a trailer was not pipecore's. The step status is the largest code seen.
 
 // status = max(status, the code of the 16-byte `trailer`)
 void fold_trailer(const at::Tensor& trailer, at::Tensor& status, cudaStream_t stream);

@@ -25,11 +25,11 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <sstream>
 #include <unordered_set>
 #include <utility>
 
 #include "../comm.h"
+#include "../deadline.h"
 #include "../device_comm.h"
 #include "../device_ops.h"
 #include "../diagnostics.h"
@@ -129,24 +129,25 @@ class CpuModelOps final : public DeviceOps {
       try {
         group->wait(std::max(time_left(deadline), std::chrono::milliseconds(1)));
       } catch (const std::exception&) {
-        std::ostringstream os;
-        os << "pipecore: messages of the previous (aborted) step did not arrive within " << seconds(timeout_);
-        throw CommError(os.str());
+        throw CommError(not_within("pipecore: messages of the previous (aborted) step did not arrive", timeout_,
+                                   "a peer stopped sending"));
       }
     }
     status_ = kMessageOk;
   }
   void fold_trailer(const at::Tensor& trailer) override {
     check_device("the trailer-folding kernel");
-    const int64_t code = message_status({trailer});
-    fold(code == kMessageUnknown ? kStatusNotOurs : code);
+    TORCH_CHECK(trailer.is_cpu() && trailer.is_contiguous() && trailer.nbytes() >= 16,
+                "pipecore: a trailer is 16 contiguous host bytes");
+    int64_t words[2];
+    std::memcpy(words, trailer.const_data_ptr(), sizeof(words));
+    fold(trailer_code(words[0], words[1]));
   }
   void write_trailer(at::Tensor& trailer) override {
     check_device("the trailer-writing kernel");
     TORCH_CHECK(trailer.is_cpu() && trailer.is_contiguous() && trailer.nbytes() >= 16,
                 "pipecore: a trailer is 16 contiguous host bytes");
-    const int64_t code = status_.load();
-    const int64_t words[2] = {code > kMessageReplan ? kMessageAborted : code, kTrailerMagic};
+    const int64_t words[2] = {trailer_status(status_.load()), kTrailerMagic};
     std::memcpy(trailer.data_ptr(), words, sizeof(words));
   }
   void fill_seed(at::Tensor& seed, double value) override {

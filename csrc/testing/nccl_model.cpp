@@ -16,6 +16,7 @@
 #include <unordered_set>
 
 #include "../comm.h"
+#include "../deadline.h"
 
 namespace pipecore {
 

@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "../comm_worker.h"
+#include "../comm_task.h"
 
 namespace pipecore {
 

@@ -11,7 +11,7 @@
 #include <tuple>
 #include <vector>
 
-#include "../comm_worker.h"
+#include "../comm_task.h"
 #include "../device_comm.h"
 #include "../device_ops.h"
 #include "../errors.h"
