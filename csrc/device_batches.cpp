@@ -16,7 +16,7 @@ void Executor::post_batch(size_t index, const RunMode& mode) {
   if (index < posted_through_) return;  // posted with an earlier action of its batch
   // a discovery run cuts before each later receive of activations from a peer, whose shapes may come
   // from the forward of a message the group sends (p2p_order.py, rule 5)
-  const size_t end = (host_reads_ ? program_.learning_end : program_.batch_end)[index];
+  const size_t end = (host_reads() ? program_.learning_end : program_.batch_end)[index];
   TORCH_CHECK(end > index, "pipecore: action ", index, " is not a send or receive");
   SpentOn spent(profile_, Spent::kPost);
   std::vector<std::shared_ptr<CommTask>> tasks;

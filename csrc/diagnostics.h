@@ -32,7 +32,7 @@ std::string failed_waiting(const std::string& subject, std::chrono::milliseconds
 std::string wait_failure(const std::string& where, const char* what, int64_t mb, int64_t peer,
                          std::chrono::milliseconds timeout, const char* why);
 
-// "<what did not happen> within <t> (<why>)": every timeout the executor and its communication report.
+// "<what did not happen> within <t> (<why>)": a deadline passed (a wait that failed is failed_waiting's).
 std::string not_within(const std::string& what, std::chrono::milliseconds timeout, const char* why);
 
 // Why a message was not posted in time.

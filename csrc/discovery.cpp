@@ -37,14 +37,14 @@ bool Executor::learn_specs(const Instr& in, bool aborted) {
   const bool input = in.op == kRecvF;  // (else a SEND_F's: this stage's outputs)
   auto known = [&] { return input ? specs_.input_known(key) : specs_.output_known(key); };
   if (known()) return true;
-  TORCH_CHECK(spec_source_ != nullptr, where(in), ": no shapes known for this message");
+  TORCH_CHECK(run_.discovering(), where(in), ": no shapes known for this message");
   int64_t answer;
   {
     SpentOn spent(profile_, Spent::kWait);  // for the peer's forward that makes them known
-    answer = (*spec_source_)(in.stage, in.mb, input ? kRecvF : kSendF, !aborted || abort_may_wait_);
+    answer = (*run_.discover)(in.stage, in.mb, input ? kRecvF : kSendF, !aborted || run_.may_wait);
   }
   if (answer == kSpecsTimedOut) {
-    abort_may_wait_ = false;  // the rest of an aborted run does not wait a timeout per receive
+    run_.may_wait = false;  // the rest of an aborted run does not wait a timeout per receive
     throw CommError(not_within(where(in) + ": the shapes of microbatch " + std::to_string(in.mb) +
                                    "'s activations did not arrive from rank " + std::to_string(in.peer),
                                timeout_,

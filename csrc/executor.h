@@ -127,7 +127,8 @@ using ForwardFn = std::function<void(int64_t stage, int64_t mb, std::vector<at::
                                      std::vector<at::Tensor>& outputs, at::Tensor& loss, double& seed)>;
 
 // How an action runs (dispatch.cpp): normally, or in an aborted step, with only its communication,
-// sends carrying `status` (message_status.h), receives waited for and drained only if `wait`.
+// sends carrying `status` (message_status.h); receives waited for and drained, and sends held to their
+// peer's budget, only if `wait`.
 struct RunMode {
   bool aborted = false;
   bool wait = true;
@@ -538,15 +539,20 @@ class Executor {
   int64_t last_send_posted_ = -1;  // program index of the latest SEND that posted its message (read on the host path)
   std::unique_ptr<CommWorker> worker_;
   std::unique_ptr<DeviceComm> device_comm_;
-  bool host_reads_ = false;    // a discovery run on the device path: the host waits for and reads each message
   size_t posted_through_ = 0;  // device path: every SEND/RECV before this index is posted
   int64_t large_message_bytes_ = kLargeMessageBytes;
   at::Tensor recv_scratch_, send_scratch_;  // see scratch()
   std::string comm_failure_;                // see last_comm_failure()
 
-  // Discovery (learn_specs).
-  const SpecFn* spec_source_ = nullptr;  // during a discovery run
-  bool abort_may_wait_ = true;           // finish_aborted's `wait`
+  // The kind of the run under way (run() sets it, and puts it back however the run ends): one place for
+  // "is this a discovery run" and "may the aborted rest wait".
+  struct RunContext {
+    const SpecFn* discover = nullptr;  // a discovery run: asked for the shapes it does not know (learn_specs)
+    bool may_wait = true;  // the aborted rest's RunMode.wait (false once a wait for shapes timed out: learn_specs)
+    bool discovering() const { return discover != nullptr; }
+  } run_;
+  // A discovery run on the device path: the host waits for and reads each message.
+  bool host_reads() const { return run_.discovering() && device_comm_ != nullptr; }
 
   // Stages with hooks of their own.
   struct StageHooks {

@@ -135,8 +135,8 @@ void Executor::run_halves(PairRun& pair, OverlapMode mode) {
   // a discovery step publishes shapes as forwards run: in program order. Lock-step pairs look for
   // checkpoints only when the forward first hands over (a pair that never does costs nothing).
   const bool lockstep = mode == OverlapMode::kLockstep;
-  const char* why = mode == OverlapMode::kSequential || spec_source_ ? nullptr : sequential_reason(pair, !lockstep);
-  if (mode == OverlapMode::kSequential || spec_source_ || why) {
+  const char* why = mode == OverlapMode::kSequential || run_.discovering() ? nullptr : sequential_reason(pair, !lockstep);
+  if (mode == OverlapMode::kSequential || run_.discovering() || why) {
     if (why) ++overlap_.fallbacks[why];
     for (size_t j = pair.begin + 1; j < pair.end; ++j) {  // program order, up to the first failure
       const int half = program_[j].op == kF ? 0 : 1;
@@ -204,7 +204,7 @@ size_t Executor::exec_pair(size_t& index) {
   std::exception_ptr hook_error;
   {
     ActionScope scope(program_.label(bracket));  // spans both halves
-    if (overlap_.hook && !spec_source_) {
+    if (overlap_.hook && !run_.discovering()) {
       {
         std::lock_guard<std::mutex> lock(overlap_.mu);
         overlap_.pair = &pair;

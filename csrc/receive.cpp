@@ -54,13 +54,14 @@ void Executor::post_recvs_until(size_t end, size_t at, bool aborted) {
 }
 
 void Executor::prefetch_recvs(size_t at) {
+  if (run_.discovering()) return;  // each receive at its own action (its shapes may not be known before)
   auto bytes_of = [this](size_t k) { return payload_bytes(specs_.received(program_[program_.recv_instrs[k]])); };
   post_recvs_until(window_.post_through(program_, at, bytes_of), at);
 }
 
 const std::vector<at::Tensor>& Executor::receive(Inbox& inbox, const Instr& in, const char* what) {
   CommTask& task = *inbox.task;
-  if (device_comm_ && !host_reads_) {
+  if (device_comm_ && !host_reads()) {
     TORCH_CHECK(inbox.ready, where(in), ": a device receive without its batch's ready marker");
     if (shaped_.travel) settle(task, in, what, /*draining=*/false);  // the host reads its header
     try {
@@ -88,7 +89,7 @@ void Executor::drain(Inbox& inbox, const Instr& in, const char* what, bool wait)
       // waited for and read: its header says whether it comes again (grown) and what crossed, as the
       // sender counts it
       settle(*inbox.task, in, what, /*draining=*/true);
-    } else if (!device_comm_ || host_reads_) {  // (the device waits on its own)
+    } else if (!device_comm_ || host_reads()) {  // (the device waits on its own)
       wait_task(*inbox.task, in, what);
     }
   }
@@ -156,7 +157,7 @@ void Executor::read_header(CommTask& task, const Instr& consumer, bool draining)
   const char* what = message_name(in.op);
   const bool exact = device_comm_ != nullptr;  // NCCL: every message at its capacity's size (comm.h)
   ShapedHeader header;
-  if (device_comm_ && !host_reads_) {  // its header's copy on the host, not the data on the device
+  if (device_comm_ && !host_reads()) {  // its header's copy on the host, not the data on the device
     const at::Tensor bytes = header_on_host(task, task.peer, consumer, what);
     task.status = read_shaped_header(bytes, task.layout, large_message_bytes_, message_bytes(task.parts), exact,
                                      header);

@@ -26,8 +26,6 @@ class RecvWindow {
   // operations in posting order would deadlock otherwise ([Note: NCCL pair order], device_comm.h).
   void configure(int64_t receives, bool past_sends, int64_t max_bytes);
   int64_t receives() const { return receives_; }
-  // A discovery run posts no receive ahead (its sender's forward may not have run before); put back after.
-  void set_receives(int64_t receives) { receives_ = receives; }
   // A run's start: nothing posted or reached.
   void reset(size_t recv_count);
   // Before program point `at`: the ordinal up to which receives are to be posted now (at least those the

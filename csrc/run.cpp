@@ -20,25 +20,17 @@ void Slot::drop_compute() {
 }
 
 void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const SpecFn* discover) {
-  // A discovery run posts no receive ahead: a receive's shapes are known only once its sender's
-  // forward ran. On the device path its batches still go as one group each, at their first action
-  // ([Note: NCCL pair order]), their receives' shapes learnt first; the host reads each message (its
-  // trailer says whether the peer's step was aborted or its shapes changed) and waits for it.
-  // Everything is put back however the run ends.
-  struct Discovering {
-    Executor& ex;
-    int64_t window;
-    ~Discovering() {
-      ex.host_reads_ = false;
-      ex.window_.set_receives(window);
-      ex.spec_source_ = nullptr;
-    }
-  } discovering{*this, window_.receives()};
-  if (discover) {
-    window_.set_receives(0);
-    spec_source_ = discover;
-    host_reads_ = device_comm_ != nullptr;
-  }
+  // A discovery run posts no receive ahead (prefetch_recvs): a receive's shapes are known only once
+  // its sender's forward ran. On the device path its batches still go as one group each, at their
+  // first action ([Note: NCCL pair order]), their receives' shapes learnt first; the host reads each
+  // message (its trailer says whether the peer's step was aborted or its shapes changed) and waits
+  // for it (host_reads).
+  struct RunScope {
+    RunContext& run;
+    ~RunScope() { run = RunContext(); }  // however the run ends
+  } scope{run_};
+  run_.discover = discover;
+  run_.may_wait = true;
   struct Profiled {  // the run's time, however it ends
     StepProfile& profile;
     ~Profiled() { profile.end(); }
@@ -159,11 +151,10 @@ void Executor::rethrow(const Outcome& outcome, const std::string& comm_failure) 
 std::string Executor::finish_aborted(size_t from, bool wait, int64_t status) {
   // The rest of the program without compute: receives posted and drained, sends carry `status`.
   std::string comm_failure;
-  abort_may_wait_ = wait;
-  const RunMode aborted{/*aborted=*/true, wait, status};
+  run_.may_wait = wait;
   for (size_t j = from; j < program_.size(); ++j) {
     try {
-      exec(j, aborted);
+      exec(j, RunMode{/*aborted=*/true, run_.may_wait, status});  // (after learn_specs timed out, no action waits)
     } catch (const std::exception& e) {
       if (comm_failure.empty()) comm_failure = e.what();
     }
