@@ -146,11 +146,7 @@ class RankPool:
     def close(self):
         """Ends the ranks: asked to leave, given 5 s; at once where the pool is broken (a rank stuck in a
         broken group never reads the request; each case wrote its coverage counts)."""
-        import time
-
-        if not self.broken:
-            self.ask_to_leave()
-        self.end(time.monotonic() + (0 if self.broken else 5))
+        _close([self])
 
 
 def _fresh_worker(rank, world, port, timeout, fn, args, out_path):
@@ -221,16 +217,21 @@ def pool(world: int) -> RankPool:
     return p
 
 
-def close_all():
-    """Every pool asked to leave at once, given 5 s in all."""
+def _close(pools: list[RankPool]):
+    """`pools` asked to leave at once and given 5 s in all (RankPool.close says why a broken one gets none)."""
     import time
 
-    for p in _POOLS.values():
+    for p in pools:
         if not p.broken:
             p.ask_to_leave()
     now = time.monotonic()
-    for p in _POOLS.values():
+    for p in pools:
         p.end(now + (0 if p.broken else 5))
+
+
+def close_all():
+    """Every pool asked to leave at once, given 5 s in all."""
+    _close(list(_POOLS.values()))
     _POOLS.clear()
 
 

@@ -137,16 +137,14 @@ class CpuModelOps final : public DeviceOps {
   }
   void fold_trailer(const at::Tensor& trailer) override {
     check_device("the trailer-folding kernel");
-    TORCH_CHECK(trailer.is_cpu() && trailer.is_contiguous() && trailer.nbytes() >= 16,
-                "pipecore: a trailer is 16 contiguous host bytes");
+    check_trailer(trailer);
     int64_t words[2];
     std::memcpy(words, trailer.const_data_ptr(), sizeof(words));
     fold(trailer_code(words[0], words[1]));
   }
   void write_trailer(at::Tensor& trailer) override {
     check_device("the trailer-writing kernel");
-    TORCH_CHECK(trailer.is_cpu() && trailer.is_contiguous() && trailer.nbytes() >= 16,
-                "pipecore: a trailer is 16 contiguous host bytes");
+    check_trailer(trailer);
     const int64_t words[2] = {trailer_status(status_.load()), kTrailerMagic};
     std::memcpy(trailer.data_ptr(), words, sizeof(words));
   }
@@ -222,6 +220,12 @@ class CpuModelOps final : public DeviceOps {
       "pipecore (model of NCCL): the communicator was aborted (ncclCommAbort ends every pending operation)";
 
   int lane_of(Lane lane) const { return lane == Lane::kComm ? static_cast<int>(Lane::kComm) : current_stream; }
+
+  // As the CUDA kernels' `words` (cuda/status_kernels.cu) checks a trailer, on the host.
+  static void check_trailer(const at::Tensor& trailer) {
+    TORCH_CHECK(trailer.is_cpu() && trailer.is_contiguous() && trailer.nbytes() >= 16,
+                "pipecore: a trailer is 16 contiguous host bytes");
+  }
 
   // A kernel of ours launches on the current device (CUDA's <<<>>>), not on its tensors'.
   void check_device(const char* what) {
