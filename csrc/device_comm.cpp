@@ -27,133 +27,132 @@ class OnDevice {
   const int before_;
 };
 
-class DevicePath final : public DeviceComm {
- public:
-  explicit DevicePath(std::unique_ptr<DeviceOps> ops) : ops_(std::move(ops)) {}
-
-  c10::DeviceType device_type() const override { return ops_->device_type(); }
-
-  // Every entry that queues device work first makes the executor's device current (L1 of issue 51: a
-  // thread starts on device 0, and the step's thread need not have set it).
-  void begin_step() override {
-    const OnDevice on_device(*ops_);
-    ops_->begin_step();
-  }
-
-  std::shared_ptr<StreamMarker> post_batch(c10d::Backend& backend, const std::vector<std::shared_ptr<CommTask>>& tasks,
-                                           bool grouped) override {
-    TORCH_CHECK(grouped || tasks.size() == 1, "pipecore: only one message goes outside a group");
-    const bool receives = std::any_of(tasks.begin(), tasks.end(), [](const auto& t) { return !t->send; });
-    const OnDevice on_device(*ops_);
-    before_batch(*ops_, tasks);  // the communication stream waits on compute, whatever the batch holds
-    std::shared_ptr<StreamMarker> ready;
-    {
-      // c10d's NCCL stream waits on the current stream at posting: the communication stream
-      const auto on_comm = ops_->on_comm_stream();
-      const c10::intrusive_ptr<c10d::Work> group = grouped ? post_group(backend, tasks) : post_alone(backend, *tasks[0]);
-      TORCH_CHECK(group, "pipecore: the group returned no Work for a batch of sends and receives");
-      if (receives) ops_->comm_waits(*group);  // no timeout: the communication stream waits; the host does not
-      copy_headers(tasks);
-      ready = after_batch(*ops_, tasks);  // the receives' ready marker, on the communication stream
-      for (const auto& task : tasks) task->works.assign(1, group);  // coalesced operations have no Work of their own
-    }
-    if (ready) ops_->keep_owner(*ready);  // the compute stream that posted: where a dropped receive waits (rule 3)
-    for (const auto& task : tasks) task->mark_posted(nullptr);
-    return ready;
-  }
-
-  void consume(CommTask& task, const StreamMarker& ready) override {
-    const OnDevice on_device(*ops_);
-    before_read(*ops_, task, ready);
-    if (task.header_bytes > 0) return;  // a shaped message: its status was read on the host
-    const at::Tensor& last = task.parts.back();
-    ops_->fold_trailer(last.narrow(0, last.numel() - 16, 16));
-  }
-
-  void release(CommTask& task, const StreamMarker& ready, bool consumed) override {
-    const OnDevice on_device(*ops_);
-    on_release(*ops_, task, ready, consumed);
-  }
-
-  at::Tensor read_header(CommTask& task, std::chrono::milliseconds timeout) override {
-    TORCH_CHECK(task.header_ready, "pipecore: a shaped device receive without its header copy");
-    if (!ops_->host_wait(*task.header_ready, timeout)) {
-      throw CommError("the message did not arrive (its batch of sends and receives did not complete, so its header "
-                      "was not on the host within the timeout)");
-    }
-    return task.header_host;
-  }
-
-  void write_trailer(at::Tensor& trailer) override {
-    const OnDevice on_device(*ops_);
-    ops_->write_trailer(trailer);
-  }
-
-  void fill_seed(at::Tensor& seed, double value) override {
-    const OnDevice on_device(*ops_);
-    ops_->fill_seed(seed, value);
-  }
-
-  bool finish_step(std::chrono::milliseconds timeout, int64_t& status) override {
-    const std::shared_ptr<StreamMarker> read = [&] {
-      const OnDevice on_device(*ops_);
-      return ops_->status_to_host();
-    }();
-    if (!ops_->host_wait(*read, timeout)) return false;
-    const int64_t code = ops_->status_on_host();
-    status = status_of_code(code);
-    return true;
-  }
-
-  std::vector<std::string> contract_violations() const override { return ops_->violations(); }
-
- private:
-  c10::intrusive_ptr<c10d::Work> post_group(c10d::Backend& backend, const std::vector<std::shared_ptr<CommTask>>& tasks) {
-    ops_->start_group(backend);
-    try {
-      for (const auto& task : tasks) ops_->post(backend, *task);
-    } catch (const std::exception& e) {
-      // part of the batch was added: ending the group would launch that half, whose peers would wait
-      // for the rest. The communicator is aborted first; the group is then closed on it.
-      ops_->abort(backend);
-      try {
-        ops_->end_group(backend);
-      } catch (...) {
-      }
-      throw CommError(std::string("posting a batch of sends and receives failed (") + e.what() +
-                      "); the group's communicator was aborted");
-    }
-    return ops_->end_group(backend);
-  }
-
-  c10::intrusive_ptr<c10d::Work> post_alone(c10d::Backend& backend, CommTask& task) {
-    try {
-      return ops_->post_alone(backend, task);
-    } catch (const std::exception& e) {  // (nothing of it went: no peer waits for a half)
-      throw CommError(std::string("posting a follow-up failed (") + e.what() + ")");
-    }
-  }
-
-  // Shaped receives of a batch just queued (the communication stream current): their headers to
-  // pinned host memory, each ready at a marker, ahead of the action that reads them (stream contract,
-  // rule 5: the copy is a use by the communication stream, before the batch's ready marker).
-  void copy_headers(const std::vector<std::shared_ptr<CommTask>>& tasks) {
-    for (const auto& task : tasks) {
-      if (task->send || task->header_bytes == 0) continue;
-      header_to_host(*ops_, *task);
-      task->header_host = ops_->to_host(task->parts[0].narrow(0, 0, task->header_bytes));
-      task->header_ready = ops_->record(Lane::kComm);
-    }
-  }
-
-  std::unique_ptr<DeviceOps> ops_;
-};
-
 }  // namespace
+
+DeviceComm::DeviceComm(std::unique_ptr<DeviceOps> ops) : ops_(std::move(ops)) {}
+
+DeviceComm::~DeviceComm() = default;
+
+c10::DeviceType DeviceComm::device_type() const { return ops_->device_type(); }
+
+// Every entry that queues device work first makes the executor's device current (L1 of issue 51: a
+// thread starts on device 0, and the step's thread need not have set it).
+void DeviceComm::begin_step() {
+  const OnDevice on_device(*ops_);
+  ops_->begin_step();
+}
+
+std::shared_ptr<StreamMarker> DeviceComm::post_batch(c10d::Backend& backend,
+                                                     const std::vector<std::shared_ptr<CommTask>>& tasks,
+                                                     bool grouped) {
+  TORCH_CHECK(grouped || tasks.size() == 1, "pipecore: only one message goes outside a group");
+  const bool receives = std::any_of(tasks.begin(), tasks.end(), [](const auto& t) { return !t->send; });
+  const OnDevice on_device(*ops_);
+  before_batch(*ops_, tasks);  // the communication stream waits on compute, whatever the batch holds
+  std::shared_ptr<StreamMarker> ready;
+  {
+    // c10d's NCCL stream waits on the current stream at posting: the communication stream
+    const auto on_comm = ops_->on_comm_stream();
+    const c10::intrusive_ptr<c10d::Work> group = grouped ? post_group(backend, tasks) : post_alone(backend, *tasks[0]);
+    TORCH_CHECK(group, "pipecore: the group returned no Work for a batch of sends and receives");
+    if (receives) ops_->comm_waits(*group);  // no timeout: the communication stream waits; the host does not
+    copy_headers(tasks);
+    ready = after_batch(*ops_, tasks);  // the receives' ready marker, on the communication stream
+    for (const auto& task : tasks) task->works.assign(1, group);  // coalesced operations have no Work of their own
+  }
+  if (ready) ops_->keep_owner(*ready);  // the compute stream that posted: where a dropped receive waits (rule 3)
+  for (const auto& task : tasks) task->mark_posted(nullptr);
+  return ready;
+}
+
+void DeviceComm::consume(CommTask& task, const StreamMarker& ready) {
+  const OnDevice on_device(*ops_);
+  before_read(*ops_, task, ready);
+  if (task.header_bytes > 0) return;  // a shaped message: its status was read on the host
+  const at::Tensor& last = task.parts.back();
+  ops_->fold_trailer(last.narrow(0, last.numel() - 16, 16));
+}
+
+void DeviceComm::release(CommTask& task, const StreamMarker& ready, bool consumed) {
+  const OnDevice on_device(*ops_);
+  on_release(*ops_, task, ready, consumed);
+}
+
+at::Tensor DeviceComm::read_header(CommTask& task, std::chrono::milliseconds timeout) {
+  TORCH_CHECK(task.header_ready, "pipecore: a shaped device receive without its header copy");
+  if (!ops_->host_wait(*task.header_ready, timeout)) {
+    throw CommError("the message did not arrive (its batch of sends and receives did not complete, so its header "
+                    "was not on the host within the timeout)");
+  }
+  return task.header_host;
+}
+
+void DeviceComm::write_trailer(at::Tensor& trailer) {
+  const OnDevice on_device(*ops_);
+  ops_->write_trailer(trailer);
+}
+
+void DeviceComm::fill_seed(at::Tensor& seed, double value) {
+  const OnDevice on_device(*ops_);
+  ops_->fill_seed(seed, value);
+}
+
+bool DeviceComm::finish_step(std::chrono::milliseconds timeout, int64_t& status) {
+  const std::shared_ptr<StreamMarker> read = [&] {
+    const OnDevice on_device(*ops_);
+    return ops_->status_to_host();
+  }();
+  if (!ops_->host_wait(*read, timeout)) return false;
+  const int64_t code = ops_->status_on_host();
+  status = status_of_code(code);
+  return true;
+}
+
+std::vector<std::string> DeviceComm::contract_violations() const { return ops_->violations(); }
+
+c10::intrusive_ptr<c10d::Work> DeviceComm::post_group(c10d::Backend& backend,
+                                                      const std::vector<std::shared_ptr<CommTask>>& tasks) {
+  ops_->start_group(backend);
+  try {
+    for (const auto& task : tasks) ops_->post(backend, *task);
+  } catch (const std::exception& e) {
+    // part of the batch was added: ending the group would launch that half, whose peers would wait
+    // for the rest. The communicator is aborted first; the group is then closed on it.
+    ops_->abort(backend);
+    try {
+      ops_->end_group(backend);
+    } catch (...) {
+    }
+    throw CommError(std::string("posting a batch of sends and receives failed (") + e.what() +
+                    "); the group's communicator was aborted");
+  }
+  return ops_->end_group(backend);
+}
+
+c10::intrusive_ptr<c10d::Work> DeviceComm::post_alone(c10d::Backend& backend, CommTask& task) {
+  try {
+    return ops_->post_alone(backend, task);
+  } catch (const std::exception& e) {  // (nothing of it went: no peer waits for a half)
+    throw CommError(std::string("posting a follow-up failed (") + e.what() + ")");
+  }
+}
+
+// Shaped receives of a batch just queued (the communication stream current): their headers to
+// pinned host memory, each ready at a marker, ahead of the action that reads them (stream contract,
+// rule 5: the copy is a use by the communication stream, before the batch's ready marker).
+void DeviceComm::copy_headers(const std::vector<std::shared_ptr<CommTask>>& tasks) {
+  for (const auto& task : tasks) {
+    if (task->send || task->header_bytes == 0) continue;
+    header_to_host(*ops_, *task);
+    task->header_host = ops_->to_host(task->parts[0].narrow(0, 0, task->header_bytes));
+    task->header_ready = ops_->record(Lane::kComm);
+  }
+}
+
 
 std::unique_ptr<DeviceComm> make_device_comm(const c10::Device& device) {
 #ifdef PIPECORE_CUDA
-  if (device.type() == c10::DeviceType::CUDA) return std::make_unique<DevicePath>(make_cuda_ops(device));
+  if (device.type() == c10::DeviceType::CUDA) return std::make_unique<DeviceComm>(make_cuda_ops(device));
 #endif
   (void)device;  // builds without CUDA sources: messages on any device go through the host-waiting path
   return nullptr;
@@ -161,7 +160,7 @@ std::unique_ptr<DeviceComm> make_device_comm(const c10::Device& device) {
 
 #ifdef PIPECORE_TESTING
 std::unique_ptr<DeviceComm> make_host_device_comm(const std::chrono::milliseconds& timeout, int device_index) {
-  return std::make_unique<DevicePath>(make_cpu_model_ops(timeout, device_index));
+  return std::make_unique<DeviceComm>(make_cpu_model_ops(timeout, device_index));
 }
 #endif
 

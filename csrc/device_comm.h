@@ -33,7 +33,7 @@
 //  - a grown shaped message cannot follow on a tag of its own as on gloo (a receive posted ahead would
 //    take it): on the device path it follows on a communicator of the same ranks that carries only
 //    follow-ups, so they match in the order receivers take them, and receivers read the headers from
-//    one peer in the order they were posted (Executor::read_headers_through). A follow-up's send waits
+//    one peer in the order they were posted (DevicePath::read_in_order). A follow-up's send waits
 //    on its stream until the receiver has read the header, so a follow-up must not share a stream with
 //    any other rank's: two ranks each sending one, each to read the other's later, would wait for each
 //    other, and so would a chain of ranks, each sending one to the next before it receives one from
@@ -59,13 +59,21 @@
 
 namespace pipecore {
 
+class DeviceOps;
+
+// The device path's decisions, made once over a device's calls (DeviceOps: CUDA and NCCL, or the CPU
+// model of tests), which it owns.
 class DeviceComm {
  public:
-  virtual ~DeviceComm() = default;
+  explicit DeviceComm(std::unique_ptr<DeviceOps> ops);
+  ~DeviceComm();
+  DeviceComm(const DeviceComm&) = delete;
+  DeviceComm& operator=(const DeviceComm&) = delete;
+
   // The device whose tensors it posts and gates (loss seeds elsewhere are not gated).
-  virtual c10::DeviceType device_type() const = 0;
+  c10::DeviceType device_type() const;
   // Start of a step (on the compute stream): the step status is ok.
-  virtual void begin_step() = 0;
+  void begin_step();
   // Posts `tasks` (program order) as one group (coalescing on `backend`, the communicator their parts
   // go through) on the communication stream and marks them posted; sends hold the group's Work. Returns
   // the batch's ready marker, an event on the communication stream after the group (stream_contract.h,
@@ -74,30 +82,39 @@ class DeviceComm {
   // already added must not reach the peers without the rest. Not `grouped` (a follow-up: one task): the
   // task goes alone, outside any group, which c10d posts on a communicator of its two ranks with a
   // stream of its own ([Note: NCCL pair order]).
-  virtual std::shared_ptr<StreamMarker> post_batch(c10d::Backend& backend,
-                                                   const std::vector<std::shared_ptr<CommTask>>& tasks,
-                                                   bool grouped = true) = 0;
+  std::shared_ptr<StreamMarker> post_batch(c10d::Backend& backend, const std::vector<std::shared_ptr<CommTask>>& tasks,
+                                           bool grouped = true);
   // Before the compute stream reads received `task`: the compute stream waits on `ready` (its batch's
   // marker) and folds its trailer into the step status (a shaped message's status was read on the host).
-  virtual void consume(CommTask& task, const StreamMarker& ready) = 0;
+  void consume(CommTask& task, const StreamMarker& ready);
   // The executor lets go of received `task`: its buffers go back to the compute stream's pool, so unless
   // it was consumed (that stream waited already) the compute stream first waits on `ready` (rule 3).
-  virtual void release(CommTask& task, const StreamMarker& ready, bool consumed) = 0;
+  void release(CommTask& task, const StreamMarker& ready, bool consumed);
   // A shaped message (task.header_bytes > 0): its header's bytes on the host, waited for up to
   // `timeout` (CommError after that), not waiting for the compute stream.
-  virtual at::Tensor read_header(CommTask& task, std::chrono::milliseconds timeout) = 0;
+  at::Tensor read_header(CommTask& task, std::chrono::milliseconds timeout);
   // Writes the step status (ok, or the first bad status a message brought) into a 16-byte trailer.
-  virtual void write_trailer(at::Tensor& trailer) = 0;
+  void write_trailer(at::Tensor& trailer);
   // `seed` (one element) = value if the step status is ok, else 0.
-  virtual void fill_seed(at::Tensor& seed, double value) = 0;
+  void fill_seed(at::Tensor& seed, double value);
   // End of step: the step status (a MessageStatus; kMessageUnknown if a trailer was not pipecore's),
   // read once the compute stream's work is done. False if that took longer than `timeout`.
-  virtual bool finish_step(std::chrono::milliseconds timeout, int64_t& status) = 0;
+  bool finish_step(std::chrono::milliseconds timeout, int64_t& status);
   // The stream contract's violations seen so far (the CPU model's checker; none on a device).
-  virtual std::vector<std::string> contract_violations() const { return {}; }
+  std::vector<std::string> contract_violations() const;
+
+ private:
+  c10::intrusive_ptr<c10d::Work> post_group(c10d::Backend& backend,
+                                            const std::vector<std::shared_ptr<CommTask>>& tasks);
+  c10::intrusive_ptr<c10d::Work> post_alone(c10d::Backend& backend, CommTask& task);
+  // Shaped receives of a batch just queued (the communication stream current): their headers to
+  // pinned host memory, each ready at a marker, ahead of the action that reads them (stream contract,
+  // rule 5: the copy is a use by the communication stream, before the batch's ready marker).
+  void copy_headers(const std::vector<std::shared_ptr<CommTask>>& tasks);
+
+  std::unique_ptr<DeviceOps> ops_;
 };
 
-// The implementation (device_comm.cpp) makes every decision once, over a device's calls (device_ops.h).
 // A DeviceComm for `device`, or null where this build has none (CPU devices; builds without CUDA).
 std::unique_ptr<DeviceComm> make_device_comm(const c10::Device& device);
 
