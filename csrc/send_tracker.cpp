@@ -24,25 +24,25 @@ SendTracker::~SendTracker() {
       }
     }
   };
-  for (auto& [peer, lane] : lanes_) {
-    for (auto& e : lane.queue) abort(*e.task);
+  for (auto& [peer, queue] : queues_) {
+    for (auto& e : queue.queue) abort(*e.task);
   }
   for (auto& task : failed_sends_) abort(*task);
   lock.unlock();
   changed_.notify_all();
-  for (auto& [peer, lane] : lanes_) {
-    if (lane.thread.joinable()) lane.thread.join();
+  for (auto& [peer, queue] : queues_) {
+    if (queue.thread.joinable()) queue.thread.join();
   }
 }
 
 bool SendTracker::reserve(int peer, int64_t bytes, int64_t budget, std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
-  auto it = lanes_.find(peer);
-  if (it == lanes_.end()) return true;
-  const Lane& lane = it->second;
-  auto room = [&] { return lane.in_flight == 0 || lane.in_flight + bytes <= budget || failed_; };
+  auto it = queues_.find(peer);
+  if (it == queues_.end()) return true;
+  const PeerQueue& queue = it->second;
+  auto room = [&] { return queue.in_flight == 0 || queue.in_flight + bytes <= budget || failed_; };
   if (room()) return true;
-  changed_.notify_all();  // small sends in the lane may wait for their thread to wake
+  changed_.notify_all();  // small sends in the queue may wait for their thread to wake
   return changed_.wait_for(lock, timeout, room);
 }
 
@@ -53,21 +53,21 @@ void SendTracker::track(std::shared_ptr<CommTask> task, int64_t bytes, std::stri
   {
     std::lock_guard<std::mutex> lock(mu_);
     const int key = aside ? -2 - task->peer : task->peer;
-    auto [it, fresh] = lanes_.try_emplace(key);
-    Lane& lane = it->second;
-    if (fresh) lane.thread = std::thread([this, key] {
+    auto [it, fresh] = queues_.try_emplace(key);
+    PeerQueue& queue = it->second;
+    if (fresh) queue.thread = std::thread([this, key] {
       become_helper_thread("pipecore-sends");
       loop(key);
     });
     if (!wake) {
-      lane.uncollected += bytes;
-      wake = lane.uncollected > kUncollectedBytes;
+      queue.uncollected += bytes;
+      wake = queue.uncollected > kUncollectedBytes;
     }
-    if (wake) lane.uncollected = 0;
-    lane.queue.push_back(Entry{std::move(task), bytes, std::move(what), timeout, deadline_after(timeout)});
-    lane.in_flight += bytes;
+    if (wake) queue.uncollected = 0;
+    queue.queue.push_back(Entry{std::move(task), bytes, std::move(what), timeout, deadline_after(timeout)});
+    queue.in_flight += bytes;
     ++pending_;
-    if (lane.in_flight > peak_) peak_ = lane.in_flight;
+    if (queue.in_flight > peak_) peak_ = queue.in_flight;
   }
   if (wake) changed_.notify_all();
 }
@@ -110,7 +110,7 @@ std::string SendTracker::wait_posted_and_sent(const Entry& e) {
   // a new thread's current device is device 0: events are queried on the message's own device
   c10::OptionalDeviceGuard device_guard;
   if (on_device) device_guard.reset_device(task.parts.front().device());
-  for (const auto& work : task.works) {  // not modified while the task is in its lane
+  for (const auto& work : task.works) {  // not modified while the task is in its queue
     if (!work) continue;
     try {
       if (on_device) {
@@ -128,11 +128,11 @@ std::string SendTracker::wait_posted_and_sent(const Entry& e) {
 
 void SendTracker::loop(int key) {
   std::unique_lock<std::mutex> lock(mu_);
-  Lane& lane = lanes_.at(key);  // std::map: stable while other lanes are added
+  PeerQueue& queue = queues_.at(key);  // std::map: stable while other queues are added
   while (true) {
-    changed_.wait(lock, [&] { return stop_ || !lane.queue.empty(); });
+    changed_.wait(lock, [&] { return stop_ || !queue.queue.empty(); });
     if (stop_) return;
-    Entry e = lane.queue.front();  // stays queued (and counted) until released
+    Entry e = queue.queue.front();  // stays queued (and counted) until released
     lock.unlock();
     std::string error = wait_entry(e);
     lock.lock();
@@ -141,7 +141,7 @@ void SendTracker::loop(int key) {
       failure_ = std::move(error);
       failed_ = true;
     }
-    lane.queue.pop_front();
+    queue.queue.pop_front();
     if (failed) {
       // a transfer that failed or timed out may still read its buffers (NCCL) until its communicator is
       // aborted: they are held until this tracker goes, with the executor, after the abort
@@ -155,7 +155,7 @@ void SendTracker::loop(int key) {
       e.task.reset();
       lock.lock();
     }
-    lane.in_flight -= e.bytes;
+    queue.in_flight -= e.bytes;
     --pending_;
     changed_.notify_all();
   }
@@ -191,7 +191,7 @@ int64_t SendTracker::peak_bytes() const {
 void SendTracker::reset_peak() {
   std::lock_guard<std::mutex> lock(mu_);
   peak_ = 0;
-  for (const auto& [peer, lane] : lanes_) peak_ = std::max(peak_, lane.in_flight);
+  for (const auto& [peer, queue] : queues_) peak_ = std::max(peak_, queue.in_flight);
 }
 
 }  // namespace pipecore

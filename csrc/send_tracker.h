@@ -11,7 +11,7 @@
 //
 // A send of one part and at most kWakeForSendBytes does not wake its peer's thread: the thread
 // collects it when it next wakes (for another send, a wait for the budget, the drain at every run's
-// end, or once kUncollectedBytes of such sends wait in the lane). A one-part message is the buffer it
+// end, or once kUncollectedBytes of such sends wait in the queue). A one-part message is the buffer it
 // was packed into (comm.h), never a tensor of the sender's, so only those buffers live on until the
 // thread wakes; each still times out from its own posting. A thread wake-up per message cost up to
 // 10-20% of a step of small messages here (docs/performance.md).
@@ -49,7 +49,7 @@ class SendTracker {
   // passed first.
   bool reserve(int peer, int64_t bytes, int64_t budget, std::chrono::milliseconds timeout);
   // A posted (or queued) send of `bytes`: waited for and released by its peer's thread (woken for it
-  // unless it is small and packed, above). `what` names it in an error. `aside`: a lane of its own
+  // unless it is small and packed, above). `what` names it in an error. `aside`: a queue of its own
   // per peer, outside the budget: a grown message's second sending (comm.h), which completes when
   // the receiver reads the message, not in posting order.
   void track(std::shared_ptr<CommTask> task, int64_t bytes, std::string what, std::chrono::milliseconds timeout,
@@ -77,20 +77,20 @@ class SendTracker {
     std::chrono::milliseconds timeout;
     std::chrono::steady_clock::time_point deadline;  // its posting + timeout
   };
-  struct Lane {
+  struct PeerQueue {
     std::deque<Entry> queue;  // front: being waited for
     int64_t in_flight = 0;
     int64_t uncollected = 0;  // bytes of small sends queued since the thread was last woken
     std::thread thread;
   };
-  void loop(int lane);  // lanes_'s key: a peer, or -2 - peer for its `aside` lane
+  void loop(int key);  // queues_'s key: a peer, or -2 - peer for its `aside` queue
   // Waits for `e`'s transfer; returns the error text, empty on success.
   std::string wait_entry(const Entry& e);  // never throws
   std::string wait_posted_and_sent(const Entry& e);
 
   mutable std::mutex mu_;
   std::condition_variable changed_;
-  std::map<int, Lane> lanes_;
+  std::map<int, PeerQueue> queues_;
   std::string failure_;
   std::atomic<bool> failed_{false};
   int64_t peak_ = 0;
