@@ -64,7 +64,7 @@ std::string says(int64_t status, const char* sender) {
 
 std::string message_status_text(const std::string& where, const char* what, int64_t mb, int64_t peer, int64_t status,
                                 const char* how) {
-  if (status != kMessageAborted && status != kMessageReplan) return out_of_step(where, what, mb, peer, how);
+  if (!says_peer_failed(status)) return out_of_step(where, what, mb, peer, how);
   std::ostringstream os;
   os << where << ": the " << what << " of microbatch " << mb << " from rank " << peer << " " << says(status, "the sender's");
   return os.str();
@@ -73,7 +73,7 @@ std::string message_status_text(const std::string& where, const char* what, int6
 std::string step_status_text(const std::string& who, int64_t status) {
   std::ostringstream os;
   os << "pipecore " << who << ": ";
-  if (status != kMessageAborted && status != kMessageReplan) {
+  if (!says_peer_failed(status)) {
     os << "a message received in this step does not end with pipecore's trailer: the messages between this rank "
           "and a peer "
        << kOutOfStepCause;

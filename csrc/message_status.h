@@ -33,6 +33,9 @@ PIPECORE_HOST_DEVICE constexpr int64_t trailer_code(int64_t status, int64_t magi
 PIPECORE_HOST_DEVICE constexpr int64_t trailer_status(int64_t code) {
   return code > kMessageReplan ? kMessageAborted : code;
 }
+// Does a message with this status say that its sender's step failed (aborted, or a first stage's batch
+// changed shape)? Else it is ok, grown, or not pipecore's (the channel is out of step).
+constexpr bool says_peer_failed(int64_t status) { return status == kMessageAborted || status == kMessageReplan; }
 // A step's code as a MessageStatus (kMessageUnknown: a trailer was not pipecore's).
 constexpr int64_t status_of_code(int64_t code) { return code == kStatusNotOurs ? kMessageUnknown : code; }
 
