@@ -1,7 +1,7 @@
 """Line coverage of the device path's code (`make coverage`): gcov over the counts that the tests just
 run in a coverage build left (under --counts: GCOV_PREFIX's folder), per file, and for the device path's decisions as a whole: the code a GPU
 runs and CPU tests run alike (csrc/device_comm.cpp over csrc/device_ops.h, the batches and follow-ups
-of device_batches.cpp, the stream contract). Exit status 1 when those are below --at-least percent."""
+of device_path.cpp, the stream contract). Exit status 1 when those are below --at-least percent."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DECISIONS = ["csrc/device_comm.cpp", "csrc/device_batches.cpp", "csrc/stream_contract.cpp"]
+DECISIONS = ["csrc/device_comm.cpp", "csrc/device_path.cpp", "csrc/stream_contract.cpp"]
 CPU_MODEL = ["csrc/testing/host_device_comm.cpp", "csrc/testing/nccl_model.cpp", "csrc/testing/stream_ledger.cpp"]
 
 

@@ -22,13 +22,13 @@
 // every message goes at its capacity's size: a packed buffer is padded, a shorter tensor copied into
 // a part of the capacity's size. The bytes word lets the receiver check either rule.
 // A message that does not fit the capacity goes as its header alone, status kMessageGrown, in the
-// capacity's layout. On gloo it then follows at its own size (its shapes as the capacity) on a tag of
-// its own, kFollowUpTag + the message's ordinal among those sent to that peer in the step (the
-// receiver counts its receives from that peer alike: gloo matches them in that order), so that each
-// rank may read its grown messages in any order. On the device path the follow-up goes on a follow-up
-// channel instead ([Note: NCCL pair order] in device_comm.h), packed at its own shapes, on tag
-// kFollowUpTag (NCCL ignores tags; on the CPU model's gloo one tag matches in order, as NCCL does); its
-// header names its ordinal among the follow-ups to that peer, which the receiver checks
+// capacity's layout, naming its follow-up's key: its ordinal among the follow-ups its sender sent to
+// that peer (MessageFormat in message_path.h numbers them, one scheme for both paths). On gloo the
+// follow-up goes at its own size (its shapes as the capacity) on a tag of its own, follow_up_tag(key),
+// so that each rank may read its grown messages in any order. On the device path it goes on a
+// follow-up channel instead ([Note: NCCL pair order] in device_comm.h), packed at its own shapes, on tag
+// kFollowUpTag (NCCL ignores tags; on the CPU model's gloo one tag matches in order, as NCCL does), and
+// the receiver checks the key against the follow-ups it received from that peer
 // (Executor::set_follow_up_channels).
 #pragma once
 
@@ -73,17 +73,22 @@ int64_t message_status(const std::vector<at::Tensor>& parts);
 // The tensors of a received message (views of its buffers).
 std::vector<at::Tensor> unframe(const std::vector<at::Tensor>& parts, const std::vector<TensorSpec>& specs);
 
-// Shaped messages (above). The tag of a grown message's second sending is this + its ordinal.
+// Shaped messages (above): the tags of grown messages' follow-ups start here.
 constexpr int kFollowUpTag = 1;
 // The tag on a gloo group of the boundary descriptions a discovery step sends between ranks
-// (pipecore/executor/descriptions.py): above any follow-up's (ordinals count one step's messages).
+// (pipecore/executor/descriptions.py): above any follow-up's.
 constexpr int kDescriptionTag = 1 << 30;
+// The gloo tag of the follow-up whose key is `key` (keys count on over steps: they wrap below
+// kDescriptionTag, far more than ever travel at once).
+inline int follow_up_tag(int64_t key) {
+  return kFollowUpTag + static_cast<int>(key % (kDescriptionTag - kFollowUpTag));
+}
 // A `large` under which every shaped message is packed (a follow-up on the device path).
 constexpr int64_t kAlwaysPacked = INT64_MAX;
 // What a shaped message's header says besides its status.
 struct ShapedHeader {
   int64_t rows = 0;       // the first stages' batch rows of the step
-  int64_t follow_up = 0;  // a grown message's follow-up key on the device path (0: none)
+  int64_t follow_up = 0;  // a grown message's follow-up key (0: none)
   std::vector<std::vector<int64_t>> shapes;
 };
 // Bytes of a shaped message's header for capacity `capacity` (16-byte aligned).

@@ -33,7 +33,6 @@ struct CommTask {
   // shaped receives (comm.h), once settled: the header's status and shapes, and the capacity the parts
   // are laid out by (a grown message's: its own shapes)
   int64_t action = -1;  // the program index of its RECV
-  int ordinal = 0;      // among the receives posted from its peer in the run (comm.h: follow-up tags)
   bool follow_up_failed = false;  // a grown message's second sending did not match its header
   bool settled = false;
   int64_t status = 0;

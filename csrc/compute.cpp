@@ -1,13 +1,10 @@
 // The compute actions: F (the stage's forward, through Python), B and I (backward through the autograd
 // engine, I without weight gradients, backward.h), W (the weight gradients I left), and the stage events
 // of stages that reduce their own gradients.
-#include <ATen/ops/full_like.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/variable.h>
 
-#include "comm.h"
-#include "device_comm.h"
 #include "executor.h"
 
 namespace pipecore {
@@ -16,13 +13,10 @@ void Executor::do_forward(const Instr& in) {
   Slot& s = slot(in);
   if (s.recv_f.posted()) {
     const auto& specs = specs_.received(in);
-    const auto& parts = receive(s.recv_f, in, message_name(in.op));
-    s.inputs = shaped_.travel ? unframe_shaped(parts, s.recv_f.task->layout, s.recv_f.task->shapes)
-                              : unframe(parts, specs);
+    s.inputs = path_->take(s.recv_f, in, specs);
     for (size_t k = 0; k < specs.size(); ++k) {
       if (specs[k].requires_grad) s.inputs[k].requires_grad_(true);
     }
-    let_go(s.recv_f);
   }
   at::Tensor loss;
   double seed = 1.0;
@@ -50,13 +44,7 @@ void Executor::do_forward(const Instr& in) {
     s.has_loss = true;
     if (loss.requires_grad()) {
       s.loss_edge = torch::autograd::impl::gradient_edge(loss);
-      // zero unless every message of the step so far was ok
-      if (device_comm_ && loss.device().type() == device_comm_->device_type()) {
-        s.loss_seed = at::empty_like(loss);
-        device_comm_->fill_seed(s.loss_seed, seed);
-      } else {
-        s.loss_seed = at::full_like(loss, seed);
-      }
+      s.loss_seed = path_->seed_of(loss, seed);  // (the device path: zero unless the step's messages were ok)
     }
   }
 }
@@ -72,10 +60,7 @@ void Executor::do_backward(const Instr& in, bool split) {
     }
   } else {
     if (s.recv_b.posted()) {
-      const auto& parts = receive(s.recv_b, in, message_name(in.op));
-      s.out_grads = shaped_.travel ? unframe_shaped(parts, s.recv_b.task->layout, s.recv_b.task->shapes)
-                                   : unframe(parts, specs_.received(in));
-      let_go(s.recv_b);
+      s.out_grads = path_->take(s.recv_b, in, specs_.received(in));
     }
     TORCH_CHECK(s.out_grads.size() == s.out_edges.size(), where(in), ": received ", s.out_grads.size(),
                 " output gradients for ", s.out_edges.size(), " outputs that need one");
@@ -124,6 +109,21 @@ std::vector<at::Tensor> Executor::take_input_grads(Slot& s) {
 
 void Executor::stage_event(int64_t event, int64_t stage) {
   if (stages_.event && evented(stage)) stages_.event(event, stage);
+}
+
+std::vector<at::Tensor> Executor::outgoing(const Instr& in) {
+  Slot& s = slot(in);
+  if (!carries_activations(in.op)) return take_input_grads(s);
+  TORCH_CHECK(!s.outputs.empty(), where(in), ": nothing to send (forward produced no tensors)");
+  // The slot lets go of the outputs: the message keeps the data alive until sent, the autograd graph
+  // lives on through the stored gradient edges.
+  std::vector<at::Tensor> tensors = std::move(s.outputs);
+  s.outputs.clear();
+  if (!free_outputs_) kept_.insert(kept_.end(), tensors.begin(), tensors.end());
+#ifdef PIPECORE_TESTING
+  freed_outputs_ += free_outputs_;
+#endif
+  return tensors;
 }
 
 }  // namespace pipecore

@@ -24,22 +24,19 @@ void Executor::exec(size_t index, const RunMode& mode) {
   switch (in.op) {
     case kF:
       if (!mode.aborted) return do_forward(in);
-      return drain(slot(in).recv_f, in, message_name(in.op), mode.wait);
+      return path_->drop(slot(in).recv_f, in, mode.wait);
     case kB:
     case kI:
       if (!mode.aborted) return do_backward(in, /*split=*/in.op == kI);
-      return drain(slot(in).recv_b, in, message_name(in.op), mode.wait);
+      return path_->drop(slot(in).recv_b, in, mode.wait);
     case kW:
       if (!mode.aborted) do_weight(in);
       return;
     case kRecvF:
-    case kRecvB:  // usually posted ahead already (the receive window); an aborted step must post it
-      if (device_comm_) return post_batch(index, mode);
-      return post_recvs_until(program_.recvs_through[index], index, mode.aborted);
+    case kRecvB:
     case kSendF:
     case kSendB:
-      if (device_comm_) return post_batch(index, mode);
-      return send_action(index, mode);
+      return path_->post(index, mode);
     case kReduceGrad:
       if (mode.aborted) return;
       if (stages_.reducer) stages_.reducer->reduce_stage(in.stage);

@@ -3,11 +3,9 @@
 
 #include <c10/util/Exception.h>
 
-#include "comm_worker.h"
 #include "device_comm.h"
 #include "device_timer.h"
 #include "diagnostics.h"
-#include "send_tracker.h"
 
 namespace pipecore {
 
@@ -22,14 +20,17 @@ Executor::Executor(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t num_stages
       specs_(grid_),
       next_local_(num_stages, -1),
       prev_local_(num_stages, -1),
-      sends_(std::make_unique<SendTracker>()),
-      split_fallbacks_(num_stages) {}
+      split_fallbacks_(num_stages),
+      path_(make_message_path(path_context(), /*device=*/nullptr, MessageFormat(), PathSettings())) {}
+
+PathContext Executor::path_context() {
+  return PathContext{*this, pg_, rank_, who_, timeout_, program_, specs_, profile_};
+}
 
 Executor::~Executor() = default;
 
 void Executor::join_threads() {
-  worker_.reset();
-  sends_.reset();
+  path_->join_threads();
   overlap_.half_thread.reset();
 }
 
@@ -65,35 +66,40 @@ void Executor::set_weight_builders(std::vector<int64_t> stages, WeightBuilderFn 
 }
 
 void Executor::set_comm_thread(bool on) {
-  if (!on) {
-    worker_.reset();
-  } else if (!worker_) {
-    worker_ = std::make_unique<CommWorker>();
-  }
+  path_->settings().comm_thread = on;
+  path_->apply_settings();
+}
+
+void Executor::set_recv_window(int64_t n, bool past_sends, int64_t max_bytes) {
+  TORCH_CHECK(n >= 0, "pipecore: the receive window must be >= 0, got ", n);
+  PathSettings& settings = path_->settings();
+  settings.window_receives = n;
+  settings.window_past_sends = past_sends;
+  settings.window_bytes = max_bytes;
+  path_->apply_settings();
 }
 
 bool Executor::set_device_comm(const std::string& device) {
-  device_comm_ = make_device_comm(c10::Device(device));
-  group_backend_.reset();
-  if (device_comm_) shaped_.travel = false;  // (set_shapes_travel)
-  return device_comm_ != nullptr;
+  const c10::Device on(device);
+  auto [format, settings] = path_->hand_over();
+  format.shaped = false;  // (set_shapes_travel)
+  path_ = make_message_path(path_context(), &on, std::move(format), std::move(settings));
+  return path_->on_device();
 }
+
+bool Executor::device_comm() const { return path_->on_device(); }
 
 #ifdef PIPECORE_TESTING
 void Executor::emulate_device_comm() {
   // each rank on a device of its own other than 0, where a thread starts (the model refuses a launch with
   // another one current)
-  device_comm_ = make_host_device_comm(timeout_, static_cast<int>(rank_) + 1);
-  group_backend_.reset();
-  shaped_.travel = false;
+  auto [format, settings] = path_->hand_over();
+  format.shaped = false;  // (set_shapes_travel)
+  path_ = make_device_path(path_context(), std::move(format), std::move(settings),
+                           make_host_device_comm(timeout_, static_cast<int>(rank_) + 1));
 }
-std::vector<std::string> Executor::stream_violations() const {
-  return device_comm_ ? device_comm_->contract_violations() : std::vector<std::string>();
-}
+std::vector<std::string> Executor::stream_violations() const { return path_->stream_violations(); }
 #endif
-
-int64_t Executor::peak_send_bytes() const { return sends_->peak_bytes(); }
-int64_t Executor::held_failed_sends() const { return sends_->held_failed(); }
 
 std::string Executor::where(const Instr& in) const {
   return "pipecore " + who_ + ", action " + program_.label(in);

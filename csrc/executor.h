@@ -4,16 +4,12 @@
 //   run.cpp             the run and its abort protocol (the driver)
 //   dispatch.cpp        one dispatch of an action, in a normal or an aborted run
 //   compute.cpp         F, B, I, W and the stage events
-//   receive.cpp         receives: allocation, the window, waiting, reading shaped headers, follow-ups
-//   send.cpp            sends: what a SEND sends, its message, the budget, draining
-//   posting.cpp         the one posting path of every message (host and device)
-//   device_batches.cpp  the device path's batches and its step status
 //   discovery.cpp       the shapes a first step learns, and the spec setters
 //   tracing.cpp         per-action trace events
 //   executor_overlap.cpp  OVERLAP_F_B pairs
 //   executor.cpp        construction and settings
-// with the objects it holds: Program (program.h), MessageSpecs (message_specs.h, capacities.cpp),
-// RecvWindow (recv_window.h), SendTracker, CommWorker, DeviceComm.
+// with the objects it holds: Program (program.h), MessageSpecs (message_specs.h, capacities.cpp), and the
+// MessagePath (message_path.h) that carries its messages, which it never asks which path it is.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -24,11 +20,11 @@
 #include "backward.h"
 #include "comm.h"
 #include "errors.h"
+#include "message_path.h"
 #include "message_specs.h"
 #include "outcome.h"
 #include "overlap.h"
 #include "program.h"
-#include "recv_window.h"
 #include "step_profile.h"
 #include "tensor_spec.h"
 
@@ -49,43 +45,10 @@
 
 namespace pipecore {
 
-class DeviceComm;
 class DeviceTimer;
 class GradReducer;
-class CommWorker;
-class SendTracker;
-struct CommTask;
-struct StreamMarker;
-
-// Test builds (PIPECORE_TESTING, `make test`) add hooks that production builds leave out: random
-// delays before posting, a forced large-message threshold, the device protocol on the host, and
-// records of where receives were posted (bindings.cpp binds the executor's counters there only).
-#ifdef PIPECORE_TESTING
-constexpr bool kTesting = true;
-#else
-constexpr bool kTesting = false;
-#endif
 
 using StageEventFn = std::function<void(int64_t event, int64_t stage)>;
-
-// Bytes of sends in flight to one peer before the next send to it waits for the oldest to complete
-// (a message larger than this still goes, alone).
-constexpr int64_t kDefaultSendBudget = 64 << 20;
-// On a CPU group a send this small is posted on the compute thread, not handed to the comm worker,
-// when the thread's next compute action takes a received message (it would wait anyway) and the
-// worker has nothing queued. The hand-off's wake-up (25-50 us here) sat on every round trip of a
-// latency-bound schedule such as 2-rank 1F1B; a larger message's copy into the socket would cost the
-// thread more than it saves (bench/vs_torch.py, docs/performance.md).
-constexpr int64_t kPostHereBytes = 16 << 10;
-
-// A posted receive: the buffers of its message's parts and their pending Works; on the device path its
-// batch's ready marker, which reading it (DeviceComm::consume) and letting go of it (release) take.
-struct Inbox {
-  std::shared_ptr<CommTask> task;
-  std::shared_ptr<StreamMarker> ready;
-  bool consumed = false;  // the compute stream waited on `ready` to read it
-  bool posted() const { return task != nullptr; }
-};
 
 // State of one (stage, microbatch) during a step.
 struct Slot {
@@ -126,21 +89,12 @@ using SpecFn = std::function<int64_t(int64_t stage, int64_t mb, int64_t op, bool
 using ForwardFn = std::function<void(int64_t stage, int64_t mb, std::vector<at::Tensor>& inputs,
                                      std::vector<at::Tensor>& outputs, at::Tensor& loss, double& seed)>;
 
-// How an action runs (dispatch.cpp): normally, or in an aborted step, with only its communication,
-// sends carrying `status` (message_status.h); receives waited for and drained, and sends held to their
-// peer's budget, only if `wait`.
-struct RunMode {
-  bool aborted = false;
-  bool wait = true;
-  int64_t status = 0;
-};
-
-class Executor {
+class Executor final : private PathOwner {
  public:
   Executor(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t num_stages, int64_t num_microbatches,
            double timeout_s, std::string who = {});
   ~Executor();
-  // Joins the threads it owns (the comm worker, the send tracker's lanes, aborting sends still in
+  // Joins the threads it owns (the comm worker, the send tracker's threads, aborting sends still in
   // flight, and the overlap pairs' backward thread) before it is destroyed. Python's deleter calls it
   // with the GIL released: a tensor those threads free may need the GIL. Nothing may use the executor
   // afterwards.
@@ -162,7 +116,7 @@ class Executor {
   // path every message goes at its capacity's size (NCCL receives need their exact size), the host reads
   // each received header (device_comm.h), and a message that outgrows its capacity follows on the
   // follow-up channel (set_follow_up_channels). Every rank of the group must set the same, between steps.
-  void set_shapes_travel(bool on) { shaped_.travel = on; }
+  void set_shapes_travel(bool on) { path_->format().shaped = on; }
   // The device path's shaped messages: two more communicators of the group's ranks (NCCL on CUDA), on
   // which a message that outgrew its capacity follows, packed on the device at its own size: `up` for
   // follow-ups to higher group ranks, `down` to lower ones ([Note: NCCL pair order] in device_comm.h
@@ -170,44 +124,41 @@ class Executor {
   // the host's read of its header, for each message of a step that outgrows the capacity the step
   // started with; nothing goes through the store, whatever the size.
   void set_follow_up_channels(c10::intrusive_ptr<c10d::Backend> up, c10::intrusive_ptr<c10d::Backend> down) {
-    shaped_.up = std::move(up);
-    shaped_.down = std::move(down);
+    path_->settings().up = std::move(up);
+    path_->settings().down = std::move(down);
   }
-  bool shapes_travel() const { return shaped_.travel; }
+  bool shapes_travel() const { return path_->format().shaped; }
   // Shaped messages carry the step's batch rows (the first stages' batch size, 0 if it has none)
   // from the ranks holding a first stage, which set it before each run, to the others, which set -1
   // and learn it from the first activations they receive: the last stage weighs its losses by it
   // without an agreement when only the shapes changed.
-  void set_batch_rows(int64_t rows) { shaped_.batch_rows = rows; }
-  int64_t batch_rows() const { return shaped_.batch_rows; }
+  void set_batch_rows(int64_t rows) { path_->format().batch_rows = rows; }
+  int64_t batch_rows() const { return path_->format().batch_rows; }
   // Messages sent in the last run: (messages, their parts, i.e. point-to-point sends; messages that
   // outgrew their capacity and went a second time).
   std::tuple<int64_t, int64_t, int64_t> message_counts() const {
-    return {counts_.sent_messages, counts_.sent_parts, counts_.grown_messages};
+    const MessageCounts& counts = path_->counts();
+    return {counts.sent_messages, counts.sent_parts, counts.grown_messages};
   }
 #ifdef PIPECORE_TESTING
   // Tests: sleep a random 0..max_us before every send and receive.
-  void set_delays(int64_t max_us, uint64_t seed) {
-    delay_us_ = max_us;
-    rng_.seed(seed);
-  }
+  void set_delays(int64_t max_us, uint64_t seed) { path_->set_delays(max_us, seed); }
 #endif
   // The receive window of the host path (recv_window.h).
-  void set_recv_window(int64_t n, bool past_sends, int64_t max_bytes = kRecvWindowBytes) {
-    window_.configure(n, past_sends, max_bytes);
-  }
+  void set_recv_window(int64_t n, bool past_sends, int64_t max_bytes = kRecvWindowBytes);
 #ifdef PIPECORE_TESTING
   // Messages of at least `min_bytes` payload go as their tensors plus a trailer (see comm.h). Every
   // rank of the group must use the same value (tests only: the default suits everyone).
-  void set_large_messages(int64_t min_bytes) { large_message_bytes_ = min_bytes; }
+  void set_large_messages(int64_t min_bytes) { path_->format().large_message_bytes = min_bytes; }
 #endif
   // CPU groups: post every send and receive from a thread of its own (see comm_worker.h).
   void set_comm_thread(bool on);
-  // Accelerator groups (NCCL): communication without host waits (see device_comm.h) for messages on
-  // `device`. False where this build has none for it (then messages take the host-waiting path).
-  // Batches replace the receive window and the send budget there (device_comm.h says why).
+  // Accelerator groups (NCCL): the device path (device_path.cpp over device_comm.h), communication
+  // without host waits, for messages on `device`; make_message_path chooses it, keeping the settings
+  // made so far (shapes travel is off: set_shapes_travel after). False where this build has none for
+  // `device` (the host path stays). Batches replace the receive window and the send budget there.
   bool set_device_comm(const std::string& device);
-  bool device_comm() const { return device_comm_ != nullptr; }
+  bool device_comm() const;  // for Python's description of the path (message_path.py)
 #ifdef PIPECORE_TESTING
   // Tests on CPU: the device path's protocol run by the host over gloo (make_host_device_comm).
   void emulate_device_comm();
@@ -220,13 +171,15 @@ class Executor {
   // it again at once: on a shared connection, a rank's own sends stall the data arriving from that
   // peer and make its event loop spin. Every rank of the group must set the same (or none), between
   // steps.
-  void set_reverse_channel(c10::intrusive_ptr<c10d::Backend> channel) { reverse_ = std::move(channel); }
+  void set_reverse_channel(c10::intrusive_ptr<c10d::Backend> channel) {
+    path_->settings().reverse = std::move(channel);
+  }
   // Bytes of sends in flight to one peer: a send that would exceed it first waits (on the compute
   // thread) until enough earlier sends to that peer completed. A message larger than the budget goes
   // when nothing else is in flight to its peer. Sends free their buffers when they complete.
   void set_send_budget(int64_t bytes) {
     TORCH_CHECK(bytes >= 0, "pipecore: the send budget must be >= 0 bytes, got ", bytes);
-    send_budget_ = bytes;
+    path_->settings().send_budget = bytes;
   }
   // Data-parallel gradient reduction of plain stages (grad_reduce.h): armed before each stage's last
   // backward, its REDUCE_GRAD sends what is left. Null: none.
@@ -297,35 +250,33 @@ class Executor {
   void reset();
 
   int64_t rank() const { return rank_; }
-  // Stats of the last run, for tests and benchmarks.
-  int64_t freed_outputs() const { return freed_outputs_; }
   const std::string& last_comm_failure() const { return comm_failure_; }
-  // Largest number of bytes in flight to one peer during the last run.
-  int64_t peak_send_bytes() const;
-  // Sends that failed or timed out, held with their buffers until this executor goes (send_tracker.h).
-  int64_t held_failed_sends() const;
-  int64_t threaded_posts() const { return counts_.threaded_posts; }
-  int64_t posted_here() const { return counts_.posted_here; }
+  // Per stage, since construction: microbatches whose I computed weight gradients (or all of its
+  // backward) because of a node that cannot be split, by (node, why).
+  const std::vector<std::map<SplitFallback, int64_t>>& split_fallbacks() const { return split_fallbacks_; }
 #ifdef PIPECORE_TESTING
-  int64_t reverse_posts() const { return counts_.reverse_posts; }
-  const std::vector<int64_t>& recv_posted_at() const { return recv_posted_at_; }
-#endif
+  // Records of the last run, for tests (bindings.cpp binds them in test builds only).
+  int64_t freed_outputs() const { return freed_outputs_; }
+  // Largest number of bytes in flight to one peer during the last run.
+  int64_t peak_send_bytes() const { return path_->peak_send_bytes(); }
+  // Sends that failed or timed out, held with their buffers until this executor goes (send_tracker.h).
+  int64_t held_failed_sends() const { return path_->held_failed_sends(); }
+  int64_t threaded_posts() const { return path_->counts().threaded_posts; }
+  int64_t posted_here() const { return path_->counts().posted_here; }
+  int64_t reverse_posts() const { return path_->counts().reverse_posts; }
+  const std::vector<int64_t>& recv_posted_at() const { return path_->recv_posted_at(); }
   // Per program index: for a SEND/RECV, one past the last action of its device batch (`learning`:
   // as a discovery run posts them); else 0.
   const std::vector<size_t>& batch_ends(bool learning) const {
     return learning ? program_.learning_end : program_.batch_end;
   }
-  // Per stage, since construction: microbatches whose I computed weight gradients (or all of its
-  // backward) because of a node that cannot be split, by (node, why).
-  const std::vector<std::map<SplitFallback, int64_t>>& split_fallbacks() const { return split_fallbacks_; }
-  const std::vector<Instr>& program() const { return program_.instrs; }
+#endif
 
  private:
   // --- run.cpp: the driver and its abort protocol
   // What stopped a run's program, by what it means for the rest of the step.
   void begin_run(const ForwardFn& forward);
   Outcome execute_program();
-  Outcome explained_by_step_status(Outcome outcome);
   void tell_abort(const Outcome& outcome, const AbortFn& on_abort);
   std::string release_peers(const Outcome& outcome);
   [[noreturn]] void rethrow(const Outcome& outcome, const std::string& comm_failure);
@@ -352,107 +303,21 @@ class Executor {
   // One gradient per input that needs one, in input order (zeros where none flowed); the slot lets go.
   std::vector<at::Tensor> take_input_grads(Slot& s);
 
-  // --- receive.cpp
-  // RECV_F / RECV_B: its buffers allocated and set in the slot, to be posted (null: nothing to receive)
-  std::shared_ptr<CommTask> make_recv(const Instr& in, bool aborted);
-  // Host path, before program[at]: posts receives up to ordinal `end` (aborted: into the scratch)
-  void post_recvs_until(size_t end, size_t at, bool aborted = false);
-  void prefetch_recvs(size_t at);  // host path, before program[at]: posts the receive window
-  // The parts of a received message, once waited for (host) or ordered on the device.
-  const std::vector<at::Tensor>& receive(Inbox& inbox, const Instr& in, const char* what);
-  // An aborted step's consuming action: waits for and lets go of what it would have read.
-  void drain(Inbox& inbox, const Instr& in, const char* what, bool wait);
-  // Lets go of a receive (on the device path, explicitly: DeviceComm::release).
-  void let_go(Inbox& inbox);
+  // --- what the message path asks (PathOwner); outgoing in compute.cpp
+  std::vector<at::Tensor> outgoing(const Instr& in) override;
+  Inbox& inbox_of(const Instr& in) override { return slot(in).inbox_of(in.op); }
+  bool discovering() const override { return run_.discovering(); }
   // Lets go of every slot's receives and drops every slot's state.
   void clear_slots();
-  // Waits for every part of the receive `task` (`what`: its message_name, for the error).
-  void wait_task(CommTask& task, const Instr& in, const char* what);
-  // Shaped messages: reads a received message's header (once); a grown one is received again at its
-  // own size (comm.h). Records what crossed the boundary. Unless `draining` (an aborted run's
-  // receive, dropped), a status other than ok throws what it says (outcome.h). The two halves of an
-  // OVERLAP_F_B pair may settle at once.
-  void settle(CommTask& task, const Instr& in, const char* what, bool draining);
-  // settle's reading of one message for action `consumer` (waits for it; a grown one's follow-up too,
-  // its data into the scratch when `draining`).
-  void read_header(CommTask& task, const Instr& consumer, bool draining);
-  // The device path: `task`'s header bytes on the host, waited for (a failed wait names consumer, what, peer).
-  at::Tensor header_on_host(CommTask& task, int peer, const Instr& consumer, const char* what);
-  // The header of `task` and, first, of every receive from its peer posted before it and not read yet
-  // (the device path: follow-ups match in the order their headers are read, [Note: NCCL pair order]).
-  void read_headers_through(CommTask& task, const Instr& consumer, bool draining);
-  // The parts of grown message `task`'s follow-up, a message laid out by `layout` (its own shapes),
-  // received into the scratch when `draining`. `what` names its data in errors.
-  // On gloo, received on the follow-up tag; the caller checks its header.
-  std::vector<at::Tensor> follow_up_by_tag(const CommTask& task, const std::vector<TensorSpec>& layout,
-                                           const Instr& consumer, const char* what, bool draining);
-  // On the device path, the `ordinal`-th follow-up from its peer, received packed on the follow-up
-  // channel (once: the drain after a failure that came after receiving it reads it again); `same`: its
-  // header names the shapes `task`'s did. The compute stream waits for it unless `draining`.
-  std::vector<at::Tensor> follow_up_on_channel(CommTask& task, const std::vector<TensorSpec>& layout,
-                                               const Instr& consumer, const char* what, int64_t ordinal,
-                                               bool draining, bool& same);
-
-  // --- send.cpp
-  // SEND_F / SEND_B on the host path: its message (and a grown one's follow-up) posted.
-  void send_action(size_t index, const RunMode& mode);
-  // What SEND action `in` sends: the stage's outputs (let go of by the slot) or its input gradients.
-  std::vector<at::Tensor> outgoing(const Instr& in);
-  // The parts of SEND action `in`'s message (empty: nothing to send): what it sends, or (`aborted`) a
-  // message of the same size whose trailer carries `status`. A shaped message that outgrew its
-  // capacity is its header; `follow_up` then gets the message at its own size.
-  // `crossing`: the shapes of a shaped SEND_F's tensors, to record once it is posted.
-  // On the device path `follow_up` is packed, for the follow-up channel, and `key` its ordinal among
-  // the follow-ups to its peer (its header names it; set_follow_up_channels).
-  std::vector<at::Tensor> message_of(const Instr& in, bool aborted, int64_t status = 0,
-                                     std::vector<at::Tensor>* follow_up = nullptr,
-                                     std::vector<TensorSpec>* crossing = nullptr, int64_t* key = nullptr);
-  // Posts a message within the peer's send budget (unless `budgeted` is off); the send tracker frees it
-  // once sent. `tag` 0: a message of the program; else a grown message's follow-up.
-  void send(std::vector<at::Tensor> parts, size_t index, bool budgeted, bool aborted, int tag = 0);
-  void drain_sends();  // waits for every send in flight; throws CommError
-  void check_sends();  // throws CommError if a send failed
-  // Bytes for messages whose contents do not matter: aborted messages' payloads, the receives an aborted
-  // step drops, and the padding of a grown message's header on the device path. One buffer each for sends
-  // and receives, so that a rank out of memory can still release its peers.
-  at::Tensor scratch(const at::TensorOptions& options, int64_t bytes, bool for_sends);
-
-  // --- posting.cpp: the one posting path
-  // Posts `tasks` (program order; `actions[k]` is tasks[k]'s action), addressed to their action's peer
-  // on `tag`: on the device path as one group, on the host from the comm worker or (none, or
-  // `here_if_idle` and it has nothing queued) this thread. Counts them, and hands sends to the tracker,
-  // which frees them once complete (`aside`: a follow-up, outside the budget).
-  // `inboxes` (device path): where each receive's batch ready marker goes (null for a send), set as soon
-  // as the batch is posted, before anything else may throw. `channel`: posted there (the device path's
-  // follow-up channel), not on the group.
-  void post(const std::vector<std::shared_ptr<CommTask>>& tasks, const std::vector<size_t>& actions, int tag = 0,
-            bool here_if_idle = false, const std::vector<Inbox*>& inboxes = {}, c10d::Backend* channel = nullptr);
-  // Waits until a queued task is posted; a posting error becomes a CommError.
-  void await_posted(CommTask& task, const Instr& in);
-  // The CommError for a send or receive the group refused to post.
-  CommError post_failure(const CommTask& task, const Instr& in, const std::string& text) const;
-#ifdef PIPECORE_TESTING
-  void maybe_delay();
-#else
-  void maybe_delay() {}
-#endif
-
-  // --- device_batches.cpp
-  // Device path: posts the batch of SEND/RECV actions that starts at program[index] (if not posted
-  // yet); `mode.aborted`: sends carry its status and receives land in the scratch.
-  void post_batch(size_t index, const RunMode& mode);
-  // Device path, end of step: waits (polling, up to the timeout) until the compute stream's work of the
-  // step is done, then reads the step's message status; throws what it says.
-  void await_step_status();
 
   // --- discovery.cpp
   // Are the shapes of RECV_F/SEND_F `in` known? In a discovery run, asks the spec source for them (may
   // wait for the peer's forward); false: no message travels (a receive that is not aborted throws
   // PeerAbort then).
-  bool learn_specs(const Instr& in, bool aborted);
+  bool learn_specs(const Instr& in, bool aborted) override;
   // Shapes of what SEND action `in` sends, for an aborted message of the same size (a SEND_F's may be
   // learnt: waits as learn_specs does).
-  std::vector<TensorSpec> learn_send_specs(const Instr& in);
+  std::vector<TensorSpec> learn_send_specs(const Instr& in) override;
 
   // --- executor_overlap.cpp: OVERLAP_F_B
   // Runs the pair whose bracket is program[index]; returns the index of its closing bracket. On failure
@@ -477,14 +342,12 @@ class Executor {
   double trace_time();  // host time now, or an event index on an accelerator
 
   // "pipecore rank 5 (pp rank 1), action L": where an error happened.
-  std::string where(const Instr& in) const;
+  std::string where(const Instr& in) const override;
   Slot& slot(const Instr& in) { return slots_[grid_.key(in)]; }
   Slot& slot(int64_t stage, int64_t mb) { return slots_[grid_.key(stage, mb)]; }
 
-  // The group. reverse_ is declared before the threads that post on it: it outlives them.
+  // The group.
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
-  c10::intrusive_ptr<c10d::Backend> group_backend_;  // the device path's: pg_'s for its device (set at first use)
-  c10::intrusive_ptr<c10d::Backend> reverse_;
   int64_t rank_;
   std::string who_;  // this rank in errors: "rank 5 (pp rank 1)" where the group is not the world
   std::chrono::milliseconds timeout_;
@@ -497,52 +360,10 @@ class Executor {
   std::vector<int64_t> next_local_, prev_local_;  // [stage]: see set_links
   const ForwardFn* forward_ = nullptr;            // during run()
 
-  // Shaped messages (set_shapes_travel).
-  struct ShapedMessages {
-    bool travel = false;
-    int64_t batch_rows = -1;  // see set_batch_rows
-    c10::intrusive_ptr<c10d::Backend> up, down;        // device path: follow-ups (set_follow_up_channels)
-    // the channel of a follow-up between this rank and `peer` (`send`: this rank sends it)
-    c10d::Backend* channel(int64_t rank, int64_t peer, bool send) const {
-      return (send ? peer > rank : peer < rank) ? up.get() : down.get();
-    }
-    std::unordered_map<int, int64_t> follow_ups_to;    // per peer: follow-ups sent on the channel so far
-    std::unordered_map<int, int64_t> follow_ups_numbered;  // and numbered so far, by the batch being made
-    std::unordered_map<int, int64_t> follow_ups_from;  // per peer: follow-ups received on it so far
-    // device path, per peer: receives posted and not read yet, in posting order (read_headers_through)
-    std::unordered_map<int, std::deque<std::shared_ptr<CommTask>>> unread_from;
-  } shaped_;
-  // the crossings into a stage (specs_.crossed_in), batch rows and a follow-up's posting, from the halves of a
-  // pair (crossings out are recorded by SENDs, on the step's thread only)
-  std::mutex settle_mu_;
-  std::mutex header_order_mu_;  // read_headers_through: the halves of a pair read one peer's headers in order
-
-  // What the last run sent and posted (reset at each run's start).
-  struct Counts {
-    int64_t sent_messages = 0, sent_parts = 0, grown_messages = 0;  // see message_counts()
-    int64_t threaded_posts = 0;  // messages posted by the comm worker
-    int64_t posted_here = 0;     // small sends posted on the compute thread (kPostHereBytes)
-    int64_t reverse_posts = 0;   // messages posted on the reverse channel
-    // per peer: messages sent to it and receives posted from it (on the tag that matches them in
-    // order), whose counts name a grown message's follow-up tag (comm.h)
-    std::unordered_map<int, int> sent_to, received_from;
-  } counts_;
-  std::vector<int64_t> recv_posted_at_;  // tests: [k]: program index before which RECV k was posted
-  int64_t freed_outputs_ = 0;             // sent outputs the last run let go of (zeroed when a run begins)
-
-  // Posting and the messages in flight.
-  RecvWindow window_;
-  // after reverse_ (whose Works it may still wait on) and before worker_ (which marks the tasks it
-  // drops as posted, waking their waiters): destroyed in that order
-  std::unique_ptr<SendTracker> sends_;
-  int64_t send_budget_ = kDefaultSendBudget;
-  int64_t last_send_posted_ = -1;  // program index of the latest SEND that posted its message (read on the host path)
-  std::unique_ptr<CommWorker> worker_;
-  std::unique_ptr<DeviceComm> device_comm_;
-  size_t posted_through_ = 0;  // device path: every SEND/RECV before this index is posted
-  int64_t large_message_bytes_ = kLargeMessageBytes;
-  at::Tensor recv_scratch_, send_scratch_;  // see scratch()
-  std::string comm_failure_;                // see last_comm_failure()
+#ifdef PIPECORE_TESTING
+  int64_t freed_outputs_ = 0;  // sent outputs the last run let go of (zeroed when a run begins)
+#endif
+  std::string comm_failure_;  // see last_comm_failure()
 
   // The kind of the run under way (run() sets it, and puts it back however the run ends): one place for
   // "is this a discovery run" and "may the aborted rest wait".
@@ -551,8 +372,6 @@ class Executor {
     bool may_wait = true;  // the aborted rest's RunMode.wait (false once a wait for shapes timed out: learn_specs)
     bool discovering() const { return discover != nullptr; }
   } run_;
-  // A discovery run on the device path: the host waits for and reads each message.
-  bool host_reads() const { return run_.discovering() && device_comm_ != nullptr; }
 
   // Stages with hooks of their own.
   struct StageHooks {
@@ -589,10 +408,11 @@ class Executor {
   } tracing_;
   bool profile_on_ = false;
   StepProfile profile_;
-#ifdef PIPECORE_TESTING
-  int64_t delay_us_ = 0;
-  std::mt19937_64 rng_;
-#endif
+
+  // How messages travel (message_path.h): after what it reads of the executor (PathContext), which
+  // outlives it.
+  std::unique_ptr<MessagePath> path_;
+  PathContext path_context();
 };
 
 }  // namespace pipecore

@@ -1,4 +1,4 @@
-// Threads that help a rank's compute thread (the comm worker, the send tracker's lanes).
+// Threads that help a rank's compute thread (the comm worker, the send tracker's threads).
 #pragma once
 
 namespace pipecore {

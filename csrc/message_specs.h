@@ -34,6 +34,7 @@ class MessageSpecs {
   // The same, without a copy, for a RECV_F/F or RECV_B/B/I.
   const std::vector<TensorSpec>& received(const Instr& in) const;
   const at::TensorOptions& options(const Instr& in) const { return options_[grid_.key(in)]; }
+  size_t key(const Instr& in) const { return grid_.key(in); }
 
   // Shaped messages (capacities.cpp). At a run's start every boundary's receives take, per tensor, the
   // most elements that its microbatches were set or that crossed it in an earlier run (both sides of a

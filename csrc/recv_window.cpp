@@ -7,7 +7,6 @@
 namespace pipecore {
 
 void RecvWindow::configure(int64_t receives, bool past_sends, int64_t max_bytes) {
-  TORCH_CHECK(receives >= 0, "pipecore: the receive window must be >= 0, got ", receives);
   receives_ = receives;
   past_sends_ = past_sends;
   max_bytes_ = max_bytes;

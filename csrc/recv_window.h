@@ -2,7 +2,7 @@
 // only once its receive is posted, so a receive posted just before its data is needed costs a round trip;
 // posted early, the data is already there. Each receive posted early holds its buffer that much longer:
 // the window is a count of RECV actions and a budget of buffer bytes ahead (the next receive always goes).
-// The device path posts receives with their batch instead (device_batches.cpp).
+// The device path posts receives with their batch instead (device_path.cpp).
 #pragma once
 
 #include <cstddef>
@@ -30,7 +30,7 @@ class RecvWindow {
   void reset(size_t recv_count);
   // Before program point `at`: the ordinal up to which receives are to be posted now (at least those the
   // program reached), booking the buffer bytes (`bytes_of(k)`) of those it admits ahead: the caller posts
-  // every one of them (post_recvs_until), or the run is aborted.
+  // every one of them (HostPath::post_recvs_until), or the run is aborted.
   size_t post_through(const Program& program, size_t at, const std::function<int64_t(size_t)>& bytes_of);
   size_t posted() const { return posted_; }
   // RECV `k` is being posted (ordinals go up one at a time).

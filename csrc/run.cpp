@@ -1,12 +1,9 @@
 // The run: the program executed once, and when an action fails the abort protocol that releases every
 // peer (the rest of the program without compute, its messages carrying the step's status) before the
 // failure is rethrown as what it means for the caller.
-#include "device_comm.h"
 #include "diagnostics.h"
 #include "executor.h"
-#include "message_status.h"
 #include "outcome.h"
-#include "send_tracker.h"
 
 namespace pipecore {
 
@@ -20,11 +17,10 @@ void Slot::drop_compute() {
 }
 
 void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const SpecFn* discover) {
-  // A discovery run posts no receive ahead (prefetch_recvs): a receive's shapes are known only once
-  // its sender's forward ran. On the device path its batches still go as one group each, at their
-  // first action ([Note: NCCL pair order]), their receives' shapes learnt first; the host reads each
-  // message (its trailer says whether the peer's step was aborted or its shapes changed) and waits
-  // for it (host_reads).
+  // A discovery run posts no receive ahead: a receive's shapes are known only once its sender's forward
+  // ran. On the device path its batches still go as one group each, at their first action ([Note: NCCL
+  // pair order]), their receives' shapes learnt first; the host reads each message (its trailer says
+  // whether the peer's step was aborted or its shapes changed) and waits for it (device_path.cpp).
   struct RunScope {
     RunContext& run;
     ~RunScope() { run = RunContext(); }  // however the run ends
@@ -36,86 +32,71 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const Spec
     ~Profiled() { profile.end(); }
   } profiled{profile_};
   begin_run(forward);
-  const Outcome outcome = explained_by_step_status(execute_program());
+  Outcome outcome = execute_program();
   if (outcome.ok()) return end_step();
+  const std::string failed_action = action_name(outcome.at);
+  outcome = path_->explained(std::move(outcome), failed_action);
   tell_abort(outcome, on_abort);
   rethrow(outcome, release_peers(outcome));
 }
 
 void Executor::run_aborted(int64_t status) {
   reset();
-  if (shaped_.travel) specs_.widen_to_capacities();
+  if (path_->format().shaped) specs_.widen_to_capacities();
   const std::string comm_failure = finish_aborted(0, /*wait=*/true, status);
   if (!comm_failure.empty()) throw CommError(comm_failure);
 }
 
 void Executor::reset() {
-  window_.reset(program_.recv_instrs.size());
-  counts_ = Counts();
-  if constexpr (kTesting) recv_posted_at_.assign(program_.recv_instrs.size(), -1);
+  path_->reset(program_.recv_instrs.size());
   clear_slots();
-  sends_->clear_failure();
-  sends_->reset_peak();
-  last_send_posted_ = -1;
-  posted_through_ = 0;
   kept_.clear();
 }
 
 void Executor::begin_run(const ForwardFn& forward) {
   reset();
-  if (shaped_.travel) specs_.widen_to_capacities();
+  if (path_->format().shaped) specs_.widen_to_capacities();
   profile_.begin(profile_on_);
   comm_failure_.clear();
+#ifdef PIPECORE_TESTING
   freed_outputs_ = 0;
+#endif
   begin_trace();
   forward_ = &forward;
-  if (device_comm_) device_comm_->begin_step();
+  path_->begin_step();
+}
+
+void Executor::clear_slots() {
+  path_->let_go_all(slots_);
+  for (auto& s : slots_) s = Slot();
 }
 
 Outcome Executor::execute_program() {
   size_t i = 0;
   try {
     for (; i < program_.size(); ++i) {
-      check_sends();
-      if (!device_comm_) prefetch_recvs(i);  // the device path posts receives with their batch
+      path_->check_sends();
+      path_->before(i);  // (the host path's receive window)
       if (program_[i].op == kOverlapBegin) {
         i = exec_pair(i);  // on failure, i is the failed action's
       } else {
         exec_traced(i);
       }
     }
-    drain_sends();
-    if (device_comm_) await_step_status();
   } catch (...) {
     Outcome failed = Outcome::of_current_exception();
     failed.at = i;
     return failed;
   }
-  return Outcome();
-}
-
-Outcome Executor::explained_by_step_status(Outcome outcome) {
-  // The device path computes on what arrived before its status is known: on a peer's aborted or
-  // "shapes changed" message (zeros of the old shapes) a stage or the loss may fail (this step's
-  // targets against the old shapes). Then the status says what happened; this error is its echo.
-  if (outcome.kind != Outcome::kOrigin || !device_comm_) return outcome;
-  int64_t status = kMessageOk;
-  try {
-    if (!device_comm_->finish_step(timeout_, status) || status == kMessageOk) return outcome;
-  } catch (...) {
-    return outcome;  // the status cannot be read: this rank's error stands
-  }
-  Outcome explained = Outcome::of_status(status, step_status_text(who_, status) + " (here that made action " +
-                                                     action_name(outcome.at) + " fail: " + error_text(outcome.origin) +
-                                                     ")");
-  explained.at = outcome.at;
-  return explained;
+  Outcome finished = path_->finish_step();
+  if (!finished.ok()) finished.at = program_.size();
+  return finished;
 }
 
 void Executor::end_step() {
   clear_slots();  // the step is done: drop graphs, buffers, received tensors
   kept_.clear();
-  send_scratch_ = at::Tensor();  // (grown device messages' parts: sends in flight keep theirs)
+  path_->drop_scratch(/*receives_too=*/false);  // (grown device messages' parts: sends in flight keep theirs)
 }
 
 void Executor::tell_abort(const Outcome& outcome, const AbortFn& on_abort) {
@@ -130,10 +111,8 @@ std::string Executor::release_peers(const Outcome& outcome) {
   for (auto& s : slots_) s.drop_compute();  // graphs and activations are not needed any more
   // After a broken connection or a timeout, waiting again could take a timeout per receive: only the
   // sends are posted then. The failed action runs again aborted: it may have failed before posting.
-  // On the device path nothing more goes: posting onto the wedged communicator could block this thread
-  // in the group's end until c10d's watchdog ends the process; the caller aborts it (Comm.abandon_group).
-  const bool wedged = outcome.kind == Outcome::kComm && device_comm_;
-  const std::string comm_failure = finish_aborted(wedged ? program_.size() : outcome.at,
+  // Where the path may not post after it (the device path's wedged communicator), nothing more goes.
+  const std::string comm_failure = finish_aborted(path_->may_post_after(outcome) ? outcome.at : program_.size(),
                                                   /*wait=*/outcome.kind != Outcome::kComm, outcome.status_for_peers());
   kept_.clear();
   return comm_failure;
@@ -161,13 +140,13 @@ std::string Executor::finish_aborted(size_t from, bool wait, int64_t status) {
   }
   if (wait) {
     try {
-      drain_sends();
+      path_->drain_sends();
     } catch (const std::exception& e) {
       if (comm_failure.empty()) comm_failure = e.what();
     }
   }
   clear_slots();
-  recv_scratch_ = send_scratch_ = at::Tensor();  // in-flight sends keep theirs alive as long as needed
+  path_->drop_scratch(/*receives_too=*/true);  // in-flight sends keep theirs alive as long as needed
   return comm_failure;
 }
 

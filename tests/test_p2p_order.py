@@ -22,7 +22,7 @@ def _build(name, R, m):
 @pytest.mark.parametrize("name, R, m", CONFIGS)
 def test_batches_in_program_order_never_deadlock_on_one_serialised_stream(name, R, m, learning):
     # learning: the first step of a batch shape, whose batches are cut before each later receive of
-    # activations (csrc/device_batches.cpp post_batch; rule 5)
+    # activations (csrc/device_path.cpp post_batch; rule 5)
     lowered = _build(name, R, m).lower()
     replay = replay_serialized(lowered, learning)
     assert sum(replay.batches) > 0

@@ -331,10 +331,13 @@ def _csrc_includes(rel: str) -> set[str]:
     return found
 
 
+MAX_CSRC_LINES = 500  # C++ is denser than Python: a file past this holds more than one concern
+
+
 @pytest.mark.parametrize("rel", CSRC_FILES)
 def test_csrc_file_size(rel):
     lines = sum(1 for _ in open(os.path.join(CSRC, rel)))
-    assert lines <= MAX_LINES, f"csrc/{rel} has {lines} lines (at most {MAX_LINES}: split it by concern)"
+    assert lines <= MAX_CSRC_LINES, f"csrc/{rel} has {lines} lines (at most {MAX_CSRC_LINES}: split it by concern)"
 
 
 def test_no_csrc_include_cycle():
@@ -362,6 +365,45 @@ def test_only_the_executor_and_its_bindings_include_executor_h():
     offenders = [rel for rel in CSRC_FILES if "executor.h" in _csrc_includes(rel) and
                  not defines.search(open(os.path.join(CSRC, rel)).read()) and rel != "bindings.cpp"]
     assert not offenders, f"{offenders} include executor.h without using the executor (errors.h has the error types)"
+
+
+# The executor's files that interpret the program: they ask their MessagePath (message_path.h) and never
+# which path it is, nor reach the state a path owns. executor.cpp (settings) makes the path: the factory's
+# caller.
+INTERPRETER = ["executor.h", "run.cpp", "dispatch.cpp", "compute.cpp", "discovery.cpp", "executor_overlap.cpp",
+               "tracing.cpp"]
+PATH_KIND = re.compile(r"\b(DeviceComm|device_comm_|make_device_comm|make_host_device_comm|make_host_path|"
+                       r"make_device_path|HostPath|DevicePath|on_device|host_reads|exact)\b")
+PATH_STATE = re.compile(r"\b(window_|sends_|worker_|posted_through_|unread_from_?|follow_ups_\w+|group_backend_|"
+                        r"recv_scratch_|send_scratch_|shaped_|counts_|settle_mu_|last_send_posted_)\b")
+PATH_HEADERS = {"device_comm.h", "comm_worker.h", "send_tracker.h", "recv_window.h", "comm_task.h", "device_ops.h"}
+
+
+def _code(rel: str) -> str:
+    """The file without its comments (a comment may name what the code must not)."""
+    text = open(os.path.join(CSRC, rel)).read()
+    return re.sub(r"//[^\n]*", "", text)
+
+
+@pytest.mark.parametrize("rel", INTERPRETER)
+def test_the_interpreter_never_asks_which_message_path(rel):
+    code = _code(rel)
+    assert not PATH_KIND.findall(code), f"csrc/{rel} branches on the message path's kind: {PATH_KIND.findall(code)}"
+    assert not PATH_STATE.findall(code), f"csrc/{rel} reaches a message path's state: {PATH_STATE.findall(code)}"
+    assert not _csrc_includes(rel) & PATH_HEADERS, f"csrc/{rel} includes {_csrc_includes(rel) & PATH_HEADERS}"
+
+
+def test_only_the_factory_chooses_a_message_path():
+    """make_message_path decides; besides it only executor.cpp's test-build emulation of the device path on
+    the CPU model makes a path (the files that declare or define the makers aside)."""
+    chooses = re.compile(r"\b(make_device_comm|make_host_path|make_device_path)\(")
+    makers = {"message_path.h", "device_comm.h", "host_path.cpp", "device_path.cpp", "device_comm.cpp"}
+    callers = sorted(rel for rel in CSRC_FILES if rel not in makers and chooses.search(_code(rel)))
+    assert callers == ["executor.cpp", "message_path.cpp"], callers
+    settings = _code("executor.cpp")
+    testing = re.findall(r"#ifdef PIPECORE_TESTING(.*?)#endif", settings, re.S)
+    outside = re.sub(r"#ifdef PIPECORE_TESTING.*?#endif", "", settings, flags=re.S)
+    assert not chooses.search(outside) and any(chooses.search(block) for block in testing)
 
 
 def test_the_architecture_page_names_every_csrc_file():

@@ -47,9 +47,7 @@ std::string describe(bool send, int peer, const std::vector<int64_t>& sizes, int
   os << (send ? "send to rank " : "receive from rank ") << peer << " (";
   if (sizes.size() != 1) os << sizes.size() << " parts: ";
   for (size_t i = 0; i < sizes.size(); ++i) os << (i ? " + " : "") << sizes[i];
-  os << " bytes";
-  if (action >= 0) os << ", action " << action;
-  os << ")";
+  os << " bytes" << (action >= 0 ? ", action " + std::to_string(action) : std::string()) << ")";
   return os.str();
 }
 
@@ -497,8 +495,6 @@ std::string message_name(const CommTask& task) {
   return "the " + describe(task.send, task.peer, {message_bytes(task.parts)}, task.action);
 }
 
-std::unique_ptr<CommStream> make_comm_stream() {
-  return std::make_unique<GroupStream>();
-}
+std::unique_ptr<CommStream> make_comm_stream() { return std::make_unique<GroupStream>(); }
 
 }  // namespace pipecore
