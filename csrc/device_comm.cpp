@@ -35,20 +35,22 @@ DeviceComm::~DeviceComm() = default;
 
 c10::DeviceType DeviceComm::device_type() const { return ops_->device_type(); }
 
+ComputeStream DeviceComm::compute_stream() const { return ops_->compute_stream(); }
+
 // Every entry that queues device work first makes the executor's device current (L1 of issue 51: a
 // thread starts on device 0, and the step's thread need not have set it).
-void DeviceComm::begin_step() {
+void DeviceComm::begin_step(const ComputeStream& on) {
   const OnDevice on_device(*ops_);
-  ops_->begin_step();
+  ops_->begin_step(on);
 }
 
 std::shared_ptr<StreamMarker> DeviceComm::post_batch(c10d::Backend& backend,
                                                      const std::vector<std::shared_ptr<CommTask>>& tasks,
-                                                     bool grouped) {
+                                                     const ComputeStream& on, bool grouped) {
   TORCH_CHECK(grouped || tasks.size() == 1, "pipecore: only one message goes outside a group");
   const bool receives = std::any_of(tasks.begin(), tasks.end(), [](const auto& t) { return !t->send; });
   const OnDevice on_device(*ops_);
-  before_batch(*ops_, tasks);  // the communication stream waits on compute, whatever the batch holds
+  before_batch(*ops_, on, tasks);  // the communication stream waits on compute, whatever the batch holds
   std::shared_ptr<StreamMarker> ready;
   {
     // c10d's NCCL stream waits on the current stream at posting: the communication stream
@@ -56,26 +58,26 @@ std::shared_ptr<StreamMarker> DeviceComm::post_batch(c10d::Backend& backend,
     const c10::intrusive_ptr<c10d::Work> group = grouped ? post_group(backend, tasks) : post_alone(backend, *tasks[0]);
     TORCH_CHECK(group, "pipecore: the group returned no Work for a batch of sends and receives");
     if (receives) ops_->comm_waits(*group);  // no timeout: the communication stream waits; the host does not
-    copy_headers(tasks);
-    ready = after_batch(*ops_, tasks);  // the receives' ready marker, on the communication stream
+    copy_headers(tasks, on);
+    // the receives' ready marker, on the communication stream, owned by `on` (where a dropped receive waits)
+    ready = after_batch(*ops_, on, tasks);
     for (const auto& task : tasks) task->works.assign(1, group);  // coalesced operations have no Work of their own
   }
-  if (ready) ops_->keep_owner(*ready);  // the compute stream that posted: where a dropped receive waits (rule 3)
   for (const auto& task : tasks) task->mark_posted(nullptr);
   return ready;
 }
 
-void DeviceComm::consume(CommTask& task, const StreamMarker& ready) {
+void DeviceComm::consume(CommTask& task, const StreamMarker& ready, const ComputeStream& on) {
   const OnDevice on_device(*ops_);
-  before_read(*ops_, task, ready);
+  before_read(*ops_, on, task, ready);
   if (task.header_bytes > 0) return;  // a shaped message: its status was read on the host
   const at::Tensor& last = task.parts.back();
-  ops_->fold_trailer(last.narrow(0, last.numel() - 16, 16));
+  ops_->fold_trailer(last.narrow(0, last.numel() - 16, 16), on);
 }
 
-void DeviceComm::release(CommTask& task, const StreamMarker& ready, bool consumed) {
+void DeviceComm::release(CommTask& task, const StreamMarker& ready, bool consumed, const ComputeStream& on) {
   const OnDevice on_device(*ops_);
-  on_release(*ops_, task, ready, consumed);
+  on_release(*ops_, on, task, ready, consumed);
 }
 
 at::Tensor DeviceComm::read_header(CommTask& task, std::chrono::milliseconds timeout) {
@@ -87,20 +89,20 @@ at::Tensor DeviceComm::read_header(CommTask& task, std::chrono::milliseconds tim
   return task.header_host;
 }
 
-void DeviceComm::write_trailer(at::Tensor& trailer) {
+void DeviceComm::write_trailer(at::Tensor& trailer, const ComputeStream& on) {
   const OnDevice on_device(*ops_);
-  ops_->write_trailer(trailer);
+  ops_->write_trailer(trailer, on);
 }
 
-void DeviceComm::fill_seed(at::Tensor& seed, double value) {
+void DeviceComm::fill_seed(at::Tensor& seed, double value, const ComputeStream& on) {
   const OnDevice on_device(*ops_);
-  ops_->fill_seed(seed, value);
+  ops_->fill_seed(seed, value, on);
 }
 
-bool DeviceComm::finish_step(std::chrono::milliseconds timeout, int64_t& status) {
+bool DeviceComm::finish_step(std::chrono::milliseconds timeout, int64_t& status, const ComputeStream& on) {
   const std::shared_ptr<StreamMarker> read = [&] {
     const OnDevice on_device(*ops_);
-    return ops_->status_to_host();
+    return ops_->status_to_host(on);
   }();
   if (!ops_->host_wait(*read, timeout)) return false;
   const int64_t code = ops_->status_on_host();
@@ -140,15 +142,14 @@ c10::intrusive_ptr<c10d::Work> DeviceComm::post_alone(c10d::Backend& backend, Co
 // Shaped receives of a batch just queued (the communication stream current): their headers to
 // pinned host memory, each ready at a marker, ahead of the action that reads them (stream contract,
 // rule 5: the copy is a use by the communication stream, before the batch's ready marker).
-void DeviceComm::copy_headers(const std::vector<std::shared_ptr<CommTask>>& tasks) {
+void DeviceComm::copy_headers(const std::vector<std::shared_ptr<CommTask>>& tasks, const ComputeStream& on) {
   for (const auto& task : tasks) {
     if (task->send || task->header_bytes == 0) continue;
-    header_to_host(*ops_, *task);
+    header_to_host(*ops_, on, *task);
     task->header_host = ops_->to_host(task->parts[0].narrow(0, 0, task->header_bytes));
-    task->header_ready = ops_->record(Lane::kComm);
+    task->header_ready = ops_->record(Lane::kComm, on);
   }
 }
-
 
 std::unique_ptr<DeviceComm> make_device_comm(const c10::Device& device) {
 #ifdef PIPECORE_CUDA

@@ -72,10 +72,14 @@ class DeviceComm {
 
   // The device whose tensors it posts and gates (loss seeds elsewhere are not gated).
   c10::DeviceType device_type() const;
-  // Start of a step (on the compute stream): the step status is ok.
-  void begin_step();
-  // Posts `tasks` (program order) as one group (coalescing on `backend`, the communicator their parts
-  // go through) on the communication stream and marks them posted; sends hold the group's Work. Returns
+  // The compute stream current on this thread: each entry of the device path takes it once and passes it
+  // to every call below that records, waits or launches on a compute stream (stream_contract.h).
+  ComputeStream compute_stream() const;
+  // Start of a step (on `on`): the step status is ok.
+  void begin_step(const ComputeStream& on);
+  // Posts `tasks` (program order, made on `on`) as one group (coalescing on `backend`, the communicator
+  // their parts go through) on the communication stream and marks them posted; sends hold the group's
+  // Work. Returns
   // the batch's ready marker, an event on the communication stream after the group (stream_contract.h,
   // rules 2 and 3), which the executor keeps with each of its receives until it lets go of them (null:
   // the batch has no receive). A posting error aborts `backend` first (CommError): the part of the batch
@@ -83,23 +87,24 @@ class DeviceComm {
   // task goes alone, outside any group, which c10d posts on a communicator of its two ranks with a
   // stream of its own ([Note: NCCL pair order]).
   std::shared_ptr<StreamMarker> post_batch(c10d::Backend& backend, const std::vector<std::shared_ptr<CommTask>>& tasks,
-                                           bool grouped = true);
-  // Before the compute stream reads received `task`: the compute stream waits on `ready` (its batch's
-  // marker) and folds its trailer into the step status (a shaped message's status was read on the host).
-  void consume(CommTask& task, const StreamMarker& ready);
-  // The executor lets go of received `task`: its buffers go back to the compute stream's pool, so unless
-  // it was consumed (that stream waited already) the compute stream first waits on `ready` (rule 3).
-  void release(CommTask& task, const StreamMarker& ready, bool consumed);
+                                           const ComputeStream& on, bool grouped = true);
+  // Before compute stream `on` reads received `task`: it waits on `ready` (its batch's marker) and folds
+  // the trailer into the step status (a shaped message's status was read on the host).
+  void consume(CommTask& task, const StreamMarker& ready, const ComputeStream& on);
+  // The executor (on `on`) lets go of received `task`: its buffers go back to the pool of the compute
+  // stream that posted it, so unless it was consumed (a compute stream waited already) that stream first
+  // waits on `ready` (rule 3).
+  void release(CommTask& task, const StreamMarker& ready, bool consumed, const ComputeStream& on);
   // A shaped message (task.header_bytes > 0): its header's bytes on the host, waited for up to
   // `timeout` (CommError after that), not waiting for the compute stream.
   at::Tensor read_header(CommTask& task, std::chrono::milliseconds timeout);
-  // Writes the step status (ok, or the first bad status a message brought) into a 16-byte trailer.
-  void write_trailer(at::Tensor& trailer);
-  // `seed` (one element) = value if the step status is ok, else 0.
-  void fill_seed(at::Tensor& seed, double value);
+  // Writes the step status (ok, or the first bad status a message brought) into a 16-byte trailer, on `on`.
+  void write_trailer(at::Tensor& trailer, const ComputeStream& on);
+  // `seed` (one element) = value if the step status is ok, else 0, on `on`.
+  void fill_seed(at::Tensor& seed, double value, const ComputeStream& on);
   // End of step: the step status (a MessageStatus; kMessageUnknown if a trailer was not pipecore's),
-  // read once the compute stream's work is done. False if that took longer than `timeout`.
-  bool finish_step(std::chrono::milliseconds timeout, int64_t& status);
+  // read once `on`'s work is done. False if that took longer than `timeout`.
+  bool finish_step(std::chrono::milliseconds timeout, int64_t& status, const ComputeStream& on);
   // The stream contract's violations seen so far (the CPU model's checker; none on a device).
   std::vector<std::string> contract_violations() const;
 
@@ -110,7 +115,7 @@ class DeviceComm {
   // Shaped receives of a batch just queued (the communication stream current): their headers to
   // pinned host memory, each ready at a marker, ahead of the action that reads them (stream contract,
   // rule 5: the copy is a use by the communication stream, before the batch's ready marker).
-  void copy_headers(const std::vector<std::shared_ptr<CommTask>>& tasks);
+  void copy_headers(const std::vector<std::shared_ptr<CommTask>>& tasks, const ComputeStream& on);
 
   std::unique_ptr<DeviceOps> ops_;
 };

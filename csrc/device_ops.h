@@ -27,18 +27,21 @@ class DeviceOps : public StreamSync {
   // thread starts on device 0): the device current before, for restore_device.
   virtual int make_device_current() = 0;
   virtual void restore_device(int before) = 0;
+  // The compute stream current on this thread (the only call that asks; stream_contract.h).
+  virtual ComputeStream compute_stream() const = 0;
 
-  // -- the step status, an int64 on the device (message_status.h), kept by the compute stream
-  // (begin_step: the start of a step; the CPU model also waits there for what an aborted step left)
-  virtual void begin_step() = 0;
+  // -- the step status, an int64 on the device (message_status.h), kept by the compute streams; each
+  // call queues its work on `on` (begin_step: the start of a step; the CPU model also waits there for
+  // what an aborted step left)
+  virtual void begin_step(const ComputeStream& on) = 0;
   // status = max(status, the code of the 16-byte `trailer`)
-  virtual void fold_trailer(const at::Tensor& trailer) = 0;
+  virtual void fold_trailer(const at::Tensor& trailer, const ComputeStream& on) = 0;
   // trailer = (status, magic), where a foreign trailer's code goes on as "aborted"
-  virtual void write_trailer(at::Tensor& trailer) = 0;
+  virtual void write_trailer(at::Tensor& trailer, const ComputeStream& on) = 0;
   // seed[0] = status == ok ? value : 0
-  virtual void fill_seed(at::Tensor& seed, double value) = 0;
-  // The status copied to the host once the compute stream's work is done: that point, and then the code.
-  virtual std::shared_ptr<StreamMarker> status_to_host() = 0;
+  virtual void fill_seed(at::Tensor& seed, double value, const ComputeStream& on) = 0;
+  // The status copied to the host once `on`'s work is done: that point, and then the code.
+  virtual std::shared_ptr<StreamMarker> status_to_host(const ComputeStream& on) = 0;
   virtual int64_t status_on_host() = 0;
 
   // -- the communicator: a group of sends and receives, queued with the communication stream current
@@ -52,8 +55,6 @@ class DeviceOps : public StreamSync {
   virtual c10::intrusive_ptr<c10d::Work> post_alone(c10d::Backend& backend, CommTask& task) = 0;
   // The communication stream waits for `group` (the host does not).
   virtual void comm_waits(c10d::Work& group) = 0;
-  // The marker's stream is remembered as the compute stream current now (Lane::kOwner's).
-  virtual void keep_owner(StreamMarker& marker) = 0;
 
   // -- the host
   // `bytes` copied to pinned host memory on the current stream (readable once a later marker of that

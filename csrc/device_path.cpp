@@ -34,7 +34,7 @@ class DevicePath final : public MessagePath {
     posted_through_ = 0;
   }
 
-  void begin_step() override { device_->begin_step(); }
+  void begin_step() override { device_->begin_step(device_->compute_stream()); }
 
   void before(size_t /*at*/) override {}  // receives go with their batch
 
@@ -55,8 +55,9 @@ class DevicePath final : public MessagePath {
     if (inbox.task && inbox.ready) {
       CommTask& task = *inbox.task;
       try {
-        device_->release(task, *inbox.ready, inbox.consumed);
-        if (task.follow_up) device_->release(*task.follow_up, *task.follow_up_ready, task.follow_up_consumed);
+        const ComputeStream on = device_->compute_stream();
+        device_->release(task, *inbox.ready, inbox.consumed, on);
+        if (task.follow_up) device_->release(*task.follow_up, *task.follow_up_ready, task.follow_up_consumed, on);
       } catch (...) {  // the stream contract's checker keeps its refusals (stream_violations)
       }
       task.follow_up.reset();
@@ -68,7 +69,7 @@ class DevicePath final : public MessagePath {
     try {
       drain_sends();
       int64_t status = kMessageOk;
-      if (!device_->finish_step(ctx_.timeout, status)) {
+      if (!device_->finish_step(ctx_.timeout, status, device_->compute_stream())) {
         throw CommError(not_within("pipecore " + ctx_.who + ": the step's work on the device did not finish",
                                    ctx_.timeout, "a peer stopped sending or receiving"));
       }
@@ -86,7 +87,9 @@ class DevicePath final : public MessagePath {
     if (outcome.kind != Outcome::kOrigin) return outcome;
     int64_t status = kMessageOk;
     try {
-      if (!device_->finish_step(ctx_.timeout, status) || status == kMessageOk) return outcome;
+      if (!device_->finish_step(ctx_.timeout, status, device_->compute_stream()) || status == kMessageOk) {
+        return outcome;
+      }
     } catch (...) {
       return outcome;  // the status cannot be read: this rank's error stands
     }
@@ -103,7 +106,7 @@ class DevicePath final : public MessagePath {
   at::Tensor seed_of(const at::Tensor& loss, double value) override {
     if (loss.device().type() != device_->device_type()) return MessagePath::seed_of(loss, value);
     at::Tensor seed = at::empty_like(loss);
-    device_->fill_seed(seed, value);  // zero unless every message of the step so far was ok
+    device_->fill_seed(seed, value, device_->compute_stream());  // zero unless every message so far was ok
     return seed;
   }
 
@@ -122,7 +125,7 @@ class DevicePath final : public MessagePath {
       // the compute stream (and a discovery run's host reads, which queue there) read it after its batch
       // (stream_contract.h, rule 2); a plain message's trailer folds into the step status on the device
       SpentOn spent(ctx_.profile, Spent::kWait);
-      device_->consume(task, *inbox.ready);
+      device_->consume(task, *inbox.ready, device_->compute_stream());
       inbox.consumed = true;
     } catch (const CommError& e) {  // a consume that waits on the host (host_device_comm.cpp)
       throw CommError(wait_failure(where(in), what, in.mb, task.peer, ctx_.timeout, e.what()));
@@ -141,17 +144,14 @@ class DevicePath final : public MessagePath {
   // Posts the batch of SEND/RECV actions that starts at program[index] (if not posted yet).
   void post_batch(size_t index, const RunMode& mode);
 
-  std::function<void(at::Tensor&)> trailer_writer() override {
-    // the device path's trailers carry the step status on (device_comm.h)
-    return [this](at::Tensor& trailer) { device_->write_trailer(trailer); };
-  }
-
   void submit(const std::vector<std::shared_ptr<CommTask>>& tasks, const std::vector<size_t>& actions,
-              bool /*here_if_idle*/, const std::vector<Inbox*>& inboxes, c10d::Backend* channel) override {
+              bool /*here_if_idle*/, const std::vector<Inbox*>& inboxes, c10d::Backend* channel,
+              const ComputeStream* on) override {
+    TORCH_CHECK(on != nullptr, "pipecore: a device batch posted without its compute stream");
     std::shared_ptr<StreamMarker> ready;
     try {
       if (!channel && !group_backend_) group_backend_ = ctx_.pg->getBackend(device_->device_type());
-      ready = device_->post_batch(channel ? *channel : *group_backend_, tasks, /*grouped=*/channel == nullptr);
+      ready = device_->post_batch(channel ? *channel : *group_backend_, tasks, *on, /*grouped=*/channel == nullptr);
     } catch (const std::exception& e) {
       throw post_failure(*tasks.front(), program_[actions.front()], e.what());
     }
@@ -182,6 +182,9 @@ void DevicePath::post_batch(size_t index, const RunMode& mode) {
   const size_t end = (host_reads() ? program_.learning_end : program_.batch_end)[index];
   TORCH_CHECK(end > index, "pipecore: action ", index, " is not a send or receive");
   SpentOn spent(ctx_.profile, Spent::kPost);
+  const ComputeStream on = device_->compute_stream();  // the batch's messages are made and posted from it
+  // the device path's trailers carry the step status on (device_comm.h)
+  const auto trailer = [&](at::Tensor& bytes) { device_->write_trailer(bytes, on); };
   std::vector<std::shared_ptr<CommTask>> tasks;
   std::vector<size_t> actions;  // tasks[k] is program[actions[k]]'s message
   std::vector<Inbox*> inboxes;  // a receive's, where its ready marker goes
@@ -201,7 +204,8 @@ void DevicePath::post_batch(size_t index, const RunMode& mode) {
         std::vector<TensorSpec> crossing;
         std::vector<at::Tensor> follow_up;
         int64_t key = 0;
-        std::vector<at::Tensor> parts = message_of(in, mode.aborted, mode.status, &follow_up, &crossing, &key);
+        std::vector<at::Tensor> parts =
+            message_of(in, mode.aborted, mode.status, &follow_up, &crossing, &key, trailer);
         if (parts.empty()) continue;
         if (!crossing.empty()) crossings.emplace_back(in.stage, std::move(crossing));
         if (!follow_up.empty()) follow_ups.emplace_back(j, follow_up.front());
@@ -217,7 +221,7 @@ void DevicePath::post_batch(size_t index, const RunMode& mode) {
                 ": a grown message on the device path, and no follow-up channels (Executor.set_follow_up_channels)");
     posted_through_ = end;  // once posting starts nothing of it is posted again
     if (tasks.empty()) return;
-    post_tasks(tasks, actions, /*tag=*/0, /*here_if_idle=*/false, inboxes);
+    post_tasks(tasks, actions, /*tag=*/0, /*here_if_idle=*/false, inboxes, /*channel=*/nullptr, &on);
   } catch (...) {  // (out of memory making a message): its follow-ups are not numbered, as they never go
     format_.follow_ups_numbered = format_.follow_ups_to;
     throw;
@@ -236,7 +240,7 @@ void DevicePath::post_batch(size_t index, const RunMode& mode) {
     auto task = std::make_shared<CommTask>();
     task->parts = {std::move(bytes)};
     post_tasks({task}, {action}, kFollowUpTag, /*here_if_idle=*/false, {},
-               settings_.channel(ctx_.rank, program_[action].peer, /*send=*/true));
+               settings_.channel(ctx_.rank, program_[action].peer, /*send=*/true), &on);
   }
 }
 
@@ -279,11 +283,12 @@ at::Tensor DevicePath::header_on_host(CommTask& task, int peer, const Instr& con
 std::vector<at::Tensor> DevicePath::follow_up(CommTask& task, const std::vector<TensorSpec>& layout,
                                               const Instr& consumer, const char* what, int64_t key,
                                               bool draining, bool& same) {
-  // the follow-up keyed `key` (the key-th from its peer), received packed on the follow-up channel (once: the drain
-  // after a failure that came after receiving it reads it again); the compute stream waits for it unless
-  // `draining`
+  // the follow-up keyed `key` (the key-th from its peer), received packed on the follow-up channel (once:
+  // the drain after a failure that came after receiving it reads it again); the compute stream waits for
+  // it unless `draining`
   TORCH_CHECK(settings_.up && settings_.down, where(consumer),
               ": a grown message on the device path, and no follow-up channels");
+  const ComputeStream on = device_->compute_stream();
   if (!task.follow_up) {
     int64_t& received = format_.follow_ups_from[task.peer];
     if (key != received + 1) {  // a follow-up of another message would come: the channel is out of step
@@ -299,7 +304,7 @@ std::vector<at::Tensor> DevicePath::follow_up(CommTask& task, const std::vector<
     {
       std::lock_guard<std::mutex> lock(settle_mu_);  // (the halves of an OVERLAP_F_B pair settle at once)
       post_tasks({again}, {static_cast<size_t>(task.action)}, kFollowUpTag, /*here_if_idle=*/false, {&got},
-                 settings_.channel(ctx_.rank, task.peer, /*send=*/false));
+                 settings_.channel(ctx_.rank, task.peer, /*send=*/false), &on);
     }
     ++received;
     task.follow_up = again;  // let go of with the message, even if reading it fails
@@ -312,7 +317,7 @@ std::vector<at::Tensor> DevicePath::follow_up(CommTask& task, const std::vector<
                                          second) == kMessageOk &&
                       second.shapes == task.shapes);
   if (same && !draining && !task.follow_up_consumed) {
-    device_->consume(again, *task.follow_up_ready);  // the compute stream reads it next
+    device_->consume(again, *task.follow_up_ready, on);  // the compute stream reads it next
     task.follow_up_consumed = true;
   }
   return again.parts;

@@ -151,7 +151,7 @@ void Executor::run_halves(PairRun& pair, OverlapMode mode) {
   auto backward = [&] {
     AtExit finished{[&] { turns.finish(1); }};  // the forward half may wait for its turn
     at::ThreadLocalStateGuard tls(pair.tls);
-    ComputeStream stream(pair.compute);
+    OnStepStream stream(pair.compute);
     stream.enter();
     turns.wait_turn(1);
     run_half(pair, 1, pair.halves[1], 1);
@@ -286,7 +286,7 @@ void Executor::run_pair_half(int64_t bracket, int half) {
   AtExit released{[&] { release_pair(pair); }};
   try {
     at::ThreadLocalStateGuard tls(pair.tls);
-    ComputeStream stream(pair.compute);  // the hook may run a half on a thread of its own
+    OnStepStream stream(pair.compute);  // the hook may run a half on a thread of its own
     stream.enter();
     run_half(pair, half, pair.halves[half], half);
   } catch (...) {
@@ -300,7 +300,7 @@ void Executor::run_pair(int64_t bracket, OverlapMode mode) {
   AtExit released{[&] { release_pair(pair); }};
   {
     at::ThreadLocalStateGuard tls(pair.tls);
-    ComputeStream stream(pair.compute);
+    OnStepStream stream(pair.compute);
     stream.enter();
     run_halves(pair, mode);
   }

@@ -159,7 +159,8 @@ class HostPath final : public MessagePath {
   }
 
   void submit(const std::vector<std::shared_ptr<CommTask>>& tasks, const std::vector<size_t>& actions,
-              bool here_if_idle, const std::vector<Inbox*>& /*inboxes*/, c10d::Backend* channel) override {
+              bool here_if_idle, const std::vector<Inbox*>& /*inboxes*/, c10d::Backend* channel,
+              const ComputeStream* /*on*/) override {
     for (size_t k = 0; k < tasks.size(); ++k) {
       const std::shared_ptr<CommTask>& task = tasks[k];
       const int64_t peer = task->peer;

@@ -148,7 +148,7 @@ void MessagePath::read_header(CommTask& task, const Instr& consumer, bool draini
 
 std::vector<at::Tensor> MessagePath::message_of(const Instr& in, bool aborted, int64_t status,
                                                 std::vector<at::Tensor>* follow_up, std::vector<TensorSpec>* crossing,
-                                                int64_t* key) {
+                                                int64_t* key, const std::function<void(at::Tensor&)>& trailer) {
   const at::TensorOptions& options = ctx_.specs.options(in);
   const bool exact = format_.exact;  // NCCL: a message at its capacity's size (comm.h)
   const int64_t large = format_.large_message_bytes;
@@ -164,7 +164,7 @@ std::vector<at::Tensor> MessagePath::message_of(const Instr& in, bool aborted, i
   }
   std::vector<at::Tensor> tensors = ctx_.owner.outgoing(in);
   if (tensors.empty()) return {};
-  if (!format_.shaped) return frame(tensors, large, trailer_writer());
+  if (!format_.shaped) return frame(tensors, large, trailer);
   const std::vector<TensorSpec> cap = ctx_.specs.of(in);
   TORCH_CHECK(tensors.size() == cap.size(), where(in), ": a message of ", tensors.size(), " tensors where ",
               cap.size(), " were planned");
@@ -222,7 +222,8 @@ void MessagePath::drop_scratch(bool receives_too) {
 // the send tracker, which frees it once it completed.
 
 void MessagePath::post_tasks(const std::vector<std::shared_ptr<CommTask>>& tasks, const std::vector<size_t>& actions,
-                             int tag, bool here_if_idle, const std::vector<Inbox*>& inboxes, c10d::Backend* channel) {
+                             int tag, bool here_if_idle, const std::vector<Inbox*>& inboxes, c10d::Backend* channel,
+                             const ComputeStream* on) {
   for (size_t k = 0; k < tasks.size(); ++k) {
     CommTask& task = *tasks[k];
     task.peer = static_cast<int>(program_[actions[k]].peer);
@@ -232,7 +233,7 @@ void MessagePath::post_tasks(const std::vector<std::shared_ptr<CommTask>>& tasks
   }
   const bool follow_up_receive = tag != 0 && !tasks.front()->send;
   if (!follow_up_receive) maybe_delay();  // (posted under settle_mu_: the other half would wait out the delay)
-  submit(tasks, actions, here_if_idle, inboxes, channel);
+  submit(tasks, actions, here_if_idle, inboxes, channel, on);
   for (size_t k = 0; k < tasks.size(); ++k) {
     if (!tasks[k]->send) continue;
     const Instr& in = program_[actions[k]];

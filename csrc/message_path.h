@@ -32,6 +32,7 @@
 #include "program.h"
 #include "recv_window.h"
 #include "step_profile.h"
+#include "stream_contract.h"
 #include "tensor_spec.h"
 
 namespace pipecore {
@@ -48,7 +49,6 @@ constexpr bool kTesting = false;
 class DeviceComm;
 class SendTracker;
 struct CommTask;
-struct StreamMarker;
 
 // A posted receive: the buffers of its message's parts and their pending Works; on the device path its
 // batch's ready marker, which reading it (DeviceComm::consume) and letting go of it (release) take.
@@ -237,21 +237,25 @@ class MessagePath {
   // message of the same size whose trailer carries `status`. A shaped message that outgrew its
   // capacity is its header; `follow_up` then gets the message at its own size (on the device path
   // packed), and `key` its key (MessageFormat). `crossing`: the shapes of a
-  // shaped SEND_F's tensors, to record once it is posted.
+  // shaped SEND_F's tensors, to record once it is posted. `trailer`: a plain message's trailer writer
+  // (the device path carries the step status on), or none.
   std::vector<at::Tensor> message_of(const Instr& in, bool aborted, int64_t status = 0,
                                      std::vector<at::Tensor>* follow_up = nullptr,
-                                     std::vector<TensorSpec>* crossing = nullptr, int64_t* key = nullptr);
-  // A plain message's trailer writer (the device path carries the step status on), or none.
-  virtual std::function<void(at::Tensor&)> trailer_writer() { return {}; }
+                                     std::vector<TensorSpec>* crossing = nullptr, int64_t* key = nullptr,
+                                     const std::function<void(at::Tensor&)>& trailer = {});
   // Posts `tasks` (program order; `actions[k]` is tasks[k]'s action) to their action's peer on `tag`
   // (submit), counts them, and hands sends to the tracker, which frees them once complete (a follow-up,
-  // tag != 0, outside the budget). `inboxes`, `channel`, `here_if_idle`: see submit.
+  // tag != 0, outside the budget). `inboxes`, `channel`, `here_if_idle`, `on`: see submit.
   void post_tasks(const std::vector<std::shared_ptr<CommTask>>& tasks, const std::vector<size_t>& actions, int tag = 0,
                   bool here_if_idle = false, const std::vector<Inbox*>& inboxes = {},
-                  c10d::Backend* channel = nullptr);
-  // The path's own posting of addressed tasks.
+                  c10d::Backend* channel = nullptr, const ComputeStream* on = nullptr);
+  // The path's own posting of addressed tasks: on the host from the comm worker or (none, or
+  // `here_if_idle` and it has nothing queued) this thread; on the device path as one group from compute
+  // stream `on` (on `channel`, a follow-up channel, alone), each receive's batch ready marker into its
+  // `inboxes` entry (null for a send), set as soon as the batch is posted.
   virtual void submit(const std::vector<std::shared_ptr<CommTask>>& tasks, const std::vector<size_t>& actions,
-                      bool here_if_idle, const std::vector<Inbox*>& inboxes, c10d::Backend* channel) = 0;
+                      bool here_if_idle, const std::vector<Inbox*>& inboxes, c10d::Backend* channel,
+                      const ComputeStream* on) = 0;
   // Waits until a queued task is posted; a posting error becomes a CommError.
   void await_posted(CommTask& task, const Instr& in);
   // The CommError for a send or receive the group refused to post.

@@ -162,14 +162,14 @@ std::optional<c10::Stream> current_stream(const c10::Device& device) {
   return impl.getStream(device);
 }
 
-void ComputeStream::enter() {
+void OnStepStream::enter() {
   if (!compute_) return;
   c10::impl::VirtualGuardImpl impl(compute_->device_type());
   previous_device_ = impl.exchangeDevice(compute_->device());  // a new thread starts on device 0
   previous_ = impl.exchangeStream(*compute_);
 }
 
-void ComputeStream::leave() {
+void OnStepStream::leave() {
   if (!previous_) return;
   c10::impl::VirtualGuardImpl impl(compute_->device_type());
   impl.exchangeStream(*previous_);

@@ -96,12 +96,12 @@ class CurrentTurns {
 
 // Where a half's thread issues device work: the step thread's device and current stream (both are
 // per thread), entered on the half's thread for the half's life. Nothing on CPU.
-class ComputeStream {
+class OnStepStream {
  public:
-  explicit ComputeStream(std::optional<c10::Stream> compute) : compute_(compute) {}
+  explicit OnStepStream(std::optional<c10::Stream> compute) : compute_(compute) {}
   void enter();  // on the half's thread, before its work
   void leave();  // after it
-  ~ComputeStream() { leave(); }
+  ~OnStepStream() { leave(); }
 
  private:
   std::optional<c10::Stream> compute_;

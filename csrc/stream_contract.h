@@ -29,22 +29,31 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Stream.h>
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "comm_task.h"
 
 namespace pipecore {
 
-// kCompute: the compute stream current on the calling thread (an OVERLAP_F_B half's, when it reads);
-// kComm: the communication stream; kOwner (waits only): the compute stream current when the batch whose
-// ready marker it is was posted, which allocated its buffers and whose pool they return to.
+// The compute stream a call of the device path works with: taken once by each entry of the path
+// (DeviceComm::compute_stream: the stream current on the calling thread then, the step's or an
+// OVERLAP_F_B half's) and passed to every call that records, waits or launches there; never "whatever
+// is current" further down. The device's id of it (CUDA's stream; the CPU model's ledger lane).
+using ComputeStream = c10::Stream;
+
+// Which stream a record or wait is on: kCompute, the compute stream passed with the call; kComm, the
+// communication stream; kOwner (waits only), the compute stream that posted the batch whose ready marker
+// it is (StreamMarker::owner), which allocated its buffers and whose pool they return to.
 enum class Lane : int { kCompute = 0, kComm = 1, kOwner = 2 };
 
-// A point on one lane's timeline (an event).
+// A point on one stream's timeline (an event).
 struct StreamMarker {
   virtual ~StreamMarker() = default;
+  std::optional<ComputeStream> owner;  // a batch's ready marker: the compute stream that posted it (rule 3)
 };
 
 // What a device does with its streams. The buffer notes (each naming the message whose part it is)
@@ -52,24 +61,27 @@ struct StreamMarker {
 class StreamSync {
  public:
   virtual ~StreamSync() = default;
-  virtual std::shared_ptr<StreamMarker> record(Lane lane) = 0;
-  virtual void wait(Lane lane, const StreamMarker& marker) = 0;
-  virtual void allocated(const at::Tensor&, Lane) {}
-  virtual void used(const at::Tensor&, Lane, bool /*writes*/, const CommTask&) {}
+  virtual std::shared_ptr<StreamMarker> record(Lane lane, const ComputeStream& compute) = 0;
+  virtual void wait(Lane lane, const StreamMarker& marker, const ComputeStream& compute) = 0;
+  virtual void allocated(const at::Tensor&, const ComputeStream&) {}
+  virtual void used(const at::Tensor&, Lane, const ComputeStream&, bool /*writes*/, const CommTask&) {}
   virtual void freed(const at::Tensor&, const CommTask&) {}
 };
 
-// Rule 1 for a batch about to be posted (its tasks in program order), then its buffers as the
-// communication stream will use them.
-void before_batch(StreamSync& sync, const std::vector<std::shared_ptr<CommTask>>& tasks);
+// Rule 1 for a batch about to be posted from `compute` (its tasks in program order), then its buffers
+// as the communication stream will use them.
+void before_batch(StreamSync& sync, const ComputeStream& compute, const std::vector<std::shared_ptr<CommTask>>& tasks);
 // Once the batch's group is queued on the communication stream: its ready marker (rules 2 and 3;
-// null if it has no receive), returned to the executor, which hands it back to read or let go of one.
-std::shared_ptr<StreamMarker> after_batch(StreamSync& sync, const std::vector<std::shared_ptr<CommTask>>& tasks);
+// null if it has no receive), owned by `compute`, returned to the executor, which hands it back to read
+// or let go of one.
+std::shared_ptr<StreamMarker> after_batch(StreamSync& sync, const ComputeStream& compute,
+                                          const std::vector<std::shared_ptr<CommTask>>& tasks);
 // Rule 5, as the communication stream copies received `task`'s header to the host (before after_batch).
-void header_to_host(StreamSync& sync, const CommTask& task);
-// Rule 2, before the compute stream reads a received task.
-void before_read(StreamSync& sync, const CommTask& task, const StreamMarker& ready);
+void header_to_host(StreamSync& sync, const ComputeStream& compute, const CommTask& task);
+// Rule 2, before `compute` reads a received task.
+void before_read(StreamSync& sync, const ComputeStream& compute, const CommTask& task, const StreamMarker& ready);
 // Rule 3, as the executor lets go of a received task (`consumed`: rule 2 was kept for it already).
-void on_release(StreamSync& sync, const CommTask& task, const StreamMarker& ready, bool consumed);
+void on_release(StreamSync& sync, const ComputeStream& compute, const CommTask& task, const StreamMarker& ready,
+                bool consumed);
 
 }  // namespace pipecore

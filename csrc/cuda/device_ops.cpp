@@ -1,7 +1,7 @@
 // The device path's calls on CUDA and NCCL (../device_ops.h), one each; the decisions are
 // ../device_comm.cpp's. A communication stream per executor, events between it and the compute stream
-// (the stream current on the thread that asks: the step's, or a pair's half that runs on it), NCCL's
-// groups through c10d, and the step status kept by one-thread kernels (status_kernels.h).
+// each call is given (../stream_contract.h: the one its caller took), NCCL's groups through c10d, and the
+// step status kept by one-thread kernels (status_kernels.h).
 #include "../device_ops.h"
 
 #include <ATen/ops/empty.h>
@@ -13,7 +13,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <optional>
 #include <thread>
 
 #include "status_kernels.h"
@@ -23,8 +22,11 @@ namespace {
 
 struct CudaMarker final : StreamMarker {
   c10::Event event{c10::DeviceType::CUDA};
-  std::optional<c10::cuda::CUDAStream> owner;  // keep_owner's
 };
+
+c10::cuda::CUDAStream on_cuda(const ComputeStream& stream) {
+  return c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, stream);
+}
 
 class CudaOps final : public DeviceOps {
  public:
@@ -41,34 +43,38 @@ class CudaOps final : public DeviceOps {
   c10::DeviceType device_type() const override { return c10::DeviceType::CUDA; }
   int make_device_current() override { return c10::cuda::ExchangeDevice(device_.index()); }
   void restore_device(int before) override { c10::cuda::ExchangeDevice(static_cast<c10::DeviceIndex>(before)); }
+  ComputeStream compute_stream() const override { return c10::cuda::getCurrentCUDAStream(device_.index()); }
 
   // -- streams and events (stream_contract.h)
-  std::shared_ptr<StreamMarker> record(Lane lane) override {
+  std::shared_ptr<StreamMarker> record(Lane lane, const ComputeStream& compute) override {
     auto marker = std::make_shared<CudaMarker>();
-    marker->event.record(stream(lane));
+    marker->event.record(stream(lane, compute));
     return marker;
   }
-  void wait(Lane lane, const StreamMarker& marker) override {
+  void wait(Lane lane, const StreamMarker& marker, const ComputeStream& compute) override {
     const auto& cuda = static_cast<const CudaMarker&>(marker);
     TORCH_CHECK(lane != Lane::kOwner || cuda.owner, "pipecore: a wait on the posting stream of a marker without one");
-    cuda.event.block(lane == Lane::kOwner ? *cuda.owner : stream(lane));
+    cuda.event.block(lane == Lane::kOwner ? *cuda.owner : stream(lane, compute));
   }
-  void keep_owner(StreamMarker& marker) override { static_cast<CudaMarker&>(marker).owner = compute(); }
 
   // -- the step status
-  void begin_step() override { status_.zero_(); }
-  void fold_trailer(const at::Tensor& trailer) override {
-    cuda::fold_trailer(trailer, status_, compute().stream());
+  void begin_step(const ComputeStream& on) override {
+    const c10::cuda::CUDAStreamGuard guard(on_cuda(on));
+    status_.zero_();
   }
-  void write_trailer(at::Tensor& trailer) override {
-    cuda::write_trailer(trailer, status_, compute().stream());
+  void fold_trailer(const at::Tensor& trailer, const ComputeStream& on) override {
+    cuda::fold_trailer(trailer, status_, on_cuda(on).stream());
   }
-  void fill_seed(at::Tensor& seed, double value) override {
-    cuda::fill_seed(seed, value, status_, compute().stream());
+  void write_trailer(at::Tensor& trailer, const ComputeStream& on) override {
+    cuda::write_trailer(trailer, status_, on_cuda(on).stream());
   }
-  std::shared_ptr<StreamMarker> status_to_host() override {
+  void fill_seed(at::Tensor& seed, double value, const ComputeStream& on) override {
+    cuda::fill_seed(seed, value, status_, on_cuda(on).stream());
+  }
+  std::shared_ptr<StreamMarker> status_to_host(const ComputeStream& on) override {
+    const c10::cuda::CUDAStreamGuard guard(on_cuda(on));
     host_status_.copy_(status_, /*non_blocking=*/true);
-    status_read_->event.record(compute());  // one event for every step's read (read before the next)
+    status_read_->event.record(on);  // one event for every step's read (read before the next)
     return status_read_;
   }
   int64_t status_on_host() override { return host_status_.data_ptr<int64_t>()[0]; }
@@ -113,8 +119,9 @@ class CudaOps final : public DeviceOps {
   }
 
  private:
-  c10::cuda::CUDAStream compute() const { return c10::cuda::getCurrentCUDAStream(device_.index()); }
-  c10::cuda::CUDAStream stream(Lane lane) const { return lane == Lane::kComm ? comm_ : compute(); }
+  c10::Stream stream(Lane lane, const ComputeStream& compute) const {
+    return lane == Lane::kComm ? c10::Stream(comm_) : compute;
+  }
 
   c10::Device device_;
   c10::cuda::CUDAStream comm_;

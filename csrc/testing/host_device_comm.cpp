@@ -8,7 +8,7 @@
 //   order: a batch's ready event follows every earlier batch with receives).
 // - Devices and streams of a thread, as CUDA keeps them: a trailer or seed kernel launched while
 //   another device than the modelled one is current is refused (a thread starts on device 0; rank r
-//   models device r + 1), and the compute stream is the thread's current one (a second
+//   models device r + 1), and the compute stream the path takes is the thread's current one (a second
 //   one may be made current: make_model_stream_current), so a wait on the wrong compute stream shows
 //   as a free the ledger refuses.
 // - NCCL's communicators: nccl_model.h. An abort ends every operation of the communicator (its pairs'
@@ -45,7 +45,6 @@ namespace {
 // until then and the copies to the host queued on it since the last marker.
 struct CpuMarker final : StreamMarker {
   std::shared_ptr<StreamMarker> clock;
-  int owner = -1;  // keep_owner's compute lane
   std::vector<c10::intrusive_ptr<c10d::Work>> groups;
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (host, bytes)
 };
@@ -69,11 +68,14 @@ class CpuModelOps final : public DeviceOps {
   c10::DeviceType device_type() const override { return c10::DeviceType::CPU; }
   int make_device_current() override { return std::exchange(current_device, device_); }
   void restore_device(int before) override { current_device = before; }
+  ComputeStream compute_stream() const override {
+    return c10::Stream(c10::Stream::UNSAFE, c10::Device(c10::DeviceType::CPU), current_stream);
+  }
 
   // -- streams: the ledger's order, and what the host waits for in place of a compute stream
-  std::shared_ptr<StreamMarker> record(Lane lane) override {
+  std::shared_ptr<StreamMarker> record(Lane lane, const ComputeStream& compute) override {
     auto marker = std::make_shared<CpuMarker>();
-    marker->clock = ledger_->record(lane_of(lane));
+    marker->clock = ledger_->record(lane_of(lane, compute));
     if (lane == Lane::kComm) {
       std::lock_guard<std::mutex> lock(mu_);
       for (const auto& group : comm_groups_) {
@@ -83,13 +85,13 @@ class CpuModelOps final : public DeviceOps {
     }
     return marker;
   }
-  void wait(Lane lane, const StreamMarker& marker) override {
+  void wait(Lane lane, const StreamMarker& marker, const ComputeStream& compute) override {
     const auto& cpu = static_cast<const CpuMarker&>(marker);
-    if (lane == Lane::kOwner && cpu.owner < 0) {
-      ledger_->note_violation("a wait on the posting stream of a marker that kept none (keep_owner)");
+    if (lane == Lane::kOwner && !cpu.owner) {
+      ledger_->note_violation("a wait on the posting stream of a marker that kept none (StreamMarker::owner)");
       throw std::logic_error("pipecore (model of CUDA): a wait on the posting stream of a marker without one");
     }
-    ledger_->wait(lane == Lane::kOwner ? cpu.owner : lane_of(lane), *cpu.clock);
+    ledger_->wait(lane == Lane::kOwner ? lane_of(Lane::kCompute, *cpu.owner) : lane_of(lane, compute), *cpu.clock);
     if (lane == Lane::kCompute) {
       std::string why;
       if (!arrived(cpu, timeout_, why)) throw CommError(why);  // the executor says which message
@@ -98,10 +100,11 @@ class CpuModelOps final : public DeviceOps {
       dropped_.insert(dropped_.end(), cpu.groups.begin(), cpu.groups.end());
     }
   }
-  void keep_owner(StreamMarker& marker) override { static_cast<CpuMarker&>(marker).owner = current_stream; }
-  void allocated(const at::Tensor& t, Lane lane) override { ledger_->allocated(t, lane_of(lane)); }
-  void used(const at::Tensor& t, Lane lane, bool writes, const CommTask& task) override {
-    ledger_->used(t, lane_of(lane), writes, message_name(task));
+  void allocated(const at::Tensor& t, const ComputeStream& compute) override {
+    ledger_->allocated(t, lane_of(Lane::kCompute, compute));
+  }
+  void used(const at::Tensor& t, Lane lane, const ComputeStream& compute, bool writes, const CommTask& task) override {
+    ledger_->used(t, lane_of(lane, compute), writes, message_name(task));
   }
   void freed(const at::Tensor& t, const CommTask& task) override {
     --unreleased_;
@@ -110,7 +113,7 @@ class CpuModelOps final : public DeviceOps {
   std::vector<std::string> violations() const override { return ledger_->violations(); }
 
   // -- the step status
-  void begin_step() override {
+  void begin_step(const ComputeStream& /*on*/) override {
     // every receive of the previous step was let go of explicitly (rule 3 is kept only where it is)
     if (unreleased_ != 0) {
       ledger_->note_violation(std::to_string(unreleased_.load()) +
@@ -135,24 +138,24 @@ class CpuModelOps final : public DeviceOps {
     }
     status_ = kMessageOk;
   }
-  void fold_trailer(const at::Tensor& trailer) override {
+  void fold_trailer(const at::Tensor& trailer, const ComputeStream& /*on*/) override {
     check_device("the trailer-folding kernel");
     check_trailer(trailer);
     int64_t words[2];
     std::memcpy(words, trailer.const_data_ptr(), sizeof(words));
     fold(trailer_code(words[0], words[1]));
   }
-  void write_trailer(at::Tensor& trailer) override {
+  void write_trailer(at::Tensor& trailer, const ComputeStream& /*on*/) override {
     check_device("the trailer-writing kernel");
     check_trailer(trailer);
     const int64_t words[2] = {trailer_status(status_.load()), kTrailerMagic};
     std::memcpy(trailer.data_ptr(), words, sizeof(words));
   }
-  void fill_seed(at::Tensor& seed, double value) override {
+  void fill_seed(at::Tensor& seed, double value, const ComputeStream& /*on*/) override {
     check_device("the loss seed's kernel");
     seed.fill_(status_.load() == kMessageOk ? value : 0.0);
   }
-  std::shared_ptr<StreamMarker> status_to_host() override { return record(Lane::kCompute); }
+  std::shared_ptr<StreamMarker> status_to_host(const ComputeStream& on) override { return record(Lane::kCompute, on); }
   int64_t status_on_host() override { return status_.load(); }
 
   // -- the communicator
@@ -219,7 +222,10 @@ class CpuModelOps final : public DeviceOps {
   static constexpr const char* kAbortedText =
       "pipecore (model of NCCL): the communicator was aborted (ncclCommAbort ends every pending operation)";
 
-  int lane_of(Lane lane) const { return lane == Lane::kComm ? static_cast<int>(Lane::kComm) : current_stream; }
+  // The ledger's lane: the communication stream's, or the compute stream's (its id).
+  static int lane_of(Lane lane, const ComputeStream& compute) {
+    return lane == Lane::kComm ? static_cast<int>(Lane::kComm) : static_cast<int>(compute.id());
+  }
 
   // As the CUDA kernels' `words` (cuda/status_kernels.cu) checks a trailer, on the host.
   static void check_trailer(const at::Tensor& trailer) {

@@ -40,7 +40,7 @@ class NcclModel {
       task->action = actions_++;
       batch.tasks.push_back(std::move(task));
     }
-    batch.ready = comm_->post_batch(*backend_, batch.tasks);
+    batch.ready = comm_->post_batch(*backend_, batch.tasks, comm_->compute_stream());
     batches_.push_back(std::move(batch));
     return static_cast<int64_t>(batches_.size()) - 1;
   }
@@ -50,10 +50,11 @@ class NcclModel {
   std::vector<at::Tensor> consume(int64_t index, bool second_stream) {
     const auto stream = make_model_stream_current(second_stream);
     Batch& batch = batches_.at(index);
+    const ComputeStream on = comm_->compute_stream();
     std::vector<at::Tensor> received;
     for (const auto& task : batch.tasks) {
       if (task->send) continue;
-      comm_->consume(*task, *batch.ready);
+      comm_->consume(*task, *batch.ready, on);
       received.push_back(task->parts[0]);  // (bytes)
     }
     return received;
@@ -64,8 +65,9 @@ class NcclModel {
   void release(int64_t index, bool consumed, bool second_stream) {
     const auto stream = make_model_stream_current(second_stream);
     Batch& batch = batches_.at(index);
+    const ComputeStream on = comm_->compute_stream();
     for (const auto& task : batch.tasks) {
-      if (!task->send) comm_->release(*task, *batch.ready, consumed);
+      if (!task->send) comm_->release(*task, *batch.ready, consumed, on);
     }
   }
 
