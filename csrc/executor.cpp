@@ -21,13 +21,16 @@ Executor::Executor(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t num_stages
       next_local_(num_stages, -1),
       prev_local_(num_stages, -1),
       split_fallbacks_(num_stages),
-      path_(make_message_path(path_context(), /*device=*/nullptr, MessageFormat(), PathSettings())) {}
+      path_(make_message_path(path_context(), /*device=*/nullptr, /*replacing=*/nullptr)) {}
 
 PathContext Executor::path_context() {
   return PathContext{*this, pg_, rank_, who_, timeout_, program_, specs_, profile_};
 }
 
-Executor::~Executor() = default;
+Executor::~Executor() {
+  overlap_.half_thread.reset();  // (a half's thread may use the path)
+  path_.reset();
+}
 
 void Executor::join_threads() {
   path_->join_threads();
@@ -79,12 +82,18 @@ void Executor::set_recv_window(int64_t n, bool past_sends, int64_t max_bytes) {
   path_->apply_settings();
 }
 
+void Executor::check_no_step_ran(const char* what) const {
+  TORCH_CHECK(!stepped_, "pipecore: ", what, " after the executor's first step: its message path is chosen before "
+              "(the sends in flight and the follow-up numbering its peers share would be lost)");
+}
+
 bool Executor::set_device_comm(const std::string& device) {
+  check_no_step_ran("set_device_comm");
   const c10::Device on(device);
-  auto [format, settings] = path_->hand_over();
-  format.shaped = false;  // (set_shapes_travel)
-  path_ = make_message_path(path_context(), &on, std::move(format), std::move(settings));
-  return path_->on_device();
+  std::unique_ptr<MessagePath> path = make_message_path(path_context(), &on, path_.get());
+  if (!path) return false;  // the path stays as it was
+  path_ = std::move(path);
+  return true;
 }
 
 bool Executor::device_comm() const { return path_->on_device(); }
@@ -93,10 +102,10 @@ bool Executor::device_comm() const { return path_->on_device(); }
 void Executor::emulate_device_comm() {
   // each rank on a device of its own other than 0, where a thread starts (the model refuses a launch with
   // another one current)
-  auto [format, settings] = path_->hand_over();
-  format.shaped = false;  // (set_shapes_travel)
-  path_ = make_device_path(path_context(), std::move(format), std::move(settings),
-                           make_host_device_comm(timeout_, static_cast<int>(rank_) + 1));
+  check_no_step_ran("_emulate_device_comm");
+  std::unique_ptr<DeviceComm> model = make_host_device_comm(timeout_, static_cast<int>(rank_) + 1);  // first
+  auto [format, settings] = path_->pass_on();
+  path_ = make_device_path(path_context(), std::move(format), std::move(settings), std::move(model));
 }
 std::vector<std::string> Executor::stream_violations() const { return path_->stream_violations(); }
 #endif

@@ -156,7 +156,8 @@ class Executor final : private PathOwner {
   // Accelerator groups (NCCL): the device path (device_path.cpp over device_comm.h), communication
   // without host waits, for messages on `device`; make_message_path chooses it, keeping the settings
   // made so far (shapes travel is off: set_shapes_travel after). False where this build has none for
-  // `device` (the host path stays). Batches replace the receive window and the send budget there.
+  // `device` (the path stays as it was). Before the first step only. Batches replace the receive window
+  // and the send budget there.
   bool set_device_comm(const std::string& device);
   bool device_comm() const;  // for Python's description of the path (message_path.py)
 #ifdef PIPECORE_TESTING
@@ -413,6 +414,8 @@ class Executor final : private PathOwner {
   // outlives it.
   std::unique_ptr<MessagePath> path_;
   PathContext path_context();
+  bool stepped_ = false;  // a step ran: the path is chosen before (set_device_comm)
+  void check_no_step_ran(const char* what) const;
 };
 
 }  // namespace pipecore

@@ -151,7 +151,9 @@ class HostPath final : public MessagePath {
                                      " did not complete",
                                  ctx_.timeout, "the peer stopped receiving"));
     }
-    if (!aborted) check_sends();  // an aborted step still releases every peer it can
+    // an aborted step still releases every peer it can; once a grown message's header went, its
+    // follow-up goes too (its receiver waits for it)
+    if (!aborted && tag == 0) check_sends();
     auto task = std::make_shared<CommTask>();
     task->parts = std::move(parts);
     // the thread waits for a message next anyway: posting here spares the message the worker's wake-up

@@ -18,10 +18,12 @@
 
 namespace pipecore {
 
-std::unique_ptr<MessagePath> make_message_path(PathContext context, const c10::Device* device, MessageFormat format,
-                                               PathSettings settings) {
-  std::unique_ptr<DeviceComm> on_device = device ? make_device_comm(*device) : nullptr;
-  if (!on_device) return make_host_path(context, std::move(format), std::move(settings));
+std::unique_ptr<MessagePath> make_message_path(PathContext context, const c10::Device* device, MessagePath* replacing) {
+  if (!device) return make_host_path(context, MessageFormat(), PathSettings());
+  TORCH_CHECK(replacing != nullptr, "pipecore: a device path replaces the executor's first path");
+  std::unique_ptr<DeviceComm> on_device = make_device_comm(*device);  // first: if it throws, nothing moved
+  if (!on_device) return nullptr;
+  auto [format, settings] = replacing->pass_on();
   return make_device_path(context, std::move(format), std::move(settings), std::move(on_device));
 }
 
@@ -40,8 +42,13 @@ MessagePath::~MessagePath() = default;
 
 void MessagePath::join_threads() { sends_.reset(); }
 
-std::pair<MessageFormat, PathSettings> MessagePath::hand_over() {
-  return {std::move(format_), std::move(settings_)};
+std::pair<MessageFormat, PathSettings> MessagePath::pass_on() {
+  MessageFormat format = std::move(format_);
+  format.shaped = false;
+  format.follow_ups_numbered.clear();
+  format.follow_ups_to.clear();
+  format.follow_ups_from.clear();
+  return {std::move(format), std::move(settings_)};
 }
 
 void MessagePath::reset(size_t recv_count) {

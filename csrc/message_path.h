@@ -1,6 +1,7 @@
-// How messages travel: one MessagePath per executor, chosen once (make_message_path), which the executor
-// asks to post a SEND/RECV action, take or drop a received message, and finish the step, never asking
-// which path it is (docs/architecture.md, "The message path", draws it):
+// How messages travel: one MessagePath per executor, chosen before its first step (make_message_path: the
+// host path, replaced by the device path where Python asks for it), which the executor asks to post a
+// SEND/RECV action, take or drop a received message, and finish the step, never asking which path it is
+// (docs/architecture.md, "C++", draws it):
 //   host_path.cpp    the host path (gloo): a receive window posted ahead, a send budget per peer, the comm
 //                    worker, the reverse channel, a grown message's follow-up on a tag of its own
 //   device_path.cpp  the device path (NCCL, or the CPU model in test builds): batches of a run of SEND/RECV
@@ -86,9 +87,9 @@ struct MessageFormat {
   bool exact = false;    // the device path: a message at its capacity's size; the host reads each header's copy
   int64_t large_message_bytes = kLargeMessageBytes;
   int64_t batch_rows = -1;  // Executor::set_batch_rows
-  // Follow-ups, per peer: numbered (message_of), sent (the device path commits a batch's numbers once
-  // posted, so that a batch that failed to post leaves no gap on the channel) and received (the device
-  // path checks each key against it; gloo matches by tag: [Note: NCCL pair order] in device_comm.h).
+  // Follow-ups, per peer: numbered (message_of: the key), and on the device path sent (committed once a
+  // batch is posted, so that a batch that failed to post leaves no gap on the channel) and received (each
+  // key checked against it); gloo matches a key by its tag ([Note: NCCL pair order] in device_comm.h).
   std::unordered_map<int, int64_t> follow_ups_numbered, follow_ups_to, follow_ups_from;
 };
 
@@ -186,7 +187,7 @@ class MessagePath {
   virtual bool may_post_after(const Outcome& outcome) const { return true; }
   // The aborted rest's end: every send waited for (throws CommError).
   void drain_sends();
-  // Lets go of every receive of `slots` and of what the step held (scratch buffers once `all`).
+  // Lets go of every receive of `slots`.
   template <class Slots>
   void let_go_all(Slots& slots) {
     for (auto& s : slots) {
@@ -212,8 +213,10 @@ class MessagePath {
     rng_.seed(seed);
   }
 #endif
-  // Moves the format and settings out, for the path that replaces this one.
-  std::pair<MessageFormat, PathSettings> hand_over();
+  // Moves the format and settings out, for the path that replaces this one (make_message_path): its
+  // follow-ups are numbered from the start again (every rank replaces its path before its first step)
+  // and shapes do not travel until asked for again (Executor::set_shapes_travel).
+  std::pair<MessageFormat, PathSettings> pass_on();
   const MessageCounts& counts() const { return counts_; }
 #ifdef PIPECORE_TESTING
   const std::vector<int64_t>& recv_posted_at() const { return recv_posted_at_; }
@@ -309,10 +312,11 @@ class MessagePath {
 
 };
 
-// The factory, the one place that chooses a path: the device path for `device` where this build has one
-// (CUDA), else the host path (`device` null: the host path). Takes over `format` and `settings`.
-std::unique_ptr<MessagePath> make_message_path(PathContext context, const c10::Device* device, MessageFormat format,
-                                               PathSettings settings);
+// The factory, the one place that chooses a path. Without `device`: the host path with the default
+// settings (an executor's first). With one: the device path for it where this build has one (CUDA),
+// taking over `replacing`'s format and settings (pass_on; if making it throws, `replacing` keeps them),
+// or null where the build has none for `device` (the caller keeps `replacing`).
+std::unique_ptr<MessagePath> make_message_path(PathContext context, const c10::Device* device, MessagePath* replacing);
 // The two paths (host_path.cpp, device_path.cpp); only the factory and, in test builds, the CPU model's
 // emulation (Executor::emulate_device_comm) call them.
 std::unique_ptr<MessagePath> make_host_path(PathContext context, MessageFormat format, PathSettings settings);

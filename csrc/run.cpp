@@ -41,6 +41,7 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const Spec
 }
 
 void Executor::run_aborted(int64_t status) {
+  stepped_ = true;
   reset();
   if (path_->format().shaped) specs_.widen_to_capacities();
   const std::string comm_failure = finish_aborted(0, /*wait=*/true, status);
@@ -54,6 +55,7 @@ void Executor::reset() {
 }
 
 void Executor::begin_run(const ForwardFn& forward) {
+  stepped_ = true;
   reset();
   if (path_->format().shaped) specs_.widen_to_capacities();
   profile_.begin(profile_on_);

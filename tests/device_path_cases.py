@@ -97,3 +97,20 @@ def device_path_without_cuda_part(rank, world):
     except InputError as exc:
         return str(exc), executor.device_comm
     return None, executor.device_comm
+
+
+def path_chosen_before_the_first_step(rank, world):
+    """A refused set_device_comm keeps the path as it was; after a step the path is not replaced."""
+    import torch.distributed as dist
+
+    from pipecore.executor.native import C
+
+    executor = C.Executor(dist.group.WORLD, 1, 2, 10.0)
+    executor.set_shapes_travel(True)
+    refused = (executor.set_device_comm("cuda"), executor.device_comm, executor.shapes_travel)
+    executor.run_aborted(1)  # a step (of an empty program)
+    try:
+        executor._emulate_device_comm()
+    except RuntimeError as exc:
+        return refused, str(exc), executor.device_comm
+    return refused, None, executor.device_comm

@@ -6,7 +6,8 @@ test_overlap under messages="device"; tests/test_cuda.py runs the CUDA code itse
 
 import pytest
 
-from device_path_cases import ROWS, device_path_without_cuda_part, module_state_after_steps_that_do_not_count
+from device_path_cases import (ROWS, device_path_without_cuda_part, module_state_after_steps_that_do_not_count,
+                               path_chosen_before_the_first_step)
 from dist_pool import pool
 
 
@@ -19,6 +20,17 @@ def test_steps_that_do_not_count_leave_rng_and_buffers_as_they_were(name, world,
         want = ["ok"] * len(ROWS)
         want[failed] = "RuntimeError" if rank == 0 else "PeerFailedError"
         assert seen == want, (rank, seen)
+
+
+def test_the_message_path_is_chosen_before_the_first_step():
+    from pipecore import _C
+
+    if _C.build_info()["cuda"]:
+        pytest.skip("this build has its CUDA part")
+    refused, error, device_comm = pool(1).run(path_chosen_before_the_first_step)[0]
+    assert refused == (False, False, True), refused  # no device path here: the host path and its settings stay
+    assert error is not None and "_emulate_device_comm after the executor's first step" in error, error
+    assert not device_comm
 
 
 def test_a_build_without_its_cuda_part_refuses_nccl_messages():
