@@ -44,10 +44,16 @@ void DeviceComm::begin_step(const ComputeStream& on) {
   ops_->begin_step(on);
 }
 
-std::shared_ptr<StreamMarker> DeviceComm::post_batch(c10d::Backend& backend,
-                                                     const std::vector<std::shared_ptr<CommTask>>& tasks,
+std::shared_ptr<StreamMarker> DeviceComm::post_batch(const std::vector<std::shared_ptr<CommTask>>& tasks,
                                                      const ComputeStream& on, bool grouped) {
   TORCH_CHECK(grouped || tasks.size() == 1, "pipecore: only one message goes outside a group");
+  TORCH_CHECK(!tasks.empty() && tasks.front()->group, "pipecore: a batch of messages without their group");
+  c10d::Backend& backend =
+      tasks.front()->channel ? *tasks.front()->channel : *tasks.front()->group->getBackend(ops_->device_type());
+  for (const auto& task : tasks) {
+    TORCH_CHECK(task->group == tasks.front()->group && task->channel == tasks.front()->channel,
+                "pipecore: a batch's messages go through one communicator");
+  }
   const bool receives = std::any_of(tasks.begin(), tasks.end(), [](const auto& t) { return !t->send; });
   const OnDevice on_device(*ops_);
   before_batch(*ops_, on, tasks);  // the communication stream waits on compute, whatever the batch holds

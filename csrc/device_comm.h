@@ -77,17 +77,18 @@ class DeviceComm {
   ComputeStream compute_stream() const;
   // Start of a step (on `on`): the step status is ok.
   void begin_step(const ComputeStream& on);
-  // Posts `tasks` (program order, made on `on`) as one group (coalescing on `backend`, the communicator
-  // their parts go through) on the communication stream and marks them posted; sends hold the group's
-  // Work. Returns
+  // Posts `tasks` (program order, made on `on`) as one group on the communication stream, on the
+  // communicator their fields name (CommTask::channel, else the group's backend for this device: the one
+  // place that says where a message goes, which the device's calls are given), and marks them posted;
+  // sends hold the group's Work. Returns
   // the batch's ready marker, an event on the communication stream after the group (stream_contract.h,
   // rules 2 and 3), which the executor keeps with each of its receives until it lets go of them (null:
   // the batch has no receive). A posting error aborts `backend` first (CommError): the part of the batch
   // already added must not reach the peers without the rest. Not `grouped` (a follow-up: one task): the
   // task goes alone, outside any group, which c10d posts on a communicator of its two ranks with a
   // stream of its own ([Note: NCCL pair order]).
-  std::shared_ptr<StreamMarker> post_batch(c10d::Backend& backend, const std::vector<std::shared_ptr<CommTask>>& tasks,
-                                           const ComputeStream& on, bool grouped = true);
+  std::shared_ptr<StreamMarker> post_batch(const std::vector<std::shared_ptr<CommTask>>& tasks, const ComputeStream& on,
+                                           bool grouped = true);
   // Before compute stream `on` reads received `task`: it waits on `ready` (its batch's marker) and folds
   // the trailer into the step status (a shaped message's status was read on the host).
   void consume(CommTask& task, const StreamMarker& ready, const ComputeStream& on);

@@ -150,8 +150,7 @@ class DevicePath final : public MessagePath {
     TORCH_CHECK(on != nullptr, "pipecore: a device batch posted without its compute stream");
     std::shared_ptr<StreamMarker> ready;
     try {
-      if (!channel && !group_backend_) group_backend_ = ctx_.pg->getBackend(device_->device_type());
-      ready = device_->post_batch(channel ? *channel : *group_backend_, tasks, *on, /*grouped=*/channel == nullptr);
+      ready = device_->post_batch(tasks, *on, /*grouped=*/channel == nullptr);  // (on the tasks' communicator)
     } catch (const std::exception& e) {
       throw post_failure(*tasks.front(), program_[actions.front()], e.what());
     }
@@ -168,7 +167,6 @@ class DevicePath final : public MessagePath {
   at::Tensor header_on_host(CommTask& task, int peer, const Instr& consumer, const char* what);
 
   std::unique_ptr<DeviceComm> device_;
-  c10::intrusive_ptr<c10d::Backend> group_backend_;  // the group's backend for the device (set at first use)
   size_t posted_through_ = 0;  // every SEND/RECV before this index is posted
   // per peer: receives posted and not read yet, in posting order (read_in_order)
   std::unordered_map<int, std::deque<std::shared_ptr<CommTask>>> unread_from_;

@@ -196,6 +196,7 @@ class MessagePath {
     }
     forget_unread();
   }
+  // Lets go of the sends' scratch (and the receives': an aborted rest's end); sends in flight keep theirs.
   void drop_scratch(bool receives_too);
   // The last stage's loss seed, `value`, gated (device path) by the step's status.
   virtual at::Tensor seed_of(const at::Tensor& loss, double value);

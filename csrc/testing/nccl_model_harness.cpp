@@ -23,7 +23,6 @@ class NcclModel {
  public:
   NcclModel(c10::intrusive_ptr<c10d::ProcessGroup> group, double timeout_s, int device_index)
       : group_(std::move(group)),
-        backend_(group_->getBackend(c10::DeviceType::CPU)),
         timeout_(static_cast<int64_t>(timeout_s * 1000)),
         comm_(make_host_device_comm(timeout_, device_index)) {}
 
@@ -40,7 +39,7 @@ class NcclModel {
       task->action = actions_++;
       batch.tasks.push_back(std::move(task));
     }
-    batch.ready = comm_->post_batch(*backend_, batch.tasks, comm_->compute_stream());
+    batch.ready = comm_->post_batch(batch.tasks, comm_->compute_stream());
     batches_.push_back(std::move(batch));
     return static_cast<int64_t>(batches_.size()) - 1;
   }
@@ -89,7 +88,6 @@ class NcclModel {
     std::shared_ptr<StreamMarker> ready;
   };
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
-  c10::intrusive_ptr<c10d::Backend> backend_;
   std::chrono::milliseconds timeout_;  // (before comm_, which reads it)
   std::unique_ptr<DeviceComm> comm_;
   std::vector<Batch> batches_;
