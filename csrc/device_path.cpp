@@ -40,17 +40,6 @@ class DevicePath final : public MessagePath {
 
   void post(size_t index, const RunMode& mode) override { post_batch(index, mode); }
 
-  void drop(Inbox& inbox, const Instr& in, bool wait) override {
-    if (wait && inbox.task) {
-      if (format_.shaped) {
-        settle(*inbox.task, in, message_name(in.op), /*draining=*/true);
-      } else if (host_reads()) {  // (else the device waits on its own)
-        wait_task(*inbox.task, in, message_name(in.op));
-      }
-    }
-    let_go(inbox);
-  }
-
   void let_go(Inbox& inbox) override {
     if (inbox.task && inbox.ready) {
       CommTask& task = *inbox.task;
@@ -65,19 +54,13 @@ class DevicePath final : public MessagePath {
     inbox = Inbox();
   }
 
-  Outcome finish_step() override {
-    try {
-      drain_sends();
-      int64_t status = kMessageOk;
-      if (!device_->finish_step(ctx_.timeout, status, device_->compute_stream())) {
-        throw CommError(not_within("pipecore " + ctx_.who + ": the step's work on the device did not finish",
-                                   ctx_.timeout, "a peer stopped sending or receiving"));
-      }
-      raise_if_failed(status, [&] { return step_status_text(ctx_.who, status); });
-    } catch (...) {
-      return Outcome::of_current_exception();
+  void check_step_status() override {
+    int64_t status = kMessageOk;
+    if (!device_->finish_step(ctx_.timeout, status, device_->compute_stream())) {
+      throw CommError(not_within("pipecore " + ctx_.who + ": the step's work on the device did not finish",
+                                 ctx_.timeout, "a peer stopped sending or receiving"));
     }
-    return Outcome();
+    raise_if_failed(status, [&] { return step_status_text(ctx_.who, status); });
   }
 
   Outcome explained(Outcome outcome, const std::string& action) override {
@@ -113,14 +96,13 @@ class DevicePath final : public MessagePath {
  private:
   // A discovery run: the host waits for and reads each message (its trailer says whether the peer's step
   // was aborted or its shapes changed).
-  bool host_reads() const { return ctx_.owner.discovering(); }
+  bool host_reads() const override { return ctx_.owner.discovering(); }
 
   void forget_unread() override { unread_from_.clear(); }
 
-  const std::vector<at::Tensor>& receive(Inbox& inbox, const Instr& in, const char* what) override {
+  void before_reading(Inbox& inbox, const Instr& in, const char* what) override {
     CommTask& task = *inbox.task;
     TORCH_CHECK(inbox.ready, where(in), ": a device receive without its batch's ready marker");
-    if (host_reads()) wait_task(task, in, what);  // a discovery run: the host reads the message itself
     try {
       // the compute stream (and a discovery run's host reads, which queue there) read it after its batch
       // (stream_contract.h, rule 2); a plain message's trailer folds into the step status on the device
@@ -130,15 +112,6 @@ class DevicePath final : public MessagePath {
     } catch (const CommError& e) {  // a consume that waits on the host (host_device_comm.cpp)
       throw CommError(wait_failure(where(in), what, in.mb, task.peer, ctx_.timeout, e.what()));
     }
-    if (format_.shaped) {
-      settle(task, in, what, /*draining=*/false);  // the host reads its header (its copy, or in discovery the data)
-    } else if (host_reads()) {  // (else the status is read at the step's end)
-      const int64_t status = message_status(task.parts);
-      raise_if_failed(status, [&] {
-        return message_status_text(where(in), what, in.mb, task.peer, status, "do not end with pipecore's trailer");
-      });
-    }
-    return task.follow_up_parts.empty() ? task.parts : task.follow_up_parts;
   }
 
   // Posts the batch of SEND/RECV actions that starts at program[index] (if not posted yet).

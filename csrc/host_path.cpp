@@ -54,44 +54,10 @@ class HostPath final : public MessagePath {
     send_action(index, mode);
   }
 
-  void drop(Inbox& inbox, const Instr& in, bool wait) override {
-    if (wait && inbox.task) {
-      // shaped: waited for and read: its header says whether it comes again (grown) and what crossed, as
-      // the sender counts it
-      if (format_.shaped) {
-        settle(*inbox.task, in, message_name(in.op), /*draining=*/true);
-      } else {
-        wait_task(*inbox.task, in, message_name(in.op));
-      }
-    }
-    let_go(inbox);
-  }
-
   void let_go(Inbox& inbox) override { inbox = Inbox(); }
 
-  Outcome finish_step() override {
-    try {
-      drain_sends();
-    } catch (...) {
-      return Outcome::of_current_exception();
-    }
-    return Outcome();
-  }
-
  private:
-  const std::vector<at::Tensor>& receive(Inbox& inbox, const Instr& in, const char* what) override {
-    CommTask& task = *inbox.task;
-    if (format_.shaped) {
-      settle(task, in, what, /*draining=*/false);  // (waits for it)
-    } else {
-      wait_task(task, in, what);
-      const int64_t status = message_status(task.parts);
-      raise_if_failed(status, [&] {
-        return message_status_text(where(in), what, in.mb, task.peer, status, "do not end with pipecore's trailer");
-      });
-    }
-    return task.follow_up_parts.empty() ? task.parts : task.follow_up_parts;
-  }
+  bool host_reads() const override { return true; }
 
   // Posts receives up to ordinal `end` before program[at] (aborted: into the scratch).
   void post_recvs_until(size_t end, size_t at, bool aborted = false) {

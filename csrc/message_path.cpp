@@ -66,13 +66,14 @@ int64_t MessagePath::held_failed_sends() const { return sends_->held_failed(); }
 // --- receives
 
 std::shared_ptr<CommTask> MessagePath::make_recv(const Instr& in, bool aborted) {
-  MessageSpecs& specs_ = ctx_.specs;
   const bool activations = carries_activations(in.op);
   // output gradients whose shapes were never learnt: this stage's forward did not run, nothing comes
-  if (activations ? !ctx_.owner.learn_specs(in, aborted) : !specs_.output_known(specs_.key(in))) return nullptr;
-  const auto& specs = specs_.received(in);
+  if (activations ? !ctx_.owner.learn_specs(in, aborted) : !ctx_.specs.output_known(ctx_.specs.key(in))) {
+    return nullptr;
+  }
+  const auto& specs = ctx_.specs.received(in);
   if (specs.empty()) return nullptr;  // nothing of the message needs a gradient, or it never comes
-  const at::TensorOptions& options = specs_.options(in);
+  const at::TensorOptions& options = ctx_.specs.options(in);
   auto task = std::make_shared<CommTask>();
   task->send = false;
   // allocated before anything records the receive as posted: a failed allocation leaves it unposted
@@ -94,6 +95,34 @@ std::vector<at::Tensor> MessagePath::take(Inbox& inbox, const Instr& in, const s
       format_.shaped ? unframe_shaped(parts, inbox.task->layout, inbox.task->shapes) : unframe(parts, specs);
   let_go(inbox);
   return tensors;
+}
+
+const std::vector<at::Tensor>& MessagePath::receive(Inbox& inbox, const Instr& in, const char* what) {
+  CommTask& task = *inbox.task;
+  if (host_reads()) wait_task(task, in, what);
+  before_reading(inbox, in, what);
+  if (format_.shaped) {
+    settle(task, in, what, /*draining=*/false);  // the host reads its header (on the device path its copy)
+  } else if (host_reads()) {  // (else the device reads it: DeviceComm::consume)
+    const int64_t status = message_status(task.parts);
+    raise_if_failed(status, [&] {
+      return message_status_text(where(in), what, in.mb, task.peer, status, "do not end with pipecore's trailer");
+    });
+  }
+  return task.follow_up_parts.empty() ? task.parts : task.follow_up_parts;
+}
+
+void MessagePath::drop(Inbox& inbox, const Instr& in, bool wait) {
+  if (wait && inbox.task) {
+    if (format_.shaped) {
+      // waited for and read: its header says whether it comes again (grown) and what crossed, as the sender
+      // counts it
+      settle(*inbox.task, in, message_name(in.op), /*draining=*/true);
+    } else if (host_reads()) {  // (else the device waits on its own)
+      wait_task(*inbox.task, in, message_name(in.op));
+    }
+  }
+  let_go(inbox);
 }
 
 void MessagePath::wait_task(CommTask& task, const Instr& in, const char* what) {
@@ -191,6 +220,16 @@ std::vector<at::Tensor> MessagePath::message_of(const Instr& in, bool aborted, i
                                                exact, filler, follow_up_key);
   if (carries_activations(in.op) && crossing != nullptr) *crossing = std::move(sent);
   return parts;
+}
+
+Outcome MessagePath::finish_step() {
+  try {
+    drain_sends();
+    check_step_status();
+  } catch (...) {
+    return Outcome::of_current_exception();
+  }
+  return Outcome();
 }
 
 void MessagePath::check_sends() {

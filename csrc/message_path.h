@@ -173,11 +173,11 @@ class MessagePath {
   // the inbox is let go of. Throws what a bad status says (outcome.h).
   std::vector<at::Tensor> take(Inbox& inbox, const Instr& in, const std::vector<TensorSpec>& specs);
   // An aborted step's consuming action: waits for (if `wait`) and lets go of what it would have read.
-  virtual void drop(Inbox& inbox, const Instr& in, bool wait) = 0;
+  void drop(Inbox& inbox, const Instr& in, bool wait);
   // Lets go of a receive.
   virtual void let_go(Inbox& inbox) = 0;
   // The step's end: every send completed and (device) the step's status read. Ok, or why not.
-  virtual Outcome finish_step() = 0;
+  Outcome finish_step();
   // Throws CommError if a send failed.
   void check_sends();
   // A failure of this rank's own (kOrigin) that the step's status explains (the device path computes on
@@ -232,9 +232,19 @@ class MessagePath {
  protected:
   MessagePath(PathContext context, MessageFormat format, PathSettings settings);
 
-  // The parts of a received message, once waited for (host) or ordered on the device.
-  virtual const std::vector<at::Tensor>& receive(Inbox& inbox, const Instr& in, const char* what) = 0;
+  // The parts of a received message, once waited for (host) or ordered on the device; a status other
+  // than ok that the host reads throws what it says.
+  const std::vector<at::Tensor>& receive(Inbox& inbox, const Instr& in, const char* what);
+  // Does the host wait for each message and read it (the host path; the device path in a discovery run)?
+  // Else the device orders its reads and reads a plain message's status, at the step's end.
+  virtual bool host_reads() const = 0;
+  // Before a received message is read (its header or its data): the device path orders the compute
+  // stream's reads after its batch (stream_contract.h, rule 2); nothing on the host.
+  virtual void before_reading(Inbox& /*inbox*/, const Instr& /*in*/, const char* /*what*/) {}
   virtual void forget_unread() {}
+  // finish_step's second half, once the sends completed: the device path reads the step's status (throws
+  // what it says).
+  virtual void check_step_status() {}
   // RECV_F / RECV_B: its buffers allocated and set in the slot, to be posted (null: nothing to receive).
   std::shared_ptr<CommTask> make_recv(const Instr& in, bool aborted);
   // The parts of SEND action `in`'s message (empty: nothing to send): what it sends, or (`aborted`) a
