@@ -342,6 +342,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("device_comm", &pipecore::Executor::device_comm)
       .def("set_reverse_channel", &pipecore::Executor::set_reverse_channel, py::arg("channel"))
       .def("set_follow_up_channels", &pipecore::Executor::set_follow_up_channels, py::arg("up"), py::arg("down"))
+      .def("connect_communicators", &pipecore::Executor::connect_communicators, py::arg("pair_channels"),
+           py::arg("peers"), py::call_guard<py::gil_scoped_release>(),
+           "before the first step, on every rank at once: connects every communicator the message path posts on")
       .def("run", &run, py::arg("forward"), py::arg("on_abort"), py::arg("discover") = py::none(),
            "runs the program; `discover(stage, mb, op, may_wait) -> 0 set / 1 absent / 2 timed out` makes it a "
            "discovery run (see SpecFn in executor.h)")
@@ -422,8 +425,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "per program index: for a SEND/RECV, one past the last action of its device batch, as a step that "
            "learns shapes posts them with learning=True (else 0)")
       .def("set_large_messages", &pipecore::Executor::set_large_messages, py::arg("min_bytes"))
-      .def("_emulate_device_comm", &pipecore::Executor::emulate_device_comm,
-           "the device path's protocol run by the host on CPU tensors over gloo (testing/host_device_comm.cpp)")
+      .def("_emulate_device_comm", &pipecore::Executor::emulate_device_comm, py::arg("all_ranks_connected") = false,
+           "the device path's protocol run by the host on CPU tensors over gloo (testing/host_device_comm.cpp); "
+           "all_ranks_connected: as a group made with a device id")
+      .def("_connection_counts", &pipecore::Executor::connection_counts,
+           "communicators the path connected so far: (ahead of every step, by a step's operation, store operations)")
       .def("_stream_violations", &pipecore::Executor::stream_violations,
            "what the emulated device path's stream-contract checker refused (testing/stream_ledger.h)")
       .def("recv_posted_at", &pipecore::Executor::recv_posted_at,

@@ -118,19 +118,42 @@ bool DeviceComm::finish_step(std::chrono::milliseconds timeout, int64_t& status,
 
 std::vector<std::string> DeviceComm::contract_violations() const { return ops_->violations(); }
 
+void DeviceComm::connect(c10d::Backend& group, const std::vector<c10d::Backend*>& pair_channels, int rank,
+                         const std::vector<int>& peers) {
+  const OnDevice on_device(*ops_);
+  const ComputeStream on = ops_->compute_stream();
+  ops_->connect(group, -1, on);
+  // this rank's pairs in ascending (lower rank, higher rank) order, which is its peers' ascending order
+  // ((p, rank) < (rank, q) for every p < rank < q)
+  std::vector<int> order;
+  for (int peer : peers) {
+    if (peer != rank) order.push_back(peer);  // (a send to self goes in a group, with its receive)
+  }
+  std::sort(order.begin(), order.end());
+  order.erase(std::unique(order.begin(), order.end()), order.end());
+  for (int peer : order) {
+    for (c10d::Backend* channel : pair_channels) ops_->connect(*channel, peer, on);
+  }
+}
+
+ConnectionCounts DeviceComm::connection_counts() const { return ops_->connection_counts(); }
+
 c10::intrusive_ptr<c10d::Work> DeviceComm::post_group(c10d::Backend& backend,
                                                       const std::vector<std::shared_ptr<CommTask>>& tasks) {
   ops_->start_group(backend);
   try {
     for (const auto& task : tasks) ops_->post(backend, *task);
   } catch (const std::exception& e) {
-    // part of the batch was added: ending the group would launch that half, whose peers would wait
-    // for the rest. The communicator is aborted first; the group is then closed on it.
-    ops_->abort(backend);
+    // Part of the batch was added, and NCCL cannot drop an open group: ending it launches that part, and
+    // the abort then ends it (what reached a peer before is half a batch, whose rest never comes: that
+    // peer's step fails as on any peer's failure). The group is ended first: an abort inside it frees the
+    // communicator the group holds, its end then fails, and c10d goes on counting the group open on this
+    // thread, taking every later operation alone there for part of a group that never ends.
     try {
       ops_->end_group(backend);
     } catch (...) {
     }
+    ops_->abort(backend);
     throw CommError(std::string("posting a batch of sends and receives failed (") + e.what() +
                     "); the group's communicator was aborted");
   }
@@ -166,8 +189,9 @@ std::unique_ptr<DeviceComm> make_device_comm(const c10::Device& device) {
 }
 
 #ifdef PIPECORE_TESTING
-std::unique_ptr<DeviceComm> make_host_device_comm(const std::chrono::milliseconds& timeout, int device_index) {
-  return std::make_unique<DeviceComm>(make_cpu_model_ops(timeout, device_index));
+std::unique_ptr<DeviceComm> make_host_device_comm(const std::chrono::milliseconds& timeout, int device_index,
+                                                  bool all_ranks_connected) {
+  return std::make_unique<DeviceComm>(make_cpu_model_ops(timeout, device_index, all_ranks_connected));
 }
 #endif
 

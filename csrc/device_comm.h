@@ -42,6 +42,19 @@
 //    and each follow-up goes alone, outside any group: c10d then posts it on a communicator of its
 //    pair, with a stream of its own, which carries only that pair's follow-ups in that direction (and
 //    which only those two ranks connect, at their first follow-up).
+//
+// [Note: connecting before the first step]
+// NCCL connects a communicator at its first operation, inside the call that posts it (c10d: a unique id
+// through the store, then ncclCommInitRank, which returns once every rank of it joined), and nothing
+// ends that wait: no timeout, no abort. Inside a step that is a cycle waiting to close: a rank held
+// there until its peers post, while a peer waits on its host for something the held rank sends later (a
+// boundary's description in a discovery run; a header before a follow-up). So the device path connects
+// every communicator it will post on before the Pipeline's first step runs (DeviceComm::connect, at its
+// first agreement, which every rank of the group reaches): the group's communicator of all ranks
+// (where its batches go), then the communicators of two ranks that operations posted alone go on (the
+// follow-ups', the descriptions'), pair by pair in one order all ranks share, (lower rank, higher
+// rank) ascending. Each rank meets its pairs in that order, so the least pair not yet connected always
+// has both ranks waiting at it: no cycle.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -55,11 +68,10 @@
 #include <vector>
 
 #include "comm_task.h"
+#include "device_ops.h"
 #include "stream_contract.h"
 
 namespace pipecore {
-
-class DeviceOps;
 
 // The device path's decisions, made once over a device's calls (DeviceOps: CUDA and NCCL, or the CPU
 // model of tests), which it owns.
@@ -108,6 +120,12 @@ class DeviceComm {
   bool finish_step(std::chrono::milliseconds timeout, int64_t& status, const ComputeStream& on);
   // The stream contract's violations seen so far (the CPU model's checker; none on a device).
   std::vector<std::string> contract_violations() const;
+  // Connects, before the first step, every communicator the path posts on: `group`'s of all ranks, then
+  // the communicator of this rank (`rank`) and each of `peers` on each of `pair_channels`, in the order
+  // of [Note: connecting before the first step]. Every rank of the group calls it at the same point.
+  void connect(c10d::Backend& group, const std::vector<c10d::Backend*>& pair_channels, int rank,
+               const std::vector<int>& peers);
+  ConnectionCounts connection_counts() const;
 
  private:
   c10::intrusive_ptr<c10d::Work> post_group(c10d::Backend& backend,
@@ -128,8 +146,9 @@ std::unique_ptr<DeviceComm> make_device_comm(const c10::Device& device);
 // Test builds: the same decisions over the CPU model's calls (testing/host_device_comm.cpp), on CPU
 // tensors over gloo, for tests on machines without a GPU; `timeout` (the executor's, read at each
 // wait; it must outlive the DeviceComm) bounds each wait for a message; `device_index`: the device it
-// models (a launch while another one is current is refused).
-std::unique_ptr<DeviceComm> make_host_device_comm(const std::chrono::milliseconds& timeout, int device_index);
+// models (a launch while another one is current is refused); `all_ranks_connected`: make_cpu_model_ops's.
+std::unique_ptr<DeviceComm> make_host_device_comm(const std::chrono::milliseconds& timeout, int device_index,
+                                                  bool all_ranks_connected = false);
 #endif
 
 }  // namespace pipecore

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "comm_task.h"
+#include "connection_counts.h"
 #include "stream_contract.h"
 
 namespace pipecore {
@@ -55,6 +56,12 @@ class DeviceOps : public StreamSync {
   virtual c10::intrusive_ptr<c10d::Work> post_alone(c10d::Backend& backend, CommTask& task) = 0;
   // The communication stream waits for `group` (the host does not).
   virtual void comm_waits(c10d::Work& group) = 0;
+  // Connects `backend`'s communicator of all its ranks (`pair` -1: the one a group's operations go on) or
+  // of this rank and `pair` (the one c10d posts an operation alone on), as its first operation would
+  // inside a step, on `on`: NCCL connects a communicator there, blocking the host until its peers come
+  // (DeviceComm::connect says in which order, so that they all do).
+  virtual void connect(c10d::Backend& backend, int pair, const ComputeStream& on) = 0;
+  virtual ConnectionCounts connection_counts() const { return {}; }
 
   // -- the host
   // `bytes` copied to pinned host memory on the current stream (readable once a later marker of that
@@ -72,8 +79,11 @@ std::unique_ptr<DeviceOps> make_cuda_ops(const c10::Device& device);
 #endif
 #ifdef PIPECORE_TESTING
 // `timeout`: the executor's (read at each wait; it must outlive the ops), bounding each wait for a message;
-// `device_index`: the device it models (a launch with another one current is refused).
-std::unique_ptr<DeviceOps> make_cpu_model_ops(const std::chrono::milliseconds& timeout, int device_index);
+// `device_index`: the device it models (a launch with another one current is refused);
+// `all_ranks_connected`: its groups' communicators of all ranks connected when they were made, as with
+// init_process_group(device_id=...) (else each connects at its first operation, as NCCL's do).
+std::unique_ptr<DeviceOps> make_cpu_model_ops(const std::chrono::milliseconds& timeout, int device_index,
+                                              bool all_ranks_connected);
 // The CPU model's compute stream for this thread while the returned object lives: a second one
 // (`second`), or the default one (torch.cuda.stream(...) on a GPU).
 std::shared_ptr<void> make_model_stream_current(bool second);

@@ -29,6 +29,11 @@ class DevicePath final : public MessagePath {
 
   std::vector<std::string> stream_violations() const override { return device_->contract_violations(); }
 
+  void connect(const std::vector<c10d::Backend*>& pair_channels, const std::vector<int>& peers) override {
+    device_->connect(*ctx_.pg->getBackend(device_->device_type()), pair_channels, static_cast<int>(ctx_.rank), peers);
+  }
+  ConnectionCounts connection_counts() const override { return device_->connection_counts(); }
+
   void reset(size_t recv_count) override {
     MessagePath::reset(recv_count);
     posted_through_ = 0;

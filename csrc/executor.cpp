@@ -99,16 +99,28 @@ bool Executor::set_device_comm(const std::string& device) {
 bool Executor::device_comm() const { return path_->on_device(); }
 
 #ifdef PIPECORE_TESTING
-void Executor::emulate_device_comm() {
+void Executor::emulate_device_comm(bool all_ranks_connected) {
   // each rank on a device of its own other than 0, where a thread starts (the model refuses a launch with
   // another one current)
   check_no_step_ran("_emulate_device_comm");
-  std::unique_ptr<DeviceComm> model = make_host_device_comm(timeout_, static_cast<int>(rank_) + 1);  // first
+  std::unique_ptr<DeviceComm> model = make_host_device_comm(timeout_, static_cast<int>(rank_) + 1,
+                                                                  all_ranks_connected);  // first
   auto [format, settings] = path_->pass_on();
   path_ = make_device_path(path_context(), std::move(format), std::move(settings), std::move(model));
 }
 std::vector<std::string> Executor::stream_violations() const { return path_->stream_violations(); }
+std::vector<int64_t> Executor::connection_counts() const {
+  const ConnectionCounts counts = path_->connection_counts();
+  return {counts.ahead, counts.in_steps, counts.store_ops};
+}
 #endif
+
+void Executor::connect_communicators(const std::vector<c10::intrusive_ptr<c10d::Backend>>& pair_channels,
+                                     const std::vector<int64_t>& peers) {
+  std::vector<c10d::Backend*> channels;
+  for (const auto& channel : pair_channels) channels.push_back(channel.get());
+  path_->connect(channels, std::vector<int>(peers.begin(), peers.end()));
+}
 
 std::string Executor::where(const Instr& in) const {
   return "pipecore " + who_ + ", action " + program_.label(in);

@@ -160,9 +160,18 @@ class Executor final : private PathOwner {
   // and the send budget there.
   bool set_device_comm(const std::string& device);
   bool device_comm() const;  // for Python's description of the path (message_path.py)
+  // Before the first step, on every rank of the group at the same point: connects every communicator the
+  // message path will post on (NCCL connects one at its first operation, which inside a step can close a
+  // cycle: [Note: connecting before the first step], device_comm.h). `pair_channels`: the communicators
+  // whose operations go alone; `peers`: the ranks this rank's programs exchange messages with.
+  void connect_communicators(const std::vector<c10::intrusive_ptr<c10d::Backend>>& pair_channels,
+                             const std::vector<int64_t>& peers);
 #ifdef PIPECORE_TESTING
-  // Tests on CPU: the device path's protocol run by the host over gloo (make_host_device_comm).
-  void emulate_device_comm();
+  // Tests on CPU: the device path's protocol run by the host over gloo (make_host_device_comm;
+  // `all_ranks_connected`: as a group made with a device id).
+  void emulate_device_comm(bool all_ranks_connected);
+  // Communicators the path connected so far: (ahead of every step, by a step's operation, store operations).
+  std::vector<int64_t> connection_counts() const;
   // What the CPU model's stream-contract checker refused so far (testing/stream_ledger.h).
   std::vector<std::string> stream_violations() const;
 #endif

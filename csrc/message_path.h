@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "comm.h"
+#include "connection_counts.h"
 #include "errors.h"
 #include "message_specs.h"
 #include "outcome.h"
@@ -206,6 +207,12 @@ class MessagePath {
   const MessageFormat& format() const { return format_; }
   PathSettings& settings() { return settings_; }
   virtual void apply_settings() {}  // after a setting changed (the comm worker made or ended)
+  // Before the first step: connects every communicator the path will post on, with this rank's `peers`
+  // ([Note: connecting before the first step], device_comm.h); `pair_channels`: those whose operations go
+  // alone (c10d posts them on a communicator of the two ranks). Nothing on the host path: gloo connects
+  // every pair when its group is made.
+  virtual void connect(const std::vector<c10d::Backend*>& /*pair_channels*/, const std::vector<int>& /*peers*/) {}
+  virtual ConnectionCounts connection_counts() const { return {}; }
 #ifdef PIPECORE_TESTING
   // Tests: sleep a random 0..max_us before every send and receive.
   void set_delays(int64_t max_us, uint64_t seed) {

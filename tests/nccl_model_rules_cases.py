@@ -24,14 +24,22 @@ def _model(timeout: float):
     return model
 
 
-def _error(fn, *args) -> tuple[str, float]:
-    """What fn(*args) raised, and how long it took to."""
+def _outcome(fn, *args) -> tuple[str | None, float]:
+    """What fn(*args) raised (None: nothing), and how long it took."""
     start = time.monotonic()
     try:
         fn(*args)
     except _C.CommError as e:
         return str(e), time.monotonic() - start
-    raise AssertionError(f"{fn.__name__} did not fail")
+    return None, time.monotonic() - start
+
+
+def _error(fn, *args) -> tuple[str, float]:
+    """What fn(*args) raised, and how long it took to."""
+    error, seconds = _outcome(fn, *args)
+    if error is None:
+        raise AssertionError(f"{fn.__name__} did not fail")
+    return error, seconds
 
 
 def receive_of_another_size(rank, world):
@@ -46,10 +54,10 @@ def receive_of_another_size(rank, world):
 
 def posting_error_aborts_the_communicator(rank, world):
     """Rank 0 posts a batch whose second send goes to a rank the communicator lacks: posting fails after
-    the first send was added, which ending the group would launch (NCCL's endCoalescing), so the
-    communicator is aborted first: rank 1 receives nothing of the batch and times out. On a second
-    communicator, rank 0 first waits for a receive rank 1 never sends: the abort must end it at once,
-    and refuse what is posted after it."""
+    the first send was added. The group is ended (NCCL cannot drop an open group: that half may launch),
+    then the communicator aborted, which ends what did not complete: rank 1's receive completes (the half
+    reached it first) or times out. On a second communicator, rank 0 first waits for a receive rank 1
+    never sends: the abort must end it at once, and refuse what is posted after it."""
     first, second = _model(timeout=30 if rank == 0 else 3), _model(timeout=30)
     ones = torch.ones(8, dtype=torch.float64)
     if rank == 0:
@@ -65,8 +73,30 @@ def posting_error_aborts_the_communicator(rank, world):
     received = torch.zeros(8, dtype=torch.float64)
     batch = first.post([(False, 0, received)])
     dist.barrier()
-    timed_out, seconds = _error(first.consume, batch)
+    timed_out, seconds = _outcome(first.consume, batch)
     return timed_out, seconds, received.sum().item()
+
+
+def group_end_failure_leaves_no_group_open(rank, world):
+    """Rank 0's batch fails to post after its first send was added (a peer the communicator lacks); then,
+    on a communicator of its own, one send goes alone to rank 1, as a follow-up goes. Were the
+    communicator aborted inside the open group, the group's end would fail and c10d would count a group
+    open on this thread: the send alone would join it and never launch. Returns rank 0's posting error
+    and what the send alone did; rank 1 what receiving alone did, and what it received."""
+    first, second = _model(timeout=10), _model(timeout=10)
+    ones = torch.ones(8, dtype=torch.float64)
+    if rank == 0:
+        posting, _ = _error(first.post, [(True, 1, ones), (True, 5, ones)])
+        alone, _ = _outcome(lambda: second.wait(second.post([(True, 1, ones)], alone=True)))
+        dist.barrier()
+        return posting, alone
+    first.post([(False, 0, torch.zeros(8, dtype=torch.float64))])  # (rank 0's group connects on its end)
+    received = torch.zeros(8, dtype=torch.float64)
+    error, _ = _outcome(lambda: second.consume(second.post([(False, 0, received)], alone=True)))
+    dist.barrier()
+    return error, received.sum().item()
+
+
 def groups_on_one_communicator_run_in_order(rank, world):
     """Each rank receives from the other, then sends to it: as one group it completes (a coalesced group
     launches as one); as two groups each rank's receive waits for a send queued behind it, on both ranks,

@@ -92,6 +92,24 @@ class CudaOps final : public DeviceOps {
     return task.works.back();
   }
   void comm_waits(c10d::Work& group) override { group.wait(); }  // (no blocking wait: the stream waits)
+  // c10d makes the communicator inside the first operation on it: a one-byte all-reduce for that of all
+  // ranks (a group's operations go on it), one byte each way alone for a pair's, the lower rank sending
+  // first. Their Works and bytes are kept while this lives (nothing waits for them).
+  void connect(c10d::Backend& backend, int pair, const ComputeStream& on) override {
+    const c10::cuda::CUDAStreamGuard guard(on_cuda(on));
+    auto byte = [&] { return std::vector<at::Tensor>{at::zeros({1}, at::TensorOptions().dtype(at::kByte).device(device_))}; };
+    if (pair < 0) {
+      warm_ups_.emplace_back(byte(), nullptr);
+      warm_ups_.back().second = backend.allreduce(warm_ups_.back().first);
+      return;
+    }
+    const bool lower = backend.getRank() < pair;
+    for (const bool send : {lower, !lower}) {
+      warm_ups_.emplace_back(byte(), nullptr);
+      auto& bytes = warm_ups_.back().first;
+      warm_ups_.back().second = send ? backend.send(bytes, pair, 0) : backend.recv(bytes, pair, 0);
+    }
+  }
 
   // -- the host
   at::Tensor to_host(const at::Tensor& bytes) override {
@@ -128,6 +146,7 @@ class CudaOps final : public DeviceOps {
   at::Tensor status_;       // int64[1] on the device: the largest status code seen this step
   at::Tensor host_status_;  // pinned: where the status lands at the end of a step
   std::shared_ptr<CudaMarker> status_read_ = std::make_shared<CudaMarker>();
+  std::vector<std::pair<std::vector<at::Tensor>, c10::intrusive_ptr<c10d::Work>>> warm_ups_;  // connect's
 };
 
 }  // namespace

@@ -12,7 +12,12 @@
 //   one may be made current: make_model_stream_current), so a wait on the wrong compute stream shows
 //   as a free the ledger refuses.
 // - NCCL's communicators: nccl_model.h. An abort ends every operation of the communicator (its pairs'
-//   too) launched and not completed, and nothing more can be posted on it.
+//   too) launched and not completed, and nothing more can be posted on it. A communicator connects at
+//   its first operation, holding the posting host until its peers come (nccl_connections.h), unless it
+//   was connected ahead (`connect`; or, for those of all ranks, when the group was made with a device).
+// - c10d's count of open NCCL groups, which is per thread: a group's end that fails (on a communicator
+//   aborted inside it, which ncclCommAbort freed) leaves it raised, and an operation posted alone on that
+//   thread afterwards would join a group that never ends: refused.
 // - Copies to the host are made when the host waits for the marker after them, once the transfers
 //   before them completed.
 // - A receive dropped unread (an aborted step) is waited for when the next step begins (gloo writes
@@ -35,6 +40,7 @@
 #include "../diagnostics.h"
 #include "../errors.h"
 #include "../message_status.h"
+#include "nccl_connections.h"
 #include "nccl_model.h"
 #include "stream_ledger.h"
 
@@ -52,6 +58,7 @@ struct CpuMarker final : StreamMarker {
 // A thread's current device and compute stream (the ledger's lane), as CUDA keeps them per thread.
 thread_local int current_device = 0;
 thread_local int current_stream = 0;
+thread_local int open_nccl_groups = 0;  // c10d's ncclActiveGroupCounter_ (thread_local there too)
 
 // Makes `value` current in `slot` while the returned object lives.
 std::shared_ptr<void> make_current(int& slot, int value) {
@@ -63,7 +70,9 @@ std::shared_ptr<void> make_current(int& slot, int value) {
 class CpuModelOps final : public DeviceOps {
  public:
   // `timeout`: the executor's, which outlives this
-  CpuModelOps(const std::chrono::milliseconds& timeout, int device_index) : timeout_(timeout), device_(device_index) {}
+  // `all_ranks_connected`: as a group made with a device id (its communicators of all ranks connect then)
+  CpuModelOps(const std::chrono::milliseconds& timeout, int device_index, bool all_ranks_connected)
+      : timeout_(timeout), device_(device_index), all_ranks_connected_(all_ranks_connected) {}
 
   c10::DeviceType device_type() const override { return c10::DeviceType::CPU; }
   int make_device_current() override { return std::exchange(current_device, device_); }
@@ -160,7 +169,10 @@ class CpuModelOps final : public DeviceOps {
 
   // -- the communicator
   std::shared_ptr<void> on_comm_stream() override { return make_current(current_device, device_); }  // (as CUDA's)
-  void start_group(c10d::Backend&) override { group_.clear(); }
+  void start_group(c10d::Backend&) override {
+    group_.clear();
+    ++open_nccl_groups;
+  }
   void post(c10d::Backend& backend, CommTask& task) override {
     check_not_aborted(backend);
     check_nccl_op(task);  // (inside the group: NCCL refuses it there, after what was added before)
@@ -169,20 +181,24 @@ class CpuModelOps final : public DeviceOps {
   c10::intrusive_ptr<c10d::Work> end_group(c10d::Backend& backend) override {
     std::vector<CommTask*> group;
     group.swap(group_);
-    if (aborted_group_) {  // nothing of an aborted group is launched
-      aborted_group_ = false;
-      return {};
+    if (!group.empty() && aborted_.count(&backend) != 0) {  // (ncclGroupEnd fails; c10d's count stays raised)
+      throw std::runtime_error("pipecore (model of NCCL): ncclGroupEnd on a communicator that was aborted inside the "
+                               "group (ncclCommAbort freed it): the group fails, and c10d still counts it open on "
+                               "this thread");
     }
+    --open_nccl_groups;
     return launch(backend, /*pair=*/-1, group, "the group");
   }
   c10::intrusive_ptr<c10d::Work> post_alone(c10d::Backend& backend, CommTask& task) override {
     check_not_aborted(backend);
     check_nccl_op(task);
+    TORCH_CHECK(open_nccl_groups == 0, "pipecore (model of NCCL): ", message_name(task), " is posted alone while c10d "
+                "counts ", open_nccl_groups, " NCCL group(s) open on this thread (an earlier group's end failed): it "
+                "joins a group that never ends, and never launches (this would hang)");
     return launch(backend, task.peer, {&task}, "the follow-up");  // (on the stream of its pair's communicator)
   }
   // Ends every pending operation of `backend`'s communicators (its pairs' too); nothing more is posted on it.
   void abort(c10d::Backend& backend) override {
-    aborted_group_ = true;
     aborted_.insert(&backend);
     for (auto& [key, stream] : streams_) {
       if (key.first == &backend) stream->abort(kAbortedText);
@@ -192,6 +208,10 @@ class CpuModelOps final : public DeviceOps {
     std::lock_guard<std::mutex> lock(mu_);
     comm_groups_.emplace_back(c10::intrusive_ptr<c10d::Work>::reclaim_copy(&group));
   }
+  void connect(c10d::Backend& backend, int pair, const ComputeStream& /*on*/) override {
+    if (pair >= 0 || !all_ranks_connected_) connect_ahead(backend, pair, timeout_, connections_);
+  }
+  ConnectionCounts connection_counts() const override { return connections_; }
 
   // -- the host
   at::Tensor to_host(const at::Tensor& bytes) override {
@@ -211,6 +231,10 @@ class CpuModelOps final : public DeviceOps {
   // all ranks (pair -1), or of its communicator of this rank and `pair`.
   c10::intrusive_ptr<c10d::Work> launch(c10d::Backend& backend, int pair, const std::vector<CommTask*>& tasks,
                                         const char* kind) {
+    if (!tasks.empty() && (pair >= 0 || !all_ranks_connected_)) {
+      connect_at_operation(backend, pair, std::string(kind) + "'s " + message_name(*tasks[0]).substr(4), timeout_,
+                           connections_);
+    }
     for (CommTask* task : tasks) {
       if (!task->send) unreleased_ += static_cast<int64_t>(task->parts.size());
     }
@@ -275,7 +299,8 @@ class CpuModelOps final : public DeviceOps {
   std::atomic<int64_t> status_{kMessageOk};
   std::atomic<int64_t> unreleased_{0};  // receive buffers posted and not released yet
   std::vector<CommTask*> group_;        // the open group's operations (posted when it ends)
-  bool aborted_group_ = false;
+  const bool all_ranks_connected_;      // its groups' communicators of all ranks connected when they were made
+  ConnectionCounts connections_;        // those this executor connected (DeviceOps::connection_counts)
   std::mutex mu_;
   // what the communication stream waited for this step: a group whose receives were let go of is
   // not waited for again (consumed: waited for; dropped: in dropped_), and its buffers go with it
@@ -287,8 +312,9 @@ class CpuModelOps final : public DeviceOps {
 
 }  // namespace
 
-std::unique_ptr<DeviceOps> make_cpu_model_ops(const std::chrono::milliseconds& timeout, int device_index) {
-  return std::make_unique<CpuModelOps>(timeout, device_index);
+std::unique_ptr<DeviceOps> make_cpu_model_ops(const std::chrono::milliseconds& timeout, int device_index,
+                                              bool all_ranks_connected) {
+  return std::make_unique<CpuModelOps>(timeout, device_index, all_ranks_connected);
 }
 
 std::shared_ptr<void> make_model_stream_current(bool second) {

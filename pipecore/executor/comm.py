@@ -39,7 +39,10 @@ class Comm:
         # names this Pipeline's keys in the store, alike on every rank: set at the first agreement
         self.uid: str | None = None
         self.broken: str | None = None  # why the group broke (no later step may use it)
-        self.channels: list = []  # more communicators of these ranks (open_reverse_channel, open_follow_up_channels)
+        self.channels: list = []  # more communicators of these ranks (open_channels)
+        self.reverse_channel = None  # gloo's second connection (open_reverse_channel)
+        self._follow_ups_open = False
+        self._connected = False  # the communicators the messages go on (open_channels)
         self.descriptions: Descriptions | None = None  # where discovery steps send boundaries (open_descriptions)
         self.step = -1  # the step in progress: its failures are left under its key
 
@@ -247,18 +250,49 @@ class Comm:
                                                  self.device)
         return self.descriptions
 
+    def open_channels(self, executor, gloo: bool, peers: list[int]) -> None:
+        """At an agreement (every rank of the group is there): the channels `executor`'s messages need that
+        are not open yet, then every communicator they go on connected, before any step posts on it
+        ([Note: connecting before the first step], csrc/device_comm.h). `gloo`: the messages go through
+        gloo; `peers`: the ranks this rank's programs exchange messages with."""
+        if self.world == 1:
+            return
+        opened = len(self.channels)
+        if gloo and self.reverse_channel is None:
+            self.reverse_channel = self.open_reverse_channel()
+            executor.set_reverse_channel(self.reverse_channel)
+        if executor.device_comm and executor.shapes_travel and not self._follow_ups_open:
+            self._follow_ups_open = True  # (csrc/executor.h, set_follow_up_channels)
+            executor.set_follow_up_channels(*self.open_follow_up_channels())
+        self.open_descriptions()  # (the first step of each batch signature sends boundaries there)
+        if not self._connected or len(self.channels) > opened:
+            self._connected = True
+            self.connect(executor, self.channels[opened:], peers)
+
+    def connect(self, executor, channels: list, peers: list[int]) -> None:
+        """At an agreement, every rank of the group here: the communicators the executor's messages go on
+        connected now, not by a step's first operation on them (csrc/executor.h, connect_communicators).
+        `channels`: those opened since the last call; `peers`: the ranks this rank's programs exchange
+        messages with. One that fails, or does not complete within the timeout, breaks the group."""
+        try:
+            executor.connect_communicators(channels, peers)
+        except CommError as exc:
+            raise CommunicationError(f"{self.who}: connecting the group's communicators failed ({exc}); a rank hung "
+                                     f"or died: {self.mark_broken(str(exc))}rebuild the process group") from None
+
     def _open_channel(self, name: str, like):
-        """One more communicator of these ranks, of `like`'s kind, with this Pipeline's timeout."""
+        """One more communicator of these ranks, of `like`'s kind, with `like`'s c10d timeout (`channel_timeout`)."""
         store = dist.PrefixStore(f"pipecore/{self.uid}/{name}", self.store)
+        timeout = channel_timeout(self.timeout, like)
         try:
             if dist.is_nccl_available() and isinstance(like, dist.ProcessGroupNCCL):
                 options = dist.ProcessGroupNCCL.Options()
-                options._timeout = timedelta(seconds=self.timeout)
+                options._timeout = timeout
                 channel = dist.ProcessGroupNCCL(store, self.rank, self.world, options)
             else:
                 options = dist.ProcessGroupGloo._Options()
                 options._devices = like.options._devices
-                options._timeout = timedelta(seconds=self.timeout)
+                options._timeout = timeout
                 options._threads = 1  # its collective threads idle: only send and receive run on it
                 channel = dist.ProcessGroupGloo(store, self.rank, self.world, options)
         except RuntimeError as exc:
@@ -268,6 +302,15 @@ class Comm:
                                      "group") from None
         self.channels.append(channel)
         return channel
+
+
+def channel_timeout(pipeline_timeout: float, like) -> timedelta:
+    """A channel's own c10d timeout: that of the group's backend `like`, which on NCCL is above the
+    Pipeline's (message_path.py refuses a group whose is not), so that pipecore's wait times out first,
+    aborts and says which message was missing, before c10d's watchdog ends a channel's stuck transfer by
+    ending the process. The Pipeline's where `like` says none."""
+    group_timeout = getattr(getattr(like, "options", None), "_timeout", None)
+    return group_timeout if isinstance(group_timeout, timedelta) else timedelta(seconds=pipeline_timeout)
 
 
 _MEETINGS: dict[tuple[str, str], int] = {}  # (kind, process group name): meeting points passed in this process

@@ -29,6 +29,10 @@ class Program:
                 order.append(flat[i + 1])
         return order + [k for k in range(num_local) if k not in order]
 
+    def peers(self) -> list[int]:
+        """The ranks this program sends to or receives from, ascending."""
+        return sorted({self.instructions[i + 3] for i in range(0, len(self.instructions), FIELDS)} - {-1})
+
 
 def encode(lowered: Schedule, rank: int, local_index: dict[int, int]) -> Program:
     """`rank`'s row of `lowered` as the executor's instructions; `local_index`: stage -> its index

@@ -118,7 +118,7 @@ class Pipeline:
     finalisation: `.dp` the data-parallel replicas, `.ties` the tied weights), `programs` ({True:
     training, False: eval} the executor's program of this rank), `plans` (what crosses each stage
     boundary, per batch signature: plans.py), `executor` (this rank's `pipecore._C.Executor`: not a stable API) and
-    `reverse_channel` (gloo's second connection, once opened).
+    `reverse_channel` (gloo's second connection, once opened: `comm.reverse_channel`).
     """
 
     @shares_build_failure(lambda **arguments: _where_built(**arguments))  # its error reaches the other ranks
@@ -248,9 +248,7 @@ class Pipeline:
         # how OVERLAP_F_B pairs run (pipecore/runtime/overlap.py)
         self._pairs = PairRunner(self.executor, self.stages, self.programs[True].labels, overlap_f_b)
         self._set_weight_builders()
-        self.reverse_channel = None  # gloo: opened at the first agreement
-        self._wants_reverse_channel = gloo and self.world > 1
-        self._follow_ups_open = False  # the device path's follow-up channels: opened at the first agreement
+        self._gloo = gloo  # (its channels: Comm.open_channels)
         self._trace: list[dict] = []
         self._profile: dict[str, float] = {}  # the last step's, with trace (profile())
         self._step_started = 0.0
@@ -563,15 +561,12 @@ class Pipeline:
         sig, failed = self.plans.agree(desc, training, self.has_first, rows)
         if failed:  # another rank's input checks failed on the first step of this mode
             raise InputError(f"{self.who}: step {step} not run: {self.comm.peer_error()}")
-        if self._wants_reverse_channel and self.reverse_channel is None:
-            self.reverse_channel = self.comm.open_reverse_channel()
-            self.executor.set_reverse_channel(self.reverse_channel)
-        if self.world > 1 and self.executor.device_comm and self.executor.shapes_travel and not self._follow_ups_open:
-            self._follow_ups_open = True  # (csrc/executor.h, set_follow_up_channels)
-            self.executor.set_follow_up_channels(*self.comm.open_follow_up_channels())
-        if self.world > 1:
-            self.comm.open_descriptions()  # (the first step of each batch signature sends boundaries there)
+        self.comm.open_channels(self.executor, self._gloo, sorted({p for v in self.programs.values() for p in v.peers()}))
         self.plans.plan(sig, training)
+
+    @property
+    def reverse_channel(self):
+        return self.comm.reverse_channel
 
     def _run_aborted(self, status: int) -> None:
         try:

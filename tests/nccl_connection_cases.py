@@ -1,0 +1,54 @@
+"""Cases run on every rank of a gloo pool: the device path on the CPU model of NCCL, whose communicators
+connect at their first operation unless connected ahead (csrc/testing/nccl_connections.h)."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+import torch.distributed as dist
+
+import pipecore as pc
+from shaped_message_cases import LENGTHS, MaskedStage, _difference, batch, steps_for, sum_loss
+
+
+def connections_over_steps(rank: int, world: int, name: str, all_ranks_connected: bool, connect_ahead: bool = True,
+                           timeout: float = 60, steps: int = len(LENGTHS)) -> dict:
+    """`name` on `world` ranks on the emulated device path, shapes in the messages, the steps of
+    shaped_message_cases.LENGTHS (step 2 outgrows every capacity: follow-ups). `all_ranks_connected`: the
+    group's communicator connected when the group was made (as with init_process_group(device_id=...));
+    `connect_ahead` False: the Pipeline's connecting at its first agreement left out, as before it existed.
+    Returns the first failure, the largest gradient difference from one process, the connection counts
+    (ahead, inside steps, store operations) after every step, the follow-ups sent, each step's seconds,
+    and the c10d timeouts of the channels and of the group."""
+    sched = pc.build_schedule(name, world, 2 * world)
+    torch.manual_seed(0)
+    modules = [MaskedStage(s == 0) for s in range(sched.num_stages)]
+    reference = copy.deepcopy(modules)
+    stages = [pc.PipelineStage(modules[s], s, sched.num_stages) for s in sched.rank_stages(rank)]
+    pipe = pc.Pipeline(stages, sched, sched.num_microbatches, loss_fn=sum_loss, timeout=timeout)
+    pipe.executor._emulate_device_comm(all_ranks_connected)
+    pipe.executor.set_shapes_travel(True)
+    if not connect_ahead:
+        pipe.comm.connect = lambda *args: None
+    out: dict = {"failed": [], "grad": 0.0, "counts": [], "grown": 0, "seconds": []}
+    for step, lens in enumerate(steps_for(LENGTHS, world)[:steps]):
+        data = [batch(step, mb, n) for mb, n in enumerate(lens)]
+        started = time.monotonic()
+        try:
+            pipe.step_microbatches([(x,) for x, _ in data] if pipe.has_first else None,
+                                   target_mbs=[y for _, y in data] if pipe.has_last else None,
+                                   loss_divisor=float(sum(y.numel() for _, y in data)))
+        except (RuntimeError, pc.PeerFailedError) as exc:
+            out["failed"].append(f"{step}: {type(exc).__name__}: {str(exc)[:900]}")
+            out["seconds"].append(time.monotonic() - started)
+            break
+        out["seconds"].append(time.monotonic() - started)
+        out["counts"].append(pipe.executor._connection_counts())
+        out["grown"] += pipe.executor.message_counts[2]
+        out["grad"] = max(out["grad"], _difference(stages, reference, data))
+    out["violations"] = pipe.executor._stream_violations()
+    out["channel_timeouts"] = [c.options._timeout.total_seconds() for c in pipe.comm.channels]
+    out["group_timeout"] = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    return out

@@ -1,0 +1,55 @@
+"""Communicators connected before the first step (issue 61; [Note: connecting before the first step] in
+csrc/device_comm.h), on the CPU model of NCCL, whose communicators connect at their first operation and
+hold the posting host until their peers come (csrc/testing/nccl_connections.h)."""
+
+import pytest
+
+from dist_pool import fresh_pool, pool
+from exactness import FLOAT64_BOUND
+from nccl_connection_cases import connections_over_steps
+
+SCHEDULES = ["interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"]
+
+
+@pytest.mark.parametrize("all_ranks_connected", [False, True], ids=["lazy_group", "group_with_device_id"])
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_no_step_connects_a_communicator(name, world, all_ranks_connected):
+    """Every schedule with two stages per rank on 3 and 4 ranks, on a group whose communicator connects
+    lazily ("cpu:gloo,cuda:nccl" without device_id) and on one connected when it was made (with
+    device_id), shapes in the messages and step 2 outgrowing every capacity (follow-ups): every step
+    exact, no communicator connected by a step's operation (the store is not touched inside a step), the
+    channels with the group's c10d timeout (above the Pipeline's 60 s)."""
+    results = pool(world).run(connections_over_steps, name, all_ranks_connected, timeout=240)
+    for rank, r in enumerate(results):
+        assert not r["failed"] and r["grad"] <= FLOAT64_BOUND and r["violations"] == [], (rank, r)
+        assert all(counts[1] == 0 for counts in r["counts"]), (rank, r["counts"])
+        assert r["counts"][0][0] > 0 and len({tuple(c) for c in r["counts"]}) == 1, (rank, r["counts"])
+        assert r["channel_timeouts"] and set(r["channel_timeouts"]) == {r["group_timeout"]} and \
+            r["group_timeout"] > 60, (rank, r)
+    assert sum(r["grown"] for r in results) > 0, results
+
+
+@pytest.mark.parametrize("name, world, all_ranks_connected, step, communicator", [
+    # the group's communicator at the first batch: rank 2 waits on its host for rank 1's description,
+    # which rank 1 sends only after the batch rank 0 and rank 1 are held in
+    ("interleaved_1f1b", 3, False, 0, "the communicator of all 3 ranks"),
+    # a follow-up's pair communicator at the first growth, where another rank waits for that header
+    ("interleaved_zb", 4, True, 2, "the communicator of ranks 0 and 3"),
+])
+def test_a_communicator_first_used_inside_a_step_is_the_hang_it_would_be(name, world, all_ranks_connected, step,
+                                                                         communicator):
+    """Without the Pipeline's connecting at its first agreement (as before issue 61), the model holds a
+    rank's first operation on a communicator until its peers come, as NCCL does, and reports the cycle
+    that follows as the hang it would be, on every rank within the timeout and a few seconds."""
+    p = fresh_pool(world)
+    try:
+        results = p.run(connections_over_steps, name, all_ranks_connected, False, 5, timeout=120)
+    finally:
+        p.close()
+    texts = [r["failed"][0] if r["failed"] else "" for r in results]
+    assert all(t.startswith(f"{step}: CommunicationError") for t in texts), texts
+    assert all(r["seconds"][-1] < 5 + 5 for r in results), [r["seconds"] for r in results]
+    held = [t for t in texts if "this would hang" in t and communicator in t]
+    assert held and all("inside the step" in t and "nothing (no timeout, no abort) ends that wait" in t
+                        for t in held), texts
