@@ -59,8 +59,9 @@ std::shared_ptr<StreamMarker> DeviceComm::post_batch(const std::vector<std::shar
   before_batch(*ops_, on, tasks);  // the communication stream waits on compute, whatever the batch holds
   std::shared_ptr<StreamMarker> ready;
   {
-    // c10d's NCCL stream waits on the current stream at posting: the communication stream
-    const auto on_comm = ops_->on_comm_stream();
+    // c10d's NCCL stream waits on the current stream at posting: the communication stream, except for a
+    // follow-up's send ([Note: streams between communicators])
+    const auto on_comm = !grouped && tasks[0]->send ? nullptr : ops_->on_comm_stream();
     const c10::intrusive_ptr<c10d::Work> group = grouped ? post_group(backend, tasks) : post_alone(backend, *tasks[0]);
     TORCH_CHECK(group, "pipecore: the group returned no Work for a batch of sends and receives");
     if (receives) ops_->comm_waits(*group);  // no timeout: the communication stream waits; the host does not

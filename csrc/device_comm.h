@@ -43,6 +43,19 @@
 //    pair, with a stream of its own, which carries only that pair's follow-ups in that direction (and
 //    which only those two ranks connect, at their first follow-up).
 //
+// [Note: streams between communicators]
+// c10d makes a communicator's stream wait on the stream current when an operation is posted, and a
+// Work's wait() makes the current stream wait on the communicator's. One communicator's stream waits on
+// another's work in one place only, where the protocol needs it: a follow-up's receive is posted with
+// the communication stream current and that stream waits for it, since the receive's ready marker,
+// through which the compute stream reads it, is recorded there (later batches then wait for it too). A
+// follow-up's send is posted with the compute stream current: its data is compute's, and posted from the
+// communication stream it would wait for every receive posted before it, one of which its receiver may
+// send only after the follow-up arrived (the CPU model, once it made a communicator's stream wait on the
+// stream current at posting, found that cycle: a batch sending a grown message's header and receiving
+// from the same peer, which posts that receive's send after the follow-up's receive; 42 of the 76 device
+// path tests with growing messages hung, on 2, 3 and 4 ranks).
+//
 // [Note: connecting before the first step]
 // NCCL connects a communicator at its first operation, inside the call that posts it (c10d: a unique id
 // through the store, then ncclCommInitRank, which returns once every rank of it joined), and nothing

@@ -15,6 +15,8 @@
 //   too) launched and not completed, and nothing more can be posted on it. A communicator connects at
 //   its first operation, holding the posting host until its peers come (nccl_connections.h), unless it
 //   was connected ahead (`connect`; or, for those of all ranks, when the group was made with a device).
+// - The stream current when a group is posted: its communicator's stream waits for it (c10d), so the
+//   group launches once what the communication stream had waited for completed (nccl_model.h).
 // - c10d's count of open NCCL groups, which is per thread: a group's end that fails (on a communicator
 //   aborted inside it, which ncclCommAbort freed) leaves it raised, and an operation posted alone on that
 //   thread afterwards would join a group that never ends: refused.
@@ -59,6 +61,7 @@ struct CpuMarker final : StreamMarker {
 thread_local int current_device = 0;
 thread_local int current_stream = 0;
 thread_local int open_nccl_groups = 0;  // c10d's ncclActiveGroupCounter_ (thread_local there too)
+thread_local int comm_stream_current = 0;  // the communication stream is current (on_comm_stream)
 
 // Makes `value` current in `slot` while the returned object lives.
 std::shared_ptr<void> make_current(int& slot, int value) {
@@ -168,7 +171,11 @@ class CpuModelOps final : public DeviceOps {
   int64_t status_on_host() override { return status_.load(); }
 
   // -- the communicator
-  std::shared_ptr<void> on_comm_stream() override { return make_current(current_device, device_); }  // (as CUDA's)
+  std::shared_ptr<void> on_comm_stream() override {  // (its device too, as CUDA's)
+    auto device = make_current(current_device, device_);
+    auto stream = make_current(comm_stream_current, 1);
+    return std::shared_ptr<void>(stream.get(), [device, stream](void*) {});
+  }
   void start_group(c10d::Backend&) override {
     group_.clear();
     ++open_nccl_groups;
@@ -238,9 +245,18 @@ class CpuModelOps final : public DeviceOps {
     for (CommTask* task : tasks) {
       if (!task->send) unreleased_ += static_cast<int64_t>(task->parts.size());
     }
+    // c10d makes the communicator's stream wait for the stream current at posting: the communication
+    // stream's, which waited for every receive group since the step began (comm_waits)
+    std::vector<c10::intrusive_ptr<c10d::Work>> after;
+    if (comm_stream_current) {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& group : comm_groups_) {
+        if (auto live = group.lock()) after.push_back(std::move(live));
+      }
+    }
     auto& stream = streams_[{&backend, pair}];
     if (!stream) stream = make_comm_stream();
-    return stream->queue(kind, tasks);
+    return stream->queue(kind, tasks, std::move(after));
   }
 
   static constexpr const char* kAbortedText =

@@ -14,13 +14,13 @@
 
 #include "../deadline.h"
 #include "../errors.h"
+#include "nccl_notes.h"
 
 namespace pipecore {
 namespace {
 
-// The model's own tag for ranks meeting at a communicator's creation (beside its notes' tags,
-// nccl_model.cpp, and every tag of pipecore's).
-constexpr int kConnectTag = (1 << 30) + (1 << 29) + 2;
+// The model's own tag for ranks meeting at a communicator's creation (beside its notes' tags).
+constexpr int kConnectTag = kReceiveNoteTag + 1;
 
 std::string communicator_name(const c10d::Backend& backend, int pair) {
   const int me = backend.getRank();

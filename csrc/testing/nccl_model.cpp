@@ -17,6 +17,7 @@
 
 #include "../comm.h"
 #include "../deadline.h"
+#include "nccl_notes.h"
 
 namespace pipecore {
 
@@ -38,62 +39,6 @@ void check_nccl_op(const CommTask& task) {
 namespace {
 
 constexpr std::chrono::milliseconds kWaitForever{0};  // c10d::Work::wait's "no timeout" (gloo: the group's)
-
-int rank_of(const CommTask& task) { return task.channel ? task.channel->getRank() : task.group->getRank(); }
-
-// "send to rank 1 (2 parts: 4096 + 16 bytes, action 12)"
-std::string describe(bool send, int peer, const std::vector<int64_t>& sizes, int64_t action) {
-  std::ostringstream os;
-  os << (send ? "send to rank " : "receive from rank ") << peer << " (";
-  if (sizes.size() != 1) os << sizes.size() << " parts: ";
-  for (size_t i = 0; i < sizes.size(); ++i) os << (i ? " + " : "") << sizes[i];
-  os << " bytes" << (action >= 0 ? ", action " + std::to_string(action) : std::string()) << ")";
-  return os.str();
-}
-
-std::vector<int64_t> part_bytes(const CommTask& task) {
-  std::vector<int64_t> sizes;
-  for (const auto& part : task.parts) sizes.push_back(static_cast<int64_t>(part.nbytes()));
-  return sizes;
-}
-
-// What an operation tells its peer of itself (the model's own messages, beside NCCL's): a send's note
-// goes with it on kSendNoteTag, a receive's on kReceiveNoteTag, so the i-th note of a pair and tag is
-// the i-th send (or receive) between them, the operation NCCL would match with it.
-constexpr int kSendNoteTag = (1 << 30) + (1 << 29);
-constexpr int kReceiveNoteTag = kSendNoteTag + 1;
-constexpr int64_t kNoteMagic = 0x6e6363'6c6e6f74;  // "ncclnot"
-constexpr int kNoteWords = 16;                      // magic, send, rank, action, parts, then up to 11 sizes
-constexpr int kNoteSizes = kNoteWords - 5;
-
-at::Tensor note_of(const CommTask& task) {
-  at::Tensor note = at::zeros({kNoteWords}, at::kLong);
-  auto* w = note.data_ptr<int64_t>();
-  const auto sizes = part_bytes(task);
-  w[0] = kNoteMagic;
-  w[1] = task.send;
-  w[2] = rank_of(task);
-  w[3] = task.action;
-  w[4] = static_cast<int64_t>(sizes.size());
-  for (size_t i = 0; i < sizes.size() && i < kNoteSizes; ++i) w[5 + i] = sizes[i];
-  return note;
-}
-
-// Throws if the peer's `note` is not of the operation NCCL would match with `task` (another size:
-// both ranks would wait forever), naming both.
-void check_note(const CommTask& task, const at::Tensor& note) {
-  const auto* w = note.data_ptr<int64_t>();
-  TORCH_CHECK(w[0] == kNoteMagic, "pipecore (model of NCCL): rank ", task.peer, " sent bytes that are no note");
-  std::vector<int64_t> theirs(w + 5, w + 5 + std::min<int64_t>(w[4], kNoteSizes));
-  auto mine = part_bytes(task);
-  if (mine.size() > static_cast<size_t>(kNoteSizes)) mine.resize(kNoteSizes);
-  if (theirs == mine && w[4] == static_cast<int64_t>(task.parts.size())) return;
-  throw std::runtime_error(
-      "pipecore (model of NCCL): this would hang: rank " + std::to_string(rank_of(task)) + "'s " +
-      describe(task.send, task.peer, part_bytes(task), task.action) + " is matched, in the pair's posting order, by rank " +
-      std::to_string(w[2]) + "'s " + describe(w[1] != 0, static_cast<int>(rank_of(task)), theirs, w[3]) +
-      "; NCCL waits forever on a receive of another size than its send");
-}
 
 // One operation of a group: its gloo Works (a receive's once its sender's note matched: `pending`
 // until then) and what to check once they completed (the note of a send's receiver).
@@ -132,6 +77,11 @@ class GroupWork final : public c10d::Work {
     changed_.notify_all();
   }
   const std::string& what() const { return what_; }
+  // What its launch waits for now, for the report of a launch that never came.
+  void waiting_for(const std::string& why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    waits_for_ = why;
+  }
   bool aborted() {
     std::lock_guard<std::mutex> lock(mu_);
     return !aborted_.empty();
@@ -154,9 +104,11 @@ class GroupWork final : public c10d::Work {
     {
       std::unique_lock<std::mutex> lock(mu_);
       if (!changed_.wait_until(lock, deadline, [&] { return launched_; })) {
-        throw std::runtime_error("pipecore (model of NCCL): " + what_ + " was never launched: a group queued "
-                                 "before it on its communicator did not complete (on a GPU, groups on one "
-                                 "stream run one after another: this would hang)");
+        throw std::runtime_error("pipecore (model of NCCL): " + what_ + " was never launched: " +
+                                 (waits_for_.empty() ? "a group queued before it on its communicator did not "
+                                                       "complete (on a GPU, groups on one stream run one after "
+                                                       "another: this would hang)"
+                                                     : waits_for_));
       }
       if (!never_.empty()) throw std::runtime_error(never_);
     }
@@ -227,6 +179,7 @@ class GroupWork final : public c10d::Work {
   const std::string what_;  // its operations, named for errors
   bool launched_ = false;
   std::string never_;
+  std::string waits_for_;
   std::string aborted_;  // why its communicator was aborted
   std::vector<PostedOp> ops_;
   std::mutex mu_;
@@ -369,9 +322,10 @@ class GroupStream final : public CommStream {
     }
     queued_.notify_all();
     thread_.join();
-    for (auto& [group, ops] : queue_) group->launch({}, "pipecore (model of NCCL): the executor went first");
+    for (auto& queued : queue_) queued.group->launch({}, "pipecore (model of NCCL): the executor went first");
   }
-  c10::intrusive_ptr<c10d::Work> queue(const char* kind, const std::vector<CommTask*>& tasks) override {
+  c10::intrusive_ptr<c10d::Work> queue(const char* kind, const std::vector<CommTask*>& tasks,
+                                       std::vector<c10::intrusive_ptr<c10d::Work>> after) override {
     check_sends_to_self(kind, tasks);
     std::vector<std::shared_ptr<CommTask>> ops;
     std::ostringstream what;
@@ -391,7 +345,7 @@ class GroupStream final : public CommStream {
     auto group = c10::make_intrusive<GroupWork>(what.str());
     {
       std::lock_guard<std::mutex> lock(mu_);
-      queue_.emplace_back(group, std::move(ops));
+      queue_.push_back({group, std::move(ops), std::move(after)});
     }
     queued_.notify_all();
     return group;
@@ -409,7 +363,7 @@ class GroupStream final : public CommStream {
   void loop() {
     c10::intrusive_ptr<GroupWork> before;
     for (;;) {
-      std::pair<c10::intrusive_ptr<GroupWork>, std::vector<std::shared_ptr<CommTask>>> next;
+      Queued next;
       std::string never;
       {
         std::unique_lock<std::mutex> lock(mu_);
@@ -426,10 +380,31 @@ class GroupStream final : public CommStream {
         } catch (const std::exception& e) {
           std::lock_guard<std::mutex> lock(mu_);
           never = !aborted_.empty() ? aborted_
-                                    : "pipecore (model of NCCL): " + next.first->what() + " never launched: " +
+                                    : "pipecore (model of NCCL): " + next.group->what() + " never launched: " +
                                           before->what() + ", queued before it on its communicator, did not complete (" +
                                           e.what() + "); groups on one communicator run one after another, so on a "
                                           "GPU this would hang";
+        }
+      }
+      for (const auto& work : next.after) {  // (another communicator's groups, which the posting stream waited for)
+        if (!never.empty()) break;
+        const auto* other = dynamic_cast<const GroupWork*>(work.get());
+        const std::string waited = other ? other->what() : std::string("another communicator's work");
+        next.group->waiting_for("the stream current when it was posted had waited for " + waited +
+                                " first, which did not complete: c10d makes a communicator's stream wait for the "
+                                "stream current at posting, so on a GPU this would hang");
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          running_ = work;
+        }
+        try {
+          work->wait(kWaitForever);
+        } catch (const std::exception& e) {
+          std::lock_guard<std::mutex> lock(mu_);
+          never = !aborted_.empty() ? aborted_
+                                    : "pipecore (model of NCCL): " + next.group->what() + " never launched: the stream "
+                                          "current when it was posted had waited for " + waited +
+                                          ", which did not complete (" + e.what() + ")";
         }
       }
       // the sends' checks of their receivers' notes, then the receives, then the notes and sends (so a
@@ -439,13 +414,13 @@ class GroupStream final : public CommStream {
       std::vector<PendingReceive> receives;
       if (never.empty()) {
         try {
-          for (auto& op : next.second) post_with_notes(op, ops, plain, receives);
+          for (auto& op : next.ops) post_with_notes(op, ops, plain, receives);
         } catch (const std::exception& e) {
-          never = std::string("pipecore (model of NCCL): posting ") + next.first->what() + " failed: " + e.what();
+          never = std::string("pipecore (model of NCCL): posting ") + next.group->what() + " failed: " + e.what();
         }
       }
       for (auto& receive : receives) {
-        receive.group = next.first;
+        receive.group = next.group;
         receive.slot = ops.size();
         PostedOp slot;
         slot.pending = true;
@@ -457,12 +432,12 @@ class GroupStream final : public CommStream {
         std::lock_guard<std::mutex> lock(mu_);
         running_.reset();
         if (stop_) {
-          next.first->launch({}, "pipecore (model of NCCL): the executor went first");
+          next.group->launch({}, "pipecore (model of NCCL): the executor went first");
           return;
         }
-        next.first->launch(std::move(ops), never);
-        if (!aborted_.empty() && never.empty()) next.first->abort_with(aborted_);  // (aborted while posted)
-        if (never.empty()) unfinished_.push_back(next.first);
+        next.group->launch(std::move(ops), never);
+        if (!aborted_.empty() && never.empty()) next.group->abort_with(aborted_);  // (aborted while posted)
+        if (never.empty()) unfinished_.push_back(next.group);
         unfinished_.erase(std::remove_if(unfinished_.begin(), unfinished_.end(),
                                          [](const auto& group) { return group->isCompleted(); }),
                           unfinished_.end());
@@ -474,15 +449,20 @@ class GroupStream final : public CommStream {
           pair->add(std::move(receive));
         }
       }
-      before = std::move(next.first);
+      before = std::move(next.group);
     }
   }
 
   std::map<int, std::unique_ptr<PairReceiver>> pairs_;  // by peer (the loop's; gone after it)
   std::mutex mu_;
   std::condition_variable queued_;
-  std::deque<std::pair<c10::intrusive_ptr<GroupWork>, std::vector<std::shared_ptr<CommTask>>>> queue_;
-  c10::intrusive_ptr<GroupWork> running_;  // the group the thread waits for (aborted to stop it)
+  struct Queued {
+    c10::intrusive_ptr<GroupWork> group;
+    std::vector<std::shared_ptr<CommTask>> ops;
+    std::vector<c10::intrusive_ptr<c10d::Work>> after;  // what the posting stream had waited for
+  };
+  std::deque<Queued> queue_;
+  c10::intrusive_ptr<c10d::Work> running_;  // what the thread waits for (aborted to stop it)
   std::vector<c10::intrusive_ptr<GroupWork>> unfinished_;  // launched, not known to have completed
   std::string aborted_;                    // why the communicator was aborted
   bool stop_ = false;

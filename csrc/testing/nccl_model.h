@@ -14,6 +14,9 @@
 //   operations. A receive is posted once its sender's note matched (gloo kills the process on a
 //   receive smaller than its send), by a thread per peer, so a group's receives from other peers go
 //   on meanwhile, as NCCL's do;
+// - a group launches only once what the stream current at its posting had waited for completed (c10d
+//   makes the communicator's stream wait for that stream): a cycle through two communicators' streams
+//   is reported as the hang it would be, naming both groups;
 // - an abort ends every operation of the communicator launched and not completed.
 // The model's own waits have no timeout (a gloo wait that times out closes every pair of its group):
 // the host's waits for a group, with the executor's timeout, say what did not complete.
@@ -41,8 +44,11 @@ class CommStream {
  public:
   virtual ~CommStream() = default;
   // Queues a group of `tasks` (copied: the executor keeps its own), named `kind` in errors: its Work,
-  // which completes once every operation of it did.
-  virtual c10::intrusive_ptr<c10d::Work> queue(const char* kind, const std::vector<CommTask*>& tasks) = 0;
+  // which completes once every operation of it did. It launches once the group before it completed and
+  // once `after` did: what the stream current at its posting had waited for (c10d makes the
+  // communicator's stream wait for that stream).
+  virtual c10::intrusive_ptr<c10d::Work> queue(const char* kind, const std::vector<CommTask*>& tasks,
+                                               std::vector<c10::intrusive_ptr<c10d::Work>> after) = 0;
   // NCCL's abort: every operation launched and not completed, and every group queued, end with `why`.
   virtual void abort(const std::string& why) = 0;
 };
