@@ -124,9 +124,17 @@ soak: install-test
 	CONFIG_SPACE_COUNT=$(SOAK_CONFIGS) CONFIG_SPACE_SEED=$(SOAK_SEED) $(PYTHON) -m pytest -q -rA \
 		tests/test_config_space.py -k generated
 
-# first contact with a GPU machine: the CUDA tests, 2-GPU training and failure cases, a table (.ci/gpu_check.py)
-gpu-check: install-test
-	$(PYTHON) .ci/gpu_check.py
+# first contact with a GPU machine: the CUDA tests, probes, multi-GPU training and failure cases, a table in
+# $(GPU_CHECK_OUT) (.ci/gpu_check.py; GPU_CHECK_ARGS=--cpu: its dry run on gloo). The build first, at most
+# 5 minutes, its log kept there too.
+GPU_CHECK_OUT ?= build/gpu-check
+gpu-check:
+	@mkdir -p $(GPU_CHECK_OUT)
+	@echo "building the test variant (at most 5 min; log: $(GPU_CHECK_OUT)/build.log)"
+	@timeout 300 $(MAKE) --no-print-directory install-test > $(GPU_CHECK_OUT)/build.log 2>&1 || { \
+		echo "pipecore: the build failed or took over 5 minutes; the end of $(GPU_CHECK_OUT)/build.log:"; \
+		tail -n 30 $(GPU_CHECK_OUT)/build.log; exit 1; }
+	GPU_CHECK_OUT=$(GPU_CHECK_OUT) $(PYTHON) .ci/gpu_check.py $(GPU_CHECK_ARGS)
 
 # gcov line coverage of the device path's code under the suite (or TEST_ARGS), in a build of its own
 # (-O0 --coverage; `make test` relinks the usual one); the counts go to a temporary folder (GCOV_PREFIX),

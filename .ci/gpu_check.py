@@ -1,9 +1,15 @@
-"""`make gpu-check`: first contact with a GPU machine, in at most 10 minutes. Prints a table: each
-check, ok / FAIL / skipped (with the reason, e.g. a part that needs 2 GPUs on a machine with one),
-its seconds and what it saw. Exit status 1 if a check failed.
+"""`make gpu-check`: first contact with a GPU machine, in at most 15 minutes (the build before it at
+most 5). Prints a table: each check, ok / FAIL / skipped (with the reason, e.g. a part that needs 2 GPUs
+on a machine with one), its seconds and what it saw. Exit status 1 if a check failed. Every command
+runs with NCCL_DEBUG=WARN (unless set) and a timeout of its own.
 
-  tests/test_cuda.py                     the CUDA code on one GPU (NCCL loopback; a steady step's host
+  test_cuda.py::<case>                   tests/test_cuda.py, each case in a process of its own: the CUDA
+                                         code on one GPU (NCCL loopback; a steady step's host
                                          synchronisations under set_sync_debug_mode("error"))
+  probe <name>                           world-of-one probes of NCCL and c10d (.ci/gpu_probes.py): a
+                                         coalesced send/receive to self behind a long kernel, a failed
+                                         posting's group ended before or after the abort, a channel's
+                                         connection (seconds, device memory, store operations)
   train_gpt <schedule> (2 GPUs)          examples/train_gpt.py --check-steps on 1f1b, interleaved_1f1b,
                                          zbv and dualpipev, against one process
   ... no caching allocator (2 GPUs)      the same with PYTORCH_NO_CUDA_MEMORY_CACHING=1: losses bit for bit
@@ -11,9 +17,14 @@ its seconds and what it saw. Exit status 1 if a check failed.
                                          calls of a 1f1b run, per step (where nsys is on PATH)
   stopped rank (2 GPUs)                  kill -STOP of a rank: CommunicationError with the abort
   growth past 8 MiB, complex64 boundary, variable_shapes on one rank (2 GPUs): .ci/gpu_cases.py
+  train_gpt <schedule>, 3 ranks[, lazy group] (3 GPUs)
+                                         two stages per rank on 3 ranks, on a group made with device_id
+                                         and on "cpu:gloo,cuda:nccl" without it (communicators connected
+                                         before the first step: docs/cuda.md)
 
-`--cpu` runs the multi-rank parts on 2 CPU processes over gloo (the script's own dry run). The table also goes
-to build/gpu-check/table.txt and every command's output to build/gpu-check/output.log (`--out` moves both).
+`--cpu` runs the multi-rank parts on CPU processes over gloo, and the probes that can (the script's own
+dry run). The table also goes to table.txt and every command's output to output.log in $GPU_CHECK_OUT
+(default build/gpu-check; `--out` overrides).
 """
 
 from __future__ import annotations
@@ -64,7 +75,7 @@ def kill_tree(pid: int) -> None:
 def run(cmd, timeout, env=None):
     """(exit status or None on timeout, output); whatever it started is killed at the end."""
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"), **(env or {})})
     try:
         out, _ = proc.communicate(timeout=timeout)
         code = proc.returncode
@@ -78,28 +89,30 @@ def run(cmd, timeout, env=None):
     return code, out
 
 
-def torchrun(args, timeout, env=None):
-    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args],
+def torchrun(args, timeout, env=None, ranks=2):
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *args],
                timeout, env)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="the multi-rank parts on CPU processes over gloo")
-    ap.add_argument("--out", default=os.path.join(ROOT, "build", "gpu-check"),
-                    help="folder for table.txt and output.log (default: build/gpu-check)")
+    ap.add_argument("--out", default=os.environ.get("GPU_CHECK_OUT") or os.path.join(ROOT, "build", "gpu-check"),
+                    help="folder for table.txt and output.log (default: $GPU_CHECK_OUT, else build/gpu-check)")
     args = ap.parse_args()
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    two = args.cpu or gpus >= 2
+    two, three = args.cpu or gpus >= 2, args.cpu or gpus >= 3
     why_not_two = f"needs 2 GPUs (this machine has {gpus})"
     cpu = ["--cpu"] if args.cpu else []
     rows: list[tuple[str, str, float, str]] = []
 
-    def check(name, fn, needs_two=False, skip=None):
+    def check(name, fn, needs_two=False, skip=None, needs_three=False):
         if needs_two and not two:  # the first reason
             skip = why_not_two
+        if needs_three and not three:
+            skip = f"needs 3 GPUs (this machine has {gpus})"
         if skip:
             rows.append((name, "skipped", 0.0, skip))
             return
@@ -112,12 +125,30 @@ def main() -> int:
         rows.append((name, "ok" if passed else "FAIL", time.monotonic() - start,
                      (problem or "").removeprefix("ok: ")))
 
-    def test_cuda():
-        code, out = run([sys.executable, "-m", "pytest", "-q", "-rfEs", "tests/test_cuda.py"], 240)
+    def cuda_case(case):
+        code, out = run([sys.executable, "-m", "pytest", "-q", "-rfEs", case], 150)
         tail = out.strip().splitlines()[-1] if out.strip() else ""
-        return f"ok: {tail}" if code == 0 else f"exit {code}: {tail}"
+        return f"ok: {tail}" if code == 0 else ("timed out after 150 s" if code is None else f"exit {code}: {tail}")
 
-    check("tests/test_cuda.py", test_cuda, skip=None if gpus else "no CUDA GPU")
+    if gpus:
+        _, listed = run([sys.executable, "-m", "pytest", "--collect-only", "-q", "tests/test_cuda.py"], 120)
+        for case in [line for line in listed.splitlines() if line.startswith("tests/test_cuda.py::")]:
+            check(case.removeprefix("tests/"), lambda case=case: cuda_case(case))
+    else:
+        check("tests/test_cuda.py", None, skip="no CUDA GPU")
+
+    def probe(name):
+        code, out = run([sys.executable, ".ci/gpu_probes.py", name, *cpu], 60)
+        found = re.findall(r"RESULT (ok|FAIL) (.*)", out)
+        if not found:
+            return f"reported nothing ({'timed out after 60 s' if code is None else f'exit {code}'}): " \
+                   f"{out.strip().splitlines()[-1:]}"
+        result, detail = found[-1]
+        return f"ok: {detail}" if result == "ok" else detail
+
+    for name in ("self_wait", "group_end_first", "abort_first", "channel"):
+        check(f"probe {name}", lambda name=name: probe(name),
+              skip=None if gpus or (args.cpu and name == "channel") else "needs a CUDA GPU (NCCL)")
 
     def train(schedule, stages, env=None):
         """(exact losses per step, the "vs one process" differences it printed, a problem or "")."""
@@ -182,6 +213,18 @@ def main() -> int:
             return f"ranks {missing} reported nothing (exit {code}): {out.strip().splitlines()[-1:] }"
         bad = {r: v for r, v in results.items() if int(r) in expect_ranks and not v.startswith("ok")}
         return "; ".join(f"rank {r}: {v}" for r, v in bad.items())
+
+    for schedule in ("interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"):
+        for lazy in ([False] if args.cpu else [False, True]):
+            def three_ranks(schedule=schedule, lazy=lazy):
+                code, out = torchrun(["examples/train_gpt.py", "--schedule", schedule, "--stages-per-rank", "2",
+                                      "--steps", "3", "--check-steps", "2", "--timeline", "", "--sample-tokens", "0",
+                                      *(["--lazy-group"] if lazy else []), *cpu], 180, ranks=3)
+                if code != 0:
+                    return f"exit {code}: {out.strip().splitlines()[-1] if out.strip() else ''}"
+                found = re.findall(r"vs one process: (\w+) (?:of step \d+|after \d+ AdamW steps) within (\S+)", out)
+                return "ok: vs one process, " + ", ".join(f"{what} within {value}" for what, value in found)
+            check(f"train_gpt {schedule}, 3 ranks{', lazy group' if lazy else ''}", three_ranks, needs_three=True)
 
     check("stopped rank (kill -STOP)", lambda: case("stopped_rank", expect_ranks=(0,), timeout=40), needs_two=True)
     check("growth past 8 MiB (64 MiB)", lambda: case("growth"), needs_two=True)

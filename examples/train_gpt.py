@@ -66,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sample-tokens", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu", action="store_true", help="gloo on CPUs even when CUDA is available")
+    ap.add_argument("--lazy-group", action="store_true",
+                    help='on GPUs: init_process_group("cpu:gloo,cuda:nccl") without device_id, whose NCCL '
+                         "communicator connects at its first use (pipecore connects it before the first step)")
     args = ap.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         ap.error("--resume needs --checkpoint-dir")
@@ -90,7 +93,10 @@ def setup(args) -> torch.device:
     if gpus >= ranks_here:
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        if args.lazy_group:
+            dist.init_process_group("cpu:gloo,cuda:nccl")
+        else:
+            dist.init_process_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")
         # the machine's cores shared between the ranks

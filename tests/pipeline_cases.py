@@ -613,3 +613,29 @@ def freed_with_its_last_reference(rank, world, name, tie):
         return alive() is None
     finally:
         gc.enable()
+
+
+def step_under_graph_capture(rank, world):
+    """1F1B on 2 ranks; rank 1 calls its first step as if a CUDA graph were being captured (its stage
+    taken for a CUDA one, torch.cuda.is_current_stream_capturing() True). Returns each rank's error of
+    that step (type, text) and the gradient difference of the next step, run normally, from one process."""
+    sched = pc.build_schedule("1f1b", world, 4)
+    model = make_stages("mlp", sched.num_stages)
+    ref = copy.deepcopy(model)
+    stage = pc.PipelineStage(copy.deepcopy(model[rank]), rank, sched.num_stages)
+    pipe = pc.Pipeline([stage], sched, 4, loss_fn=nn.CrossEntropyLoss(), timeout=60)
+    x, y = make_batch(8, seed=3)
+    capturing, device = torch.cuda.is_current_stream_capturing, stage.device
+    if rank == 1:
+        torch.cuda.is_current_stream_capturing, stage.device = (lambda: True), torch.device("cuda")
+    try:
+        pipeline_step(pipe, x, y)
+        error = None
+    except pc.InputError as exc:
+        error = (type(exc).__name__, str(exc))
+    finally:
+        torch.cuda.is_current_stream_capturing, stage.device = capturing, device
+    pipeline_step(pipe, x, y)
+    nn.CrossEntropyLoss()(reference_forward(ref, x), y).backward()
+    worst = max(difference(p.grad, q.grad) for p, q in zip(stage.module.parameters(), ref[rank].parameters()))
+    return error, worst

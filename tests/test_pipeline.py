@@ -7,7 +7,7 @@ import pipecore as pc
 from pipecore.stage import pipeline_stage
 from dist_pool import pool
 from exactness import FLOAT64_BOUND
-from pipeline_cases import (changing_batch_shapes, loss_divisor_over_scale_grads, output_only_loss, eval_matches, given_shapes, pipelines_on_subgroups, profiler_events,
+from pipeline_cases import (changing_batch_shapes, step_under_graph_capture, loss_divisor_over_scale_grads, output_only_loss, eval_matches, given_shapes, pipelines_on_subgroups, profiler_events,
                             sent_outputs_freed, split_backward_defers_weight_grads, train_and_compare,
                             view_outputs_are_copied)
 
@@ -208,3 +208,14 @@ def test_a_step_imports_neither_torchs_pipelining_nor_dynamo():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_step_under_cuda_graph_capture_is_refused_on_every_rank():
+    """issue 61: a step posts NCCL groups and reads on the host what arrived, which a CUDA graph cannot
+    hold (it was neither supported nor refused): every rank's step is refused, saying what to capture
+    instead, and the next step is exact."""
+    for rank, (error, worst) in enumerate(pool(2).run(step_under_graph_capture)):
+        assert error is not None and error[0] == "InputError", (rank, error)
+        assert "rank 1: step() was called while a CUDA graph is being captured" in error[1], (rank, error)
+        assert "capture inside the stages' modules" in error[1], (rank, error)
+        assert worst <= FLOAT64_BOUND, (rank, worst)

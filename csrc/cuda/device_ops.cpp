@@ -7,6 +7,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/Event.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -24,6 +25,17 @@ struct CudaMarker final : StreamMarker {
   c10::Event event{c10::DeviceType::CUDA};
 };
 
+// A non-blocking stream of the device's highest priority, created for one executor.
+c10::cuda::CUDAStream own_stream(const c10::Device& device) {
+  const c10::cuda::CUDAGuard guard(device);
+  int least = 0;
+  int greatest = 0;
+  C10_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  cudaStream_t stream = nullptr;
+  C10_CUDA_CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, greatest));
+  return c10::cuda::getStreamFromExternal(stream, device.index());
+}
+
 c10::cuda::CUDAStream on_cuda(const ComputeStream& stream) {
   return c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, stream);
 }
@@ -35,10 +47,17 @@ class CudaOps final : public DeviceOps {
         // The communication stream carries the batches' waits on compute, their header copies and their
         // ready events; NCCL's kernels run on c10d's own stream, which waits on this one at posting (and this
         // one on it after a batch with receives). Its high priority orders only that small work of its own
-        // ahead of compute kernels; it does not make the transfers themselves preempt compute.
-        comm_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index())),
+        // ahead of compute kernels; it does not make the transfers themselves preempt compute. A stream of
+        // its own, not one of torch's pool (32 per priority, handed out in turn: another user of the pool,
+        // or another executor, could be given the same stream and so wait for this one's batches).
+        comm_(own_stream(device)),
         status_(at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(device))),
         host_status_(at::empty({1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true))) {}
+
+  ~CudaOps() override {
+    // (CUDA releases a destroyed stream's resources once its queued work completed)
+    cudaStreamDestroy(comm_.stream());
+  }
 
   c10::DeviceType device_type() const override { return c10::DeviceType::CUDA; }
   int make_device_current() override { return c10::cuda::ExchangeDevice(device_.index()); }

@@ -59,6 +59,7 @@ def read_inputs(pipe, args, kwargs, target, training: bool, return_outputs, loss
         raise InputError(f"{pipe.who}: {parted}")
     loss_divisor = check_step_options(pipe, return_outputs, loss_kwargs, loss_divisor)
     check_finalize_gradients(pipe, finalize_gradients)
+    check_not_capturing(pipe)
     with nvtx_range("pipecore.split"):
         batch = split_batch(pipe, args, kwargs, target, given=microbatches is not None)
     signature = rows = 0
@@ -70,6 +71,16 @@ def read_inputs(pipe, args, kwargs, target, training: bool, return_outputs, loss
         shaped = pipe.executor.shapes_travel
         signature = wire.signature((wire.describe(args, shaped), wire.describe(kwargs, shaped), training))
     return StepInputs(batch, signature, rows, loss_divisor)
+
+
+def check_not_capturing(pipe) -> None:
+    """A step is not something a CUDA graph can hold: it posts NCCL groups and reads on the host what
+    arrived (message headers, the step's status at its end), which capture refuses or records wrong."""
+    if any(s.device.type == "cuda" for s in pipe.stages) and torch.cuda.is_current_stream_capturing():
+        raise InputError(f"{pipe.who}: step() was called while a CUDA graph is being captured. A pipeline step "
+                         "posts NCCL groups and reads on the host what arrived, which a graph cannot hold: capture "
+                         "inside the stages' modules (torch.compile(mode='reduce-overhead'), torch.cuda.graphs), "
+                         "not around the step")
 
 
 def check_finalize_gradients(pipe, finalize: bool) -> None:
