@@ -131,7 +131,7 @@ GPU_CHECK_OUT ?= build/gpu-check
 gpu-check:
 	@mkdir -p $(GPU_CHECK_OUT)
 	@echo "building the test variant (at most 5 min; log: $(GPU_CHECK_OUT)/build.log)"
-	@timeout 300 $(MAKE) --no-print-directory install-test > $(GPU_CHECK_OUT)/build.log 2>&1 || { \
+	@timeout -k 10 300 $(MAKE) --no-print-directory install-test > $(GPU_CHECK_OUT)/build.log 2>&1 || { \
 		echo "pipecore: the build failed or took over 5 minutes; the end of $(GPU_CHECK_OUT)/build.log:"; \
 		tail -n 30 $(GPU_CHECK_OUT)/build.log; exit 1; }
 	GPU_CHECK_OUT=$(GPU_CHECK_OUT) $(PYTHON) .ci/gpu_check.py $(GPU_CHECK_ARGS)

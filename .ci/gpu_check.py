@@ -44,6 +44,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEDULES = [("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2), ("dualpipev", 2)]
 OUTPUTS: list[str] = []  # every command run and what it printed, for output.log
+DEADLINE = time.monotonic() + 15 * 60  # the whole check's
 
 
 def descendants(pid: int) -> list[int]:
@@ -73,7 +74,9 @@ def kill_tree(pid: int) -> None:
 
 
 def run(cmd, timeout, env=None):
-    """(exit status or None on timeout, output); whatever it started is killed at the end."""
+    """(exit status or None on timeout, output); whatever it started is killed at the end. No command runs
+    past the check's deadline."""
+    timeout = max(1.0, min(timeout, DEADLINE - time.monotonic()))
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"), **(env or {})})
     try:
@@ -113,6 +116,8 @@ def main() -> int:
             skip = why_not_two
         if needs_three and not three:
             skip = f"needs 3 GPUs (this machine has {gpus})"
+        if not skip and time.monotonic() > DEADLINE - 30:
+            skip = "no time left (the whole check takes at most 15 minutes)"
         if skip:
             rows.append((name, "skipped", 0.0, skip))
             return

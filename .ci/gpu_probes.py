@@ -4,12 +4,14 @@ line, `RESULT <ok|FAIL> <detail>`.
 
   self_wait        a coalesced send and receive to self, posted behind a long kernel: wait() returns at
                    once (it makes the current stream wait; the host does not), and the bytes arrive
-  group_end_first  a group whose posting failed after a send was added, ended and then its communicator
-                   aborted (csrc/device_comm.cpp): an all-reduce on a new group on this thread completes
-  abort_first      the other order (before issue 61): what happens to that all-reduce (the CPU model
-                   says c10d still counts a group open on the thread, so it never launches)
-  channel          a channel of the group's ranks connected as pipecore connects it (a one-byte
-                   all-reduce): seconds, device memory and store operations it took (--cpu: gloo)
+  group_end_first  a group of a send and a receive to self whose posting "failed" after they were added,
+                   ended and then its communicator aborted, as csrc/device_comm.cpp does: what each call
+                   did, then an all-reduce on a new group (the process goes on)
+  abort_first      the other order (before issue 61): what each call did (NCCL may refuse to end a group
+                   on a communicator aborted inside it), then the same all-reduce
+  channel          a communicator of all ranks connected as pipecore connects a group's (a one-byte
+                   all-reduce): seconds, device memory and store operations it took (--cpu: gloo); in a
+                   world of one it has no point-to-point connections, which pipecore's pairs add
 """
 
 from __future__ import annotations
@@ -94,9 +96,10 @@ def failed_posting(device, end_first: bool) -> str:
     _world_of_one("nccl", device)
     group = dist.new_group([0], backend="nccl")
     backend = group._get_backend(device)
-    data = torch.ones(8, device=device)
+    data, out = torch.ones(8, device=device), torch.zeros(8, device=device)
     group._start_coalescing(device)
-    dist.isend(data, 0, group=group)  # the part added before the posting failed
+    dist.isend(data, 0, group=group)  # the part added before the posting failed (to self: with its receive)
+    dist.irecv(out, 0, group=group)
     steps = [("end", lambda: group._end_coalescing(device)), ("abort", backend.abort)]
     if not end_first:
         steps.reverse()

@@ -123,7 +123,6 @@ void DeviceComm::connect(c10d::Backend& group, const std::vector<c10d::Backend*>
                          const std::vector<int>& peers) {
   const OnDevice on_device(*ops_);
   const ComputeStream on = ops_->compute_stream();
-  ops_->connect(group, -1, on);
   // this rank's pairs in ascending (lower rank, higher rank) order, which is its peers' ascending order
   // ((p, rank) < (rank, q) for every p < rank < q)
   std::vector<int> order;
@@ -132,8 +131,9 @@ void DeviceComm::connect(c10d::Backend& group, const std::vector<c10d::Backend*>
   }
   std::sort(order.begin(), order.end());
   order.erase(std::unique(order.begin(), order.end()), order.end());
+  ops_->connect(group, order, on);  // (every rank at once; its peers' connections in one group)
   for (int peer : order) {
-    for (c10d::Backend* channel : pair_channels) ops_->connect(*channel, peer, on);
+    for (c10d::Backend* channel : pair_channels) ops_->connect_pair(*channel, peer, on);
   }
 }
 
@@ -141,15 +141,27 @@ ConnectionCounts DeviceComm::connection_counts() const { return ops_->connection
 
 c10::intrusive_ptr<c10d::Work> DeviceComm::post_group(c10d::Backend& backend,
                                                       const std::vector<std::shared_ptr<CommTask>>& tasks) {
+  // What NCCL would refuse inside the group is refused before it: NCCL keeps such an error for the group's
+  // end, which then fails, and c10d goes on counting the group open on this thread (every later operation
+  // there would join a group that never ends). Every part goes as bytes, so a peer is all there is to check.
+  for (const auto& task : tasks) {
+    if (task->peer < 0 || task->peer >= backend.getSize()) {
+      throw CommError("posting a batch of sends and receives failed (a " +
+                      std::string(task->send ? "send to" : "receive from") + " rank " + std::to_string(task->peer) +
+                      ", which a communicator of " + std::to_string(backend.getSize()) +
+                      " ranks does not have); nothing of it was posted");
+    }
+  }
   ops_->start_group(backend);
   try {
     for (const auto& task : tasks) ops_->post(backend, *task);
   } catch (const std::exception& e) {
-    // Part of the batch was added, and NCCL cannot drop an open group: ending it launches that part, and
-    // the abort then ends it (what reached a peer before is half a batch, whose rest never comes: that
-    // peer's step fails as on any peer's failure). The group is ended first: an abort inside it frees the
-    // communicator the group holds, its end then fails, and c10d goes on counting the group open on this
-    // thread, taking every later operation alone there for part of a group that never ends.
+    // c10d refused an operation (out of memory) after part of the batch was added, and NCCL cannot drop an
+    // open group: ending it launches that part, and the abort then ends it (what reached a peer before is
+    // half a batch, whose rest never comes: that peer's step fails as on any peer's failure). The group is
+    // ended first: an abort inside it frees the communicator the group holds, its end then fails, and c10d
+    // goes on counting the group open on this thread, taking every later operation alone there for part
+    // of a group that never ends.
     try {
       ops_->end_group(backend);
     } catch (...) {

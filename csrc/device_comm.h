@@ -41,7 +41,7 @@
 //    the follow-ups to higher ranks, another those to lower ranks (Executor::set_follow_up_channels),
 //    and each follow-up goes alone, outside any group: c10d then posts it on a communicator of its
 //    pair, with a stream of its own, which carries only that pair's follow-ups in that direction (and
-//    which only those two ranks connect, at their first follow-up).
+//    which only those two ranks connect: [Note: connecting before the first step]).
 //
 // [Note: streams between communicators]
 // c10d makes a communicator's stream wait on the stream current when an operation is posted, and a
@@ -108,8 +108,9 @@ class DeviceComm {
   // sends hold the group's Work. Returns
   // the batch's ready marker, an event on the communication stream after the group (stream_contract.h,
   // rules 2 and 3), which the executor keeps with each of its receives until it lets go of them (null:
-  // the batch has no receive). A posting error aborts `backend` first (CommError): the part of the batch
-  // already added must not reach the peers without the rest. Not `grouped` (a follow-up: one task): the
+  // the batch has no receive). A batch NCCL would refuse (a peer out of range) is refused before its group
+  // opens; a posting error inside the group ends the group, then aborts `backend` (CommError), so that
+  // what was added ends with the communicator. Not `grouped` (a follow-up: one task): the
   // task goes alone, outside any group, which c10d posts on a communicator of its two ranks with a
   // stream of its own ([Note: NCCL pair order]).
   std::shared_ptr<StreamMarker> post_batch(const std::vector<std::shared_ptr<CommTask>>& tasks, const ComputeStream& on,

@@ -56,11 +56,13 @@ class DeviceOps : public StreamSync {
   virtual c10::intrusive_ptr<c10d::Work> post_alone(c10d::Backend& backend, CommTask& task) = 0;
   // The communication stream waits for `group` (the host does not).
   virtual void comm_waits(c10d::Work& group) = 0;
-  // Connects `backend`'s communicator of all its ranks (`pair` -1: the one a group's operations go on) or
-  // of this rank and `pair` (the one c10d posts an operation alone on), as its first operation would
-  // inside a step, on `on`: NCCL connects a communicator there, blocking the host until its peers come
-  // (DeviceComm::connect says in which order, so that they all do).
-  virtual void connect(c10d::Backend& backend, int pair, const ComputeStream& on) = 0;
+  // Connects, on `on`, what a step's first operations would connect inside it, blocking the host until
+  // the peers come (DeviceComm::connect says in which order, so that they all do): `backend`'s
+  // communicator of all ranks (a group's operations go on it) and its point-to-point connections with
+  // `peers` (NCCL makes them at the first group with each peer); or the communicator of this rank and
+  // `pair` (c10d posts an operation alone on it).
+  virtual void connect(c10d::Backend& backend, const std::vector<int>& peers, const ComputeStream& on) = 0;
+  virtual void connect_pair(c10d::Backend& backend, int pair, const ComputeStream& on) = 0;
   virtual ConnectionCounts connection_counts() const { return {}; }
 
   // -- the host
@@ -87,6 +89,9 @@ std::unique_ptr<DeviceOps> make_cpu_model_ops(const std::chrono::milliseconds& t
 // The CPU model's compute stream for this thread while the returned object lives: a second one
 // (`second`), or the default one (torch.cuda.stream(...) on a GPU).
 std::shared_ptr<void> make_model_stream_current(bool second);
+// The CPU model refuses this thread's `index`-th next post into a group (0: the next) as c10d would refuse
+// it before NCCL sees it (out of memory): what follows a posting failure NCCL knows nothing of.
+void make_model_refuse_post(int index);
 #endif
 
 }  // namespace pipecore

@@ -53,18 +53,18 @@ def receive_of_another_size(rank, world):
 
 
 def posting_error_aborts_the_communicator(rank, world):
-    """Rank 0 posts a batch whose second send goes to a rank the communicator lacks: posting fails after
-    the first send was added. The group is ended (NCCL cannot drop an open group: that half may launch),
-    then the communicator aborted, which ends what did not complete: rank 1's receive completes (the half
+    """Rank 0 posts a batch of two sends whose second c10d refuses (out of memory): posting fails after the
+    first send was added. The group is ended (NCCL cannot drop an open group: that half may launch), then
+    the communicator aborted, which ends what did not complete: rank 1's receive completes (the half
     reached it first) or times out. On a second communicator, rank 0 first waits for a receive rank 1
     never sends: the abort must end it at once, and refuse what is posted after it."""
     first, second = _model(timeout=30 if rank == 0 else 3), _model(timeout=30)
     ones = torch.ones(8, dtype=torch.float64)
     if rank == 0:
         try:
-            posting, _ = _error(first.post, [(True, 1, ones), (True, 5, ones)])
+            posting, _ = _error(lambda: first.post([(True, 1, ones), (True, 1, ones)], refused=1))
             pending = second.post([(False, 1, torch.zeros(8, dtype=torch.float64))])
-            _error(second.post, [(True, 1, ones), (True, 5, ones)])
+            _error(lambda: second.post([(True, 1, ones), (True, 1, ones)], refused=1))
             ended, seconds = _error(second.consume, pending)
             after, _ = _error(second.post, [(True, 1, ones)])
             return posting, ended, seconds, after
@@ -78,19 +78,21 @@ def posting_error_aborts_the_communicator(rank, world):
 
 
 def group_end_failure_leaves_no_group_open(rank, world):
-    """Rank 0's batch fails to post after its first send was added (a peer the communicator lacks); then,
-    on a communicator of its own, one send goes alone to rank 1, as a follow-up goes. Were the
-    communicator aborted inside the open group, the group's end would fail and c10d would count a group
-    open on this thread: the send alone would join it and never launch. Returns rank 0's posting error
-    and what the send alone did; rank 1 what receiving alone did, and what it received."""
+    """Rank 0 posts a batch whose second send goes to a rank the communicator lacks (NCCL would refuse it
+    inside the group and fail the group's end), then one whose second send c10d refuses (out of memory:
+    NCCL never sees it); then, on a communicator of its own, one send goes alone to rank 1, as a follow-up
+    goes. Had a group's end failed, c10d would count a group open on this thread: the send alone would join
+    it and never launch. Returns rank 0's posting errors and what the send alone did; rank 1 what
+    receiving alone did, and what it received."""
     first, second = _model(timeout=10), _model(timeout=10)
     ones = torch.ones(8, dtype=torch.float64)
     if rank == 0:
-        posting, _ = _error(first.post, [(True, 1, ones), (True, 5, ones)])
+        refused, _ = _error(first.post, [(True, 1, ones), (True, 5, ones)])
+        failed, _ = _error(lambda: first.post([(True, 1, ones), (True, 1, ones)], refused=1))
         alone, _ = _outcome(lambda: second.wait(second.post([(True, 1, ones)], alone=True)))
         dist.barrier()
-        return posting, alone
-    first.post([(False, 0, torch.zeros(8, dtype=torch.float64))])  # (rank 0's group connects on its end)
+        return refused, failed, alone
+    first.post([(False, 0, torch.zeros(8, dtype=torch.float64))])  # (where the half of the failed batch may go)
     received = torch.zeros(8, dtype=torch.float64)
     error, _ = _outcome(lambda: second.consume(second.post([(False, 0, received)], alone=True)))
     dist.barrier()

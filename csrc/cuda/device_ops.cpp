@@ -111,23 +111,36 @@ class CudaOps final : public DeviceOps {
     return task.works.back();
   }
   void comm_waits(c10d::Work& group) override { group.wait(); }  // (no blocking wait: the stream waits)
-  // c10d makes the communicator inside the first operation on it: a one-byte all-reduce for that of all
-  // ranks (a group's operations go on it), one byte each way alone for a pair's, the lower rank sending
-  // first. Their Works and bytes are kept while this lives (nothing waits for them).
-  void connect(c10d::Backend& backend, int pair, const ComputeStream& on) override {
+  // c10d makes a communicator inside the first operation on it, and NCCL a point-to-point connection in
+  // the first group with its peer: a one-byte all-reduce for the communicator of all ranks, then one group
+  // of a byte each way with every peer; one byte each way alone for a pair's communicator, the lower rank
+  // sending first. Their Works and bytes are kept while this lives (nothing waits for them).
+  void connect(c10d::Backend& backend, const std::vector<int>& peers, const ComputeStream& on) override {
     const c10::cuda::CUDAStreamGuard guard(on_cuda(on));
-    auto byte = [&] { return std::vector<at::Tensor>{at::zeros({1}, at::TensorOptions().dtype(at::kByte).device(device_))}; };
-    if (pair < 0) {
-      warm_ups_.emplace_back(byte(), nullptr);
-      warm_ups_.back().second = backend.allreduce(warm_ups_.back().first);
-      return;
+    warm_ups_.emplace_back(byte(), nullptr);
+    warm_ups_.back().second = backend.allreduce(warm_ups_.back().first);
+    if (peers.empty()) return;
+    backend.startCoalescing();
+    for (int peer : peers) {
+      for (const bool send : {true, false}) {
+        warm_ups_.emplace_back(byte(), nullptr);
+        auto& bytes = warm_ups_.back().first;
+        send ? backend.send(bytes, peer, 0) : backend.recv(bytes, peer, 0);
+      }
     }
+    warm_ups_.emplace_back(std::vector<at::Tensor>{}, backend.endCoalescing());
+  }
+  void connect_pair(c10d::Backend& backend, int pair, const ComputeStream& on) override {
+    const c10::cuda::CUDAStreamGuard guard(on_cuda(on));
     const bool lower = backend.getRank() < pair;
     for (const bool send : {lower, !lower}) {
       warm_ups_.emplace_back(byte(), nullptr);
       auto& bytes = warm_ups_.back().first;
       warm_ups_.back().second = send ? backend.send(bytes, pair, 0) : backend.recv(bytes, pair, 0);
     }
+  }
+  std::vector<at::Tensor> byte() const {
+    return {at::zeros({1}, at::TensorOptions().dtype(at::kByte).device(device_))};
   }
 
   // -- the host

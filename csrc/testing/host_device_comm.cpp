@@ -62,6 +62,7 @@ thread_local int current_device = 0;
 thread_local int current_stream = 0;
 thread_local int open_nccl_groups = 0;  // c10d's ncclActiveGroupCounter_ (thread_local there too)
 thread_local int comm_stream_current = 0;  // the communication stream is current (on_comm_stream)
+thread_local int refuse_post_in = -1;      // make_model_refuse_post's count of posts left before the refusal
 
 // Makes `value` current in `slot` while the returned object lives.
 std::shared_ptr<void> make_current(int& slot, int value) {
@@ -182,12 +183,25 @@ class CpuModelOps final : public DeviceOps {
   }
   void post(c10d::Backend& backend, CommTask& task) override {
     check_not_aborted(backend);
-    check_nccl_op(task);  // (inside the group: NCCL refuses it there, after what was added before)
+    if (refuse_post_in-- == 0) {  // (a test's: c10d refuses it before NCCL sees it, e.g. out of memory)
+      throw std::runtime_error("pipecore (model of c10d): out of memory while posting " + message_name(task));
+    }
+    try {
+      check_nccl_op(task);  // (inside the group: NCCL refuses it there, after what was added before)
+    } catch (...) {
+      group_failed_ = true;  // NCCL keeps the error for the group's end
+      throw;
+    }
     group_.push_back(&task);
   }
   c10::intrusive_ptr<c10d::Work> end_group(c10d::Backend& backend) override {
     std::vector<CommTask*> group;
     group.swap(group_);
+    if (std::exchange(group_failed_, false)) {  // (ncclGroupEnd returns the group's error; c10d's count stays raised)
+      throw std::runtime_error("pipecore (model of NCCL): ncclGroupEnd returns the error NCCL kept for an operation "
+                               "of the group it refused, launching nothing, and c10d still counts the group open on "
+                               "this thread");
+    }
     if (!group.empty() && aborted_.count(&backend) != 0) {  // (ncclGroupEnd fails; c10d's count stays raised)
       throw std::runtime_error("pipecore (model of NCCL): ncclGroupEnd on a communicator that was aborted inside the "
                                "group (ncclCommAbort freed it): the group fails, and c10d still counts it open on "
@@ -215,8 +229,13 @@ class CpuModelOps final : public DeviceOps {
     std::lock_guard<std::mutex> lock(mu_);
     comm_groups_.emplace_back(c10::intrusive_ptr<c10d::Work>::reclaim_copy(&group));
   }
-  void connect(c10d::Backend& backend, int pair, const ComputeStream& /*on*/) override {
-    if (pair >= 0 || !all_ranks_connected_) connect_ahead(backend, pair, timeout_, connections_);
+  void connect(c10d::Backend& backend, const std::vector<int>& peers, const ComputeStream& /*on*/) override {
+    const char* what = "connection ahead of the first step";
+    if (!all_ranks_connected_) connect_communicator(backend, -1, what, timeout_, /*ahead=*/true, connections_);
+    connect_peers(backend, peers, what, timeout_, /*ahead=*/true, connections_);
+  }
+  void connect_pair(c10d::Backend& backend, int pair, const ComputeStream& /*on*/) override {
+    connect_communicator(backend, pair, "connection ahead of the first step", timeout_, /*ahead=*/true, connections_);
   }
   ConnectionCounts connection_counts() const override { return connections_; }
 
@@ -238,9 +257,12 @@ class CpuModelOps final : public DeviceOps {
   // all ranks (pair -1), or of its communicator of this rank and `pair`.
   c10::intrusive_ptr<c10d::Work> launch(c10d::Backend& backend, int pair, const std::vector<CommTask*>& tasks,
                                         const char* kind) {
-    if (!tasks.empty() && (pair >= 0 || !all_ranks_connected_)) {
-      connect_at_operation(backend, pair, std::string(kind) + "'s " + message_name(*tasks[0]).substr(4), timeout_,
-                           connections_);
+    if (!tasks.empty()) {
+      const std::string what = std::string(kind) + "'s " + message_name(*tasks[0]).substr(4);
+      if (pair >= 0 || !all_ranks_connected_) connect_communicator(backend, pair, what, timeout_, false, connections_);
+      std::vector<int> peers;
+      for (const CommTask* task : tasks) peers.push_back(task->peer);
+      if (pair < 0) connect_peers(backend, peers, what, timeout_, false, connections_);
     }
     for (CommTask* task : tasks) {
       if (!task->send) unreleased_ += static_cast<int64_t>(task->parts.size());
@@ -315,6 +337,7 @@ class CpuModelOps final : public DeviceOps {
   std::atomic<int64_t> status_{kMessageOk};
   std::atomic<int64_t> unreleased_{0};  // receive buffers posted and not released yet
   std::vector<CommTask*> group_;        // the open group's operations (posted when it ends)
+  bool group_failed_ = false;           // NCCL refused an operation of the open group
   const bool all_ranks_connected_;      // its groups' communicators of all ranks connected when they were made
   ConnectionCounts connections_;        // those this executor connected (DeviceOps::connection_counts)
   std::mutex mu_;
@@ -332,6 +355,8 @@ std::unique_ptr<DeviceOps> make_cpu_model_ops(const std::chrono::milliseconds& t
                                               bool all_ranks_connected) {
   return std::make_unique<CpuModelOps>(timeout, device_index, all_ranks_connected);
 }
+
+void make_model_refuse_post(int index) { refuse_post_in = index; }
 
 std::shared_ptr<void> make_model_stream_current(bool second) {
   return make_current(current_stream, second ? StreamLedger::kSideLane : 0);

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <memory>
 #include <stdexcept>
@@ -28,17 +29,20 @@ std::string communicator_name(const c10d::Backend& backend, int pair) {
   return "the communicator of ranks " + std::to_string(std::min(me, pair)) + " and " + std::to_string(std::max(me, pair));
 }
 
-// Which communicator a rank is connecting, as the tokens of meet() carry it: -1 for all ranks, else its pair.
-int64_t communicator_id(const c10d::Backend& backend, int pair) {
+// What a rank is connecting with `member`, as the tokens of meet() carry it: a communicator (-1 for all
+// ranks', else its pair's), or (`transport`) the point-to-point connection of the two ranks.
+int64_t connection_id(const c10d::Backend& backend, int pair, int member, bool transport) {
   const int me = backend.getRank();
-  return pair < 0 ? -1 : (int64_t{std::min(me, pair)} << 32) + std::max(me, pair);
+  const int other = transport ? member : pair;
+  const int64_t pair_id = (int64_t{std::min(me, other)} << 24) + std::max(me, other);
+  return transport ? (int64_t{1} << 60) + pair_id : pair < 0 ? -1 : pair_id;
 }
 
-// Every other member's token, and ours to each (ncclCommInitRank returns once every rank joined), on a
-// thread of its own: the caller waits for it up to `timeout`, then ends its gloo waits (a gloo wait
-// that times out closes every pair of its group) and says which ranks never came. A member whose token
-// names another communicator connects them in another order: as on NCCL, neither comes.
-std::vector<int> meet(c10d::Backend& backend, int pair, const std::vector<int>& members,
+// Every member's token, and ours to each (ncclCommInitRank, and NCCL's point-to-point setup, return once
+// every member came), on a thread of its own: the caller waits for it up to `timeout`, then ends its gloo
+// waits (a gloo wait that times out closes every pair of its group) and says which ranks never came. A
+// member whose token names another connection connects them in another order: as on NCCL, neither comes.
+std::vector<int> meet(c10d::Backend& backend, const std::vector<int>& members, const std::function<int64_t(int)>& id_of,
                       std::chrono::milliseconds timeout) {
   struct Meeting {
     std::mutex mu;
@@ -52,7 +56,7 @@ std::vector<int> meet(c10d::Backend& backend, int pair, const std::vector<int>& 
   auto meeting = std::make_shared<Meeting>();
   meeting->arrived.assign(members.size(), false);
   for (int peer : members) {
-    std::vector<at::Tensor> mine{at::full({1}, communicator_id(backend, pair), at::kLong)};
+    std::vector<at::Tensor> mine{at::full({1}, id_of(peer), at::kLong)};
     meeting->sends.push_back(backend.send(mine, peer, kConnectTag));
     meeting->buffers.push_back({at::zeros({1}, at::kLong)});
     meeting->receives.push_back(backend.recv(meeting->buffers.back(), peer, kConnectTag));
@@ -81,7 +85,7 @@ std::vector<int> meet(c10d::Backend& backend, int pair, const std::vector<int>& 
       meeting->done.wait(lock, [&] { return meeting->finished; });
     }
     for (size_t i = 0; i < members.size(); ++i) {
-      const bool same = meeting->arrived[i] && meeting->buffers[i][0].item<int64_t>() == communicator_id(backend, pair);
+      const bool same = meeting->arrived[i] && meeting->buffers[i][0].item<int64_t>() == id_of(members[i]);
       if (!same) missing.push_back(members[i]);
     }
   }
@@ -95,65 +99,136 @@ std::vector<int> meet(c10d::Backend& backend, int pair, const std::vector<int>& 
   return missing;
 }
 
-// Whether a communicator of `backend` is connected: kept with the backend, as c10d keeps its communicators
-// (a backend gone and another made at its address starts with none).
-class Connected {
+// Which connections of which backends are made, or being made (by another thread, which a second one
+// waits for): kept with the backend, as c10d keeps its communicators (a backend gone and another made at
+// its address starts with none). Keys: a communicator's pair (-1: all ranks'), or -2 - peer for the
+// point-to-point connection with `peer` of the communicator of all ranks.
+class Registry {
  public:
-  bool contains(c10d::Backend& backend, int pair) {
-    forget_expired();
-    for (const auto& [weak, p] : connected_) {
-      if (p == pair && weak._unsafe_get_target() == &backend) return true;
+  // Of `keys`, those this thread is to connect now (marked in progress), once no other thread is making
+  // one of them; those made already are left out.
+  std::vector<int> claim(c10d::Backend& backend, const std::vector<int>& keys) {
+    std::unique_lock<std::mutex> lock(mu_);
+    changed_.wait(lock, [&] {
+      return std::none_of(keys.begin(), keys.end(), [&](int k) { return state(backend, k) == kInProgress; });
+    });
+    std::vector<int> mine;
+    for (int k : keys) {
+      if (state(backend, k) == kNone) {
+        set(backend, k, kInProgress);
+        mine.push_back(k);
+      }
     }
-    return false;
+    return mine;
   }
-  void add(c10d::Backend& backend, int pair) {
-    connected_.emplace_back(c10::weak_intrusive_ptr<c10d::Backend>(c10::intrusive_ptr<c10d::Backend>::reclaim_copy(&backend)), pair);
+  // They are made (or, `made` false, not: another thread may try again).
+  void settle(c10d::Backend& backend, const std::vector<int>& keys, bool made, ConnectionCounts& counts, bool ahead,
+              bool store) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int k : keys) set(backend, k, made ? kMade : kNone);
+    ++(ahead ? counts.ahead : counts.in_steps);
+    if (store) ++counts.store_ops;
+    changed_.notify_all();
   }
 
  private:
-  void forget_expired() {
-    connected_.erase(std::remove_if(connected_.begin(), connected_.end(), [](const auto& c) { return c.first.expired(); }),
-                     connected_.end());
+  enum State { kNone, kInProgress, kMade };
+  State state(c10d::Backend& backend, int key) {
+    entries_.erase(std::remove_if(entries_.begin(), entries_.end(), [](const Entry& e) { return e.backend.expired(); }),
+                   entries_.end());
+    for (const auto& e : entries_) {
+      if (e.key == key && e.backend._unsafe_get_target() == &backend) return e.state;
+    }
+    return kNone;
   }
-  std::vector<std::pair<c10::weak_intrusive_ptr<c10d::Backend>, int>> connected_;
+  void set(c10d::Backend& backend, int key, State to) {
+    for (auto& e : entries_) {
+      if (e.key == key && e.backend._unsafe_get_target() == &backend) {
+        e.state = to;
+        return;
+      }
+    }
+    entries_.push_back({c10::weak_intrusive_ptr<c10d::Backend>(c10::intrusive_ptr<c10d::Backend>::reclaim_copy(&backend)),
+                        key, to});
+  }
+  struct Entry {
+    c10::weak_intrusive_ptr<c10d::Backend> backend;
+    int key;
+    State state;
+  };
+  std::mutex mu_;
+  std::condition_variable changed_;
+  std::vector<Entry> entries_;
 };
 
-void connect(c10d::Backend& backend, int pair, const std::string& what, std::chrono::milliseconds timeout, bool ahead,
-             ConnectionCounts& counts) {
-  static std::mutex mu;  // one connection at a time (c10d makes them under its lock)
-  static auto* connected = new Connected();  // (never destroyed: backends may outlive static destruction)
-  std::lock_guard<std::mutex> lock(mu);
-  if (connected->contains(backend, pair)) return;
+Registry& registry() {
+  static auto* made = new Registry();  // (never destroyed: backends may outlive static destruction)
+  return *made;
+}
+
+std::string ranks_text(const std::vector<int>& ranks) {
+  std::string text;
+  for (int r : ranks) text += (text.empty() ? "" : ", ") + std::to_string(r);
+  return text;
+}
+
+}  // namespace
+
+void connect_communicator(c10d::Backend& backend, int pair, const std::string& what, std::chrono::milliseconds timeout,
+                          bool ahead, ConnectionCounts& counts) {
+  if (registry().claim(backend, {pair}).empty()) return;
   const int me = backend.getRank();
   std::vector<int> members;
   for (int r = 0; r < backend.getSize(); ++r) {
     if (r != me && (pair < 0 || r == pair)) members.push_back(r);
   }
-  ++(ahead ? counts.ahead : counts.in_steps);
-  if (!members.empty()) ++counts.store_ops;  // rank 0's id set, or this rank's blocking get of it
-  const std::vector<int> missing = meet(backend, pair, members, timeout);
+  std::vector<int> missing;
+  try {
+    missing = meet(backend, members, [&](int member) { return connection_id(backend, pair, member, false); }, timeout);
+  } catch (...) {
+    registry().settle(backend, {pair}, false, counts, ahead, !members.empty());
+    throw;
+  }
+  // (rank 0's unique id set in the store, or this rank's blocking get of it)
+  registry().settle(backend, {pair}, missing.empty(), counts, ahead, !members.empty());
   if (!missing.empty()) {
-    std::string ranks;
-    for (int r : missing) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
     throw CommError("pipecore (model of NCCL): this would hang: rank " + std::to_string(me) + "'s " + what +
                     " is the first operation on " + communicator_name(backend, pair) +
                     (ahead ? "" : ", which c10d connects there, inside the step") +
                     " (a unique id through the store, then ncclCommInitRank, which returns once every rank joined); "
-                    "rank(s) " + ranks + " did not come to it within the timeout (or came to another first), and "
-                    "nothing (no timeout, no abort) ends that wait on a GPU");
+                    "rank(s) " + ranks_text(missing) + " did not come to it within the timeout (or came to another "
+                    "first), and no timeout of NCCL's and no abort ends that wait on a GPU");
   }
-  connected->add(backend, pair);
 }
 
-}  // namespace
-
-void connect_at_operation(c10d::Backend& backend, int pair, const std::string& what, std::chrono::milliseconds timeout,
-                          ConnectionCounts& counts) {
-  connect(backend, pair, what, timeout, /*ahead=*/false, counts);
-}
-
-void connect_ahead(c10d::Backend& backend, int pair, std::chrono::milliseconds timeout, ConnectionCounts& counts) {
-  connect(backend, pair, "connecting it ahead of the first step", timeout, /*ahead=*/true, counts);
+void connect_peers(c10d::Backend& backend, const std::vector<int>& peers, const std::string& what,
+                   std::chrono::milliseconds timeout, bool ahead, ConnectionCounts& counts) {
+  const int me = backend.getRank();
+  std::vector<int> keys;
+  for (int peer : peers) {
+    if (peer != me) keys.push_back(-2 - peer);
+  }
+  std::sort(keys.begin(), keys.end());
+  keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
+  const std::vector<int> mine = registry().claim(backend, keys);
+  if (mine.empty()) return;
+  std::vector<int> members;
+  for (int k : mine) members.push_back(-2 - k);
+  std::vector<int> missing;
+  try {
+    missing = meet(backend, members, [&](int member) { return connection_id(backend, -1, member, true); }, timeout);
+  } catch (...) {
+    registry().settle(backend, mine, false, counts, ahead, false);
+    throw;
+  }
+  registry().settle(backend, mine, missing.empty(), counts, ahead, false);
+  if (!missing.empty()) {
+    throw CommError("pipecore (model of NCCL): this would hang: rank " + std::to_string(me) + "'s " + what +
+                    " is its first group with rank(s) " + ranks_text(members) + " on " +
+                    communicator_name(backend, -1) + (ahead ? "" : ", where NCCL connects them, inside the step") +
+                    " (ncclGroupEnd sets up each new peer's point-to-point connection, which returns once that peer "
+                    "did the same); rank(s) " + ranks_text(missing) + " did not come to it within the timeout");
+  }
 }
 
 }  // namespace pipecore

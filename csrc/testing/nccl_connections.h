@@ -6,8 +6,9 @@
 // their first operation on that communicator too, and nothing ends that wait (no timeout of NCCL's;
 // ncclCommAbort cannot reach a communicator not made yet). The model holds the host the same way (the
 // ranks meet over gloo on a tag of the model's own) and, where the executor's timeout passes first,
-// reports the hang it would be. A communicator connected ahead (DeviceOps::connect, or at the group's
-// creation with a device id) costs a step nothing.
+// reports the hang it would be. NCCL connects a communicator's point-to-point paths the same way, at the
+// first group with each peer. What was connected ahead (DeviceOps::connect; a communicator of all ranks
+// also at the group's creation with a device id) costs a step nothing.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -15,18 +16,22 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "../connection_counts.h"
 
 namespace pipecore {
 
-// Before an operation on `backend`'s communicator of all its ranks (`pair` -1: a group's) or of this
-// rank and `pair` (an operation alone): connects it if this is its first in this process (the
-// communicators live in the backend, as c10d's do), counted in `counts` as a step's. `what` names the
-// operation in the report of a connection that would hang, after `timeout`.
-void connect_at_operation(c10d::Backend& backend, int pair, const std::string& what, std::chrono::milliseconds timeout,
-                          ConnectionCounts& counts);
-// Connects it ahead of any step (DeviceOps::connect), counted as such.
-void connect_ahead(c10d::Backend& backend, int pair, std::chrono::milliseconds timeout, ConnectionCounts& counts);
+// Connects `backend`'s communicator of all its ranks (`pair` -1: a group's) or of this rank and `pair`
+// (an operation alone) if it is not yet, in this process (communicators live in the backend, as c10d's
+// do): `ahead` of any step (DeviceOps::connect) or at a step's operation, named `what` in the report of
+// one that would hang (after `timeout`); counted in `counts`.
+void connect_communicator(c10d::Backend& backend, int pair, const std::string& what, std::chrono::milliseconds timeout,
+                          bool ahead, ConnectionCounts& counts);
+// The point-to-point connections of `backend`'s communicator of all ranks with `peers` not made yet, at
+// once: NCCL makes them in the first group that sends to or receives from each (ncclGroupEnd), and
+// returns only once each of those peers did the same.
+void connect_peers(c10d::Backend& backend, const std::vector<int>& peers, const std::string& what,
+                   std::chrono::milliseconds timeout, bool ahead, ConnectionCounts& counts);
 
 }  // namespace pipecore

@@ -21,17 +21,26 @@ namespace {
 
 class NcclModel {
  public:
-  // `all_ranks_connected`: the group's communicator connected (as with a device id), so that a rank's
+  // `connected`: the group's communicator and its point-to-point connections made here, as a Pipeline
+  // makes them before its first step (every rank of the group constructs it at once), so that a rank's
   // first batch does not wait for its peer's
-  NcclModel(c10::intrusive_ptr<c10d::ProcessGroup> group, double timeout_s, int device_index, bool all_ranks_connected)
+  NcclModel(c10::intrusive_ptr<c10d::ProcessGroup> group, double timeout_s, int device_index, bool connected)
       : group_(std::move(group)),
         timeout_(static_cast<int64_t>(timeout_s * 1000)),
-        comm_(make_host_device_comm(timeout_, device_index, all_ranks_connected)) {}
+        comm_(make_host_device_comm(timeout_, device_index)) {
+    if (!connected) return;
+    std::vector<int> peers;
+    for (int r = 0; r < group_->getSize(); ++r) {
+      if (r != group_->getRank()) peers.push_back(r);
+    }
+    comm_->connect(*group_->getBackend(c10::DeviceType::CPU), {}, group_->getRank(), peers);
+  }
 
   // Posts one batch of (send, peer, tensor) operations, in that order, as the executor posts a run of
   // SEND/RECV actions (`alone`: one operation outside any group, as a follow-up goes): its index. An
   // operation's action is its position among every operation posted.
-  int64_t post(const std::vector<std::tuple<bool, int64_t, at::Tensor>>& ops, bool alone) {
+  // `refused`: the index of an operation c10d refuses to post (out of memory), or -1.
+  int64_t post(const std::vector<std::tuple<bool, int64_t, at::Tensor>>& ops, bool alone, int refused) {
     Batch batch;
     for (const auto& [send, peer, tensor] : ops) {
       auto task = std::make_shared<CommTask>();
@@ -42,7 +51,14 @@ class NcclModel {
       task->action = actions_++;
       batch.tasks.push_back(std::move(task));
     }
-    batch.ready = comm_->post_batch(batch.tasks, comm_->compute_stream(), /*grouped=*/!alone);
+    make_model_refuse_post(refused);
+    try {
+      batch.ready = comm_->post_batch(batch.tasks, comm_->compute_stream(), /*grouped=*/!alone);
+    } catch (...) {
+      make_model_refuse_post(-1);
+      throw;
+    }
+    make_model_refuse_post(-1);
     batches_.push_back(std::move(batch));
     return static_cast<int64_t>(batches_.size()) - 1;
   }
@@ -104,8 +120,9 @@ void bind_nccl_model(pybind11::module& m) {
   py::class_<NcclModel>(m, "NcclModel",
                         "the device path over the CPU model of NCCL on `group` (gloo), one batch at a time (tests)")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, double, int, bool>(), py::arg("group"), py::arg("timeout"),
-           py::arg("device_index") = 0, py::arg("all_ranks_connected") = true)
-      .def("post", &NcclModel::post, py::arg("ops"), py::arg("alone") = false, py::call_guard<py::gil_scoped_release>())
+           py::arg("device_index") = 0, py::arg("connected") = true)
+      .def("post", &NcclModel::post, py::arg("ops"), py::arg("alone") = false, py::arg("refused") = -1,
+           py::call_guard<py::gil_scoped_release>())
       .def("consume", &NcclModel::consume, py::arg("batch"), py::arg("second_stream") = false,
            py::call_guard<py::gil_scoped_release>())
       .def("release", &NcclModel::release, py::arg("batch"), py::arg("consumed"), py::arg("second_stream") = false,

@@ -266,17 +266,18 @@ class Comm:
             executor.set_follow_up_channels(*self.open_follow_up_channels())
         self.open_descriptions()  # (the first step of each batch signature sends boundaries there)
         if not self._connected or len(self.channels) > opened:
-            self._connected = True
             self.connect(executor, self.channels[opened:], peers)
+            self._connected = True
 
     def connect(self, executor, channels: list, peers: list[int]) -> None:
         """At an agreement, every rank of the group here: the communicators the executor's messages go on
         connected now, not by a step's first operation on them (csrc/executor.h, connect_communicators).
         `channels`: those opened since the last call; `peers`: the ranks this rank's programs exchange
-        messages with. One that fails, or does not complete within the timeout, breaks the group."""
+        messages with. One that fails breaks the group. (On a GPU nothing bounds a connection whose peers
+        never come: NCCL's has no timeout, which is why it is made here, where every rank just agreed.)"""
         try:
             executor.connect_communicators(channels, peers)
-        except CommError as exc:
+        except RuntimeError as exc:  # (CommError; c10d's DistBackendError, DistStoreError)
             raise CommunicationError(f"{self.who}: connecting the group's communicators failed ({exc}); a rank hung "
                                      f"or died: {self.mark_broken(str(exc))}rebuild the process group") from None
 
