@@ -91,9 +91,7 @@ class CpuModelOps final : public DeviceOps {
     marker->clock = ledger_->record(lane_of(lane, compute));
     if (lane == Lane::kComm) {
       std::lock_guard<std::mutex> lock(mu_);
-      for (const auto& group : comm_groups_) {
-        if (auto live = group.lock()) marker->groups.push_back(std::move(live));
-      }
+      marker->groups = comm_waited();
       marker->copies.swap(copies_);
     }
     return marker;
@@ -272,13 +270,20 @@ class CpuModelOps final : public DeviceOps {
     std::vector<c10::intrusive_ptr<c10d::Work>> after;
     if (comm_stream_current) {
       std::lock_guard<std::mutex> lock(mu_);
-      for (const auto& group : comm_groups_) {
-        if (auto live = group.lock()) after.push_back(std::move(live));
-      }
+      after = comm_waited();
     }
     auto& stream = streams_[{&backend, pair}];
     if (!stream) stream = make_comm_stream();
     return stream->queue(kind, tasks, std::move(after));
+  }
+
+  // The groups the communication stream waited for this step that are still held (mu_ held).
+  std::vector<c10::intrusive_ptr<c10d::Work>> comm_waited() const {
+    std::vector<c10::intrusive_ptr<c10d::Work>> live;
+    for (const auto& group : comm_groups_) {
+      if (auto held = group.lock()) live.push_back(std::move(held));
+    }
+    return live;
   }
 
   static constexpr const char* kAbortedText =

@@ -374,25 +374,21 @@ class GroupStream final : public CommStream {
         running_ = before;
         never = aborted_;
       }
-      if (before && never.empty()) {
-        try {
-          before->wait(kWaitForever);  // (its waiters' deadlines report a hang: the host's wait says)
-        } catch (const std::exception& e) {
-          std::lock_guard<std::mutex> lock(mu_);
-          never = !aborted_.empty() ? aborted_
-                                    : "pipecore (model of NCCL): " + next.group->what() + " never launched: " +
-                                          before->what() + ", queued before it on its communicator, did not complete (" +
-                                          e.what() + "); groups on one communicator run one after another, so on a "
-                                          "GPU this would hang";
-        }
-      }
-      for (const auto& work : next.after) {  // (another communicator's groups, which the posting stream waited for)
+      // What must complete before it launches: the group before it on this stream, then what the posting
+      // stream had waited for (another communicator's groups). No deadline: its waiters' report a hang.
+      std::vector<c10::intrusive_ptr<c10d::Work>> first;
+      if (before) first.push_back(before);
+      first.insert(first.end(), next.after.begin(), next.after.end());
+      for (const auto& work : first) {
         if (!never.empty()) break;
+        const bool queued_before = work == before;
         const auto* other = dynamic_cast<const GroupWork*>(work.get());
         const std::string waited = other ? other->what() : std::string("another communicator's work");
-        next.group->waiting_for("the stream current when it was posted had waited for " + waited +
-                                " first, which did not complete: c10d makes a communicator's stream wait for the "
-                                "stream current at posting, so on a GPU this would hang");
+        if (!queued_before) {
+          next.group->waiting_for("the stream current when it was posted had waited for " + waited +
+                                  " first, which did not complete: c10d makes a communicator's stream wait for the "
+                                  "stream current at posting, so on a GPU this would hang");
+        }
         {
           std::lock_guard<std::mutex> lock(mu_);
           running_ = work;
@@ -402,9 +398,13 @@ class GroupStream final : public CommStream {
         } catch (const std::exception& e) {
           std::lock_guard<std::mutex> lock(mu_);
           never = !aborted_.empty() ? aborted_
-                                    : "pipecore (model of NCCL): " + next.group->what() + " never launched: the stream "
-                                          "current when it was posted had waited for " + waited +
-                                          ", which did not complete (" + e.what() + ")";
+                  : queued_before
+                      ? "pipecore (model of NCCL): " + next.group->what() + " never launched: " + waited +
+                            ", queued before it on its communicator, did not complete (" + e.what() +
+                            "); groups on one communicator run one after another, so on a GPU this would hang"
+                      : "pipecore (model of NCCL): " + next.group->what() + " never launched: the stream current "
+                            "when it was posted had waited for " + waited + ", which did not complete (" + e.what() +
+                            ")";
         }
       }
       // the sends' checks of their receivers' notes, then the receives, then the notes and sends (so a
