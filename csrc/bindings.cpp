@@ -426,8 +426,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "learns shapes posts them with learning=True (else 0)")
       .def("set_large_messages", &pipecore::Executor::set_large_messages, py::arg("min_bytes"))
       .def("_emulate_device_comm", &pipecore::Executor::emulate_device_comm, py::arg("all_ranks_connected") = false,
+           py::arg("eager_bytes") = 0,
            "the device path's protocol run by the host on CPU tensors over gloo (testing/host_device_comm.cpp); "
-           "all_ranks_connected: as a group made with a device id")
+           "all_ranks_connected: as a group made with a device id; eager_bytes: sends of at most that many bytes "
+           "complete before their receiver posts (NCCL's eager protocol; 0: every send is a rendezvous)")
       .def("_connection_counts", &pipecore::Executor::connection_counts,
            "communicators the path connected so far: (ahead of every step, by a step's operation, store operations)")
       .def("_stream_violations", &pipecore::Executor::stream_violations,

@@ -43,6 +43,7 @@ struct CommTask {
   int64_t header_bytes = 0;
   at::Tensor header_host;
   std::shared_ptr<StreamMarker> header_ready;
+  bool header_landed = false;  // its header was on the host when the path looked (its follow-up then posted)
   // a grown shaped message's follow-up (gloo: its second sending; the device path: on the follow-up
   // channel), read in place of `parts`, which stay until the executor lets go of it (DeviceComm::release:
   // stream_contract.h, rule 3)

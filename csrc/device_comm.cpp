@@ -96,6 +96,10 @@ at::Tensor DeviceComm::read_header(CommTask& task, std::chrono::milliseconds tim
   return task.header_host;
 }
 
+bool DeviceComm::header_arrived(const CommTask& task) {
+  return task.header_ready && ops_->host_ready(*task.header_ready);
+}
+
 void DeviceComm::write_trailer(at::Tensor& trailer, const ComputeStream& on) {
   const OnDevice on_device(*ops_);
   ops_->write_trailer(trailer, on);
@@ -203,8 +207,8 @@ std::unique_ptr<DeviceComm> make_device_comm(const c10::Device& device) {
 
 #ifdef PIPECORE_TESTING
 std::unique_ptr<DeviceComm> make_host_device_comm(const std::chrono::milliseconds& timeout, int device_index,
-                                                  bool all_ranks_connected) {
-  return std::make_unique<DeviceComm>(make_cpu_model_ops(timeout, device_index, all_ranks_connected));
+                                                  bool all_ranks_connected, int64_t eager_bytes) {
+  return std::make_unique<DeviceComm>(make_cpu_model_ops(timeout, device_index, all_ranks_connected, eager_bytes));
 }
 #endif
 

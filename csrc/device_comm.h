@@ -56,6 +56,21 @@
 // from the same peer, which posts that receive's send after the follow-up's receive; 42 of the 76 device
 // path tests with growing messages hung, on 2, 3 and 4 ranks).
 //
+// [Note: follow-ups posted as their headers land]
+// A follow-up's send waits on its stream until the receiver posts the receive (NCCL's rendezvous; only
+// small sends complete without it), and a device-wide synchronisation on the sender (cudaFree, which the
+// caching allocator calls when it is off, on an out-of-memory retry and in empty_cache) holds its host
+// until that send completed. Were the receive posted only when the consuming action reads the header, a
+// receiver that first needs what the held host posts next would never post it: replayed over every
+// schedule (replay_device_syncs in pipecore/schedule/p2p_order.py, a synchronisation in every compute
+// action, every message grown), 291 of 612 configurations hung so; the CPU model (model_device_synchronize)
+// hung the same way. So before each action the receiver looks, without waiting, at the headers of the
+// receives it has not read (each peer's in posting order, the order follow-ups match in: [Note: NCCL pair
+// order]), and posts the follow-up of each grown one whose header is on the host
+// (DevicePath::post_landed_follow_ups); its consumer still reads the message, and says what was wrong with
+// it. That leaves 72 of the 612 hanging: a receiver already held in its own synchronisation, for a batch
+// whose partner the first host posts after its own, cannot post (docs/cuda.md).
+//
 // [Note: connecting before the first step]
 // NCCL connects a communicator at its first operation, inside the call that posts it (c10d: a unique id
 // through the store, then ncclCommInitRank, which returns once every rank of it joined), and nothing
@@ -125,6 +140,8 @@ class DeviceComm {
   // A shaped message (task.header_bytes > 0): its header's bytes on the host, waited for up to
   // `timeout` (CommError after that), not waiting for the compute stream.
   at::Tensor read_header(CommTask& task, std::chrono::milliseconds timeout);
+  // Whether a shaped message's header is on the host already (read_header would not wait).
+  bool header_arrived(const CommTask& task);
   // Writes the step status (ok, or the first bad status a message brought) into a 16-byte trailer, on `on`.
   void write_trailer(at::Tensor& trailer, const ComputeStream& on);
   // `seed` (one element) = value if the step status is ok, else 0, on `on`.
@@ -160,9 +177,10 @@ std::unique_ptr<DeviceComm> make_device_comm(const c10::Device& device);
 // Test builds: the same decisions over the CPU model's calls (testing/host_device_comm.cpp), on CPU
 // tensors over gloo, for tests on machines without a GPU; `timeout` (the executor's, read at each
 // wait; it must outlive the DeviceComm) bounds each wait for a message; `device_index`: the device it
-// models (a launch while another one is current is refused); `all_ranks_connected`: make_cpu_model_ops's.
+// models (a launch while another one is current is refused); `all_ranks_connected`, `eager_bytes`:
+// make_cpu_model_ops's.
 std::unique_ptr<DeviceComm> make_host_device_comm(const std::chrono::milliseconds& timeout, int device_index,
-                                                  bool all_ranks_connected = false);
+                                                  bool all_ranks_connected = false, int64_t eager_bytes = 0);
 #endif
 
 }  // namespace pipecore

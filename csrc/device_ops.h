@@ -72,6 +72,8 @@ class DeviceOps : public StreamSync {
   // Waits for `marker` on the host, at most `timeout`; false then (or a CommError that says why, where the
   // implementation knows: the CPU model names the group that did not complete).
   virtual bool host_wait(const StreamMarker& marker, std::chrono::milliseconds timeout) = 0;
+  // Whether `marker` is done, without waiting (its copies to the host then readable).
+  virtual bool host_ready(const StreamMarker& marker) = 0;
   // The stream contract's violations seen so far (the CPU model's ledger; none on a device).
   virtual std::vector<std::string> violations() const { return {}; }
 };
@@ -84,8 +86,15 @@ std::unique_ptr<DeviceOps> make_cuda_ops(const c10::Device& device);
 // `device_index`: the device it models (a launch with another one current is refused);
 // `all_ranks_connected`: its groups' communicators of all ranks connected when they were made, as with
 // init_process_group(device_id=...) (else each connects at its first operation, as NCCL's do).
+// `eager_bytes`: sends of at most that many bytes complete before their receiver posts, as with NCCL's
+// eager protocol (0: every send is a rendezvous, the strictest: testing/nccl_model.h).
 std::unique_ptr<DeviceOps> make_cpu_model_ops(const std::chrono::milliseconds& timeout, int device_index,
-                                              bool all_ranks_connected);
+                                              bool all_ranks_connected, int64_t eager_bytes);
+// A device-wide synchronisation of modelled device `device` (every CPU model of it alive in this process),
+// named `why` in reports (cudaFree with the caching allocator off, empty_cache, an out-of-memory retry):
+// the host is held until every stream of the device completed its work; a CommError names what did not,
+// within the executor's timeout.
+void model_device_synchronize(const std::string& why, int device);
 // The CPU model's compute stream for this thread while the returned object lives: a second one
 // (`second`), or the default one (torch.cuda.stream(...) on a GPU).
 std::shared_ptr<void> make_model_stream_current(bool second);

@@ -41,7 +41,9 @@ class DevicePath final : public MessagePath {
 
   void begin_step() override { device_->begin_step(device_->compute_stream()); }
 
-  void before(size_t /*at*/) override {}  // receives go with their batch
+  // Receives go with their batch; a grown message's follow-up receive is posted as soon as its header is
+  // on the host ([Note: follow-ups posted as their headers land], device_comm.h).
+  void before(size_t /*at*/) override { post_landed_follow_ups(); }
 
   void post(size_t index, const RunMode& mode) override { post_batch(index, mode); }
 
@@ -143,6 +145,11 @@ class DevicePath final : public MessagePath {
                                     const char* what, int64_t key, bool draining, bool& same) override;
   // `task`'s header bytes on the host, waited for (a failed wait names consumer, what, peer).
   at::Tensor header_on_host(CommTask& task, int peer, const Instr& consumer, const char* what);
+  // The follow-up of grown `task` (shapes `layout`, keyed `key`) posted, unless it was; false if the key
+  // is not the next one from its peer (the channel is out of step).
+  bool post_follow_up(CommTask& task, const std::vector<TensorSpec>& layout, int64_t key);
+  // The follow-ups of grown messages whose headers are on the host already, read without waiting.
+  void post_landed_follow_ups();
 
   std::unique_ptr<DeviceComm> device_;
   size_t posted_through_ = 0;  // every SEND/RECV before this index is posted
@@ -256,35 +263,61 @@ at::Tensor DevicePath::header_on_host(CommTask& task, int peer, const Instr& con
   }
 }
 
+bool DevicePath::post_follow_up(CommTask& task, const std::vector<TensorSpec>& layout, int64_t key) {
+  if (task.follow_up) return true;
+  int64_t& received = format_.follow_ups_from[task.peer];
+  if (key != received + 1) return false;  // a follow-up of another message would come
+  auto again = std::make_shared<CommTask>();
+  again->send = false;
+  again->layout = layout;
+  again->header_bytes = shaped_header_bytes(layout);  // read by the host, as a shaped message's header
+  again->parts = alloc_shaped(layout, ctx_.specs.options(program_[task.action]), kAlwaysPacked, at::Tensor());
+  Inbox got;
+  const ComputeStream on = device_->compute_stream();
+  {
+    std::lock_guard<std::mutex> lock(settle_mu_);  // (the halves of an OVERLAP_F_B pair settle at once)
+    post_tasks({again}, {static_cast<size_t>(task.action)}, kFollowUpTag, /*here_if_idle=*/false, {&got},
+               settings_.channel(ctx_.rank, task.peer, /*send=*/false), &on);
+  }
+  ++received;
+  task.follow_up = again;  // let go of with the message, even if reading it fails
+  task.follow_up_ready = got.ready;
+  return true;
+}
+
+void DevicePath::post_landed_follow_ups() {
+  if (!format_.shaped || host_reads() || !settings_.up) return;
+  std::lock_guard<std::mutex> lock(header_order_mu_);
+  for (auto& [peer, unread] : unread_from_) {
+    for (const auto& task : unread) {  // (one peer's headers land in the order they were posted)
+      if (task->settled || task->header_landed) continue;
+      if (!device_->header_arrived(*task)) break;
+      task->header_landed = true;
+      ShapedHeader header;
+      int64_t status = kMessageUnknown;
+      try {
+        status = read_shaped_header(task->header_host, task->layout, format_.large_message_bytes,
+                                    message_bytes(task->parts), /*exact=*/true, header);
+      } catch (const c10::Error&) {
+      }
+      // (anything wrong with it, its consumer says; a failure to post is this step's, as it would be there)
+      if (status == kMessageGrown) post_follow_up(*task, with_shapes(task->layout, header.shapes), header.follow_up);
+    }
+  }
+}
+
 std::vector<at::Tensor> DevicePath::follow_up(CommTask& task, const std::vector<TensorSpec>& layout,
                                               const Instr& consumer, const char* what, int64_t key,
                                               bool draining, bool& same) {
   // the follow-up keyed `key` (the key-th from its peer), received packed on the follow-up channel (once:
-  // the drain after a failure that came after receiving it reads it again); the compute stream waits for
-  // it unless `draining`
+  // the drain after a failure that came after receiving it reads it again, and its header's landing may
+  // have posted it before: post_landed_follow_ups); the compute stream waits for it unless `draining`
   TORCH_CHECK(settings_.up && settings_.down, where(consumer),
               ": a grown message on the device path, and no follow-up channels");
   const ComputeStream on = device_->compute_stream();
-  if (!task.follow_up) {
-    int64_t& received = format_.follow_ups_from[task.peer];
-    if (key != received + 1) {  // a follow-up of another message would come: the channel is out of step
-      same = false;
-      return {};
-    }
-    auto again = std::make_shared<CommTask>();
-    again->send = false;
-    again->layout = layout;
-    again->header_bytes = shaped_header_bytes(layout);  // read by the host, as a shaped message's header
-    again->parts = alloc_shaped(layout, ctx_.specs.options(program_[task.action]), kAlwaysPacked, at::Tensor());
-    Inbox got;
-    {
-      std::lock_guard<std::mutex> lock(settle_mu_);  // (the halves of an OVERLAP_F_B pair settle at once)
-      post_tasks({again}, {static_cast<size_t>(task.action)}, kFollowUpTag, /*here_if_idle=*/false, {&got},
-                 settings_.channel(ctx_.rank, task.peer, /*send=*/false), &on);
-    }
-    ++received;
-    task.follow_up = again;  // let go of with the message, even if reading it fails
-    task.follow_up_ready = got.ready;
+  if (!post_follow_up(task, layout, key)) {  // a follow-up of another message would come: the channel is out of step
+    same = false;
+    return {};
   }
   CommTask& again = *task.follow_up;
   const at::Tensor bytes = header_on_host(again, task.peer, consumer, what);

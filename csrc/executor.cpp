@@ -99,12 +99,12 @@ bool Executor::set_device_comm(const std::string& device) {
 bool Executor::device_comm() const { return path_->on_device(); }
 
 #ifdef PIPECORE_TESTING
-void Executor::emulate_device_comm(bool all_ranks_connected) {
+void Executor::emulate_device_comm(bool all_ranks_connected, int64_t eager_bytes) {
   // each rank on a device of its own other than 0, where a thread starts (the model refuses a launch with
   // another one current)
   check_no_step_ran("_emulate_device_comm");
   std::unique_ptr<DeviceComm> model = make_host_device_comm(timeout_, static_cast<int>(rank_) + 1,
-                                                                  all_ranks_connected);  // first
+                                                            all_ranks_connected, eager_bytes);  // first
   auto [format, settings] = path_->pass_on();
   path_ = make_device_path(path_context(), std::move(format), std::move(settings), std::move(model));
 }

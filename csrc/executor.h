@@ -168,8 +168,9 @@ class Executor final : private PathOwner {
                              const std::vector<int64_t>& peers);
 #ifdef PIPECORE_TESTING
   // Tests on CPU: the device path's protocol run by the host over gloo (make_host_device_comm;
-  // `all_ranks_connected`: as a group made with a device id).
-  void emulate_device_comm(bool all_ranks_connected);
+  // `all_ranks_connected`: as a group made with a device id; `eager_bytes`: sends of at most that many
+  // bytes complete before their receiver posts, as NCCL's eager protocol makes them; 0: none do).
+  void emulate_device_comm(bool all_ranks_connected, int64_t eager_bytes);
   // Communicators the path connected so far: (ahead of every step, by a step's operation, store operations).
   std::vector<int64_t> connection_counts() const;
   // What the CPU model's stream-contract checker refused so far (testing/stream_ledger.h).

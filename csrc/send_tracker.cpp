@@ -13,9 +13,11 @@ namespace pipecore {
 SendTracker::~SendTracker() {
   std::unique_lock<std::mutex> lock(mu_);
   stop_ = true;
-  // Only a failed step leaves sends in flight: their waits would run to their timeouts.
+  // Only a failed step leaves sends in flight: their waits would run to their timeouts. A device message's
+  // thread polls, and stops with stop_: its Work is not aborted, as on NCCL that aborts the whole
+  // communicator (WorkNCCL::abort), which is the Pipeline's to do (Comm.abort_nccl).
   auto abort = [](CommTask& task) {
-    if (!task.posted()) return;
+    if (!task.posted() || (!task.parts.empty() && !task.parts.front().is_cpu())) return;
     for (auto& work : task.works) {
       if (!work) continue;
       try {

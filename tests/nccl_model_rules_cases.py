@@ -17,9 +17,9 @@ from pipecore import _C
 _KEPT = []  # groups and models of finished cases, with their pending operations
 
 
-def _model(timeout: float):
+def _model(timeout: float, eager_bytes: int = 0, device: int = 0):
     group = dist.new_group(backend="gloo")
-    model = _C.NcclModel(group, timeout)
+    model = _C.NcclModel(group, timeout, device_index=device, eager_bytes=eager_bytes)
     _KEPT.append((group, model))
     return model
 
@@ -149,3 +149,51 @@ def send_to_self_without_its_receive(rank, world):
     except RuntimeError as e:
         return str(e)
     raise AssertionError("posted")
+
+
+def sends_complete_eagerly_up_to(rank, world, eager_bytes):
+    """Rank 0 sends 64 bytes, then 4096, each time waiting (2 s) for its send before rank 1 posts the
+    receive (rank 1 waits for the store's word that rank 0's wait ended), and overwrites what it sent
+    once its wait returns. With NCCL's eager protocol a send up to `eager_bytes` completes before its
+    receiver posts, a larger one does not. Rank 0: each wait's error (None: it completed); rank 1: what
+    it received."""
+    model = _model(timeout=2, eager_bytes=eager_bytes)
+    store = dist.distributed_c10d._get_default_store()
+    key = f"eager-{eager_bytes}"
+    out = []
+    for i, count in enumerate((8, 512)):  # float64: 64 and 4096 bytes
+        if rank == 0:
+            sent = torch.full((count,), float(i + 1), dtype=torch.float64)
+            batch = model.post([(True, 1, sent)])
+            out.append(_outcome(model.wait, batch)[0])
+            sent.fill_(-1.0)  # (an eager send went from a copy; a pending one reads this later)
+            store.set(f"{key}/{i}", b"1")
+        else:
+            store.wait([f"{key}/{i}"])
+            received = torch.zeros(count, dtype=torch.float64)
+            batch = model.post([(False, 0, received)])
+            model.consume(batch)
+            out.append(sorted(set(received.tolist())))
+            model.release(batch, consumed=True)
+    return out
+
+
+def a_device_wide_sync_waits_for_a_peer(rank, world):
+    """Rank 0 posts a receive from rank 1 and synchronises the device (cudaFree); rank 1 posts the send only
+    once rank 0's host is past that point (the word it leaves in the store stands for what rank 0 would
+    post next, on which rank 1's send waits): the synchronisation waits for a receive whose send waits for
+    it, the hang it would be, reported within the timeout. Then both complete. Rank 0: the
+    synchronisation's error and what it received."""
+    model = _model(timeout=2, device=7)  # (a device of its own: earlier cases' models hold what never completes)
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        store.wait(["past the synchronisation"])
+        model.wait(model.post([(True, 0, torch.full((4,), 2.0, dtype=torch.float64))]))
+        return None
+    received = torch.zeros(4, dtype=torch.float64)
+    receive = model.post([(False, 1, received)])
+    error, _ = _outcome(_C._model_device_synchronize, "cudaFree (the caching allocator off)", 7)
+    store.set("past the synchronisation", b"1")
+    model.consume(receive)
+    model.release(receive, consumed=True)
+    return error, received.tolist()

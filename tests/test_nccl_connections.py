@@ -37,7 +37,7 @@ def test_no_step_connects_a_communicator(name, world, all_ranks_connected):
     # which rank 1 sends only after the batch rank 0 and rank 1 are held in
     ("interleaved_1f1b", 3, False, 0, "the communicator of all 3 ranks"),
     # a follow-up's pair communicator at the first growth, where another rank waits for that header
-    ("interleaved_zb", 4, True, 2, "the communicator of ranks 0 and 3"),
+    ("interleaved_1f1b", 3, True, 2, "the communicator of ranks 0 and 2"),
 ])
 def test_a_communicator_first_used_inside_a_step_is_the_hang_it_would_be(name, world, all_ranks_connected, step,
                                                                          communicator):

@@ -12,7 +12,8 @@ from exactness import FLOAT64_BOUND
 from nccl_model_cases import (descriptions_on_a_communicator_of_their_own, grown_messages_cross_without_the_store, shapes_in_messages_on_one_rank,
                               side_tensors_cross, store_operations_per_step, stuck_replica_aborts_its_group,
                               timed_out_send_is_held)
-from nccl_model_rules_cases import (group_end_failure_leaves_no_group_open, groups_on_one_communicator_run_in_order,
+from nccl_model_rules_cases import (a_device_wide_sync_waits_for_a_peer, group_end_failure_leaves_no_group_open,
+                                     groups_on_one_communicator_run_in_order, sends_complete_eagerly_up_to,
                                      posting_error_aborts_the_communicator,
                                      receive_of_another_size, release_on_the_posting_stream,
                                      send_to_self_without_its_receive)
@@ -213,3 +214,25 @@ def test_a_receive_let_go_of_waits_on_the_stream_that_posted_it(model_pool):
         assert len(after) == 1, after  # both uses named: the transfer on one stream, the free on the other
         assert "freed to the compute stream's pool (letting go of the receive from rank" in after[0], after
         assert "while the communication stream may still use it (the receive from rank" in after[0], after
+
+
+@pytest.mark.parametrize("eager_bytes", [0, 1024])
+def test_small_sends_complete_before_their_receiver_posts_as_with_nccl_eager_protocol(model_pool, eager_bytes):
+    """Issue 61: by default every send is a rendezvous (the strictest protocol: what completes on the model
+    completes on every one of NCCL's); with eager_bytes, a send up to that size completes before its
+    receiver posts, from a copy (the sender overwrote its buffer), and a larger one does not."""
+    (small, large), received = model_pool.run(sends_complete_eagerly_up_to, eager_bytes, timeout=60)
+    assert (small is None) == (eager_bytes >= 64), small
+    assert large is not None and "did not complete" in large, large
+    if eager_bytes:
+        assert received[0] == [1.0], received  # (sent from a copy: rank 0 had overwritten its buffer)
+
+
+def test_a_device_wide_sync_that_waits_for_a_peer_reports_the_hang(model_pool):
+    """Issue 61: the model's device-wide synchronisation (cudaFree, empty_cache) holds the host until every
+    stream completed its work; a transfer that waits for what this host posts next is the hang it would be,
+    named, within the timeout; everything completes once the host posts it."""
+    (error, received), _ = model_pool.run(a_device_wide_sync_waits_for_a_peer, timeout=60)
+    assert received == [2.0] * 4, received
+    assert "cudaFree (the caching allocator off) on device 7 holds the host" in error, error
+    assert "the group: a receive from rank 1 (32 bytes" in error and "this would hang" in error, error

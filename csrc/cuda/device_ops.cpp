@@ -149,6 +149,7 @@ class CudaOps final : public DeviceOps {
     host.copy_(bytes, /*non_blocking=*/true);
     return host;
   }
+  bool host_ready(const StreamMarker& marker) override { return static_cast<const CudaMarker&>(marker).event.query(); }
   // Queried, not synchronized: a stuck peer ends in a timeout, not a hang.
   bool host_wait(const StreamMarker& marker, std::chrono::milliseconds timeout) override {
     const c10::Event& event = static_cast<const CudaMarker&>(marker).event;

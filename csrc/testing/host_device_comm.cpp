@@ -24,10 +24,16 @@
 //   before them completed.
 // - A receive dropped unread (an aborted step) is waited for when the next step begins (gloo writes
 //   into its buffer until its Work completes); a receive never released is a violation.
+// - A device-wide synchronisation (cudaDeviceSynchronize; cudaFree, which the caching allocator calls
+//   when it is off, on an out-of-memory retry and in empty_cache): model_device_synchronize holds the
+//   host until every stream of the device completed what it queued (every model of that device in the
+//   process: a model left by an earlier Pipeline counts, as on a GPU), and reports the hang it would be
+//   when that waits for a peer that waits for this host.
 // Selected only by tests (Executor._emulate_device_comm, and _C.NcclModel: nccl_model_harness.cpp).
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <map>
@@ -71,12 +77,52 @@ std::shared_ptr<void> make_current(int& slot, int value) {
   return std::shared_ptr<void>(before.get(), [before, &slot](void*) { slot = *before; });
 }
 
+class CpuModelOps;
+
+// The models alive in this process (model_device_synchronize).
+std::mutex live_mu;
+std::vector<CpuModelOps*> live_models;
+
 class CpuModelOps final : public DeviceOps {
  public:
   // `timeout`: the executor's, which outlives this
   // `all_ranks_connected`: as a group made with a device id (its communicators of all ranks connect then)
-  CpuModelOps(const std::chrono::milliseconds& timeout, int device_index, bool all_ranks_connected)
-      : timeout_(timeout), device_(device_index), all_ranks_connected_(all_ranks_connected) {}
+  // `eager_bytes`: make_comm_stream's
+  CpuModelOps(const std::chrono::milliseconds& timeout, int device_index, bool all_ranks_connected,
+              int64_t eager_bytes)
+      : timeout_(timeout), device_(device_index), all_ranks_connected_(all_ranks_connected), eager_bytes_(eager_bytes) {
+    std::lock_guard<std::mutex> lock(live_mu);
+    live_models.push_back(this);
+  }
+  ~CpuModelOps() override {
+    std::lock_guard<std::mutex> lock(live_mu);
+    live_models.erase(std::find(live_models.begin(), live_models.end(), this));
+  }
+
+  int device() const { return device_; }
+  // Holds the host until every stream of the device completed what it queued (`why`: the call that
+  // synchronises, for the report): the compute stream is the host; the communication stream's groups,
+  // and those of each communicator's stream (its pairs' too).
+  void synchronize(const std::string& why) {
+    std::vector<c10::intrusive_ptr<c10d::Work>> pending;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending = comm_waited();
+      for (const auto& entry : streams_) {
+        if (auto last = entry.second->last()) pending.push_back(std::move(last));
+      }
+    }
+    const auto deadline = deadline_after(timeout_);
+    for (const auto& work : pending) {
+      const std::string stuck = wait_ended(*work, std::max(time_left(deadline), std::chrono::milliseconds(1)));
+      if (!stuck.empty()) {
+        throw CommError("pipecore (model of CUDA): " + why + " on device " + std::to_string(device_) +
+                        " holds the host until every stream of the device completed its work, and " +
+                        work_name(*work) + " did not complete within " + std::to_string(timeout_.count()) +
+                        " ms (" + stuck + "): if its peer waits for what this host posts next, this would hang");
+      }
+    }
+  }
 
   c10::DeviceType device_type() const override { return c10::DeviceType::CPU; }
   int make_device_current() override { return std::exchange(current_device, device_); }
@@ -249,6 +295,14 @@ class CpuModelOps final : public DeviceOps {
     if (!arrived(static_cast<const CpuMarker&>(marker), timeout, why)) throw CommError(why);  // (the model knows why)
     return true;
   }
+  bool host_ready(const StreamMarker& marker) override {
+    const auto& cpu = static_cast<const CpuMarker&>(marker);
+    for (const auto& group : cpu.groups) {
+      if (!group->isCompleted()) return false;  // (a group progresses by itself: nccl_model.h)
+    }
+    for (const auto& [host, bytes] : cpu.copies) host.copy_(bytes);
+    return true;
+  }
 
  private:
   // Queues `tasks` (copies: the executor keeps its own) on the stream of `backend`'s communicator of
@@ -268,12 +322,14 @@ class CpuModelOps final : public DeviceOps {
     // c10d makes the communicator's stream wait for the stream current at posting: the communication
     // stream's, which waited for every receive group since the step began (comm_waits)
     std::vector<c10::intrusive_ptr<c10d::Work>> after;
-    if (comm_stream_current) {
-      std::lock_guard<std::mutex> lock(mu_);
-      after = comm_waited();
+    CommStream* stream = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);  // (a device-wide synchronisation reads streams_ from another thread)
+      if (comm_stream_current) after = comm_waited();
+      auto& made = streams_[{&backend, pair}];
+      if (!made) made = make_comm_stream(eager_bytes_);
+      stream = made.get();
     }
-    auto& stream = streams_[{&backend, pair}];
-    if (!stream) stream = make_comm_stream();
     return stream->queue(kind, tasks, std::move(after));
   }
 
@@ -344,6 +400,7 @@ class CpuModelOps final : public DeviceOps {
   std::vector<CommTask*> group_;        // the open group's operations (posted when it ends)
   bool group_failed_ = false;           // NCCL refused an operation of the open group
   const bool all_ranks_connected_;      // its groups' communicators of all ranks connected when they were made
+  const int64_t eager_bytes_;           // sends of at most this many bytes complete before their receiver posts
   ConnectionCounts connections_;        // those this executor connected (DeviceOps::connection_counts)
   std::mutex mu_;
   // what the communication stream waited for this step: a group whose receives were let go of is
@@ -357,8 +414,15 @@ class CpuModelOps final : public DeviceOps {
 }  // namespace
 
 std::unique_ptr<DeviceOps> make_cpu_model_ops(const std::chrono::milliseconds& timeout, int device_index,
-                                              bool all_ranks_connected) {
-  return std::make_unique<CpuModelOps>(timeout, device_index, all_ranks_connected);
+                                              bool all_ranks_connected, int64_t eager_bytes) {
+  return std::make_unique<CpuModelOps>(timeout, device_index, all_ranks_connected, eager_bytes);
+}
+
+void model_device_synchronize(const std::string& why, int device) {
+  std::lock_guard<std::mutex> lock(live_mu);  // (a model goes with its executor, not inside a step)
+  for (CpuModelOps* model : live_models) {
+    if (model->device() == device) model->synchronize(why);
+  }
 }
 
 void make_model_refuse_post(int index) { refuse_post_in = index; }

@@ -17,6 +17,7 @@
 
 #include "../comm.h"
 #include "../deadline.h"
+#include "nccl_group_work.h"
 #include "nccl_notes.h"
 
 namespace pipecore {
@@ -38,155 +39,9 @@ void check_nccl_op(const CommTask& task) {
 
 namespace {
 
-constexpr std::chrono::milliseconds kWaitForever{0};  // c10d::Work::wait's "no timeout" (gloo: the group's)
-
-// One operation of a group: its gloo Works (a receive's once its sender's note matched: `pending`
-// until then) and what to check once they completed (the note of a send's receiver).
-struct PostedOp {
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  std::function<void()> check;
-  bool pending = false;
-  c10::intrusive_ptr<c10d::Work> note;  // a receive's: its sender's note (PairReceiver waits for it)
-  bool note_done = false;
-};
-
-// A group's Work: every operation of it, once its communicator's stream launched it. Each gloo Work is
-// waited for once (a second wait would wait for another message); later waiters wait for that first
-// wait's outcome.
-class GroupWork final : public c10d::Work {
- public:
-  explicit GroupWork(std::string what) : what_(std::move(what)) {}
-
-  // Its operations were posted (or `never`: it cannot launch, and why).
-  void launch(std::vector<PostedOp> ops, const std::string& never = {}) {
-    std::lock_guard<std::mutex> lock(mu_);
-    ops_ = std::move(ops);
-    state_.assign(ops_.size(), kIdle);
-    errors_.assign(ops_.size(), nullptr);
-    never_ = never;
-    launched_ = true;
-    changed_.notify_all();
-  }
-  // A pending receive was posted (`works`), or could not be (`why`).
-  void fill(size_t slot, std::vector<c10::intrusive_ptr<c10d::Work>> works, const std::string& why = {}) {
-    std::lock_guard<std::mutex> lock(mu_);
-    ops_[slot].works = std::move(works);
-    ops_[slot].note_done = why.empty();
-    if (!why.empty()) ops_[slot].check = [why] { throw std::runtime_error(why); };
-    ops_[slot].pending = false;
-    changed_.notify_all();
-  }
-  const std::string& what() const { return what_; }
-  // What its launch waits for now, for the report of a launch that never came.
-  void waiting_for(const std::string& why) {
-    std::lock_guard<std::mutex> lock(mu_);
-    waits_for_ = why;
-  }
-  bool aborted() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return !aborted_.empty();
-  }
-  // Ends a wait on its operations (gloo's abortWaitSend/abortWaitRecv): the model's teardown.
-  void abort() override { abort_with("pipecore (model of NCCL): the executor went first"); }
-  // NCCL's abort of the communicator: every wait on the group ends with `why`.
-  void abort_with(const std::string& why) {
-    std::lock_guard<std::mutex> lock(mu_);
-    aborted_ = why;
-    for (auto& op : ops_) {
-      for (auto& work : op.works) work->abort();
-      if (op.note) op.note->abort();
-    }
-    changed_.notify_all();
-  }
-
-  bool wait(std::chrono::milliseconds timeout) override {
-    const auto deadline = deadline_after(timeout.count() > 0 ? timeout : std::chrono::milliseconds::max());
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      if (!changed_.wait_until(lock, deadline, [&] { return launched_; })) {
-        throw std::runtime_error("pipecore (model of NCCL): " + what_ + " was never launched: " +
-                                 (waits_for_.empty() ? "a group queued before it on its communicator did not "
-                                                       "complete (on a GPU, groups on one stream run one after "
-                                                       "another: this would hang)"
-                                                     : waits_for_));
-      }
-      if (!never_.empty()) throw std::runtime_error(never_);
-    }
-    for (size_t i = 0; i < ops_.size(); ++i) {
-      std::unique_lock<std::mutex> lock(mu_);
-      if (!changed_.wait_until(lock, deadline, [&] { return !ops_[i].pending || !aborted_.empty(); })) {
-        throw std::runtime_error("pipecore (model of NCCL): " + what_ + " did not complete: a receive's peer has "
-                                 "not posted the send it matches");
-      }
-      if (state_[i] == kIdle && !aborted_.empty()) {  // (gloo ends one wait per abort)
-        state_[i] = kFailed;
-        errors_[i] = std::make_exception_ptr(std::runtime_error(aborted_));
-      } else if (state_[i] == kIdle) {
-        state_[i] = kWaiting;
-        const PostedOp op = ops_[i];
-        lock.unlock();
-        std::exception_ptr error;
-        try {
-          for (const auto& work : op.works) {
-            // (no deadline: gloo's own, the group's timeout, which a std::chrono::milliseconds::max would overflow)
-            const auto left = deadline == std::chrono::steady_clock::time_point::max()
-                                  ? kWaitForever
-                                  : std::max(time_left(deadline), std::chrono::milliseconds(1));
-            if (!work->wait(left)) {
-              throw std::runtime_error("the wait was aborted");
-            }
-          }
-          if (op.check) op.check();
-        } catch (...) {
-          error = std::current_exception();
-        }
-        lock.lock();
-        if (error && !aborted_.empty()) error = std::make_exception_ptr(std::runtime_error(aborted_));
-        state_[i] = error ? kFailed : kDone;
-        errors_[i] = error;
-        changed_.notify_all();
-      } else if (state_[i] == kWaiting &&
-                 !changed_.wait_until(lock, deadline, [&] { return state_[i] != kWaiting; })) {
-        throw std::runtime_error("timed out");
-      }
-      if (state_[i] == kFailed) std::rethrow_exception(errors_[i]);
-    }
-    return true;
-  }
-
-  bool isCompleted() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return launched_ && never_.empty() && std::all_of(state_.begin(), state_.end(), [](int s) { return s == kDone; });
-  }
-
-  // The last strong reference went: its operations go, whatever weak ones remain, except those gloo
-  // may still write or read (not completed), which stay, with their buffers, as long as the process.
-  void release_resources() override {
-    std::vector<c10::intrusive_ptr<c10d::Work>> posted;
-    for (size_t i = 0; i < ops_.size(); ++i) {
-      if (state_[i] != kDone) posted.insert(posted.end(), ops_[i].works.begin(), ops_[i].works.end());
-      if (ops_[i].note && !ops_[i].note_done) posted.push_back(ops_[i].note);
-    }
-    ops_.clear();
-    static std::mutex mu;
-    static auto* kept = new std::vector<c10::intrusive_ptr<c10d::Work>>();  // (never destroyed)
-    std::lock_guard<std::mutex> lock(mu);
-    kept->insert(kept->end(), posted.begin(), posted.end());
-  }
-
- private:
-  enum { kIdle, kWaiting, kDone, kFailed };
-  const std::string what_;  // its operations, named for errors
-  bool launched_ = false;
-  std::string never_;
-  std::string waits_for_;
-  std::string aborted_;  // why its communicator was aborted
-  std::vector<PostedOp> ops_;
-  std::mutex mu_;
-  std::condition_variable changed_;
-  std::vector<int> state_;
-  std::vector<std::exception_ptr> errors_;
-};
+using nccl_model::GroupWork;
+using nccl_model::kWaitForever;
+using nccl_model::PostedOp;
 
 // A receive waiting for its sender's note.
 struct PendingReceive {
@@ -270,7 +125,13 @@ class PairReceiver {
 // the receiver's note once both completed (appended to `checks` and `plain`), a receive's parts once
 // its sender's note matched (`receives`, for a PairReceiver).
 void post_with_notes(const std::shared_ptr<CommTask>& op, std::vector<PostedOp>& checks, std::vector<PostedOp>& plain,
-                     std::vector<PendingReceive>& receives) {
+                     std::vector<PendingReceive>& receives, int64_t eager_bytes) {
+  // NCCL's eager protocol: the data goes to the receiver's buffers and the send completes without it,
+  // so the sender may reuse its buffer at once: the model sends a copy, and its receiver checks the notes
+  const bool eager = op->send && message_bytes(op->parts) <= eager_bytes;
+  if (eager) {
+    for (auto& part : op->parts) part = part.clone();
+  }
   std::vector<at::Tensor> mine{note_of(*op)};
   std::vector<at::Tensor> theirs{at::empty({kNoteWords}, at::kLong)};
   const int my_tag = op->send ? kSendNoteTag : kReceiveNoteTag;
@@ -289,8 +150,14 @@ void post_with_notes(const std::shared_ptr<CommTask>& op, std::vector<PostedOp>&
     receives.push_back({nullptr, 0, op, note_work, theirs[0]});
     return;
   }
-  checks.push_back({{note_work}, [op, note = theirs[0]] { check_note(*op, note); }});
   post_parts(*op);
+  if (eager) {
+    plain.back().works.push_back(note_work);  // (held with the group, not waited for)
+    plain.back().works.insert(plain.back().works.end(), op->works.begin(), op->works.end());
+    plain.back().eager = true;
+    return;
+  }
+  checks.push_back({{note_work}, [op, note = theirs[0]] { check_note(*op, note); }});
   plain.push_back({op->works});
 }
 
@@ -313,7 +180,7 @@ void check_sends_to_self(const char* kind, const std::vector<CommTask*>& tasks) 
 // host never waits for a launch).
 class GroupStream final : public CommStream {
  public:
-  GroupStream() : thread_([this] { loop(); }) {}
+  explicit GroupStream(int64_t eager_bytes) : eager_bytes_(eager_bytes), thread_([this] { loop(); }) {}
   ~GroupStream() override {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -346,6 +213,7 @@ class GroupStream final : public CommStream {
     {
       std::lock_guard<std::mutex> lock(mu_);
       queue_.push_back({group, std::move(ops), std::move(after)});
+      last_ = group;
     }
     queued_.notify_all();
     return group;
@@ -357,6 +225,10 @@ class GroupStream final : public CommStream {
       for (auto& group : unfinished_) group->abort_with(why);
     }
     queued_.notify_all();
+  }
+  c10::intrusive_ptr<c10d::Work> last() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return last_;
   }
 
  private:
@@ -414,7 +286,7 @@ class GroupStream final : public CommStream {
       std::vector<PendingReceive> receives;
       if (never.empty()) {
         try {
-          for (auto& op : next.ops) post_with_notes(op, ops, plain, receives);
+          for (auto& op : next.ops) post_with_notes(op, ops, plain, receives, eager_bytes_);
         } catch (const std::exception& e) {
           never = std::string("pipecore (model of NCCL): posting ") + next.group->what() + " failed: " + e.what();
         }
@@ -448,6 +320,17 @@ class GroupStream final : public CommStream {
           if (!pair) pair = std::make_unique<PairReceiver>();
           pair->add(std::move(receive));
         }
+        // it progresses by itself, as on a GPU (isCompleted then needs no wait of the host's); the next
+        // group launches after it anyway. Its waiters see how it ended.
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (stop_) return;
+          running_ = next.group;
+        }
+        try {
+          next.group->wait(kWaitForever);
+        } catch (const std::exception&) {
+        }
       }
       before = std::move(next.group);
     }
@@ -462,6 +345,8 @@ class GroupStream final : public CommStream {
     std::vector<c10::intrusive_ptr<c10d::Work>> after;  // what the posting stream had waited for
   };
   std::deque<Queued> queue_;
+  const int64_t eager_bytes_;              // sends of at most this many bytes complete without their receiver
+  c10::intrusive_ptr<c10d::Work> last_;    // the group queued last
   c10::intrusive_ptr<c10d::Work> running_;  // what the thread waits for (aborted to stop it)
   std::vector<c10::intrusive_ptr<GroupWork>> unfinished_;  // launched, not known to have completed
   std::string aborted_;                    // why the communicator was aborted
@@ -475,6 +360,21 @@ std::string message_name(const CommTask& task) {
   return "the " + describe(task.send, task.peer, {message_bytes(task.parts)}, task.action);
 }
 
-std::unique_ptr<CommStream> make_comm_stream() { return std::make_unique<GroupStream>(); }
+std::unique_ptr<CommStream> make_comm_stream(int64_t eager_bytes) { return std::make_unique<GroupStream>(eager_bytes); }
+
+std::string work_name(const c10d::Work& work) {
+  const auto* group = dynamic_cast<const GroupWork*>(&work);
+  return group ? group->what() : std::string("another communicator's work");
+}
+
+std::string wait_ended(c10d::Work& work, std::chrono::milliseconds timeout) {
+  try {
+    work.wait(timeout);
+    return {};
+  } catch (const std::exception& e) {
+    auto* group = dynamic_cast<GroupWork*>(&work);
+    return group && group->ended() ? std::string() : std::string(e.what());
+  }
+}
 
 }  // namespace pipecore

@@ -17,7 +17,13 @@
 // - a group launches only once what the stream current at its posting had waited for completed (c10d
 //   makes the communicator's stream wait for that stream): a cycle through two communicators' streams
 //   is reported as the hang it would be, naming both groups;
-// - an abort ends every operation of the communicator launched and not completed.
+// - an abort ends every operation of the communicator launched and not completed;
+// - a group, once launched, progresses by itself (its stream's thread waits for it), as a GPU runs it
+//   whether or not the host waits: its Work's isCompleted says whether it completed, without a wait;
+// - every send is a rendezvous (it completes once its receiver posted), the strictest of NCCL's
+//   protocols, so that what completes on the model completes on every one of them; with `eager_bytes`,
+//   a send of at most that many bytes completes before its receiver posts (NCCL's eager protocol: the
+//   data waits in the receiver's buffers), and a larger one does not.
 // The model's own waits have no timeout (a gloo wait that times out closes every pair of its group):
 // the host's waits for a group, with the executor's timeout, say what did not complete.
 #pragma once
@@ -51,10 +57,20 @@ class CommStream {
                                                std::vector<c10::intrusive_ptr<c10d::Work>> after) = 0;
   // NCCL's abort: every operation launched and not completed, and every group queued, end with `why`.
   virtual void abort(const std::string& why) = 0;
+  // The group queued last (null if none): it completes after every group before it.
+  virtual c10::intrusive_ptr<c10d::Work> last() = 0;
 };
+
+// A Work of the model named for reports ("the group: a send to rank 1 (800 bytes, action 2)"), or
+// "another communicator's work".
+std::string work_name(const c10d::Work& work);
+// Waits up to `timeout` until `work` ended, completed or failed (an aborted communicator's work ends, as
+// its kernels do): empty, or why it did not.
+std::string wait_ended(c10d::Work& work, std::chrono::milliseconds timeout);
 
 // Its waits have no timeout of their own (a gloo wait that times out closes every pair of the group):
 // the host's waits for a group, which have the executor's, report what did not complete.
-std::unique_ptr<CommStream> make_comm_stream();
+// `eager_bytes`: sends of at most that many bytes complete before their receiver posts (0: none do).
+std::unique_ptr<CommStream> make_comm_stream(int64_t eager_bytes = 0);
 
 }  // namespace pipecore

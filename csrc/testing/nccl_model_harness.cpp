@@ -24,10 +24,12 @@ class NcclModel {
   // `connected`: the group's communicator and its point-to-point connections made here, as a Pipeline
   // makes them before its first step (every rank of the group constructs it at once), so that a rank's
   // first batch does not wait for its peer's
-  NcclModel(c10::intrusive_ptr<c10d::ProcessGroup> group, double timeout_s, int device_index, bool connected)
+  // `eager_bytes`: make_cpu_model_ops's
+  NcclModel(c10::intrusive_ptr<c10d::ProcessGroup> group, double timeout_s, int device_index, bool connected,
+            int64_t eager_bytes)
       : group_(std::move(group)),
         timeout_(static_cast<int64_t>(timeout_s * 1000)),
-        comm_(make_host_device_comm(timeout_, device_index)) {
+        comm_(make_host_device_comm(timeout_, device_index, /*all_ranks_connected=*/false, eager_bytes)) {
     if (!connected) return;
     std::vector<int> peers;
     for (int r = 0; r < group_->getSize(); ++r) {
@@ -119,8 +121,8 @@ void bind_nccl_model(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<NcclModel>(m, "NcclModel",
                         "the device path over the CPU model of NCCL on `group` (gloo), one batch at a time (tests)")
-      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, double, int, bool>(), py::arg("group"), py::arg("timeout"),
-           py::arg("device_index") = 0, py::arg("connected") = true)
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, double, int, bool, int64_t>(), py::arg("group"),
+           py::arg("timeout"), py::arg("device_index") = 0, py::arg("connected") = true, py::arg("eager_bytes") = 0)
       .def("post", &NcclModel::post, py::arg("ops"), py::arg("alone") = false, py::arg("refused") = -1,
            py::call_guard<py::gil_scoped_release>())
       .def("consume", &NcclModel::consume, py::arg("batch"), py::arg("second_stream") = false,
@@ -129,6 +131,10 @@ void bind_nccl_model(pybind11::module& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("wait", &NcclModel::wait, py::arg("batch"), py::call_guard<py::gil_scoped_release>())
       .def("violations", &NcclModel::violations);
+  m.def("_model_device_synchronize", &model_device_synchronize, py::arg("why"), py::arg("device"),
+        py::call_guard<py::gil_scoped_release>(),
+        "a device-wide synchronisation of a modelled device (cudaFree, empty_cache): the host held until every "
+        "stream of every CPU model of it in this process completed its work; a CommError names what did not");
 }
 
 }  // namespace pipecore

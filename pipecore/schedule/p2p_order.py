@@ -35,6 +35,12 @@ rank has one FIFO of batches, a batch runs only at the head of its rank's FIFO, 
 completes only when the batch holding each of its operations' partners is running at the same
 time (rendezvous: a large message moves only while both sides are at it). Deadlock-free there is
 deadlock-free on per-pair streams too (they only remove orderings).
+
+`replay_device_syncs` replays it on the host's side too, as the device path runs it when a stage makes a
+device-wide synchronisation (cudaFree, which the caching allocator calls when it is off, on an
+out-of-memory retry and in empty_cache): the host waits there for every batch it posted, and, where
+messages outgrow their receives, for every follow-up it sent (csrc/device_comm.h, [Note: follow-ups
+posted as their headers land]).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from pipecore.schedule.action import Action, Kind
 from pipecore.schedule.errors import ScheduleError
 from pipecore.schedule.schedule import Schedule
 
-__all__ = ["p2p_batches", "replay_serialized", "SerializedReplay"]
+__all__ = ["p2p_batches", "replay_serialized", "replay_device_syncs", "SerializedReplay"]
 
 _RECEIVES = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B, Kind.I: Kind.RECV_B}
 
@@ -185,3 +191,134 @@ def replay_serialized(lowered: Schedule, learning: bool = False) -> SerializedRe
         raise ScheduleError(f"{lowered.name or 'schedule'}: with every rank's P2P operations on one serialised "
                             "stream the ranks wait for each other forever: " + "; ".join(parts))
     return SerializedReplay([len(b) for b in batches], [len(c) for c in computes], rounds)
+
+
+FOLLOW_UPS_POSTED = ("at_consumer", "when_landed")
+
+
+def replay_device_syncs(lowered: Schedule, syncs: bool = True, follow_ups: str | None = "when_landed") -> int:
+    """Replays `lowered` as the device path's hosts run a steady step (rules 1-4, batches as in
+    `replay_serialized`), each rank's host in program order:
+
+    - a batch is posted when the host reaches it; it never holds the host;
+    - before a compute action the host reads the header of each message the action consumes (shapes
+      travel), which waits for the batch holding it;
+    - with `syncs`, every compute action then makes a device-wide synchronisation: the host waits for
+      every batch it posted, and every follow-up it sent;
+    - with `follow_ups`, every message outgrew its receive: its sender posts a follow-up right after
+      the batch holding it, which completes only once the receiver posted its receive (rendezvous),
+      and the consumer reads it too. The receiver posts that receive when its consumer reads the header
+      ("at_consumer"), or, as the device path does, as soon as the header is on the host and its host
+      is between two actions ("when_landed", before each action).
+
+    Returns the rounds it took; raises ScheduleError naming what each stuck rank's host waits for if the
+    ranks would wait for each other forever."""
+    if follow_ups is not None and follow_ups not in FOLLOW_UPS_POSTED:
+        raise ValueError(f"follow_ups: one of {FOLLOW_UPS_POSTED} or None, not {follow_ups!r}")
+    if not lowered.is_lowered and lowered.num_ranks > 1:
+        raise ScheduleError("replay_device_syncs needs a lowered schedule (Schedule.lower())")
+    R, actions = lowered.num_ranks, lowered.actions
+    batches = [p2p_batches(lowered, r) for r in range(R)]
+    where: dict[tuple, tuple[int, int]] = {}  # message key + side -> (rank, batch)
+    for r in range(R):
+        for b, batch in enumerate(batches[r]):
+            for i in batch:
+                a = actions[r][i]
+                where[(_message_key(lowered, a), a.kind in (Kind.SEND_F, Kind.SEND_B))] = (r, b)
+    # each rank's host program: ("batch", b) or ("compute", position, messages it consumes)
+    hosts: list[list[tuple]] = []
+    for r in range(R):
+        first = {batch[0]: b for b, batch in enumerate(batches[r])}
+        program = []
+        for i, a in enumerate(actions[r]):
+            if i in first:
+                program.append(("batch", first[i]))
+            elif a.kind.is_compute:
+                consumed = []
+                for leaf in a.leaves():
+                    kind = _RECEIVES.get(leaf.kind)
+                    key = ("F" if kind is Kind.RECV_F else "B", leaf.stage, leaf.microbatch) if kind else None
+                    if key is not None and (key, False) in where:
+                        consumed.append(key)
+                program.append(("compute", i, consumed))
+        hosts.append(program)
+    partners = {(r, b): [where[(_message_key(lowered, actions[r][i]),
+                                actions[r][i].kind not in (Kind.SEND_F, Kind.SEND_B))] for i in batch]
+                for r in range(R) for b, batch in enumerate(batches[r])}
+    carried = {(r, b): [_message_key(lowered, actions[r][i]) for i in batch]
+               for r in range(R) for b, batch in enumerate(batches[r])}
+    landed_at = {key: where[(key, False)] for key in {k for k, side in where if not side}}
+    at = [0] * R             # the host's next item
+    reading = [False] * R    # the host is inside that compute action (past the poll before it)
+    posted = [0] * R         # batches posted, in order
+    head = [0] * R           # next batch of each rank's FIFO
+    running = [False] * R
+    sent: list[list[tuple]] = [[] for _ in range(R)]  # follow-ups each rank sent
+    receiving: set[tuple] = set()                      # follow-ups whose receive is posted
+
+    def landed(key) -> bool:
+        r, b = landed_at[key]
+        return head[r] > b
+
+    rounds = 0
+    while True:
+        rounds += 1
+        progress = False
+        for r in range(R):
+            while at[r] < len(hosts[r]):
+                item = hosts[r][at[r]]
+                if not reading[r]:
+                    if follow_ups == "when_landed":  # (between two actions: DevicePath::before)
+                        for key, (rr, _) in landed_at.items():
+                            if rr == r and key not in receiving and landed(key):
+                                receiving.add(key)
+                                progress = True
+                    if item[0] == "batch":
+                        posted[r] += 1
+                        if follow_ups:
+                            sent[r] += [k for k in carried[(r, item[1])] if where[(k, True)][0] == r]
+                        at[r] += 1
+                        progress = True
+                        continue
+                    reading[r] = True
+                    progress = True
+                consumed = item[2]
+                if not all(landed(k) for k in consumed):
+                    break  # the host waits for a header
+                if follow_ups:
+                    for k in consumed:  # (its consumer posts what the landing did not)
+                        if k not in receiving:
+                            receiving.add(k)
+                            progress = True
+                if syncs and (head[r] < posted[r] or any(k not in receiving for k in sent[r])):
+                    break  # a device-wide synchronisation waits for the device
+                reading[r] = False
+                at[r] += 1
+                progress = True
+        for r in range(R):
+            if head[r] < posted[r] and not running[r]:
+                running[r] = True
+                progress = True
+        finished = [r for r in range(R) if running[r] and all(
+            (head[pr] == pb and running[pr]) or head[pr] > pb for pr, pb in partners[(r, head[r])])]
+        for r in finished:
+            running[r] = False
+            head[r] += 1
+            progress = True
+        if not progress:
+            break
+    stuck = [r for r in range(R) if at[r] < len(hosts[r]) or head[r] < len(batches[r])]
+    if stuck:
+        parts = []
+        for r in stuck:
+            item = hosts[r][at[r]] if at[r] < len(hosts[r]) else None
+            where_host = "done" if item is None else \
+                f"at {actions[r][item[1]]}" if item[0] == "compute" else f"posting batch {item[1]}"
+            batch = [str(actions[r][i]) for i in batches[r][head[r]]] if head[r] < len(batches[r]) else []
+            waits = [f"follow-up of {k}" for k in sent[r] if k not in receiving]
+            parts.append(f"rank {r}: host {where_host}, device batch {batch}" +
+                         (f", its follow-ups not received yet: {waits[:3]}" if waits else ""))
+        raise ScheduleError(f"{lowered.name or 'schedule'}: with a device-wide synchronisation in every compute action"
+                            f"{' and every message grown' if follow_ups else ''} the ranks wait for each other "
+                            "forever: " + "; ".join(parts))
+    return rounds
