@@ -53,6 +53,7 @@ struct CommTask {
   std::shared_ptr<CommTask> follow_up;
   std::shared_ptr<StreamMarker> follow_up_ready;
   bool follow_up_consumed = false;
+  std::exception_ptr follow_up_failure;  // posting it as its header landed failed: raised by its consumer
 
   CommTask() = default;
   CommTask(const CommTask&) = delete;

@@ -63,13 +63,15 @@
 // until that send completed. Were the receive posted only when the consuming action reads the header, a
 // receiver that first needs what the held host posts next would never post it: replayed over every
 // schedule (replay_device_syncs in pipecore/schedule/p2p_order.py, a synchronisation in every compute
-// action, every message grown), 291 of 612 configurations hung so; the CPU model (model_device_synchronize)
+// action, every message grown), 351 of 612 configurations hung so; the CPU model (model_device_synchronize)
 // hung the same way. So before each action the receiver looks, without waiting, at the headers of the
 // receives it has not read (each peer's in posting order, the order follow-ups match in: [Note: NCCL pair
 // order]), and posts the follow-up of each grown one whose header is on the host
 // (DevicePath::post_landed_follow_ups); its consumer still reads the message, and says what was wrong with
-// it. That leaves 72 of the 612 hanging: a receiver already held in its own synchronisation, for a batch
-// whose partner the first host posts after its own, cannot post (docs/cuda.md).
+// it (a failure to post it early is raised there too, at the action it concerns). That leaves 78 of the
+// 612 hanging (docs/cuda.md): a receiver already held in its own synchronisation, for a batch whose
+// partner the first host posts after its own, cannot post; and a follow-up's receive posted early still
+// runs behind the batches posted on the communication stream before it.
 //
 // [Note: connecting before the first step]
 // NCCL connects a communicator at its first operation, inside the call that posts it (c10d: a unique id

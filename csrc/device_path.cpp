@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include <deque>
+#include <utility>
 
 #include "comm_task.h"
 #include "device_comm.h"
@@ -286,7 +287,7 @@ bool DevicePath::post_follow_up(CommTask& task, const std::vector<TensorSpec>& l
 }
 
 void DevicePath::post_landed_follow_ups() {
-  if (!format_.shaped || host_reads() || !settings_.up) return;
+  if (!format_.shaped || host_reads() || !settings_.up || !settings_.down) return;
   std::lock_guard<std::mutex> lock(header_order_mu_);
   for (auto& [peer, unread] : unread_from_) {
     for (const auto& task : unread) {  // (one peer's headers land in the order they were posted)
@@ -300,8 +301,12 @@ void DevicePath::post_landed_follow_ups() {
                                     message_bytes(task->parts), /*exact=*/true, header);
       } catch (const c10::Error&) {
       }
-      // (anything wrong with it, its consumer says; a failure to post is this step's, as it would be there)
-      if (status == kMessageGrown) post_follow_up(*task, with_shapes(task->layout, header.shapes), header.follow_up);
+      if (status != kMessageGrown) continue;  // (anything wrong with it, its consumer says)
+      try {
+        post_follow_up(*task, with_shapes(task->layout, header.shapes), header.follow_up);
+      } catch (...) {  // (out of memory for its buffer): its consumer raises it, naming the action it concerns
+        task->follow_up_failure = std::current_exception();
+      }
     }
   }
 }
@@ -315,6 +320,7 @@ std::vector<at::Tensor> DevicePath::follow_up(CommTask& task, const std::vector<
   TORCH_CHECK(settings_.up && settings_.down, where(consumer),
               ": a grown message on the device path, and no follow-up channels");
   const ComputeStream on = device_->compute_stream();
+  if (task.follow_up_failure && !draining) std::rethrow_exception(std::exchange(task.follow_up_failure, nullptr));
   if (!post_follow_up(task, layout, key)) {  // a follow-up of another message would come: the channel is out of step
     same = false;
     return {};

@@ -23,7 +23,9 @@
 // - every send is a rendezvous (it completes once its receiver posted), the strictest of NCCL's
 //   protocols, so that what completes on the model completes on every one of them; with `eager_bytes`,
 //   a send of at most that many bytes completes before its receiver posts (NCCL's eager protocol: the
-//   data waits in the receiver's buffers), and a larger one does not.
+//   data waits in the receiver's buffers), and a larger one does not. Each send is judged on its own:
+//   NCCL does so only while the connection's buffers have room, and over a network a send waits for
+//   the receiver's buffer whatever its size, so eager_bytes is generous, for tests of that protocol only.
 // The model's own waits have no timeout (a gloo wait that times out closes every pair of its group):
 // the host's waits for a group, with the executor's timeout, say what did not complete.
 #pragma once

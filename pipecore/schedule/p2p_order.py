@@ -200,16 +200,20 @@ def replay_device_syncs(lowered: Schedule, syncs: bool = True, follow_ups: str |
     """Replays `lowered` as the device path's hosts run a steady step (rules 1-4, batches as in
     `replay_serialized`), each rank's host in program order:
 
-    - a batch is posted when the host reaches it; it never holds the host;
-    - before a compute action the host reads the header of each message the action consumes (shapes
-      travel), which waits for the batch holding it;
-    - with `syncs`, every compute action then makes a device-wide synchronisation: the host waits for
-      every batch it posted, and every follow-up it sent;
-    - with `follow_ups`, every message outgrew its receive: its sender posts a follow-up right after
-      the batch holding it, which completes only once the receiver posted its receive (rendezvous),
-      and the consumer reads it too. The receiver posts that receive when its consumer reads the header
-      ("at_consumer"), or, as the device path does, as soon as the header is on the host and its host
-      is between two actions ("when_landed", before each action).
+    - a batch is posted when the host reaches it, onto the rank's communication stream (one FIFO), without
+      holding the host;
+    - before a compute action the host reads the header of each message the action consumes, and of
+      every message from the same peer posted before it (headers are read in posting order per peer),
+      each waiting for the batch holding it;
+    - with `syncs`, every compute action then makes a device-wide synchronisation: the host waits until
+      everything it posted on its communication stream completed, and every follow-up it sent;
+    - with `follow_ups`, every message outgrew its receive: its sender posts a follow-up right after the
+      batch holding it, which completes once its receive ran (rendezvous). That receive goes on the
+      receiver's communication stream (behind what was posted there before it, and before what comes
+      after: [Note: streams between communicators] in csrc/device_comm.h), and the host reading the
+      message waits for it. The receiver posts it when its consumer reads the header ("at_consumer"),
+      or, as the device path does, as soon as the header is on the host and its host is between two
+      actions ("when_landed": before each action, each peer's in posting order).
 
     Returns the rounds it took; raises ScheduleError naming what each stuck rank's host waits for if the
     ranks would wait for each other forever."""
@@ -225,7 +229,17 @@ def replay_device_syncs(lowered: Schedule, syncs: bool = True, follow_ups: str |
             for i in batch:
                 a = actions[r][i]
                 where[(_message_key(lowered, a), a.kind in (Kind.SEND_F, Kind.SEND_B))] = (r, b)
-    # each rank's host program: ("batch", b) or ("compute", position, messages it consumes)
+    sender = {key: where[(key, True)][0] for key, sending in where if sending}
+    # per receiving rank and peer: the messages it receives, in posting order
+    from_peer: list[dict[int, list[tuple]]] = [{} for _ in range(R)]
+    for r in range(R):
+        for batch in batches[r]:
+            for i in batch:
+                a = actions[r][i]
+                if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                    key = _message_key(lowered, a)
+                    from_peer[r].setdefault(sender[key], []).append(key)
+    # each rank's host program: ("batch", b) or ("compute", position, messages whose headers it reads first)
     hosts: list[list[tuple]] = []
     for r in range(R):
         first = {batch[0]: b for b, batch in enumerate(batches[r])}
@@ -234,31 +248,35 @@ def replay_device_syncs(lowered: Schedule, syncs: bool = True, follow_ups: str |
             if i in first:
                 program.append(("batch", first[i]))
             elif a.kind.is_compute:
-                consumed = []
+                reads: list[tuple] = []
                 for leaf in a.leaves():
                     kind = _RECEIVES.get(leaf.kind)
                     key = ("F" if kind is Kind.RECV_F else "B", leaf.stage, leaf.microbatch) if kind else None
                     if key is not None and (key, False) in where:
-                        consumed.append(key)
-                program.append(("compute", i, consumed))
+                        keys = from_peer[r][sender[key]]
+                        reads += [k for k in keys[:keys.index(key) + 1] if k not in reads]
+                program.append(("compute", i, reads))
         hosts.append(program)
     partners = {(r, b): [where[(_message_key(lowered, actions[r][i]),
                                 actions[r][i].kind not in (Kind.SEND_F, Kind.SEND_B))] for i in batch]
                 for r in range(R) for b, batch in enumerate(batches[r])}
     carried = {(r, b): [_message_key(lowered, actions[r][i]) for i in batch]
                for r in range(R) for b, batch in enumerate(batches[r])}
-    landed_at = {key: where[(key, False)] for key in {k for k, side in where if not side}}
+    stream: list[list[tuple]] = [[] for _ in range(R)]  # each rank's communication stream: ("batch", b), ("follow-up", key)
+    head = [0] * R           # its next entry to complete
+    done: set[tuple] = set()  # (rank, batch) completed, and follow-ups received
     at = [0] * R             # the host's next item
-    reading = [False] * R    # the host is inside that compute action (past the poll before it)
-    posted = [0] * R         # batches posted, in order
-    head = [0] * R           # next batch of each rank's FIFO
-    running = [False] * R
-    sent: list[list[tuple]] = [[] for _ in range(R)]  # follow-ups each rank sent
-    receiving: set[tuple] = set()                      # follow-ups whose receive is posted
+    inside = [False] * R     # the host is inside that compute action (past the look before it)
+    read: set[tuple] = set()       # messages whose header (and follow-up) the host read
+    receiving: set[tuple] = set()  # follow-ups whose receive is posted
+    sent: list[list[tuple]] = [[] for _ in range(R)]
 
     def landed(key) -> bool:
-        r, b = landed_at[key]
-        return head[r] > b
+        return where[(key, False)] in done
+
+    def receive_follow_up(r, key) -> None:
+        receiving.add(key)
+        stream[r].append(("follow-up", key))
 
     rounds = 0
     while True:
@@ -267,56 +285,74 @@ def replay_device_syncs(lowered: Schedule, syncs: bool = True, follow_ups: str |
         for r in range(R):
             while at[r] < len(hosts[r]):
                 item = hosts[r][at[r]]
-                if not reading[r]:
-                    if follow_ups == "when_landed":  # (between two actions: DevicePath::before)
-                        for key, (rr, _) in landed_at.items():
-                            if rr == r and key not in receiving and landed(key):
-                                receiving.add(key)
+                if not inside[r]:
+                    if follow_ups == "when_landed":  # (between two actions: DevicePath::post_landed_follow_ups)
+                        for keys in from_peer[r].values():
+                            for key in keys:
+                                if key in read or key in receiving:
+                                    continue
+                                if not landed(key):
+                                    break
+                                receive_follow_up(r, key)
                                 progress = True
                     if item[0] == "batch":
-                        posted[r] += 1
+                        stream[r].append(item)
                         if follow_ups:
-                            sent[r] += [k for k in carried[(r, item[1])] if where[(k, True)][0] == r]
+                            sent[r] += [k for k in carried[(r, item[1])] if sender[k] == r]
                         at[r] += 1
                         progress = True
                         continue
-                    reading[r] = True
+                    inside[r] = True
                     progress = True
-                consumed = item[2]
-                if not all(landed(k) for k in consumed):
-                    break  # the host waits for a header
-                if follow_ups:
-                    for k in consumed:  # (its consumer posts what the landing did not)
-                        if k not in receiving:
-                            receiving.add(k)
-                            progress = True
-                if syncs and (head[r] < posted[r] or any(k not in receiving for k in sent[r])):
-                    break  # a device-wide synchronisation waits for the device
-                reading[r] = False
+                waiting = False
+                for key in item[2]:  # the headers it reads, and their follow-ups
+                    if key in read:
+                        continue
+                    if not landed(key):
+                        waiting = True
+                        break
+                    if follow_ups and key not in receiving:
+                        receive_follow_up(r, key)
+                        progress = True
+                    if follow_ups and key not in done:
+                        waiting = True
+                        break
+                    read.add(key)
+                if waiting or (syncs and (head[r] < len(stream[r]) or any(k not in done for k in sent[r]))):
+                    break  # the host waits for a header, a follow-up, or (synchronising) the whole device
+                inside[r] = False
                 at[r] += 1
                 progress = True
+        # each communication stream runs its head: a follow-up's receive at once (its send was posted with the
+        # header's batch), a batch once every partner's batch is at its stream's head or completed
+        finished = []
         for r in range(R):
-            if head[r] < posted[r] and not running[r]:
-                running[r] = True
-                progress = True
-        finished = [r for r in range(R) if running[r] and all(
-            (head[pr] == pb and running[pr]) or head[pr] > pb for pr, pb in partners[(r, head[r])])]
+            if head[r] == len(stream[r]):
+                continue
+            kind, what = stream[r][head[r]]
+            if kind == "follow-up" or all((pr, pb) in done or (head[pr] < len(stream[pr]) and
+                                                             stream[pr][head[pr]] == ("batch", pb))
+                                          for pr, pb in partners[(r, what)]):
+                finished.append(r)
         for r in finished:
-            running[r] = False
+            kind, what = stream[r][head[r]]
+            done.add(what if kind == "follow-up" else (r, what))
             head[r] += 1
             progress = True
         if not progress:
             break
-    stuck = [r for r in range(R) if at[r] < len(hosts[r]) or head[r] < len(batches[r])]
+    stuck = [r for r in range(R) if at[r] < len(hosts[r]) or head[r] < len(stream[r])]
     if stuck:
         parts = []
         for r in stuck:
             item = hosts[r][at[r]] if at[r] < len(hosts[r]) else None
             where_host = "done" if item is None else \
                 f"at {actions[r][item[1]]}" if item[0] == "compute" else f"posting batch {item[1]}"
-            batch = [str(actions[r][i]) for i in batches[r][head[r]]] if head[r] < len(batches[r]) else []
-            waits = [f"follow-up of {k}" for k in sent[r] if k not in receiving]
-            parts.append(f"rank {r}: host {where_host}, device batch {batch}" +
+            entry = stream[r][head[r]] if head[r] < len(stream[r]) else None
+            device = "idle" if entry is None else f"follow-up receive of {entry[1]}" if entry[0] == "follow-up" \
+                else str([str(actions[r][i]) for i in batches[r][entry[1]]])
+            waits = [f"follow-up of {k}" for k in sent[r] if k not in done]
+            parts.append(f"rank {r}: host {where_host}, communication stream at {device}" +
                          (f", its follow-ups not received yet: {waits[:3]}" if waits else ""))
         raise ScheduleError(f"{lowered.name or 'schedule'}: with a device-wide synchronisation in every compute action"
                             f"{' and every message grown' if follow_ups else ''} the ranks wait for each other "
