@@ -108,23 +108,17 @@ class GroupWork final : public c10d::Work {
         throw std::runtime_error("pipecore (model of NCCL): " + what_ + " did not complete: a receive's peer has "
                                  "not posted the send it matches");
       }
-      if (state_[i] == kIdle && !aborted_.empty()) {  // (gloo ends one wait per abort)
-        state_[i] = kFailed;
-        errors_[i] = std::make_exception_ptr(std::runtime_error(aborted_));
-      } else if (state_[i] == kIdle) {
+      // Only a wait without a deadline (its stream's thread, which waits for each group it launched) waits
+      // on gloo: a gloo wait that times out closes every pair of its group. Others wait for its outcome.
+      const bool drives = deadline == std::chrono::steady_clock::time_point::max();
+      if (state_[i] == kIdle && aborted_.empty() && drives) {
         state_[i] = kWaiting;
         const PostedOp op = ops_[i];
         lock.unlock();
         std::exception_ptr error;
         try {
           for (const auto& work : op.works) {
-            // (no deadline: gloo's own, the group's timeout, which a std::chrono::milliseconds::max would overflow)
-            const auto left = deadline == std::chrono::steady_clock::time_point::max()
-                                  ? kWaitForever
-                                  : std::max(time_left(deadline), std::chrono::milliseconds(1));
-            if (!work->wait(left)) {
-              throw std::runtime_error("the wait was aborted");
-            }
+            if (!work->wait(kWaitForever)) throw std::runtime_error("the wait was aborted");
           }
           if (op.check) op.check();
         } catch (...) {
@@ -135,10 +129,15 @@ class GroupWork final : public c10d::Work {
         state_[i] = error ? kFailed : kDone;
         errors_[i] = error;
         changed_.notify_all();
-      } else if (state_[i] == kWaiting &&
-                 !changed_.wait_until(lock, deadline, [&] { return state_[i] != kWaiting; })) {
+      } else if (!changed_.wait_until(lock, deadline, [&] {
+                   return state_[i] == kDone || state_[i] == kFailed || (state_[i] == kIdle && !aborted_.empty());
+                 })) {
         throw std::runtime_error("pipecore (model of NCCL): " + what_ + " did not complete: an operation of it "
                                  "waits for its peer to post the one it matches");
+      }
+      if (state_[i] == kIdle && !aborted_.empty()) {  // (gloo ends one wait per abort)
+        state_[i] = kFailed;
+        errors_[i] = std::make_exception_ptr(std::runtime_error(aborted_));
       }
       if (state_[i] == kFailed) std::rethrow_exception(errors_[i]);
     }

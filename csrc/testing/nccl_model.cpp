@@ -213,7 +213,7 @@ class GroupStream final : public CommStream {
     {
       std::lock_guard<std::mutex> lock(mu_);
       queue_.push_back({group, std::move(ops), std::move(after)});
-      last_ = group;
+      last_ = c10::intrusive_ptr<c10d::Work>(group);  // (weakly: the executor's letting go frees its buffers)
     }
     queued_.notify_all();
     return group;
@@ -228,7 +228,7 @@ class GroupStream final : public CommStream {
   }
   c10::intrusive_ptr<c10d::Work> last() override {
     std::lock_guard<std::mutex> lock(mu_);
-    return last_;
+    return last_.lock();
   }
 
  private:
@@ -331,6 +331,8 @@ class GroupStream final : public CommStream {
           next.group->wait(kWaitForever);
         } catch (const std::exception&) {
         }
+        std::lock_guard<std::mutex> lock(mu_);
+        running_.reset();
       }
       before = std::move(next.group);
     }
@@ -346,7 +348,7 @@ class GroupStream final : public CommStream {
   };
   std::deque<Queued> queue_;
   const int64_t eager_bytes_;              // sends of at most this many bytes complete without their receiver
-  c10::intrusive_ptr<c10d::Work> last_;    // the group queued last
+  c10::weak_intrusive_ptr<c10d::Work> last_{c10::intrusive_ptr<c10d::Work>()};  // the group queued last
   c10::intrusive_ptr<c10d::Work> running_;  // what the thread waits for (aborted to stop it)
   std::vector<c10::intrusive_ptr<GroupWork>> unfinished_;  // launched, not known to have completed
   std::string aborted_;                    // why the communicator was aborted
