@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import copy
 import gc
-import time
 
 import torch
 
 import pipecore as pc
 from pipecore import _C
-from shaped_message_cases import MaskedStage, _difference, batch, sum_loss
+from nccl_connection_cases import run_steps
+from shaped_message_cases import MaskedStage, sum_loss
 
 # step 0 learns the plan, 1 stays within it, 2 outgrows every capacity (every message follows up), 3 fits
 GROWING = [3, 2, 8, 8]
@@ -58,20 +58,4 @@ def steps_under_device_syncs(rank: int, world: int, name: str, timeout: float = 
     pipe = pc.Pipeline(stages, sched, sched.num_microbatches, loss_fn=sum_loss, timeout=timeout)
     pipe.executor._emulate_device_comm(True)
     pipe.executor.set_shapes_travel(True)
-    out: dict = {"failed": [], "grad": 0.0, "grown": 0, "seconds": []}
-    for step, n in enumerate(GROWING):
-        data = [batch(step, mb, n) for mb in range(sched.num_microbatches)]
-        started = time.monotonic()
-        try:
-            pipe.step_microbatches([(x,) for x, _ in data] if pipe.has_first else None,
-                                   target_mbs=[y for _, y in data] if pipe.has_last else None,
-                                   loss_divisor=float(sum(y.numel() for _, y in data)))
-        except (RuntimeError, pc.PeerFailedError) as exc:
-            out["failed"].append(f"{step}: {type(exc).__name__}: {str(exc)[:1500]}")
-            out["seconds"].append(time.monotonic() - started)
-            break
-        out["seconds"].append(time.monotonic() - started)
-        out["grown"] += pipe.executor.message_counts[2]
-        out["grad"] = max(out["grad"], _difference(stages, reference, data))
-    out["violations"] = pipe.executor._stream_violations()
-    return out
+    return run_steps(pipe, stages, reference, [[n] * sched.num_microbatches for n in GROWING], {}, 1500)

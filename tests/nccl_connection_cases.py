@@ -32,8 +32,22 @@ def connections_over_steps(rank: int, world: int, name: str, all_ranks_connected
     pipe.executor.set_shapes_travel(True)
     if not connect_ahead:
         pipe.comm.connect = lambda *args: None
-    out: dict = {"failed": [], "grad": 0.0, "counts": [], "grown": 0, "seconds": []}
-    for step, lens in enumerate(steps_for(LENGTHS, world)[:steps]):
+    out: dict = {"counts": []}
+    run_steps(pipe, stages, reference, steps_for(LENGTHS, world)[:steps], out, 900,
+              lambda: out["counts"].append(pipe.executor._connection_counts()))
+    out["channel_timeouts"] = [c.options._timeout.total_seconds() for c in pipe.comm.channels]
+    out["group_timeout"] = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    return out
+
+
+def run_steps(pipe, stages, reference, lengths: list[list[int]], out: dict, text_chars: int,
+              after_step=lambda: None) -> dict:
+    """One step of `pipe` per entry of `lengths` (each microbatch's length) until one fails, into `out`: the
+    failure (its first `text_chars` characters), the largest gradient difference from one process
+    (`reference`), the follow-ups sent, each step's seconds, then the stream contract's violations.
+    `after_step` runs after each step that passed."""
+    out.update({"failed": [], "grad": 0.0, "grown": 0, "seconds": []})
+    for step, lens in enumerate(lengths):
         data = [batch(step, mb, n) for mb, n in enumerate(lens)]
         started = time.monotonic()
         try:
@@ -41,14 +55,12 @@ def connections_over_steps(rank: int, world: int, name: str, all_ranks_connected
                                    target_mbs=[y for _, y in data] if pipe.has_last else None,
                                    loss_divisor=float(sum(y.numel() for _, y in data)))
         except (RuntimeError, pc.PeerFailedError) as exc:
-            out["failed"].append(f"{step}: {type(exc).__name__}: {str(exc)[:900]}")
+            out["failed"].append(f"{step}: {type(exc).__name__}: {str(exc)[:text_chars]}")
             out["seconds"].append(time.monotonic() - started)
             break
         out["seconds"].append(time.monotonic() - started)
-        out["counts"].append(pipe.executor._connection_counts())
+        after_step()
         out["grown"] += pipe.executor.message_counts[2]
         out["grad"] = max(out["grad"], _difference(stages, reference, data))
     out["violations"] = pipe.executor._stream_violations()
-    out["channel_timeouts"] = [c.options._timeout.total_seconds() for c in pipe.comm.channels]
-    out["group_timeout"] = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
     return out
