@@ -22,14 +22,7 @@ def connections_over_steps(rank: int, world: int, name: str, all_ranks_connected
     Returns the first failure, the largest gradient difference from one process, the connection counts
     (ahead, inside steps, store operations) after every step, the follow-ups sent, each step's seconds,
     and the c10d timeouts of the channels and of the group."""
-    sched = pc.build_schedule(name, world, 2 * world)
-    torch.manual_seed(0)
-    modules = [MaskedStage(s == 0) for s in range(sched.num_stages)]
-    reference = copy.deepcopy(modules)
-    stages = [pc.PipelineStage(modules[s], s, sched.num_stages) for s in sched.rank_stages(rank)]
-    pipe = pc.Pipeline(stages, sched, sched.num_microbatches, loss_fn=sum_loss, timeout=timeout)
-    pipe.executor._emulate_device_comm(all_ranks_connected)
-    pipe.executor.set_shapes_travel(True)
+    pipe, stages, reference = _emulated_pipeline(rank, world, name, all_ranks_connected, timeout)
     if not connect_ahead:
         pipe.comm.connect = lambda *args: None
     out: dict = {"counts": []}
@@ -38,6 +31,20 @@ def connections_over_steps(rank: int, world: int, name: str, all_ranks_connected
     out["channel_timeouts"] = [c.options._timeout.total_seconds() for c in pipe.comm.channels]
     out["group_timeout"] = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
     return out
+
+
+def _emulated_pipeline(rank: int, world: int, name: str, all_ranks_connected: bool, timeout: float):
+    """MaskedStage's stages of `name` (2 microbatches per rank) on the emulated device path, shapes in the
+    messages; with the whole model, for the reference."""
+    sched = pc.build_schedule(name, world, 2 * world)
+    torch.manual_seed(0)
+    modules = [MaskedStage(s == 0) for s in range(sched.num_stages)]
+    reference = copy.deepcopy(modules)
+    stages = [pc.PipelineStage(modules[s], s, sched.num_stages) for s in sched.rank_stages(rank)]
+    pipe = pc.Pipeline(stages, sched, sched.num_microbatches, loss_fn=sum_loss, timeout=timeout)
+    pipe.executor._emulate_device_comm(all_ranks_connected)
+    pipe.executor.set_shapes_travel(True)
+    return pipe, stages, reference
 
 
 def run_steps(pipe, stages, reference, lengths: list[list[int]], out: dict, text_chars: int,
@@ -64,3 +71,27 @@ def run_steps(pipe, stages, reference, lengths: list[list[int]], out: dict, text
         out["grad"] = max(out["grad"], _difference(stages, reference, data))
     out["violations"] = pipe.executor._stream_violations()
     return out
+
+
+def channels_end_with_the_world(rank: int, world: int, port: int) -> dict:
+    """A Pipeline on the emulated device path (its follow-up channels open), one step, then
+    `destroy_process_group()`: which channels were shut down, and whether the Comm still lists any. The
+    default group is made again on `port` afterwards, for the pool."""
+    pipe, stages, reference = _emulated_pipeline(rank, world, "1f1b", False, 60)
+    out: dict = {}
+    run_steps(pipe, stages, reference, steps_for(LENGTHS, world)[:1], out, 900, lambda: None)
+    assert not out["failed"], out
+
+    class Recorder:  # (gloo's shutdown changes nothing one can see: the call itself is recorded)
+        def __init__(self, channel):
+            self.channel, self.ended = channel, False
+
+        def shutdown(self):
+            self.ended = True
+            self.channel.shutdown()
+
+    recorders = [Recorder(c) for c in pipe.comm.channels]
+    pipe.comm.channels = list(recorders)
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    return {"opened": len(recorders), "ended": sum(r.ended for r in recorders), "listed": len(pipe.comm.channels)}

@@ -5,9 +5,9 @@ hold the posting host until their peers come (csrc/testing/nccl_connections.h)."
 import pytest
 
 import pipecore as pc
-from dist_pool import fresh_pool, pool
+from dist_pool import free_port, fresh_pool, pool
 from exactness import FLOAT64_BOUND
-from nccl_connection_cases import connections_over_steps
+from nccl_connection_cases import channels_end_with_the_world, connections_over_steps
 
 # (dualpipe's second direction starts at another stage than MaskedStage's first: not this model)
 SCHEDULES = [name for name in pc.SCHEDULES if name not in ("forward_only", "dualpipe")]
@@ -55,3 +55,15 @@ def test_a_communicator_first_used_inside_a_step_is_the_hang_it_would_be(name, w
     held = [t for t in texts if "this would hang" in t and communicator in t]
     assert held and all("inside the step" in t and "no timeout of NCCL's and no abort ends that wait" in t
                         for t in held), texts
+
+
+def test_destroy_process_group_ends_the_channels():
+    """The channels a Pipeline opened (here its follow-up channels, on 2 ranks) are communicators c10d did not
+    make: `destroy_process_group()` shuts each down (an NCCL one left would warn, or wait, at the process's
+    exit) and the Pipeline lists none after it."""
+    p = fresh_pool(2)
+    try:
+        results = p.run(channels_end_with_the_world, free_port(), timeout=120)
+    finally:
+        p.close()
+    assert all(r["opened"] >= 2 and r["ended"] == r["opened"] and r["listed"] == 0 for r in results), results

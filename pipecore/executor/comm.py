@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 import time
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -301,8 +302,41 @@ class Comm:
             raise CommunicationError(f"{self.who}: connecting the ranks' {name} channel failed within "
                                      f"{self.timeout} s ({exc}); a rank hung or died: {aborted}rebuild the process "
                                      "group") from None
+        if not self.channels:
+            _end_with_the_world(self)
         self.channels.append(channel)
         return channel
+
+    def end_channels(self) -> None:
+        """Shut down every channel this Comm opened (destroy_process_group() does, through
+        `_end_with_the_world`); a later step on the group fails as on any destroyed group."""
+        channels, self.channels = self.channels, []
+        self.reverse_channel = None
+        for channel in channels:
+            shutdown = getattr(channel, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+
+
+class _ChannelsEnder:
+    """Sits in c10d's list of communicators that `destroy_process_group()` finalises (`_world.comms`)
+    and shuts down one Comm's channels there: they are communicators c10d did not make (no group is
+    registered for them), and an NCCL one destroyed without it warns, or waits, at the process's exit.
+    Holds its Comm weakly: a Pipeline let go of takes its channels with it."""
+
+    def __init__(self, comm: Comm):
+        self._comm = weakref.ref(comm)
+
+    def finalize(self) -> None:
+        comm = self._comm()
+        if comm is not None:
+            comm.end_channels()
+
+
+def _end_with_the_world(comm: Comm) -> None:
+    comms = getattr(dist.distributed_c10d._world, "comms", None)  # (where c10d keeps that list; else let go of)
+    if isinstance(comms, list):
+        comms.append(_ChannelsEnder(comm))
 
 
 def channel_timeout(pipeline_timeout: float, like) -> timedelta:

@@ -89,6 +89,13 @@ class SerializedReplay:
     rounds: int
 
 
+def _rendezvous(partners, reached) -> bool:
+    """The rule both replays complete a batch by (rendezvous: a large message moves only while both
+    sides are at it): every partner batch (rank, batch) in `partners` is running at its stream's head, or
+    completed, as `reached(rank, batch)` says."""
+    return all(reached(pr, pb) for pr, pb in partners)
+
+
 def replay_serialized(lowered: Schedule, learning: bool = False) -> SerializedReplay:
     """Replays `lowered` with every rank's P2P operations in one FIFO of batches (rules 1-4, and
     with `learning` rule 5, under rendezvous). Raises ScheduleError naming each stuck rank's next batch and compute action if
@@ -173,8 +180,8 @@ def replay_serialized(lowered: Schedule, learning: bool = False) -> SerializedRe
                     running[r] = True
                     progress = True
         # a running batch completes when every partner's batch is running (or already completed)
-        finished = [r for r in range(R) if running[r] and all(
-            (head[pr] == pb and running[pr]) or head[pr] > pb for pr, pb in partners[r][head[r]])]
+        finished = [r for r in range(R) if running[r] and _rendezvous(
+            partners[r][head[r]], lambda pr, pb: (head[pr] == pb and running[pr]) or head[pr] > pb)]
         for r in finished:
             running[r] = False
             head[r] += 1
@@ -330,9 +337,8 @@ def replay_device_syncs(lowered: Schedule, syncs: bool = True, follow_ups: str |
             if head[r] == len(stream[r]):
                 continue
             kind, what = stream[r][head[r]]
-            if kind == "follow-up" or all((pr, pb) in done or (head[pr] < len(stream[pr]) and
-                                                             stream[pr][head[pr]] == ("batch", pb))
-                                          for pr, pb in partners[(r, what)]):
+            if kind == "follow-up" or _rendezvous(partners[(r, what)], lambda pr, pb: (pr, pb) in done or (
+                    head[pr] < len(stream[pr]) and stream[pr][head[pr]] == ("batch", pb))):
                 finished.append(r)
         for r in finished:
             kind, what = stream[r][head[r]]
