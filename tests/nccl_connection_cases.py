@@ -94,4 +94,5 @@ def channels_end_with_the_world(rank: int, world: int, port: int) -> dict:
     pipe.comm.channels = list(recorders)
     dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    return {"opened": len(recorders), "ended": sum(r.ended for r in recorders), "listed": len(pipe.comm.channels)}
+    return {"opened": len(recorders), "ended": sum(r.ended for r in recorders), "listed": len(pipe.comm.channels),
+            "c10d_finalises": isinstance(getattr(dist.distributed_c10d._world, "comms", None), list)}

@@ -66,4 +66,6 @@ def test_destroy_process_group_ends_the_channels():
         results = p.run(channels_end_with_the_world, free_port(), timeout=120)
     finally:
         p.close()
+    if not results[0]["c10d_finalises"]:
+        pytest.skip("this torch's c10d keeps no list of communicators to finalise: the channels end when let go of")
     assert all(r["opened"] >= 2 and r["ended"] == r["opened"] and r["listed"] == 0 for r in results), results
