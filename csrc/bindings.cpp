@@ -26,6 +26,12 @@
 
 namespace py = pybind11;
 
+namespace pipecore {
+// flight_bindings.cpp: a flight record as Python reads it (`label`: an action's label), and its phases set
+py::dict flight_record(const FlightRecord& flight, const std::function<std::string(int64_t)>& label);
+void set_flight_phase(FlightRecord& flight, const std::string& phase, int64_t step);
+}  // namespace pipecore
+
 #ifdef PIPECORE_TESTING
 namespace pipecore {
 void bind_nccl_model(py::module& m);  // testing/nccl_model_harness.cpp
@@ -367,6 +373,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("message_counts", &pipecore::Executor::message_counts,
                              "(messages, point-to-point sends of their parts, grown messages sent again) of the "
                              "last run")
+      .def(
+          "flight_record",
+          [](pipecore::Executor& self) {
+            return pipecore::flight_record(self.flight(), [&](int64_t i) { return self.action_label(i); });
+          },
+          "what this rank does now and did last (flight_record.h): phase, action, part, wait, last actions")
+      .def(
+          "set_flight_phase",
+          [](pipecore::Executor& self, const std::string& phase, int64_t step) {
+            pipecore::set_flight_phase(self.flight(), phase, step);
+          },
+          py::arg("phase"), py::arg("step") = -1)
       .def("set_trace", &pipecore::Executor::set_trace, py::arg("on"), py::arg("device") = "cpu")
       .def("set_profile", &pipecore::Executor::set_profile, py::arg("on"))
       .def("profile",

@@ -64,6 +64,7 @@ class DevicePath final : public MessagePath {
 
   void check_step_status() override {
     int64_t status = kMessageOk;
+    const WaitingOn waiting(ctx_.flight, -1, -1, "the step's work on the device");
     if (!device_->finish_step(ctx_.timeout, status, device_->compute_stream())) {
       throw CommError(not_within("pipecore " + ctx_.who + ": the step's work on the device did not finish",
                                  ctx_.timeout, "a peer stopped sending or receiving"));
@@ -115,6 +116,7 @@ class DevicePath final : public MessagePath {
       // the compute stream (and a discovery run's host reads, which queue there) read it after its batch
       // (stream_contract.h, rule 2); a plain message's trailer folds into the step status on the device
       SpentOn spent(ctx_.profile, Spent::kWait);
+      const WaitingOn waiting(ctx_.flight, task.peer, in.mb, what);
       device_->consume(task, *inbox.ready, device_->compute_stream());
       inbox.consumed = true;
     } catch (const CommError& e) {  // a consume that waits on the host (host_device_comm.cpp)
@@ -257,6 +259,7 @@ int64_t DevicePath::read_status(CommTask& task, const Instr& consumer, const cha
 
 at::Tensor DevicePath::header_on_host(CommTask& task, int peer, const Instr& consumer, const char* what) {
   SpentOn spent(ctx_.profile, Spent::kWait);
+  const WaitingOn waiting(ctx_.flight, peer, consumer.mb, what);
   try {
     return device_->read_header(task, ctx_.timeout);
   } catch (const CommError& e) {

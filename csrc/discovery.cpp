@@ -41,15 +41,17 @@ bool Executor::learn_specs(const Instr& in, bool aborted) {
   int64_t answer;
   {
     SpentOn spent(profile_, Spent::kWait);  // for the peer's forward that makes them known
+    const WaitingOn waiting(flight_, in.peer, in.mb,
+                            input ? "shapes of the activations" : "shapes of its outputs");
     answer = (*run_.discover)(in.stage, in.mb, input ? kRecvF : kSendF, !aborted || run_.may_wait);
-  }
-  if (answer == kSpecsTimedOut) {
-    run_.may_wait = false;  // the rest of an aborted run does not wait a timeout per receive
-    throw CommError(not_within(where(in) + ": the shapes of microbatch " + std::to_string(in.mb) +
-                                   "'s activations did not arrive from rank " + std::to_string(in.peer),
-                               timeout_,
-                               "its forward of the first step with this batch shape did not finish: a first forward "
-                               "that compiles or loads for longer needs a larger timeout="));
+    if (answer == kSpecsTimedOut) {  // (thrown here: the flight record keeps the wait that failed)
+      run_.may_wait = false;  // the rest of an aborted run does not wait a timeout per receive
+      throw CommError(not_within(where(in) + ": the shapes of microbatch " + std::to_string(in.mb) +
+                                     "'s activations did not arrive from rank " + std::to_string(in.peer),
+                                 timeout_,
+                                 "its forward of the first step with this batch shape did not finish: a first "
+                                 "forward that compiles or loads for longer needs a larger timeout="));
+    }
   }
   if (answer == kSpecsSet) {
     TORCH_CHECK(known(), where(in), ": the spec source answered without setting the shapes");

@@ -24,7 +24,7 @@ Executor::Executor(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t num_stages
       path_(make_message_path(path_context(), /*device=*/nullptr, /*replacing=*/nullptr)) {}
 
 PathContext Executor::path_context() {
-  return PathContext{*this, pg_, rank_, who_, timeout_, program_, specs_, profile_};
+  return PathContext{*this, pg_, rank_, who_, timeout_, program_, specs_, profile_, flight_};
 }
 
 Executor::~Executor() {

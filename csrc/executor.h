@@ -240,6 +240,14 @@ class Executor final : private PathOwner {
   // Where the last run's host time went, by part (step_profile.h), when enabled.
   void set_profile(bool on) { profile_on_ = on; }
   const StepProfile& profile() const { return profile_; }
+  // What this rank does now and did last (flight_record.h): read from any thread at any time; the Python
+  // layer sets the phases around the run (FlightRecord::Phase) and the step.
+  FlightRecord& flight() { return flight_; }
+  // "PP:1F0" for program[index] ("" if the program has no such action)
+  std::string action_label(int64_t index) const {
+    return index >= 0 && static_cast<size_t>(index) < program_.size() ? program_.label(program_[index])
+                                                                        : std::string();
+  }
   const std::string& label(int64_t i) const { return program_.labels[i]; }
   // Stages that hand their data over on this rank, without communication (-1: none).
   void set_links(int64_t stage, int64_t next_local, int64_t prev_local);
@@ -418,7 +426,8 @@ class Executor final : private PathOwner {
     std::mutex mu;  // the two halves of a pair trace at once
   } tracing_;
   bool profile_on_ = false;
-  StepProfile profile_;
+  FlightRecord flight_;  // what this rank does now and did last (flight_record.h); before profile_, which writes it
+  StepProfile profile_{flight_};
 
   // How messages travel (message_path.h): after what it reads of the executor (PathContext), which
   // outlives it.

@@ -107,15 +107,14 @@ class HostPath final : public MessagePath {
   void send(std::vector<at::Tensor> parts, size_t index, bool budgeted, bool aborted, int tag = 0) {
     const Instr& in = program_[index];
     const int64_t bytes = message_bytes(parts);
-    bool reserved = true;
     if (budgeted) {
       SpentOn spent(ctx_.profile, Spent::kWait);
-      reserved = sends_->reserve(static_cast<int>(in.peer), bytes, settings_.send_budget, ctx_.timeout);
-    }
-    if (!reserved) {
-      throw CommError(not_within(where(in) + ": earlier sends to rank " + std::to_string(in.peer) +
-                                     " did not complete",
-                                 ctx_.timeout, "the peer stopped receiving"));
+      const WaitingOn waiting(ctx_.flight, in.peer, in.mb, "room in its send budget", /*send=*/true);
+      if (!sends_->reserve(static_cast<int>(in.peer), bytes, settings_.send_budget, ctx_.timeout)) {
+        throw CommError(not_within(where(in) + ": earlier sends to rank " + std::to_string(in.peer) +
+                                       " did not complete",
+                                   ctx_.timeout, "the peer stopped receiving"));
+      }
     }
     // an aborted step still releases every peer it can; once a grown message's header went, its
     // follow-up goes too (its receiver waits for it)

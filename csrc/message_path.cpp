@@ -127,6 +127,7 @@ void MessagePath::drop(Inbox& inbox, const Instr& in, bool wait) {
 
 void MessagePath::wait_task(CommTask& task, const Instr& in, const char* what) {
   SpentOn spent(ctx_.profile, Spent::kWait);
+  const WaitingOn waiting(ctx_.flight, task.peer, in.mb, what, task.send);
   if (task.queued) await_posted(task, in);
   for (auto& work : task.works) {
     if (!work) continue;
@@ -238,6 +239,7 @@ void MessagePath::check_sends() {
 
 void MessagePath::drain_sends() {
   SpentOn spent(ctx_.profile, Spent::kWait);
+  const WaitingOn waiting(ctx_.flight, -1, -1, "the step's last sends", /*send=*/true);
   if (!sends_->drain(ctx_.timeout)) {
     throw CommError(not_within("pipecore " + ctx_.who + ": sends of this step did not complete", ctx_.timeout,
                                "a peer stopped receiving"));

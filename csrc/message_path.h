@@ -152,6 +152,7 @@ struct PathContext {
   const Program& program;
   MessageSpecs& specs;
   StepProfile& profile;
+  FlightRecord& flight;
 };
 
 class MessagePath {

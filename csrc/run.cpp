@@ -36,6 +36,10 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const Spec
   if (outcome.ok()) return end_step();
   const std::string failed_action = action_name(outcome.at);
   outcome = path_->explained(std::move(outcome), failed_action);
+  if (outcome.kind != Outcome::kOrigin) {  // (a peer's "aborted" message ended the wait: that wait failed)
+    flight_.keep_last_wait(flight_.action_since_ns());
+  }
+  flight_.set_phase(FlightRecord::kAbort);
   tell_abort(outcome, on_abort);
   rethrow(outcome, release_peers(outcome));
 }
@@ -59,6 +63,8 @@ void Executor::begin_run(const ForwardFn& forward) {
   reset();
   if (path_->format().shaped) specs_.widen_to_capacities();
   profile_.begin(profile_on_);
+  flight_.set_phase(FlightRecord::kRun);
+  flight_.begin_run();
   comm_failure_.clear();
 #ifdef PIPECORE_TESTING
   freed_outputs_ = 0;
@@ -77,6 +83,7 @@ Outcome Executor::execute_program() {
   size_t i = 0;
   try {
     for (; i < program_.size(); ++i) {
+      flight_.begin_action(static_cast<int64_t>(i));
       path_->check_sends();
       path_->before(i);  // (the host path's receive window)
       if (program_[i].op == kOverlapBegin) {
@@ -84,6 +91,7 @@ Outcome Executor::execute_program() {
       } else {
         exec_traced(i);
       }
+      flight_.end_action();
     }
   } catch (...) {
     Outcome failed = Outcome::of_current_exception();
@@ -134,11 +142,13 @@ std::string Executor::finish_aborted(size_t from, bool wait, int64_t status) {
   std::string comm_failure;
   run_.may_wait = wait;
   for (size_t j = from; j < program_.size(); ++j) {
+    flight_.begin_action(static_cast<int64_t>(j));
     try {
       exec(j, RunMode{/*aborted=*/true, run_.may_wait, status});  // (after learn_specs timed out, no action waits)
     } catch (const std::exception& e) {
       if (comm_failure.empty()) comm_failure = e.what();
     }
+    flight_.end_action(/*kept=*/false);
   }
   if (wait) {
     try {

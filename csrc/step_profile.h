@@ -1,5 +1,6 @@
 // Where a run's host time went (Executor::set_profile): each moment of the run is charged to one
-// part, so the parts add up to the run. Off, a part's scope costs one branch.
+// part, so the parts add up to the run. Off, a part's scope only tells the flight record which part
+// runs now (flight_record.h: a thread id compare and a relaxed store).
 //
 // Only the thread that runs the program is counted: the other half of an OVERLAP_F_B pair runs on
 // a thread of its own, and its time shows as the time the running thread waited for it.
@@ -9,6 +10,8 @@
 #include <chrono>
 #include <cstdint>
 #include <thread>
+
+#include "flight_record.h"
 
 namespace pipecore {
 
@@ -23,12 +26,14 @@ enum class Spent : int {
 
 class StepProfile {
  public:
+  explicit StepProfile(FlightRecord& flight) : flight_(flight) {}
   void begin(bool on) {
     on_ = on;
-    if (!on) return;
-    spent_.fill(Clock::duration::zero());
     owner_ = std::this_thread::get_id();
     current_ = Spent::kLoop;
+    flight_.set_part(static_cast<int>(current_));
+    if (!on) return;
+    spent_.fill(Clock::duration::zero());
     start_ = last_ = Clock::now();
   }
   void end() {
@@ -40,16 +45,18 @@ class StepProfile {
   // Charges the time so far to the current part and makes `part` current; returns the part to go
   // back to (kParts: nothing to do on leaving).
   Spent enter(Spent part) {
-    if (!on_ || std::this_thread::get_id() != owner_) return Spent::kParts;
-    charge();
+    if (std::this_thread::get_id() != owner_) return Spent::kParts;
+    if (on_) charge();
     const Spent previous = current_;
     current_ = part;
+    flight_.set_part(static_cast<int>(part));
     return previous;
   }
   void leave(Spent previous) {
     if (previous == Spent::kParts) return;
-    charge();
+    if (on_) charge();
     current_ = previous;
+    flight_.set_part(static_cast<int>(previous));
   }
   double us(Spent part) const { return micro(spent_[static_cast<int>(part)]); }
   double total_us() const { return micro(total_); }
@@ -62,6 +69,7 @@ class StepProfile {
     spent_[static_cast<int>(current_)] += now - last_;
     last_ = now;
   }
+  FlightRecord& flight_;
   bool on_ = false;
   std::thread::id owner_;
   Spent current_ = Spent::kLoop;

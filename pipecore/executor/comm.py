@@ -112,11 +112,16 @@ class Comm:
         group = self.group if group is None else group
         return torch.device("cpu") if backend_of(group, torch.device("cpu")) else self.device
 
-    def abandon_group(self, exc: Exception, failed_group=None) -> CommunicationError:
+    def abandon_group(self, exc: Exception, failed_group=None, explain=None) -> CommunicationError:
         """The executor's wait timed out or a connection broke (on `failed_group`, e.g. the data-parallel
         group, if not on the pipeline's): marks the group broken and aborts (`mark_broken`), and returns
-        the error to raise, which says both."""
+        the error to raise, which says both, after `explain()`'s text (the cause as every rank says it:
+        asked once the communicators were aborted, before c10d's watchdog would end the process)."""
         aborted = self.mark_broken(str(exc), failed_group)
+        diagnosis = explain() if explain is not None else ""
+        if diagnosis:
+            return CommunicationError(f"{diagnosis}.\nHere: {exc}. {aborted + 'r' if aborted else 'R'}ebuild the "
+                                      "process group and the Pipeline (README: after a CommunicationError).")
         return CommunicationError(f"{exc}. A peer hung or died: {aborted}rebuild the process group and the "
                                   "Pipeline (README: after a CommunicationError).")
 

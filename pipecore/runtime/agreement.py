@@ -26,7 +26,9 @@ import torch.distributed as dist
 from pipecore.errors import InputError
 from pipecore.executor.comm import Comm, cannot_meet, who
 from pipecore.stage.boundary import signature
+from pipecore.stage.pipeline_stage import PipelineStage, pipeline_group, stage_list
 from pipecore.training.data_parallel import DataParallel, check_groups
+from pipecore.training.wrapped_stages import WrappedStage
 
 REACH_STEP = "waiting for every rank to reach step()"
 
@@ -175,3 +177,19 @@ def _tell_the_others(arguments: dict, error: Exception, where: Callable[..., tup
     except Exception as exc:  # noqa: BLE001 - this rank's own error is the one to raise
         error.add_note(f"pipecore: telling the other ranks that this Pipeline could not be built failed: "
                        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+
+def groups_named(stages=(), group=None, dp_group=None, **_) -> tuple:
+    """A Pipeline that could not be built: the group and the data-parallel group (given, or the DDP/FSDP2
+    stages') its arguments say (raises where they name no one group), for its error to reach that
+    group's other ranks and its replicas."""
+    try:
+        stages = stage_list(stages)
+    except TypeError:  # those that are stages still name the group
+        stages = [s for s in stages if isinstance(s, PipelineStage)] if isinstance(stages, (list, tuple)) else []
+    if dp_group is None:
+        try:
+            dp_group = WrappedStage.common_group([s.module for s in stages])
+        except InputError:  # the wrappers disagree: no one group of replicas to tell
+            pass
+    return pipeline_group(group, stages), dp_group

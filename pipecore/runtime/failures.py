@@ -26,9 +26,15 @@ def peer_failed(step: int, noticed: Exception, rollback_note: str, comm, plans) 
     return failed
 
 
-def group_broke(error: Exception, rollback_note: str, comm, plans) -> CommunicationError:
+def group_broke(error: Exception, rollback_note: str, comm, plans, step: int | None = None,
+                explain=None) -> CommunicationError:
+    """`explain()`: why, as every rank says it (pipecore/runtime/doctor.py), said first."""
     plans.forget_discovery()  # no agreement can end it
-    broke = comm.abandon_group(error)
+
+    def diagnosis() -> str:
+        text = explain() if explain is not None else ""
+        return f"{comm.who}: step {step} failed: {text}" if text else ""
+    broke = comm.abandon_group(error, explain=diagnosis)
     if rollback_note:
         broke.add_note(rollback_note)
     return broke

@@ -20,7 +20,8 @@ from pipecore.executor.comm import Comm, backend_of, who
 from pipecore.executor.native import (DEFAULT_RECV_WINDOW, DEFAULT_SEND_BUDGET, MESSAGE_STATUS, C, CommError, PeerAbort,
                                       PeerReplan)
 from pipecore.executor.program import encode, forward_only
-from pipecore.runtime.agreement import Agreement, shares_build_failure
+from pipecore.runtime.agreement import Agreement, groups_named, shares_build_failure
+from pipecore.runtime.doctor import Doctor
 from pipecore.runtime.failures import group_broke, own_error, peer_failed
 from pipecore.runtime.message_path import computes_on_stand_ins, configure_messages, describe_messages
 from pipecore.runtime.nvtx_ranges import nvtx_range
@@ -121,7 +122,7 @@ class Pipeline:
     `reverse_channel` (gloo's second connection, once opened: `comm.reverse_channel`).
     """
 
-    @shares_build_failure(lambda **arguments: _where_built(**arguments))  # its error reaches the other ranks
+    @shares_build_failure(lambda **arguments: groups_named(**arguments))  # its error reaches the other ranks
     def __init__(self, stages: PipelineStage | Sequence[PipelineStage], schedule: str | Schedule,
                  num_microbatches: int, loss_fn: Callable | None = None, group=None, scale_grads: bool = True,
                  timeout: float | None = None, trace: bool = False, *, check_finite: bool = False,
@@ -270,6 +271,7 @@ class Pipeline:
             self._dp.attach(self.executor, self.programs[True], summary)
         if self._wrappers is not None:
             self._wrappers.attach(self.executor)
+        self._doctor = Doctor(self)  # says why a step failed on a wait (pipecore/runtime/doctor.py)
 
     def _set_weight_builders(self) -> None:
         """Stages with torch's dw_builder: whole backward at I, the builder's runner at W."""
@@ -377,6 +379,17 @@ class Pipeline:
             raise RuntimeError("profiling is off: create the Pipeline with trace=True")
         return dict(self._profile)
 
+    def flight_record(self) -> dict:
+        """What this rank does now and did last, always kept (callable from any thread, as while a step
+        is stuck): `step`; `phase` (idle, agreement, run, abort, finalise) and `phase_seconds`; `action`
+        (None, or its `label`, `seconds` and `part`: executor, forward, backward, posting, waiting);
+        `waiting` (None, or the message it waits for: `peer`, `microbatch`, `what`, `send`, `seconds`);
+        `failed_wait` (the last run's wait that failed, with its `action`); `last` (the last 32 actions:
+        label, seconds ago, seconds); `discovery` (a run learning shapes); `stack` (where the step's
+        thread is in Python). A step that fails on a wait says, on every rank, what these say together
+        (pipecore/runtime/doctor.py)."""
+        return self._doctor.record()
+
     def _end_profile(self) -> None:
         if self.trace_enabled and self._profile:
             p = self._profile
@@ -413,14 +426,19 @@ class Pipeline:
         self._check_usable()
         step = self.comm.step = self._step_count
         self._step_count += 1
-        inputs, problem = self._check(args, kwargs, target, training, return_outputs, loss_kwargs, loss_divisor,
-                                      microbatches, finalize_gradients)
-        if problem is not None:
-            self._release_peers(problem, training)
-        self._plan(step, inputs, training)
-        run = self._start(inputs, training, return_outputs, loss_kwargs)
-        run_started = self._execute(step, run, inputs, training)
-        self._finalise(training)
+        self._doctor.begin_step(step)
+        try:
+            inputs, problem = self._check(args, kwargs, target, training, return_outputs, loss_kwargs,
+                                          loss_divisor, microbatches, finalize_gradients)
+            if problem is not None:
+                self._release_peers(problem, training)
+            self._plan(step, inputs, training)
+            run = self._start(inputs, training, return_outputs, loss_kwargs)
+            run_started = self._execute(step, run, inputs, training)
+            self._doctor.set_phase("finalise")
+            self._finalise(training)
+        finally:
+            self._doctor.end_step()
         if self.trace_enabled:
             self._record_trace(step, run, run_started, training)
         return self._assemble_outputs(run, losses, microbatches)
@@ -503,7 +521,8 @@ class Pipeline:
         except PeerAbort as exc:
             raise peer_failed(step, exc, self._rollback.restore_or_explain(), self.comm, plans) from None
         except CommError as exc:
-            raise group_broke(exc, self._rollback.restore_or_explain(), self.comm, plans) from None
+            raise group_broke(exc, self._rollback.restore_or_explain(), self.comm, plans, step,
+                              lambda: self._doctor.explain(step)) from None
         except BaseException as exc:
             broke = own_error(step, exc, self._rollback.restore_or_explain(), self.comm, plans, self.executor)
             if broke is not None:
@@ -578,18 +597,3 @@ class Pipeline:
         return (f"Pipeline(rank={self.rank}/{self.world}, stages={[s.stage_index for s in self.stages]}, "
                 f"schedule={self.schedule.name!r}, microbatches={self.num_microbatches})")
 
-
-def _where_built(stages=(), group=None, dp_group=None, **_) -> tuple:
-    """A Pipeline that could not be built: the group and the data-parallel group (given, or the DDP/FSDP2
-    stages') its arguments say (raises where they name no one group), for its error to reach that
-    group's other ranks and its replicas."""
-    try:
-        stages = stage_list(stages)
-    except TypeError:  # those that are stages still name the group
-        stages = [s for s in stages if isinstance(s, PipelineStage)] if isinstance(stages, (list, tuple)) else []
-    if dp_group is None:
-        try:
-            dp_group = WrappedStage.common_group([s.module for s in stages])
-        except InputError:  # the wrappers disagree: no one group of replicas to tell
-            pass
-    return pipeline_group(group, stages), dp_group

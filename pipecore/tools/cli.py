@@ -4,6 +4,7 @@
   simulate NAME --ranks R --microbatches M [--F 1 --B 2 --I 1 --W 1 --comm 0] [--overlap concurrent]
   simulate --compare --ranks R --microbatches M [costs] [--profile TRACE.json] [--memory 1.0]
   validate FILE.csv [--placement loop|v|dualpipe]
+  doctor DIR   (the files a failed step left where PIPECORE_FLIGHT_DIR=DIR)
 """
 
 from __future__ import annotations
@@ -120,6 +121,9 @@ def main(argv=None) -> int:
     val = sub.add_parser("validate", help="check a schedule CSV (torch's format)")
     val.add_argument("csv")
     val.add_argument("--placement", default=None, help="loop, v or dualpipe (default: inferred)")
+    doc = sub.add_parser("doctor", help="why a step hung: every rank's flight record, from the files a failed step "
+                                        "wrote to PIPECORE_FLIGHT_DIR")
+    doc.add_argument("folder")
     a = ap.parse_args(argv)
     try:
         if a.cmd == "show":
@@ -153,6 +157,10 @@ def main(argv=None) -> int:
             print(f"bubble ratio      {r.bubble_ratio:.4f}")
             print(f"busy per rank     {' '.join(f'{b:.6g}' for b in r.busy)}")
             print(f"peak activations  {' '.join(map(str, r.peak_activations))}")
+        elif a.cmd == "doctor":
+            from pipecore.runtime.doctor import read_dumps
+
+            print(read_dumps(a.folder))
         elif a.cmd == "validate":
             s = Schedule.from_csv(a.csv, placement=a.placement)
             s.validate()

@@ -1,0 +1,188 @@
+// What this rank is doing now and did last (issue 62): the phase of the step, the action running and
+// since when, what part of it (user code, autograd, posting, waiting), what message it waits for, and
+// the last kKept actions with their times. Always on. The thread that runs the program writes it with
+// relaxed atomic stores and a clock read per action (no lock, no allocation); any thread reads it at
+// any time (Executor::flight_record), as the watcher does while that thread is stuck in a step
+// (pipecore/runtime/doctor.py). A read may pair one action's fields with its neighbour's: a diagnosis
+// needs them recent, not consistent to the nanosecond.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <utility>
+
+namespace pipecore {
+
+class FlightRecord {
+ public:
+  static constexpr int kKept = 32;  // actions kept, the newest last
+  // where the step is; the phases around the run are the Python layer's (Executor.set_flight_phase)
+  enum Phase : int64_t { kIdle = 0, kAgreement, kRun, kAbort, kFinalise, kPhases };
+
+  static int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  void set_phase(Phase phase) {
+    phase_since_.store(now_ns(), std::memory_order_relaxed);
+    phase_.store(phase, std::memory_order_relaxed);
+  }
+  void begin_step(int64_t step) { step_.store(step, std::memory_order_relaxed); }
+
+  // program[index] starts (a pair of halves: its bracket); ends at end_action, which keeps it among the
+  // last actions unless `kept` is false (an aborted run's actions, which only release the peers)
+  void begin_action(int64_t index) {
+    action_since_.store(now_ns(), std::memory_order_relaxed);
+    action_.store(index, std::memory_order_relaxed);
+  }
+  void end_action(bool kept = true) {
+    const int64_t index = action_.load(std::memory_order_relaxed);  // (one writer: no read-modify-write)
+    action_.store(-1, std::memory_order_relaxed);
+    if (!kept) return;
+    const int64_t n = kept_.load(std::memory_order_relaxed);
+    Kept& slot = last_[static_cast<size_t>(n % kKept)];
+    slot.index.store(index, std::memory_order_relaxed);
+    slot.start_ns.store(action_since_.load(std::memory_order_relaxed), std::memory_order_relaxed);
+    slot.end_ns.store(now_ns(), std::memory_order_relaxed);
+    kept_.store(n + 1, std::memory_order_release);
+  }
+
+  // The part of the action running now (step_profile.h's Spent, as an int): set by its SpentOn scopes.
+  void set_part(int part) { part_.store(part, std::memory_order_relaxed); }
+
+  struct Waiting {
+    int64_t peer = -1;  // -1: no one peer (the step's last sends)
+    int64_t mb = -1;
+    const char* what = nullptr;  // static text: "activations", "output gradients", ...
+    bool send = false;           // for a send of this rank's to complete (else: for the peer's message)
+    int64_t since_ns = 0;
+  };
+  // The slot holds the latest wait, and once it ended, when (the last wait, for a run that fails after
+  // it: its message said the sender's step was aborted). The two halves of an OVERLAP_F_B pair wait on
+  // two threads: a wait ending marks the slot only if it is still its own (`since`, its start, tells).
+  void begin_wait(const Waiting& w) {
+    wait_send_.store(w.send, std::memory_order_relaxed);
+    wait_peer_.store(w.peer, std::memory_order_relaxed);
+    wait_mb_.store(w.mb, std::memory_order_relaxed);
+    wait_what_.store(w.what, std::memory_order_relaxed);
+    wait_ended_.store(0, std::memory_order_relaxed);
+    wait_since_.store(w.since_ns, std::memory_order_release);
+  }
+  void end_wait(int64_t since) {
+    if (wait_since_.load(std::memory_order_relaxed) == since) wait_ended_.store(now_ns(), std::memory_order_release);
+  }
+  // Wait `w` ended in an error (a timeout, a broken connection), or the run failed right after it
+  // (keep_last_wait): kept as the run's failed wait, with the action running, until the next run; the
+  // diagnosis starts from it (the abort runs other actions). (Off the hot path, and both halves of a
+  // pair may fail at once: under a lock.)
+  void keep_failed_wait(Waiting w, int64_t ended_ns = 0) {
+    std::lock_guard<std::mutex> lock(failed_mu_);
+    if (failed_.since_ns != 0) return;  // (the first failure is the run's)
+    w.since_ns = std::max<int64_t>((ended_ns ? ended_ns : now_ns()) - w.since_ns, 1);  // (kept as its duration)
+    failed_action_ = action();
+    failed_ = w;
+  }
+  // The run failed on a peer's "aborted" message (no wait failed): its last wait, if it ended in the
+  // failing action, is kept as the failed one.
+  void keep_last_wait(int64_t action_started_ns) {
+    const int64_t ended = wait_ended_.load(std::memory_order_acquire);
+    Waiting w = slot();
+    if (ended != 0 && w.since_ns >= action_started_ns) keep_failed_wait(w, ended);
+  }
+  void begin_run() {
+    std::lock_guard<std::mutex> lock(failed_mu_);
+    failed_ = Waiting();
+    failed_action_ = -1;
+  }
+  // The run's failed wait (since_ns: its duration; 0: none) and its action.
+  std::pair<Waiting, int64_t> failed_wait() const {
+    std::lock_guard<std::mutex> lock(failed_mu_);
+    return {failed_, failed_action_};
+  }
+
+  // --- reading, from any thread
+  int64_t step() const { return step_.load(std::memory_order_relaxed); }
+  Phase phase() const { return static_cast<Phase>(phase_.load(std::memory_order_relaxed)); }
+  int64_t phase_since_ns() const { return phase_since_.load(std::memory_order_relaxed); }
+  int64_t action() const { return action_.load(std::memory_order_relaxed); }
+  int64_t action_since_ns() const { return action_since_.load(std::memory_order_relaxed); }
+  int part() const { return part_.load(std::memory_order_relaxed); }
+  // the wait going on now (since_ns 0: none)
+  Waiting waiting() const {
+    if (wait_ended_.load(std::memory_order_acquire) != 0) return Waiting();
+    return slot();
+  }
+  struct Done {
+    int64_t index, start_ns, end_ns;
+  };
+ private:
+  Waiting slot() const {
+    Waiting w;
+    w.since_ns = wait_since_.load(std::memory_order_acquire);
+    if (w.since_ns == 0) return w;
+    w.peer = wait_peer_.load(std::memory_order_relaxed);
+    w.mb = wait_mb_.load(std::memory_order_relaxed);
+    w.what = wait_what_.load(std::memory_order_relaxed);
+    w.send = wait_send_.load(std::memory_order_relaxed);
+    return w;
+  }
+
+ public:
+  // the last actions that ended, oldest first (at most kKept)
+  template <typename Fn>
+  void for_each_done(Fn&& fn) const {
+    const int64_t n = kept_.load(std::memory_order_acquire);
+    for (int64_t k = n > kKept ? n - kKept : 0; k < n; ++k) {
+      const Kept& slot = last_[static_cast<size_t>(k % kKept)];
+      fn(Done{slot.index.load(std::memory_order_relaxed), slot.start_ns.load(std::memory_order_relaxed),
+              slot.end_ns.load(std::memory_order_relaxed)});
+    }
+  }
+
+ private:
+  struct Kept {
+    std::atomic<int64_t> index{-1}, start_ns{0}, end_ns{0};
+  };
+  std::atomic<int64_t> step_{-1};
+  std::atomic<int64_t> phase_{kIdle};
+  std::atomic<int64_t> phase_since_{0};
+  std::atomic<int64_t> action_{-1};
+  std::atomic<int64_t> action_since_{0};
+  std::atomic<int> part_{0};
+  std::atomic<int64_t> wait_peer_{-1}, wait_mb_{-1}, wait_since_{0}, wait_ended_{0};
+  std::atomic<const char*> wait_what_{nullptr};
+  std::atomic<bool> wait_send_{false};
+  std::atomic<int64_t> kept_{0};
+  mutable std::mutex failed_mu_;
+  Waiting failed_;
+  int64_t failed_action_ = -1;
+  std::array<Kept, kKept> last_{};
+};
+
+// A wait for a message (or for sends to complete), in the flight record for its duration.
+class WaitingOn {
+ public:
+  WaitingOn(FlightRecord& flight, int64_t peer, int64_t mb, const char* what, bool send = false)
+      : flight_(flight), wait_{peer, mb, what, send, FlightRecord::now_ns()}, exceptions_(std::uncaught_exceptions()) {
+    flight_.begin_wait(wait_);
+  }
+  ~WaitingOn() {
+    if (std::uncaught_exceptions() > exceptions_) flight_.keep_failed_wait(wait_);  // (it ends in an error)
+    flight_.end_wait(wait_.since_ns);
+  }
+  WaitingOn(const WaitingOn&) = delete;
+  WaitingOn& operator=(const WaitingOn&) = delete;
+
+ private:
+  FlightRecord& flight_;
+  FlightRecord::Waiting wait_;
+  int exceptions_;
+};
+
+}  // namespace pipecore

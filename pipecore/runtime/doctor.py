@@ -1,0 +1,342 @@
+"""When a step fails on a wait (a timeout, a broken connection), say why on every rank: who is stuck,
+where, and since when (issue 62).
+
+Every rank keeps a flight record (csrc/flight_record.h: the step's phase, the action running and the
+part of it, the message it waits for, its last actions), written by the executor without locks. A
+watcher thread per process (`_Watcher`) answers questions through the store, the one channel left when
+point-to-point traffic is stuck (on a client of its own: `Store.clone`): each rank's record for each of
+its live Pipelines, with the Python stack of the thread running that Pipeline's step (sys._current_frames:
+it needs the GIL, which a thread sleeping or waiting in C++ lets go of; a rank whose threads hold it
+gives no answer). Ranks are global ranks throughout.
+
+The first rank whose step fails on a wait asks (`Doctor.explain`), waits `ANSWER_WITHIN` seconds for the
+answers, follows the wait-for chain from its own failed wait (`diagnose`), and leaves the diagnosis in the
+store; every other rank whose step fails reads it there, so each says the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+import weakref
+
+import torch.distributed as dist
+
+ANSWER_WITHIN = 3.0  # seconds the asking rank waits for the others' records
+POLL_S = 0.2  # how often the watcher looks for a question (one store operation)
+_ASKS = "pipecore/doctor/asks"  # a counter on the default store: the questions asked so far
+_LIBRARIES = (os.sep + "torch" + os.sep, os.sep + "pipecore" + os.sep)  # not the user's frames
+
+
+def _answer_key(question: int, rank: int) -> str:
+    return f"pipecore/doctor/{question}/{rank}"
+
+
+class Doctor:
+    """One Pipeline's side: its record for the watcher, the question and the diagnosis."""
+
+    def __init__(self, pipe):
+        self._pipe = weakref.ref(pipe)  # (the watcher holds doctors; a doctor must not hold its Pipeline)
+        self.comm = pipe.comm
+        self.executor = pipe.executor
+        self.step_thread: int | None = None  # the thread running a step now (for its Python stack)
+        if pipe.world > 1:
+            _Watcher.watch(self)
+
+    def begin_step(self, step: int) -> None:
+        self.step_thread = threading.get_ident()
+        self.executor.set_flight_phase("agreement", step)
+
+    def set_phase(self, phase: str) -> None:
+        self.executor.set_flight_phase(phase)
+
+    def end_step(self) -> None:
+        self.executor.set_flight_phase("idle")
+        self.step_thread = None
+
+    def record(self, stack: bool = True) -> dict:
+        """This rank's flight record of the Pipeline, and where its step's thread is in Python."""
+        out = self.executor.flight_record()
+        pipe = self._pipe()
+        out["rank"] = dist.get_rank() if dist.is_initialized() else 0
+        for key in ("waiting", "failed_wait"):  # (the executor's peers are ranks of the group; the doctor's, global)
+            wait = out[key]
+            if wait is not None and wait["peer"] >= 0 and self.comm.world > 1:
+                wait["peer"] = dist.get_global_rank(self.comm.group, wait["peer"])
+        out["pipeline"] = self.comm.uid
+        out["discovery"] = bool(pipe is not None and pipe.plans.discovery is not None)
+        thread = self.step_thread
+        frame = sys._current_frames().get(thread) if stack and thread is not None else None
+        out["stack"] = [[f.filename, f.lineno, f.name, f.line or ""]
+                        for f in traceback.extract_stack(frame)[-8:]] if frame is not None else []
+        return out
+
+    # -- the question and the diagnosis -----------------------------------------------------------
+    def explain(self, step: int) -> str:
+        """Why this step failed on a wait, the same text on every rank: the first rank to ask asks and
+        leaves the diagnosis; the others read it. "" when nothing can be said (no store). With
+        PIPECORE_FLIGHT_DIR set, this rank's record and the diagnosis go to a file there (`dump`)."""
+        text = self._diagnosis(step)
+        folder = os.environ.get("PIPECORE_FLIGHT_DIR")
+        if folder:
+            dump(folder, self.record(stack=False), step, text, dist.get_process_group_ranks(self.comm.group))
+        return text
+
+    def _diagnosis(self, step: int) -> str:
+        store = self.comm.store
+        if store is None or self.comm.uid is None:
+            return ""
+        key = f"pipecore/{self.comm.uid}/doctor/{step}"
+        me = str(dist.get_rank())
+        try:
+            asker = store.compare_set(f"{key}/asker", "", me)
+            asker = asker.decode() if isinstance(asker, bytes) else asker
+            if asker == me:
+                text = "(no diagnosis: asking the other ranks failed)"
+                try:
+                    text = diagnose(dist.get_rank(), self._ask(store), self.comm.timeout, step)
+                finally:  # (the other ranks wait for it)
+                    store.set(f"{key}/diagnosis", text)
+                # ranks that learn of the failure from an "aborted" message read the step's error here
+                self.comm.publish_error(text, "a wait")
+                return text
+            deadline = time.monotonic() + ANSWER_WITHIN + 3
+            while not store.check([f"{key}/diagnosis"]):
+                if time.monotonic() > deadline:
+                    return f"(no diagnosis: rank {asker} asked the other ranks and did not say what they answered)"
+                time.sleep(POLL_S / 4)
+            return store.get(f"{key}/diagnosis").decode()
+        except Exception as exc:  # noqa: BLE001 - the step's own error is raised anyway
+            return f"(no diagnosis: asking the other ranks failed: {type(exc).__name__}: {exc})"
+
+    def _ask(self, store) -> dict[int, dict | None]:
+        """Every rank's record of this Pipeline (None: no answer within ANSWER_WITHIN)."""
+        ranks = dist.get_process_group_ranks(self.comm.group)
+        question = store.add(_ASKS, 1)
+        records: dict[int, dict | None] = {r: None for r in ranks}
+        records[dist.get_rank()] = self.record(stack=False)
+        missing = [r for r in ranks if records[r] is None]
+        deadline = time.monotonic() + ANSWER_WITHIN
+        while missing and time.monotonic() < deadline and not store.check([_answer_key(question, r) for r in missing]):
+            time.sleep(POLL_S / 4)  # (one store operation a poll, whatever the number of ranks)
+        for r in missing:
+            if store.check([_answer_key(question, r)]):
+                answer = json.loads(store.get(_answer_key(question, r)))
+                records[r] = answer.get(self.comm.uid, {"rank": r, "phase": "elsewhere"})
+        return records
+
+
+class _Watcher:
+    """The process's one thread that answers the doctors' questions while a Pipeline of it lives, on a
+    client of the store of its own (a blocking call of the step's thread on the shared one would hold it)."""
+
+    _lock = threading.Lock()
+    _doctors: weakref.WeakSet = weakref.WeakSet()
+    _thread: threading.Thread | None = None
+
+    @classmethod
+    def watch(cls, doctor: Doctor) -> None:
+        with cls._lock:
+            cls._doctors.add(doctor)
+            if cls._thread is None or not cls._thread.is_alive():
+                cls._thread = threading.Thread(target=cls._serve, name="pipecore-doctor", daemon=True)
+                cls._thread.start()
+
+    @classmethod
+    def _serve(cls) -> None:
+        default = client = None  # the default store, and this thread's client of it
+        answered = 0  # the questions on it answered (those before this thread came are not its)
+        while True:
+            time.sleep(POLL_S)
+            with cls._lock:
+                if not cls._doctors:
+                    cls._thread = None
+                    return
+            try:
+                store = dist.distributed_c10d._get_default_store()
+                if store is not default:  # (the first, or the default group was made again)
+                    default, client = store, store.clone()
+                    answered = client.add(_ASKS, 0)
+                asked = client.add(_ASKS, 0)
+            except Exception:  # noqa: BLE001 - no default group now (between two), or its store closed
+                continue
+            for question in range(answered + 1, asked + 1):
+                if not cls._answer(client, question):
+                    break
+            answered = asked
+
+    @classmethod
+    def _answer(cls, client, question: int) -> bool:
+        """Every live doctor's record, for `question` (a function: none of them stays referenced here)."""
+        with cls._lock:
+            doctors = list(cls._doctors)
+        records = {}
+        for doctor in doctors:
+            if doctor.comm.uid is not None:
+                try:
+                    records[doctor.comm.uid] = doctor.record()
+                except Exception as exc:  # noqa: BLE001 - answer what can be answered
+                    records[doctor.comm.uid] = {"error": f"{type(exc).__name__}: {exc}"}
+        folder = os.environ.get("PIPECORE_FLIGHT_DIR")
+        if folder:  # (the rank that hangs never fails its step: what it said when asked is its file)
+            for record in records.values():
+                if "rank" in record:
+                    _write(os.path.join(folder, _dump_name(record["rank"], asked=True)), {"record": record})
+        try:
+            client.set(_answer_key(question, dist.get_rank()), json.dumps(records))
+            return True
+        except Exception:  # noqa: BLE001 - the store went
+            return False
+
+
+# -- the files a failed step leaves (PIPECORE_FLIGHT_DIR), and `python -m pipecore doctor DIR` ----------
+def _dump_name(rank: int, asked: bool = False) -> str:
+    return f"pipecore-flight-rank{rank}{'.asked' if asked else ''}.json"
+
+
+def _write(path: str, content: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".part", "w") as f:
+        json.dump(content, f, indent=1)
+    os.replace(path + ".part", path)
+
+
+def dump(folder: str, record: dict, step: int, diagnosis: str, ranks: list[int]) -> None:
+    """This rank's record at its failed step, with the diagnosis it raised, as `folder`/pipecore-flight-rankR.json
+    (what it answered when asked, its stack with it, is pipecore-flight-rankR.asked.json)."""
+    _write(os.path.join(folder, _dump_name(record["rank"])),
+           {"step": step, "ranks": ranks, "diagnosis": diagnosis, "record": record})
+
+
+def read_dumps(folder: str) -> str:
+    """The whole picture from the files of `folder`: the diagnosis the ranks raised (made while the step
+    hung), then each rank's record as it answered when asked (with its stack) and as it was when its step
+    failed."""
+    dumps = {}
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("pipecore-flight-rank") and name.endswith(".json") and not name.endswith(".asked.json"):
+            with open(os.path.join(folder, name)) as f:
+                d = json.load(f)
+            dumps[d["record"]["rank"]] = d
+    if not dumps:
+        raise FileNotFoundError(f"no pipecore-flight-rank*.json in {folder}: set PIPECORE_FLIGHT_DIR for the run")
+    ranks = sorted({r for d in dumps.values() for r in d["ranks"]})
+    records = {r: dumps[r]["record"] if r in dumps else None for r in ranks}
+    said = {(d["step"], d["diagnosis"]) for d in dumps.values()}
+    lines = [f"step {step}: {text}" for step, text in sorted(said)]
+    for r in ranks:
+        asked = os.path.join(folder, _dump_name(r, asked=True))
+        if os.path.exists(asked):
+            with open(asked) as f:
+                then = json.load(f)["record"]
+            action = then.get("action") or {}
+            lines.append(f"rank {r} when asked: step {then.get('step')}, phase {then.get('phase')}" +
+                         (f", in {action['label']} ({action['part']}) for {action['seconds']:.1f} s" if action else ""))
+            for frame in then.get("stack", [])[-3:]:
+                lines.append(f"  {frame[0]}:{frame[1]} in {frame[2]}: {frame[3]}")
+        rec = records[r]
+        if rec is None:
+            lines.append(f"rank {r}: no file of a failed step (its process died, or its step did not fail)")
+            continue
+        lines.append(f"rank {r} when its step failed: step {rec['step']}, phase {rec['phase']}")
+        wait = rec.get("failed_wait")
+        if wait and wait["peer"] < 0:
+            lines.append(f"  failed wait: {wait['action']} for {wait['what']} after {wait['seconds']:.1f} s")
+        elif wait:
+            lines.append(f"  failed wait: {wait['action']} for the {wait['what']} of microbatch {wait['microbatch']} "
+                         f"{'to' if wait['send'] else 'from'} rank {wait['peer']} after {wait['seconds']:.1f} s")
+        last = rec.get("last", [])
+        if last:
+            label, ago, seconds = max(last, key=lambda a: a[2])
+            lines.append(f"  longest of its last {len(last)} actions: {label}, {seconds * 1e3:.3f} ms")
+        for label, ago, seconds in last[-5:]:
+            lines.append(f"  {label:>14}  {seconds * 1e3:9.3f} ms, ended {ago - seconds:.1f} s before the file")
+    return "\n".join(lines)
+
+
+# -- the diagnosis (a pure function of the records: tests feed it records) ----------------------------
+_USER_PARTS = {"forward": "its forward (user code)", "backward": "a backward (autograd, and the user's hooks)"}
+
+
+def _where_in_python(record: dict) -> str:
+    """The innermost frame of the user's code in `record`'s stack (else the innermost), as
+    'file:line in function: source'; and the library call it is in, if any."""
+    stack = record.get("stack") or []
+    if not stack:
+        return ""
+    user = [f for f in stack if not any(lib in f[0] for lib in _LIBRARIES)]
+    frame = user[-1] if user else stack[-1]
+    text = f"{frame[0]}:{frame[1]} in {frame[2]}: {frame[3]}".rstrip(": ")
+    inner = stack[-1]
+    if os.sep + "distributed" + os.sep in inner[0] and inner is not frame:
+        text += (f", inside torch.distributed's {inner[2]} (a collective the user's code entered: do the other "
+                 "ranks of its group enter it too?)")
+    return text
+
+
+def _state(rank: int, record: dict | None, timeout: float, step: int | None) -> tuple[str, str | None, int | None]:
+    """(what `rank` is doing, the cause if it is one, the rank it waits for if it waits), in step `step`."""
+    if record is None:
+        return (f"rank {rank} gave no answer in {ANSWER_WITHIN:g} s", f"rank {rank} gave no answer: its process "
+                "died, or a thread of it holds Python's GIL", None)
+    if record.get("phase") == "elsewhere" or "error" in record:
+        return (f"rank {rank} runs no step of this Pipeline", f"rank {rank} runs no step of this Pipeline", None)
+    if record.get("phase") == "idle":
+        text = f"rank {rank} is in no step of this Pipeline (its last was step {record.get('step')})"
+        if record.get("step", -1) < 0:
+            text = f"rank {rank} has not called step() on this Pipeline"
+        return text, text + ": every rank must call step() together", None
+    if step is not None and record.get("step") != step:
+        text = f"rank {rank} is in step {record.get('step')} of this Pipeline, not step {step}"
+        return text, text + ": every rank must call step() together", None
+    action = record.get("action")
+    wait = record.get("failed_wait") or record.get("waiting")  # (once a wait failed, the abort waits for others)
+    phase = record.get("phase")
+    if wait is not None:
+        label = wait.get("action") or (action or {}).get("label") or "the step's end"
+        if wait["peer"] < 0:
+            return f"rank {rank} waits in {label} for {wait['what']} ({wait['seconds']:.1f} s)", None, None
+        whose = (f"its send of the {wait['what']} of microbatch {wait['microbatch']} to rank {wait['peer']} to "
+                 "complete") if wait["send"] else \
+            f"the {wait['what']} of microbatch {wait['microbatch']} from rank {wait['peer']}"
+        return f"rank {rank} waits in {label} for {whose} ({wait['seconds']:.1f} s)", None, int(wait["peer"])
+    if action is not None:
+        part = action.get("part")
+        where = _where_in_python(record)
+        text = (f"rank {rank} has been in {action['label']}, {_USER_PARTS.get(part, part)}, for "
+                f"{action['seconds']:.1f} s" + (f", at {where}" if where else ""))
+        slow = part in _USER_PARTS and action["seconds"] >= timeout / 2
+        return text, (text if slow else None), None
+    return f"rank {rank} is in step {record.get('step')}, phase {phase}", None, None
+
+
+def diagnose(me: int, records: dict[int, dict | None], timeout: float, step: int | None = None) -> str:
+    """The cause first, then what the cause does not say of the other ranks: the wait-for chain followed
+    from rank `me`'s failed wait (global ranks) until a rank that is the cause (no answer, in no step or
+    another than `step`, in user code for over half the timeout) or a rank met again (a wait-for cycle)."""
+    states = {r: _state(r, rec, timeout, step) for r, rec in records.items()}
+    chain, r, cause = [], me, None
+    while r in states and r not in chain:
+        chain.append(r)
+        text, is_cause, waits_for = states[r]
+        if is_cause is not None:
+            cause = is_cause
+            break
+        if waits_for is None:
+            break
+        r = waits_for
+    else:
+        if r in chain:
+            cycle = chain[chain.index(r):]
+            cycle = cycle[cycle.index(min(cycle)):] + cycle[:cycle.index(min(cycle))]  # (alike on every rank)
+            cause = "a wait-for cycle: " + "; ".join(states[c][0] for c in cycle)
+    if cause is None:  # the chain ended nowhere telling: any rank that is a cause
+        cause = next((s[1] for s in states.values() if s[1] is not None), None)
+    if cause is None:
+        return "no rank is stuck in user code or missing. Every rank: " + "; ".join(s[0] for s in states.values())
+    others = [states[r][0] for r in sorted(states) if states[r][0] not in cause]  # (those the cause does not say)
+    return cause + (f". Also: {'; '.join(others)}" if others else "")

@@ -1,0 +1,96 @@
+"""Steps that hang, on 2 gloo ranks, for tests/test_doctor.py: each case returns what every rank's step
+raised (its type and message) and how long it took to raise."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import pipecore as pc
+from pipecore.executor.program import encode
+from pipecore.schedule.action import Kind
+from pipecore.schedule.schedule import Schedule
+
+TIMEOUT = 3.0
+
+
+class Troubled(nn.Module):
+    """A linear stage whose `trouble` happens in its forward of microbatch 2 (its third call)."""
+
+    def __init__(self, trouble=None):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.trouble, self.calls = trouble, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.trouble is not None and self.calls == 3:
+            self.trouble()
+        return self.lin(x)
+
+
+def _pipeline(rank: int, world: int, trouble=None) -> pc.Pipeline:
+    sched = pc.build_schedule("1f1b", world, 4)
+    stages = [pc.PipelineStage(Troubled(trouble if s == world - 1 else None), s, world)
+              for s in sched.rank_stages(rank)]
+    return pc.Pipeline(stages, sched, 4, loss_fn=lambda y, t: y.sum(), timeout=TIMEOUT)
+
+
+def _step(pipe) -> tuple[str, str, float]:
+    started = time.monotonic()
+    try:
+        pipe.step(torch.randn(8, 4), target=torch.zeros(8))
+        return "passed", "", time.monotonic() - started
+    except Exception as exc:  # noqa: BLE001 - the case reports it
+        return type(exc).__name__, str(exc), time.monotonic() - started
+
+
+def slow_forward(rank: int, world: int) -> tuple:
+    """The last stage's forward of microbatch 2 sleeps for twice the timeout."""
+    return _step(_pipeline(rank, world, lambda: time.sleep(2 * TIMEOUT)))
+
+
+def dead_rank(rank: int, world: int) -> tuple:
+    """The last rank's process ends inside its forward of microbatch 2."""
+    return _step(_pipeline(rank, world, lambda: os._exit(3)))
+
+
+def missing_step(rank: int, world: int) -> tuple:
+    """Step 0 on every rank; then the last rank does not call step 1 (it returns a little later)."""
+    pipe = _pipeline(rank, world)
+    assert _step(pipe)[0] == "passed"
+    if rank == world - 1:
+        time.sleep(2 * TIMEOUT)
+        return "no step", "", 0.0
+    return _step(pipe)
+
+
+def lone_collective(rank: int, world: int) -> tuple:
+    """The last stage's forward of microbatch 2 enters an all-reduce of the whole world, which the other
+    ranks enter only after their step failed (to let it go)."""
+    out = _step(_pipeline(rank, world, lambda: dist.all_reduce(torch.ones(1))))
+    if rank != world - 1:
+        dist.all_reduce(torch.zeros(1))
+    return out
+
+
+def wait_for_cycle(rank: int, world: int) -> tuple:
+    """2 ranks under 1F1B; after step 0, rank 0 is given another program than rank 1's (a test's hook: the
+    agreement compares the schedules, not the programs loaded): microbatch 0's backward moved before any of its
+    sends, so in step 1 rank 0 waits for microbatch 0's gradients while rank 1 waits for its activations."""
+    pipe = _pipeline(rank, world)
+    assert _step(pipe)[0] == "passed"  # (the first step learns the shapes: its waits are others)
+    if rank == 0:
+        lowered = pipe.schedule.lower()
+        row = list(lowered.actions[0])
+        first = [a for a in row if a.microbatch == 0 and a.kind in (Kind.F, Kind.RECV_B, Kind.B)]
+        row = first + [a for a in row if a not in first]  # (nothing sent before it waits)
+        rows = [list(r) for r in lowered.codes]
+        rows[0] = [a.code for a in row]
+        pipe.programs[True] = encode(Schedule.from_codes(rows, lowered.topology, lowered.name), 0, {0: 0})
+        pipe.plans._set_program(True)
+    return _step(pipe)

@@ -1,0 +1,133 @@
+"""A step that hangs says why on every rank, within the timeout and a few seconds (issue 62;
+pipecore/runtime/doctor.py): who is stuck, where, since when."""
+
+import re
+
+import pytest
+
+from dist_pool import RankPool, fresh_pool
+from doctor_cases import TIMEOUT, dead_rank, lone_collective, missing_step, slow_forward, wait_for_cycle
+from pipecore.runtime.doctor import ANSWER_WITHIN, diagnose
+
+SAID_WITHIN = TIMEOUT + 5  # the issue's bound: the timeout, then a few seconds to ask and answer
+
+
+def _run(case, allow_dead=False, world=2):
+    p = fresh_pool(world)
+    try:
+        return p.run(case, timeout=120, allow_dead=allow_dead)
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_slow_user_forward_is_named_on_every_rank(world):
+    """Before: rank 0 said only that its wait for rank 1's gradients timed out; rank 1, once its forward
+    returned, pasted gloo's text twice and a traceback. Now every rank says that the last rank has been in
+    its forward of microbatch 2, for how long, and on which line of the user's code (on 3 ranks rank 0
+    learns of it from rank 1's "aborted" messages: its PeerFailedError carries the same text)."""
+    results = _run(slow_forward, world=world)
+    last = world - 1
+    for kind, text, seconds in results:
+        assert kind in ("CommunicationError", "PeerFailedError"), results
+        assert f"rank {last} has been in PP:{last}F2, its forward (user code), for " in text, text
+        assert "doctor_cases.py" in text and "time.sleep(2 * TIMEOUT)" in text, text
+        assert f"waits in PP:{last - 1}B2 for the output gradients of microbatch 2 from rank {last}" in text, text
+    assert all(seconds < SAID_WITHIN for _, _, seconds in results[:-1]), results
+    assert results[-1][2] < 3 * TIMEOUT + 5, results  # (it raises once its forward returned, a timeout later at most)
+
+
+def test_a_dead_rank_is_named():
+    results = _run(dead_rank, allow_dead=True)
+    kind, text, seconds = results[0]
+    assert results[1] is None and kind == "CommunicationError", results
+    assert text.startswith("rank 0: step 0 failed: rank 1 gave no answer: its process died"), text
+    assert seconds < ANSWER_WITHIN + 5, results
+
+
+def test_a_rank_that_does_not_call_step_is_named():
+    results = _run(missing_step)
+    kind, text, seconds = results[0]
+    assert kind == "CommunicationError", results
+    assert "step 1 failed: rank 1 is in no step of this Pipeline (its last was step 0): every rank must call " \
+           "step() together" in text, text
+    assert seconds < SAID_WITHIN, results
+
+
+def test_a_collective_on_some_ranks_only_is_named():
+    results = _run(lone_collective)
+    kind, text, seconds = results[0]
+    assert kind == "CommunicationError", results
+    assert "rank 1 has been in PP:1F2, its forward (user code)" in text, text
+    assert "inside torch.distributed's all_reduce" in text, text
+    assert seconds < SAID_WITHIN, results
+
+
+def test_a_wait_for_cycle_is_named_on_every_rank():
+    results = _run(wait_for_cycle)
+    for kind, text, seconds in results:
+        assert kind == "CommunicationError", results
+        assert "step 1 failed: a wait-for cycle: rank 0 waits in PP:0B0 for the output gradients of microbatch 0 " \
+               "from rank 1" in text, text
+        assert "; rank 1 waits in PP:1F0 for the activations of microbatch 0 from rank 0" in text, text
+        assert seconds < SAID_WITHIN, results
+
+
+def _waiting(peer, mb=0, what="activations", label="PP:0F0"):
+    return {"phase": "run", "step": 3, "action": {"label": label, "seconds": 9.0, "part": "waiting"},
+            "waiting": {"peer": peer, "microbatch": mb, "what": what, "send": False, "seconds": 9.0}, "stack": []}
+
+
+def _failed(peer, label="PP:0F0"):  # a rank whose wait failed: its abort waits for others now
+    return {"phase": "abort", "step": 3, "action": {"label": "PP:0SEND_F3", "seconds": 0.1, "part": "waiting"},
+            "waiting": {"peer": 5, "microbatch": 3, "what": "activations", "send": True, "seconds": 0.1},
+            "failed_wait": {"peer": peer, "microbatch": 0, "what": "activations", "send": False, "seconds": 9.0,
+                            "action": label}, "stack": []}
+
+
+@pytest.mark.parametrize("records, cause", [
+    # the chain from rank 0 ends at a rank that is the cause
+    ({0: _waiting(1), 1: _waiting(2), 2: None}, "rank 2 gave no answer"),
+    # the failed wait, not the abort's, is followed
+    ({0: _failed(1), 1: None, 5: _waiting(0)}, "rank 1 gave no answer"),
+    ({0: _failed(1), 1: _failed(0, label="PP:1F0")}, "a wait-for cycle: rank 0 waits in PP:0F0"),
+    # a rank in another step
+    ({0: _waiting(1), 1: dict(_waiting(0), step=2)}, "rank 1 is in step 2 of this Pipeline, not step 3"),
+    ({0: _waiting(1), 1: {"phase": "idle", "step": 2}}, "rank 1 is in no step of this Pipeline (its last was step 2)"),
+    ({0: _waiting(1), 1: {"phase": "idle", "step": -1}}, "rank 1 has not called step() on this Pipeline"),
+    # a cycle of three
+    ({0: _waiting(1), 1: _waiting(2, label="PP:1F0"), 2: _waiting(0, label="PP:2B0")},
+     "a wait-for cycle: rank 0 waits in PP:0F0 for the activations of microbatch 0 from rank 1 (9.0 s); rank 1 "
+     "waits in PP:1F0"),
+    # a rank in user code for less than half the timeout is not the cause; nothing is
+    ({0: _waiting(1), 1: {"phase": "run", "step": 3, "action": {"label": "PP:1F0", "seconds": 1.0, "part": "forward"},
+                          "waiting": None, "stack": []}}, "no rank is stuck in user code or missing"),
+])
+def test_the_diagnosis_follows_the_wait_for_chain(records, cause):
+    assert diagnose(0, records, timeout=10.0, step=3).startswith(cause)
+
+
+def test_the_files_of_a_failed_step_give_the_whole_picture(tmp_path, monkeypatch):
+    """With PIPECORE_FLIGHT_DIR, each rank whose step failed leaves its record and the diagnosis there;
+    `python -m pipecore doctor DIR` prints them."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("PIPECORE_FLIGHT_DIR", str(tmp_path))
+    p = RankPool(2, spawn=True)  # (spawned: the ranks see the variable)
+    try:
+        p.run(slow_forward, timeout=120)
+    finally:
+        p.close()
+    out = subprocess.run([sys.executable, "-m", "pipecore", "doctor", str(tmp_path)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert text.startswith("step 0: rank 1 has been in PP:1F2, its forward (user code)"), text
+    assert "rank 0 when its step failed: step 0, phase abort" in text and "failed wait: PP:0B2 for the output " \
+        "gradients of microbatch 2 from rank 1 after 3." in text, text
+    assert "rank 1 when asked: step 0, phase run, in PP:1F2 (forward) for 3." in text, text
+    assert "time.sleep(2 * TIMEOUT)" in text, text  # (its stack when asked)
+    longest = re.search(r"longest of its last \d+ actions: PP:1F2, (\d+\.\d{3}) ms", text)
+    assert longest and float(longest.group(1)) >= 2000 * TIMEOUT, text  # (it slept 6 s)
+    assert "rank 1 when its step failed: step 0, phase abort" in text, text
