@@ -117,12 +117,15 @@ test: install-test
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(TESTS) $(TEST_ARGS)
 
 # the generated configuration space at length (tests/config_space.py): SOAK_CONFIGS configurations drawn from a
-# seed other than the suite's, each compared with one process; a failure is shrunk to a one-line reproducer
+# seed other than the suite's, each compared with one process; a failure is shrunk to a one-line reproducer.
+# Then the searches the suite runs a part of (PIPECORE_SOAK=1, tests/soak.py) whole.
 SOAK_CONFIGS ?= 5000
 SOAK_SEED ?= 5858
 soak: install-test
 	CONFIG_SPACE_COUNT=$(SOAK_CONFIGS) CONFIG_SPACE_SEED=$(SOAK_SEED) $(PYTHON) -m pytest -q -rA \
 		tests/test_config_space.py -k generated
+	PIPECORE_SOAK=1 $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests/test_device_syncs.py \
+		tests/test_nccl_connections.py
 
 # first contact with a GPU machine: the CUDA tests, probes, multi-GPU training and failure cases, a table in
 # $(GPU_CHECK_OUT) (.ci/gpu_check.py; GPU_CHECK_ARGS=--cpu: its dry run on gloo). The build first, at most

@@ -26,7 +26,7 @@ def connections_over_steps(rank: int, world: int, name: str, all_ranks_connected
     if not connect_ahead:
         pipe.comm.connect = lambda *args: None
     out: dict = {"counts": []}
-    run_steps(pipe, stages, reference, steps_for(LENGTHS, world)[:steps], out, 900,
+    run_steps(pipe, stages, reference, steps_for(LENGTHS, world)[:steps], out, 4000,
               lambda: out["counts"].append(pipe.executor._connection_counts()))
     out["channel_timeouts"] = [c.options._timeout.total_seconds() for c in pipe.comm.channels]
     out["group_timeout"] = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
