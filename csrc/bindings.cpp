@@ -213,7 +213,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("overlap_take_back", &pipecore::overlap_take_back, py::arg("half"), py::call_guard<py::gil_scoped_release>(),
         "waits until `half` (from overlap_hand_over) may compute again");
   py::register_exception<pipecore::PeerAbort>(m, "PeerAbort", PyExc_RuntimeError);
-  py::register_exception<pipecore::CommError>(m, "CommError", PyExc_RuntimeError);
+  static py::exception<pipecore::CommError> comm_error(m, "CommError", PyExc_RuntimeError);
+  // (after pybind11's own translators, so tried first) the backend's text as the error's __cause__
+  py::register_exception_translator([](std::exception_ptr thrown) {
+    try {
+      if (thrown) std::rethrow_exception(thrown);
+    } catch (const pipecore::CommError& e) {
+      const py::object type = comm_error;  // (py::exception's call sets the error; the type's makes one)
+      py::object error = type(e.what());
+      if (!e.cause.empty()) {
+        py::object cause = py::reinterpret_borrow<py::object>(PyExc_RuntimeError)(e.cause);
+        PyException_SetCause(error.ptr(), cause.release().ptr());  // (steals the reference)
+      }
+      PyErr_SetObject(comm_error.ptr(), error.ptr());
+    }
+  });
   py::register_exception<pipecore::PeerReplan>(m, "PeerReplan", PyExc_RuntimeError);
 
   m.def("all_reduce_sum", &pipecore::all_reduce_sum, py::arg("group"), py::arg("values"), py::arg("device"),
@@ -392,11 +406,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              using pipecore::Spent;
              const auto& p = self.profile();
              py::dict out;
-             out["loop"] = p.us(Spent::kLoop);
-             out["forward"] = p.us(Spent::kForward);
-             out["backward"] = p.us(Spent::kBackward);
-             out["post"] = p.us(Spent::kPost);
-             out["wait"] = p.us(Spent::kWait);
+             for (int part = 0; part < static_cast<int>(Spent::kParts); ++part) {
+               out[pipecore::kSpentNames[part].key] = p.us(static_cast<Spent>(part));
+             }
              out["run"] = p.total_us();
              return out;
            })

@@ -30,7 +30,7 @@ void wait(const c10::intrusive_ptr<c10d::Work>& work, const c10d::ProcessGroup& 
   try {
     work->wait(timeout);
   } catch (const std::exception& e) {
-    throw CommError(not_within("rank " + std::to_string(group.getRank()) + ": " + what + " failed", timeout, e.what()));
+    throw CommError(failed_waiting("rank " + std::to_string(group.getRank()) + ": " + what, timeout), error_text(e));
   }
 }
 }  // namespace

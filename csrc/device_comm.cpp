@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "device_ops.h"
+#include "diagnostics.h"
 #include "errors.h"
 #include "message_status.h"
 #include "stream_contract.h"
@@ -171,8 +172,8 @@ c10::intrusive_ptr<c10d::Work> DeviceComm::post_group(c10d::Backend& backend,
     } catch (...) {
     }
     ops_->abort(backend);
-    throw CommError(std::string("posting a batch of sends and receives failed (") + e.what() +
-                    "); the group's communicator was aborted");
+    throw CommError("posting a batch of sends and receives failed; the group's communicator was aborted",
+                    error_text(e));
   }
   return ops_->end_group(backend);
 }
@@ -181,7 +182,7 @@ c10::intrusive_ptr<c10d::Work> DeviceComm::post_alone(c10d::Backend& backend, Co
   try {
     return ops_->post_alone(backend, task);
   } catch (const std::exception& e) {  // (nothing of it went: no peer waits for a half)
-    throw CommError(std::string("posting a follow-up failed (") + e.what() + ")");
+    throw CommError("posting a follow-up failed", error_text(e));
   }
 }
 

@@ -2,6 +2,7 @@
 
 #include <sstream>
 
+#include "errors.h"
 #include "message_status.h"
 
 namespace pipecore {
@@ -10,10 +11,19 @@ std::string error_text(const std::exception_ptr& error) {
   try {
     std::rethrow_exception(error);
   } catch (const std::exception& e) {
-    return e.what();
+    return error_text(e);
   } catch (...) {
     return "unknown error";
   }
+}
+
+std::string error_text(const std::exception& error) {
+  std::string text = error.what();
+  const size_t traceback = text.find("\n\nAt:\n");
+  if (traceback != std::string::npos) text.resize(traceback);
+  const auto* comm = dynamic_cast<const CommError*>(&error);
+  if (comm != nullptr && !comm->cause.empty()) text += ": " + comm->cause;  // (a CommError that becomes a cause)
+  return text;
 }
 
 std::chrono::milliseconds timeout_of(double seconds) {
@@ -34,7 +44,7 @@ std::string out_of_step(const std::string& where, const char* what, int64_t mb, 
 }
 
 std::string failed_waiting(const std::string& subject, std::chrono::milliseconds timeout, const char* why) {
-  return subject + " failed (timeout " + seconds(timeout) + "): " + why;
+  return subject + " failed (timeout " + seconds(timeout) + ")" + (why != nullptr ? std::string(": ") + why : "");
 }
 
 std::string wait_failure(const std::string& where, const char* what, int64_t mb, int64_t peer,

@@ -8,8 +8,12 @@
 
 namespace pipecore {
 
-// The message of a stored exception ("unknown error" if it is not a std::exception).
+// The message of an exception ("unknown error" if it is not a std::exception), without the Python
+// traceback that pybind11 appends to a Python error that crossed C++ ("\n\nAt:\n  file(line): ..."): an
+// error message says what happened; the traceback is Python's to show. A CommError's text is followed by its
+// cause's.
 std::string error_text(const std::exception_ptr& error);
+std::string error_text(const std::exception& error);
 
 // A timeout as Python gives it (seconds) and as the executor waits it.
 std::chrono::milliseconds timeout_of(double seconds);
@@ -25,12 +29,13 @@ constexpr const char* kOutOfStepCause =
 // step (...)": a received message that is not pipecore's (`how`: what was wrong with it).
 std::string out_of_step(const std::string& where, const char* what, int64_t mb, int64_t peer, const char* how);
 
-// "<subject> failed (timeout <t>): <why>": a wait that ended in an error or at its timeout.
-std::string failed_waiting(const std::string& subject, std::chrono::milliseconds timeout, const char* why);
+// "<subject> failed (timeout <t>): <why>": a wait that ended in an error or at its timeout (no `why`: the
+// backend's error says it, as the CommError's cause).
+std::string failed_waiting(const std::string& subject, std::chrono::milliseconds timeout, const char* why = nullptr);
 
-// "<where>: waiting for <what> of microbatch <mb> from rank <peer> failed (timeout <t> s): <why>".
+// "<where>: waiting for <what> of microbatch <mb> from rank <peer> failed (timeout <t> s)", and why if given.
 std::string wait_failure(const std::string& where, const char* what, int64_t mb, int64_t peer,
-                         std::chrono::milliseconds timeout, const char* why);
+                         std::chrono::milliseconds timeout, const char* why = nullptr);
 
 // "<what did not happen> within <t> (<why>)": a deadline passed (a wait that failed is failed_waiting's).
 std::string not_within(const std::string& what, std::chrono::milliseconds timeout, const char* why);

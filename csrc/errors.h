@@ -3,6 +3,8 @@
 #pragma once
 
 #include <stdexcept>
+#include <string>
+#include <utility>
 
 namespace pipecore {
 
@@ -16,9 +18,13 @@ struct PeerReplan : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// A wait timed out or a peer's connection broke: the group cannot be trusted any more.
+// A wait timed out or a peer's connection broke: the group cannot be trusted any more. `cause`: the
+// backend's own text (gloo's, NCCL's), which Python gets as the error's __cause__ (bindings.cpp), so that
+// pipecore's sentence comes first and the backend's text once.
 struct CommError : std::runtime_error {
-  using std::runtime_error::runtime_error;
+  explicit CommError(const std::string& text, std::string cause = std::string())
+      : std::runtime_error(text), cause(std::move(cause)) {}
+  std::string cause;
 };
 
 }  // namespace pipecore

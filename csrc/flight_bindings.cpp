@@ -17,8 +17,6 @@ namespace {
 
 constexpr const char* kPhaseNames[] = {"idle", "agreement", "run", "abort", "finalise"};
 static_assert(sizeof(kPhaseNames) / sizeof(kPhaseNames[0]) == FlightRecord::kPhases);
-constexpr const char* kPartNames[] = {"executor", "forward", "backward", "posting", "waiting"};
-static_assert(sizeof(kPartNames) / sizeof(kPartNames[0]) == static_cast<int>(Spent::kParts));
 
 double seconds_since(int64_t then_ns, int64_t now_ns) { return then_ns ? (now_ns - then_ns) * 1e-9 : 0.0; }
 
@@ -47,7 +45,7 @@ py::dict flight_record(const FlightRecord& f, const std::function<std::string(in
     a["label"] = label(action);
     a["seconds"] = seconds_since(f.action_since_ns(), now);
     const int part = f.part();
-    a["part"] = part >= 0 && part < static_cast<int>(Spent::kParts) ? kPartNames[part] : "unknown";
+    a["part"] = part >= 0 && part < static_cast<int>(Spent::kParts) ? kSpentNames[part].said : "unknown";
     out["action"] = a;
   } else {
     out["action"] = py::none();

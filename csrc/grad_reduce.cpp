@@ -211,15 +211,16 @@ bool GradReducer::finish(bool failed, double scale) {
     try {
       b.work->wait(std::chrono::milliseconds(timeout_ms_));
     } catch (const std::exception& e) {
-      if (broken.empty()) broken = e.what();
+      if (broken.empty()) broken = error_text(e);
     }
     b.end_us = b.done_us && *b.done_us > 0 ? *b.done_us : now_us();
   }
   if (!broken.empty()) {
     succeeded_ = false;
-    throw CommError(not_within("rank " + std::to_string(group_->getRank()) + " of the data-parallel group: reducing "
-                               "the gradients failed",
-                               std::chrono::milliseconds(timeout_ms_), broken.c_str()));
+    throw CommError(failed_waiting("rank " + std::to_string(group_->getRank()) + " of the data-parallel group: "
+                                   "reducing the gradients",
+                                   std::chrono::milliseconds(timeout_ms_)),
+                    broken);
   }
   at::NoGradGuard no_grad;
   // every bucket's flags in one copy to the host (on CUDA the host waits for the reductions here,

@@ -149,7 +149,7 @@ class HostPath final : public MessagePath {
 #endif
         }
       } catch (const std::exception& e) {
-        throw post_failure(*task, program_[actions[k]], e.what());
+        throw post_failure(*task, program_[actions[k]], error_text(e));
       }
       if (here) {
         task->mark_posted(nullptr);

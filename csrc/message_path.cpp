@@ -134,7 +134,7 @@ void MessagePath::wait_task(CommTask& task, const Instr& in, const char* what) {
     try {
       work->wait(ctx_.timeout);
     } catch (const std::exception& e) {
-      throw CommError(wait_failure(where(in), what, in.mb, task.peer, ctx_.timeout, e.what()));
+      throw CommError(wait_failure(where(in), what, in.mb, task.peer, ctx_.timeout), error_text(e));
     }
     work.reset();
   }
@@ -297,9 +297,10 @@ void MessagePath::post_tasks(const std::vector<std::shared_ptr<CommTask>>& tasks
   }
 }
 
-CommError MessagePath::post_failure(const CommTask& task, const Instr& in, const std::string& text) const {
+CommError MessagePath::post_failure(const CommTask& task, const Instr& in, const std::string& cause) const {
   return CommError(where(in) + ": " + (task.send ? "sending to" : "receiving from") + " rank " +
-                   std::to_string(task.peer) + " failed: " + text);
+                   std::to_string(task.peer) + " failed",
+                   cause);
 }
 
 void MessagePath::await_posted(CommTask& task, const Instr& in) {

@@ -280,8 +280,8 @@ class MessagePath {
                       const ComputeStream* on) = 0;
   // Waits until a queued task is posted; a posting error becomes a CommError.
   void await_posted(CommTask& task, const Instr& in);
-  // The CommError for a send or receive the group refused to post.
-  CommError post_failure(const CommTask& task, const Instr& in, const std::string& text) const;
+  // The CommError for a send or receive the group refused to post (`cause`: the backend's error).
+  CommError post_failure(const CommTask& task, const Instr& in, const std::string& cause) const;
   // Waits for every part of the receive `task` (`what`: its message_name, for the error).
   void wait_task(CommTask& task, const Instr& in, const char* what);
   // Shaped messages: reads a received message's header (once, in the path's order); a grown one is

@@ -29,6 +29,7 @@ Outcome Outcome::of_current_exception() {
   } catch (const CommError& e) {
     out.kind = kComm;
     out.text = e.what();
+    out.cause = e.cause;
   } catch (...) {
     out.kind = kOrigin;
     out.origin = std::current_exception();
@@ -45,7 +46,7 @@ void Outcome::raise() const {
     case kReplan:
       throw PeerReplan(text);
     case kComm:
-      throw CommError(text);
+      throw CommError(text, cause);
     case kOk:
       break;
   }

@@ -22,6 +22,7 @@ struct Outcome {
   } kind = kOk;
   std::exception_ptr origin;  // kOrigin
   std::string text;           // the others: what happened
+  std::string cause;          // kComm: the backend's text (CommError::cause)
   size_t at = 0;              // the program index the run stopped at
 
   bool ok() const { return kind == kOk; }

@@ -146,7 +146,7 @@ std::string Executor::finish_aborted(size_t from, bool wait, int64_t status) {
     try {
       exec(j, RunMode{/*aborted=*/true, run_.may_wait, status});  // (after learn_specs timed out, no action waits)
     } catch (const std::exception& e) {
-      if (comm_failure.empty()) comm_failure = e.what();
+      if (comm_failure.empty()) comm_failure = error_text(e);
     }
     flight_.end_action(/*kept=*/false);
   }
@@ -154,7 +154,7 @@ std::string Executor::finish_aborted(size_t from, bool wait, int64_t status) {
     try {
       path_->drain_sends();
     } catch (const std::exception& e) {
-      if (comm_failure.empty()) comm_failure = e.what();
+      if (comm_failure.empty()) comm_failure = error_text(e);
     }
   }
   clear_slots();

@@ -8,6 +8,7 @@
 
 #include <array>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <thread>
 
@@ -23,6 +24,16 @@ enum class Spent : int {
   kWait,       // waiting: for a receive, a posting, the send budget, the step's last sends
   kParts,
 };
+
+// Each part's names, in Spent's order: the key of Executor.profile()'s dict, and the word the flight
+// record says of an action in that part.
+struct SpentNames {
+  const char* key;
+  const char* said;
+};
+constexpr SpentNames kSpentNames[] = {
+    {"loop", "executor"}, {"forward", "forward"}, {"backward", "backward"}, {"post", "posting"}, {"wait", "waiting"}};
+static_assert(sizeof(kSpentNames) / sizeof(kSpentNames[0]) == static_cast<size_t>(Spent::kParts));
 
 class StepProfile {
  public:

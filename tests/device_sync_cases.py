@@ -58,4 +58,4 @@ def steps_under_device_syncs(rank: int, world: int, name: str, timeout: float = 
     pipe = pc.Pipeline(stages, sched, sched.num_microbatches, loss_fn=sum_loss, timeout=timeout)
     pipe.executor._emulate_device_comm(True)
     pipe.executor.set_shapes_travel(True)
-    return run_steps(pipe, stages, reference, [[n] * sched.num_microbatches for n in GROWING], {}, 4000)
+    return run_steps(pipe, stages, reference, [[n] * sched.num_microbatches for n in GROWING], {}, 8000)

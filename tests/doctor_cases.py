@@ -1,5 +1,5 @@
 """Steps that hang, on 2 gloo ranks, for tests/test_doctor.py: each case returns what every rank's step
-raised (its type and message) and how long it took to raise."""
+raised (its type and message), how long it took to raise, and the text of its cause ("" if none)."""
 
 from __future__ import annotations
 
@@ -40,13 +40,15 @@ def _pipeline(rank: int, world: int, trouble=None) -> pc.Pipeline:
     return pc.Pipeline(stages, sched, 4, loss_fn=lambda y, t: y.sum(), timeout=TIMEOUT)
 
 
-def _step(pipe) -> tuple[str, str, float]:
+def _step(pipe) -> tuple[str, str, float, str]:
     started = time.monotonic()
     try:
         pipe.step(torch.randn(8, 4), target=torch.zeros(8))
-        return "passed", "", time.monotonic() - started
+        return "passed", "", time.monotonic() - started, ""
     except Exception as exc:  # noqa: BLE001 - the case reports it
-        return type(exc).__name__, str(exc), time.monotonic() - started
+        cause = exc.__cause__
+        return type(exc).__name__, str(exc), time.monotonic() - started, "" if cause is None else \
+            f"{type(cause).__name__}: {cause}"
 
 
 def slow_forward(rank: int, world: int) -> tuple:
@@ -65,16 +67,18 @@ def missing_step(rank: int, world: int) -> tuple:
     assert _step(pipe)[0] == "passed"
     if rank == world - 1:
         time.sleep(2 * TIMEOUT)
-        return "no step", "", 0.0
+        return "no step", "", 0.0, ""
     return _step(pipe)
 
 
 def lone_collective(rank: int, world: int) -> tuple:
-    """The last stage's forward of microbatch 2 enters an all-reduce of the whole world, which the other
-    ranks enter only after their step failed (to let it go)."""
-    out = _step(_pipeline(rank, world, lambda: dist.all_reduce(torch.ones(1))))
+    """The last stage's forward of microbatch 2 enters an all-reduce of a group of every rank, which the
+    other ranks enter only after their step failed (to let it go). Not the Pipeline's group (the world):
+    on gloo, a wait that timed out closes its group's connections, as a send of the failed step may."""
+    side = dist.new_group()
+    out = _step(_pipeline(rank, world, lambda: dist.all_reduce(torch.ones(1), group=side)))
     if rank != world - 1:
-        dist.all_reduce(torch.zeros(1))
+        dist.all_reduce(torch.zeros(1), group=side)
     return out
 
 

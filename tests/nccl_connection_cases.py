@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import pipecore as pc
 from shaped_message_cases import LENGTHS, MaskedStage, _difference, batch, steps_for, sum_loss
+from said import said
 
 
 def connections_over_steps(rank: int, world: int, name: str, all_ranks_connected: bool, connect_ahead: bool = True,
@@ -26,7 +27,7 @@ def connections_over_steps(rank: int, world: int, name: str, all_ranks_connected
     if not connect_ahead:
         pipe.comm.connect = lambda *args: None
     out: dict = {"counts": []}
-    run_steps(pipe, stages, reference, steps_for(LENGTHS, world)[:steps], out, 4000,
+    run_steps(pipe, stages, reference, steps_for(LENGTHS, world)[:steps], out, 8000,
               lambda: out["counts"].append(pipe.executor._connection_counts()))
     out["channel_timeouts"] = [c.options._timeout.total_seconds() for c in pipe.comm.channels]
     out["group_timeout"] = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
@@ -62,7 +63,7 @@ def run_steps(pipe, stages, reference, lengths: list[list[int]], out: dict, text
                                    target_mbs=[y for _, y in data] if pipe.has_last else None,
                                    loss_divisor=float(sum(y.numel() for _, y in data)))
         except (RuntimeError, pc.PeerFailedError) as exc:
-            out["failed"].append(f"{step}: {type(exc).__name__}: {str(exc)[:text_chars]}")
+            out["failed"].append(f"{step}: {type(exc).__name__}: {said(exc)[:text_chars]}")
             out["seconds"].append(time.monotonic() - started)
             break
         out["seconds"].append(time.monotonic() - started)

@@ -15,6 +15,7 @@ import pipecore as pc
 from exactness import EXACT_DTYPE, assert_matches
 from models import NEVER, pipeline_step, reference_forward
 from pipeline_cases import set_messages
+from said import said
 
 WIDTH = 16
 
@@ -241,7 +242,7 @@ def shapes_in_messages_on_one_rank(rank, world):
     try:
         pipeline_step(pipe, x, y)
     except Exception as exc:  # noqa: BLE001 - returned to the test
-        return type(exc).__name__, str(exc), time.monotonic() - start
+        return type(exc).__name__, said(exc), time.monotonic() - start
     return None, None, time.monotonic() - start
 
 
@@ -312,7 +313,7 @@ def stuck_replica_aborts_its_group(rank, world):
         pipeline_step(pipe, x, y)
         outcome = ("ok", "")
     except Exception as exc:  # noqa: BLE001 - returned to the test
-        outcome = (type(exc).__name__, str(exc))
+        outcome = (type(exc).__name__, said(exc))
     finally:
         dist.distributed_c10d._abort_process_group = real
     return outcome, asked

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from pipecore import _C
+from said import said
 
 _KEPT = []  # groups and models of finished cases, with their pending operations
 
@@ -30,7 +31,7 @@ def _outcome(fn, *args) -> tuple[str | None, float]:
     try:
         fn(*args)
     except _C.CommError as e:
-        return str(e), time.monotonic() - start
+        return said(e), time.monotonic() - start
     return None, time.monotonic() - start
 
 

@@ -356,7 +356,7 @@ def own_error_then_peer_hangs(rank, world):
         pipeline_step(pipe, x, y)
         first = ("ok", "", None)
     except Exception as exc:  # noqa: BLE001 - the test inspects it
-        first = (type(exc).__name__, str(exc), type(exc.__cause__).__name__)
+        first = (type(exc).__name__, str(exc), f"{type(exc.__cause__).__name__}: {exc.__cause__}")
     seconds = time.monotonic() - t0
     after = _outcome(lambda: pipeline_step(pipe, x, y))
     dist.distributed_c10d._abort_process_group = real

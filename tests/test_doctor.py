@@ -28,18 +28,23 @@ def test_a_slow_user_forward_is_named_on_every_rank(world):
     learns of it from rank 1's "aborted" messages: its PeerFailedError carries the same text)."""
     results = _run(slow_forward, world=world)
     last = world - 1
-    for kind, text, seconds in results:
+    for kind, text, seconds, cause in results:
         assert kind in ("CommunicationError", "PeerFailedError"), results
         assert f"rank {last} has been in PP:{last}F2, its forward (user code), for " in text, text
         assert "doctor_cases.py" in text and "time.sleep(2 * TIMEOUT)" in text, text
         assert f"waits in PP:{last - 1}B2 for the output gradients of microbatch 2 from rank {last}" in text, text
-    assert all(seconds < SAID_WITHIN for _, _, seconds in results[:-1]), results
+        # pipecore's sentences; gloo's text once, as the cause; no Python traceback inside the message
+        assert "gloo" not in text and ".cc:" not in text and "At:" not in text and "GLHF" not in text, text
+        assert "Traceback" not in text and "File \"" not in text, text
+    waited = results[last - 1]  # (the rank whose wait timed out)
+    assert waited[3].startswith("RuntimeError: [") and "Timed out waiting 3000ms for recv" in waited[3], waited
+    assert all(seconds < SAID_WITHIN for _, _, seconds, _ in results[:-1]), results
     assert results[-1][2] < 3 * TIMEOUT + 5, results  # (it raises once its forward returned, a timeout later at most)
 
 
 def test_a_dead_rank_is_named():
     results = _run(dead_rank, allow_dead=True)
-    kind, text, seconds = results[0]
+    kind, text, seconds, cause = results[0]
     assert results[1] is None and kind == "CommunicationError", results
     assert text.startswith("rank 0: step 0 failed: rank 1 gave no answer: its process died"), text
     assert seconds < ANSWER_WITHIN + 5, results
@@ -47,7 +52,7 @@ def test_a_dead_rank_is_named():
 
 def test_a_rank_that_does_not_call_step_is_named():
     results = _run(missing_step)
-    kind, text, seconds = results[0]
+    kind, text, seconds, cause = results[0]
     assert kind == "CommunicationError", results
     assert "step 1 failed: rank 1 is in no step of this Pipeline (its last was step 0): every rank must call " \
            "step() together" in text, text
@@ -56,7 +61,7 @@ def test_a_rank_that_does_not_call_step_is_named():
 
 def test_a_collective_on_some_ranks_only_is_named():
     results = _run(lone_collective)
-    kind, text, seconds = results[0]
+    kind, text, seconds, cause = results[0]
     assert kind == "CommunicationError", results
     assert "rank 1 has been in PP:1F2, its forward (user code)" in text, text
     assert "inside torch.distributed's all_reduce" in text, text
@@ -65,11 +70,18 @@ def test_a_collective_on_some_ranks_only_is_named():
 
 def test_a_wait_for_cycle_is_named_on_every_rank():
     results = _run(wait_for_cycle)
-    for kind, text, seconds in results:
+    for kind, text, seconds, cause in results:
         assert kind == "CommunicationError", results
         assert "step 1 failed: a wait-for cycle: rank 0 waits in PP:0B0 for the output gradients of microbatch 0 " \
                "from rank 1" in text, text
         assert "; rank 1 waits in PP:1F0 for the activations of microbatch 0 from rank 0" in text, text
+        # what the schedule says: where each awaited message is sent, and whose program is not the schedule's
+        assert "The schedule has rank 1 send the output gradients of microbatch 0 in PP:1SEND_B0 (its action " \
+            in text, text
+        assert ", and rank 0 send the activations of microbatch 0 in PP:0SEND_F0 (its action 1)" in text, text
+        assert "rank 0's program is not the schedule's: its action 1 is PP:0RECV_B0 where the schedule has " \
+               "PP:0SEND_F0" in text, text
+        assert "rank 1's program" not in text, text
         assert seconds < SAID_WITHIN, results
 
 
@@ -105,6 +117,42 @@ def _failed(peer, label="PP:0F0"):  # a rank whose wait failed: its abort waits 
 ])
 def test_the_diagnosis_follows_the_wait_for_chain(records, cause):
     assert diagnose(0, records, timeout=10.0, step=3).startswith(cause)
+
+
+def test_a_cycle_is_told_against_the_schedule():
+    """A wait-for cycle names the ranks whose programs are not the schedule's rows (the first action that
+    differs; FSDP2's UNSHARD and RESHARD, which a rank adds to its own row, do not count), and where the
+    schedule has each awaited message sent."""
+    import pipecore as pc
+    from pipecore.executor.program import labels_of
+
+    lowered = pc.build_schedule("1f1b", 2, 4).lower()
+    rows = {r: labels_of(lowered, r) for r in (0, 1)}
+    waits = {0: _waiting(1, what="output gradients", label="PP:0B0"), 1: _waiting(0, label="PP:1F0")}
+    records = {r: dict(waits[r], program=rows[r]) for r in (0, 1)}
+    records[0]["program"] = ["PP:0UNSHARD"] + rows[0]  # (a rank's own actions are not a difference)
+    ranks = [0, 1]
+    text = diagnose(0, records, 10.0, 3, lowered, ranks)
+    sent = f"PP:1SEND_B0 (its action {rows[1].index('PP:1SEND_B0')})"
+    assert text.startswith("a wait-for cycle: rank 0 waits in PP:0B0 for the output gradients of microbatch 0 from "
+                           f"rank 1 (9.0 s); rank 1 waits in PP:1F0 for the activations of microbatch 0 from rank 0 "
+                           f"(9.0 s). The schedule has rank 1 send the output gradients of microbatch 0 in {sent}, and "
+                           "rank 0 send the activations of microbatch 0 in PP:0SEND_F0 (its action 1)"), text
+    assert "program" not in text, text
+    # a rank whose program is another: its first difference, also where its program is shorter
+    records[1]["program"] = rows[1][:3] + rows[1][4:]
+    text = diagnose(0, records, 10.0, 3, lowered, [0, 1])
+    assert f"rank 1's program is not the schedule's: its action 3 is {rows[1][4]} where the schedule has {rows[1][3]}" \
+        in text, text
+    records[1]["program"] = rows[1][:-1]
+    text = diagnose(0, records, 10.0, 3, lowered, [0, 1])
+    assert f"its action {len(rows[1]) - 1} is the end where the schedule has {rows[1][-1]}" in text, text
+    # global ranks other than the group's (a pipeline of ranks 4 and 6)
+    moved = {4 + 2 * r: dict(rec, waiting=dict(rec["waiting"], peer=4 + 2 * rec["waiting"]["peer"]))
+             for r, rec in records.items()}
+    text = diagnose(4, moved, 10.0, 3, lowered, [4, 6])
+    assert "The schedule has rank 6 send the output gradients of microbatch 0 in PP:1SEND_B0" in text, text
+    assert "rank 6's program is not the schedule's" in text, text
 
 
 def test_the_files_of_a_failed_step_give_the_whole_picture(tmp_path, monkeypatch):

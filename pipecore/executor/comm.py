@@ -104,7 +104,7 @@ class Comm:
                       **({"device": str(self.device_for(group))} if on_device else {}))
         except CommError as exc:
             aborted = self.mark_broken(str(exc), group)
-            raise CommunicationError(f"{exc}; a rank hung or died: {aborted}rebuild the process group") from None
+            raise CommunicationError(f"{exc}; a rank hung or died: {aborted}rebuild the process group") from exc.__cause__
 
     def device_for(self, group=None) -> torch.device:
         """Where small collectives over `group` run: CPU when it has a CPU backend (gloo, also in

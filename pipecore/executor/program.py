@@ -57,6 +57,12 @@ def encode(lowered: Schedule, rank: int, local_index: dict[int, int]) -> Program
     return Program(flat, labels)
 
 
+def labels_of(lowered: Schedule, rank: int) -> list[str]:
+    """The labels of `rank`'s program (`encode`'s; any rank's, as its stages' local indices do not name them)."""
+    stages = lowered.topology.rank_stages(rank)
+    return encode(lowered, rank, {s: i for i, s in enumerate(stages)}).labels
+
+
 def forward_only(schedule: Schedule) -> Schedule:
     """The schedule's forwards, in its order (same placement): what eval() runs."""
     rows = [[leaf for a in row for leaf in a.leaves() if leaf.kind is Kind.F] for row in schedule.compute_only().actions]

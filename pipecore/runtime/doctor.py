@@ -26,6 +26,9 @@ import weakref
 
 import torch.distributed as dist
 
+from pipecore.executor.program import forward_only, labels_of
+from pipecore.schedule.action import Action
+
 ANSWER_WITHIN = 3.0  # seconds the asking rank waits for the others' records
 POLL_S = 0.2  # how often the watcher looks for a question (one store operation)
 _ASKS = "pipecore/doctor/asks"  # a counter on the default store: the questions asked so far
@@ -69,6 +72,9 @@ class Doctor:
                 wait["peer"] = dist.get_global_rank(self.comm.group, wait["peer"])
         out["pipeline"] = self.comm.uid
         out["discovery"] = bool(pipe is not None and pipe.plans.discovery is not None)
+        mode = pipe.plans.loaded_mode if pipe is not None else None
+        out["training"] = mode
+        out["program"] = pipe.programs[mode].labels if mode is not None else None  # (as run: its own order)
         thread = self.step_thread
         frame = sys._current_frames().get(thread) if stack and thread is not None else None
         out["stack"] = [[f.filename, f.lineno, f.name, f.line or ""]
@@ -98,7 +104,8 @@ class Doctor:
             if asker == me:
                 text = "(no diagnosis: asking the other ranks failed)"
                 try:
-                    text = diagnose(dist.get_rank(), self._ask(store), self.comm.timeout, step)
+                    text = diagnose(dist.get_rank(), self._ask(store), self.comm.timeout, step, self._lowered(),
+                                    dist.get_process_group_ranks(self.comm.group))
                 finally:  # (the other ranks wait for it)
                     store.set(f"{key}/diagnosis", text)
                 # ranks that learn of the failure from an "aborted" message read the step's error here
@@ -112,6 +119,13 @@ class Doctor:
             return store.get(f"{key}/diagnosis").decode()
         except Exception as exc:  # noqa: BLE001 - the step's own error is raised anyway
             return f"(no diagnosis: asking the other ranks failed: {type(exc).__name__}: {exc})"
+
+    def _lowered(self):
+        """The schedule the ranks agreed on, lowered, in the mode of this rank's program (None: no Pipeline)."""
+        pipe = self._pipe()
+        if pipe is None or pipe.plans.loaded_mode is None:
+            return None
+        return pipe.schedule.lower() if pipe.plans.loaded_mode else forward_only(pipe.schedule).lower()
 
     def _ask(self, store) -> dict[int, dict | None]:
         """Every rank's record of this Pipeline (None: no answer within ANSWER_WITHIN)."""
@@ -278,6 +292,15 @@ def _where_in_python(record: dict) -> str:
     return text
 
 
+def _wait_of(record: dict) -> tuple[dict | None, str]:
+    """The wait `record` says its rank is in (once a wait failed, the abort waits for others: the failed
+    one), and the label of the action waiting."""
+    wait = record.get("failed_wait") or record.get("waiting")
+    if wait is None:
+        return None, ""
+    return wait, wait.get("action") or (record.get("action") or {}).get("label") or "the step's end"
+
+
 def _state(rank: int, record: dict | None, timeout: float, step: int | None) -> tuple[str, str | None, int | None]:
     """(what `rank` is doing, the cause if it is one, the rank it waits for if it waits), in step `step`."""
     if record is None:
@@ -294,10 +317,9 @@ def _state(rank: int, record: dict | None, timeout: float, step: int | None) -> 
         text = f"rank {rank} is in step {record.get('step')} of this Pipeline, not step {step}"
         return text, text + ": every rank must call step() together", None
     action = record.get("action")
-    wait = record.get("failed_wait") or record.get("waiting")  # (once a wait failed, the abort waits for others)
+    wait, label = _wait_of(record)
     phase = record.get("phase")
     if wait is not None:
-        label = wait.get("action") or (action or {}).get("label") or "the step's end"
         if wait["peer"] < 0:
             return f"rank {rank} waits in {label} for {wait['what']} ({wait['seconds']:.1f} s)", None, None
         whose = (f"its send of the {wait['what']} of microbatch {wait['microbatch']} to rank {wait['peer']} to "
@@ -314,10 +336,58 @@ def _state(rank: int, record: dict | None, timeout: float, step: int | None) -> 
     return f"rank {rank} is in step {record.get('step')}, phase {phase}", None, None
 
 
-def diagnose(me: int, records: dict[int, dict | None], timeout: float, step: int | None = None) -> str:
+_LOCAL_ONLY = ("UNSHARD", "RESHARD")  # actions a rank adds to its own row after the ranks agreed (FSDP2's)
+
+
+def _comparable(labels: list[str]) -> list[str]:
+    return [label for label in labels if not any(kind in label for kind in _LOCAL_ONLY)]
+
+
+def _against_schedule(cycle: list[int], records: dict, lowered, ranks: list[int]) -> str:
+    """What the schedule says of a wait-for cycle: the ranks whose programs are not the schedule's rows
+    (the first action that differs), and where the schedule has each awaited message sent."""
+    group_rank = {g: r for r, g in enumerate(ranks)}
+    differ, sent = [], []
+    for c in cycle:
+        record = records.get(c) or {}
+        if c not in group_rank:
+            continue
+        expected = labels_of(lowered, group_rank[c])
+        ran = record.get("program")
+        if ran is not None and _comparable(ran) != _comparable(expected):
+            ran, wanted = _comparable(ran), _comparable(expected)
+            i = next((k for k, (a, b) in enumerate(zip(ran, wanted)) if a != b), min(len(ran), len(wanted)))
+            differ.append(f"rank {c}'s program is not the schedule's: its action {i} is "
+                          f"{ran[i] if i < len(ran) else 'the end'} where the schedule has "
+                          f"{wanted[i] if i < len(wanted) else 'the end'}")
+        wait, label = _wait_of(record)
+        if wait is None or wait["send"] or wait["peer"] not in group_rank:
+            continue
+        try:
+            stage = Action.parse(label.removeprefix("PP:")).stage
+        except Exception:  # noqa: BLE001 - no action's label ("the step's end"): nothing to say
+            continue
+        activations = wait["what"] == "activations"
+        sender = (lowered.topology.prev_stage if activations else lowered.topology.next_stage)[stage]
+        send = f"PP:{sender}{'SEND_F' if activations else 'SEND_B'}{wait['microbatch']}"
+        theirs = labels_of(lowered, group_rank[wait["peer"]])
+        if sender >= 0 and send in theirs:
+            sent.append(f"rank {wait['peer']} send the {wait['what']} of microbatch {wait['microbatch']} in "
+                        f"{send} (its action {theirs.index(send)})")
+    text = (". The schedule has " + ", and ".join(sent)) if sent else ""
+    if differ:
+        text += ". " + "; ".join(differ) + " (ranks that run other programs than the schedule's match messages out " \
+            "of step)"
+    return text
+
+
+def diagnose(me: int, records: dict[int, dict | None], timeout: float, step: int | None = None, lowered=None,
+             ranks: list[int] | None = None) -> str:
     """The cause first, then what the cause does not say of the other ranks: the wait-for chain followed
     from rank `me`'s failed wait (global ranks) until a rank that is the cause (no answer, in no step or
-    another than `step`, in user code for over half the timeout) or a rank met again (a wait-for cycle)."""
+    another than `step`, in user code for over half the timeout) or a rank met again (a wait-for cycle:
+    with `lowered`, the schedule the ranks agreed on, and `ranks`, the global rank of each of its ranks,
+    what the schedule says of it)."""
     states = {r: _state(r, rec, timeout, step) for r, rec in records.items()}
     chain, r, cause = [], me, None
     while r in states and r not in chain:
@@ -334,6 +404,8 @@ def diagnose(me: int, records: dict[int, dict | None], timeout: float, step: int
             cycle = chain[chain.index(r):]
             cycle = cycle[cycle.index(min(cycle)):] + cycle[:cycle.index(min(cycle))]  # (alike on every rank)
             cause = "a wait-for cycle: " + "; ".join(states[c][0] for c in cycle)
+            if lowered is not None and ranks is not None:
+                cause += _against_schedule(cycle, records, lowered, ranks)
     if cause is None:  # the chain ended nowhere telling: any rank that is a cause
         cause = next((s[1] for s in states.values() if s[1] is not None), None)
     if cause is None:

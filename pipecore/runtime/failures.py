@@ -49,7 +49,7 @@ def own_error(step: int, error: BaseException, rollback_note: str, comm, plans, 
     if also:  # this rank's own error, and releasing its peers failed too: the group broke
         aborted = comm.mark_broken(also)
         plans.forget_discovery()
-        return CommunicationError(f"{comm.who}: step {step} failed ({type(error).__name__}: {error}), and "
+        return CommunicationError(f"{comm.who}: step {step} failed on this rank (its error is the cause, above), and "
                                   f"telling the other ranks failed too: {also}. A peer hung or died: {aborted}rebuild "
                                   "the process group and the Pipeline.")
     plans.end_discovery(failed=True)

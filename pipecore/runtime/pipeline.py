@@ -522,7 +522,7 @@ class Pipeline:
             raise peer_failed(step, exc, self._rollback.restore_or_explain(), self.comm, plans) from None
         except CommError as exc:
             raise group_broke(exc, self._rollback.restore_or_explain(), self.comm, plans, step,
-                              lambda: self._doctor.explain(step)) from None
+                              lambda: self._doctor.explain(step)) from exc.__cause__  # (the backend's text)
         except BaseException as exc:
             broke = own_error(step, exc, self._rollback.restore_or_explain(), self.comm, plans, self.executor)
             if broke is not None:
@@ -591,7 +591,7 @@ class Pipeline:
         try:
             self.executor.run_aborted(status)
         except CommError as exc:
-            raise self.comm.abandon_group(exc) from None
+            raise self.comm.abandon_group(exc) from exc.__cause__
 
     def __repr__(self) -> str:
         return (f"Pipeline(rank={self.rank}/{self.world}, stages={[s.stage_index for s in self.stages]}, "

@@ -34,6 +34,7 @@ class Plans:
         self.batch_rows: dict[bool, int] = {}  # per mode: the rows of the first stages' batch (0: unknown)
         self.discovery: Discovery | None = None  # during a step that learns its batch signature's plan
         self.in_use: dict[int, StagePlan] = {}  # stage -> its plan, for the step that runs
+        self.loaded_mode: bool | None = None  # the mode of the program in the executor (True: training)
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -93,6 +94,7 @@ class Plans:
     def _set_program(self, training: bool) -> None:
         program = self._programs[training]
         self._executor.set_program(program.instructions, program.labels)
+        self.loaded_mode = training
 
     def _load(self, plans: dict[int, StagePlan], training: bool) -> None:
         self._set_program(training)

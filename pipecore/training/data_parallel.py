@@ -105,7 +105,7 @@ class DataParallel:
         try:
             ok = self.reducer.finish(False, 1.0)
         except CommError as exc:
-            raise self._comm.abandon_group(exc, self.group) from None
+            raise self._comm.abandon_group(exc, self.group) from exc.__cause__
         except RuntimeError as exc:  # a gradient changed after its bucket was sent
             ok, late = False, exc
         else:
@@ -159,7 +159,7 @@ class DataParallel:
         try:
             self.reducer.finish(True, 1.0)
         except CommError as exc:
-            raise self._comm.abandon_group(exc, self.group) from None
+            raise self._comm.abandon_group(exc, self.group) from exc.__cause__
         self.reducer.restore(False)
         if self.wrapped:
             raise InputError(f"rank {dist.get_rank()}: a batch changed shape on NCCL with DDP- or FSDP2-wrapped stages "
