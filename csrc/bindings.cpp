@@ -213,19 +213,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("overlap_take_back", &pipecore::overlap_take_back, py::arg("half"), py::call_guard<py::gil_scoped_release>(),
         "waits until `half` (from overlap_hand_over) may compute again");
   py::register_exception<pipecore::PeerAbort>(m, "PeerAbort", PyExc_RuntimeError);
-  static py::exception<pipecore::CommError> comm_error(m, "CommError", PyExc_RuntimeError);
-  // (after pybind11's own translators, so tried first) the backend's text as the error's __cause__
+  // the type lives as long as the module (a raw pointer: nothing to release after Python finalised)
+  static PyObject* comm_error = py::register_exception<pipecore::CommError>(m, "CommError", PyExc_RuntimeError).ptr();
+  // (registered after register_exception's own translator, so tried first) the backend's text as __cause__
   py::register_exception_translator([](std::exception_ptr thrown) {
     try {
       if (thrown) std::rethrow_exception(thrown);
     } catch (const pipecore::CommError& e) {
-      const py::object type = comm_error;  // (py::exception's call sets the error; the type's makes one)
-      py::object error = type(e.what());
+      py::object error = py::reinterpret_borrow<py::object>(comm_error)(e.what());
       if (!e.cause.empty()) {
         py::object cause = py::reinterpret_borrow<py::object>(PyExc_RuntimeError)(e.cause);
         PyException_SetCause(error.ptr(), cause.release().ptr());  // (steals the reference)
       }
-      PyErr_SetObject(comm_error.ptr(), error.ptr());
+      PyErr_SetObject(comm_error, error.ptr());
     }
   });
   py::register_exception<pipecore::PeerReplan>(m, "PeerReplan", PyExc_RuntimeError);

@@ -120,7 +120,7 @@ class DevicePath final : public MessagePath {
       device_->consume(task, *inbox.ready, device_->compute_stream());
       inbox.consumed = true;
     } catch (const CommError& e) {  // a consume that waits on the host (host_device_comm.cpp)
-      throw CommError(wait_failure(where(in), what, in.mb, task.peer, ctx_.timeout), error_text(e));
+      throw CommError(wait_failure(where(in), what, in.mb, task.peer, ctx_.timeout, e.what()), e.cause);
     }
   }
 
@@ -263,7 +263,7 @@ at::Tensor DevicePath::header_on_host(CommTask& task, int peer, const Instr& con
   try {
     return device_->read_header(task, ctx_.timeout);
   } catch (const CommError& e) {
-    throw CommError(wait_failure(where(consumer), what, consumer.mb, peer, ctx_.timeout), error_text(e));
+    throw CommError(wait_failure(where(consumer), what, consumer.mb, peer, ctx_.timeout, e.what()), e.cause);
   }
 }
 

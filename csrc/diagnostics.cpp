@@ -2,6 +2,8 @@
 
 #include <sstream>
 
+#include <c10/util/Exception.h>
+
 #include "errors.h"
 #include "message_status.h"
 
@@ -18,7 +20,8 @@ std::string error_text(const std::exception_ptr& error) {
 }
 
 std::string error_text(const std::exception& error) {
-  std::string text = error.what();
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&error);  // (c10d's, NCCL's: not the C++ backtrace)
+  std::string text = c10_error != nullptr ? c10_error->what_without_backtrace() : error.what();
   const size_t traceback = text.find("\n\nAt:\n");
   if (traceback != std::string::npos) text.resize(traceback);
   const auto* comm = dynamic_cast<const CommError*>(&error);

@@ -10,8 +10,8 @@ namespace pipecore {
 
 // The message of an exception ("unknown error" if it is not a std::exception), without the Python
 // traceback that pybind11 appends to a Python error that crossed C++ ("\n\nAt:\n  file(line): ..."): an
-// error message says what happened; the traceback is Python's to show. A CommError's text is followed by its
-// cause's.
+// error message says what happened; the traceback is Python's to show. Nor c10's C++ backtrace (as torch shows
+// c10d's errors). A CommError's text is followed by its cause's.
 std::string error_text(const std::exception_ptr& error);
 std::string error_text(const std::exception& error);
 

@@ -234,7 +234,9 @@ Outcome MessagePath::finish_step() {
 }
 
 void MessagePath::check_sends() {
-  if (sends_->failed()) throw CommError(sends_->failure());
+  if (!sends_->failed()) return;
+  CommError failure("");
+  if (sends_->failure(&failure)) throw failure;
 }
 
 void MessagePath::drain_sends() {

@@ -88,24 +88,24 @@ bool poll_until_completed(c10d::Work& work, std::chrono::milliseconds timeout, c
 }
 }  // namespace
 
-std::string SendTracker::wait_entry(const Entry& e) {
+SendTracker::Failure SendTracker::wait_entry(const Entry& e) {
   try {
     return wait_posted_and_sent(e);
   } catch (const std::exception& ex) {
-    return e.what + " failed: " + ex.what();
+    return {e.what + " failed", error_text(ex)};
   } catch (...) {
-    return e.what + " failed: unknown error";
+    return {e.what + " failed", "unknown error"};
   }
 }
 
-std::string SendTracker::wait_posted_and_sent(const Entry& e) {
+SendTracker::Failure SendTracker::wait_posted_and_sent(const Entry& e) {
   CommTask& task = *e.task;
   // what is left of the send's timeout, which started at its posting (a small send is collected late);
   // at least 1 ms: c10d reads a zero timeout as "none"
   auto left = [&] { return std::max(time_left(e.deadline), std::chrono::milliseconds(1)); };
-  if (!task.wait_posted(left())) return not_within(e.what + " was not posted", e.timeout, kPostingStuck);
-  if (task.error) return e.what + " failed to post: " + error_text(task.error);
-  std::string text;
+  if (!task.wait_posted(left())) return {not_within(e.what + " was not posted", e.timeout, kPostingStuck), ""};
+  if (task.error) return {e.what + " failed to post", error_text(task.error)};
+  std::string why, cause;  // pipecore's reason, or the backend's error
   // Device messages (NCCL): polled. Work::wait would make this thread's current stream wait for the
   // transfer, i.e. the device's default stream, where compute may run.
   const bool on_device = !task.parts.empty() && !task.parts.front().is_cpu();
@@ -116,14 +116,16 @@ std::string SendTracker::wait_posted_and_sent(const Entry& e) {
     if (!work) continue;
     try {
       if (on_device) {
-        if (!poll_until_completed(*work, left(), stop_)) text = "timed out";
+        if (!poll_until_completed(*work, left(), stop_)) why = "timed out";
       } else if (!work->wait(left())) {
-        text = "the wait was aborted";
+        why = "the wait was aborted";
       }
     } catch (const std::exception& ex) {
-      text = ex.what();
+      cause = error_text(ex);
     }
-    if (!text.empty()) return failed_waiting(e.what, e.timeout, text.c_str());
+    if (!why.empty() || !cause.empty()) {
+      return {failed_waiting(e.what, e.timeout, why.empty() ? nullptr : why.c_str()), cause};
+    }
   }
   return {};
 }
@@ -136,10 +138,10 @@ void SendTracker::loop(int key) {
     if (stop_) return;
     Entry e = queue.queue.front();  // stays queued (and counted) until released
     lock.unlock();
-    std::string error = wait_entry(e);
+    Failure error = wait_entry(e);
     lock.lock();
-    const bool failed = !error.empty();
-    if (failed && failure_.empty()) {
+    const bool failed = !error.text.empty();
+    if (failed && failure_.text.empty()) {
       failure_ = std::move(error);
       failed_ = true;
     }
@@ -169,14 +171,16 @@ bool SendTracker::drain(std::chrono::milliseconds timeout) {
   return changed_.wait_for(lock, timeout, [&] { return pending_ == 0; });
 }
 
-std::string SendTracker::failure() const {
+bool SendTracker::failure(CommError* out) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return failure_;
+  if (failure_.text.empty()) return false;
+  *out = CommError(failure_.text, failure_.cause);
+  return true;
 }
 
 void SendTracker::clear_failure() {
   std::lock_guard<std::mutex> lock(mu_);
-  failure_.clear();
+  failure_ = Failure{};
   failed_ = false;
 }
 

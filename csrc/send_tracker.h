@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "comm_task.h"
+#include "errors.h"
 
 namespace pipecore {
 
@@ -56,8 +57,9 @@ class SendTracker {
              bool aside = false);
   // Blocks until every tracked send completed or failed; false if `timeout` passed first.
   bool drain(std::chrono::milliseconds timeout);
-  // The first send that failed (timed out, broke, or could not be posted), or empty.
-  std::string failure() const;
+  // The first send that failed (timed out, broke, or could not be posted), as the CommError to raise (its
+  // cause: the backend's text); false while none failed.
+  bool failure(CommError* out) const;
   // Sends that failed or timed out: their parts and Works are held until this tracker goes (a transfer
   // the backend still runs may read them until its communicator is aborted, which comes first).
   int64_t held_failed() const;
@@ -84,14 +86,18 @@ class SendTracker {
     std::thread thread;
   };
   void loop(int key);  // queues_'s key: a peer, or -2 - peer for its `aside` queue
-  // Waits for `e`'s transfer; returns the error text, empty on success.
-  std::string wait_entry(const Entry& e);  // never throws
-  std::string wait_posted_and_sent(const Entry& e);
+  // Waits for `e`'s transfer; returns what failed (pipecore's text; the backend's as the cause), an empty
+  // text on success.
+  struct Failure {
+    std::string text, cause;
+  };
+  Failure wait_entry(const Entry& e);  // never throws
+  Failure wait_posted_and_sent(const Entry& e);
 
   mutable std::mutex mu_;
   std::condition_variable changed_;
   std::map<int, PeerQueue> queues_;
-  std::string failure_;
+  Failure failure_;
   std::atomic<bool> failed_{false};
   int64_t peak_ = 0;
   int64_t pending_ = 0;  // sends not released yet, all peers

@@ -153,6 +153,13 @@ def test_a_cycle_is_told_against_the_schedule():
     text = diagnose(4, moved, 10.0, 3, lowered, [4, 6])
     assert "The schedule has rank 6 send the output gradients of microbatch 0 in PP:1SEND_B0" in text, text
     assert "rank 6's program is not the schedule's" in text, text
+    # a discovery's wait, on a receive's label: the same send; a wait for no one message: none
+    records[1] = dict(_waiting(0, what="shapes of the activations", label="PP:1RECV_F0"), program=rows[1])
+    text = diagnose(0, records, 10.0, 3, lowered, ranks)
+    assert "rank 0 send the shapes of the activations of microbatch 0 in PP:0SEND_F0 (its action 1)" in text, text
+    records[1] = dict(_waiting(0, what="room in its send budget", label="PP:1SEND_B0"), program=rows[1])
+    text = diagnose(0, records, 10.0, 3, lowered, ranks)
+    assert "The schedule has rank 1 send the output gradients" in text and "rank 0 send" not in text, text
 
 
 def test_the_files_of_a_failed_step_give_the_whole_picture(tmp_path, monkeypatch):

@@ -26,7 +26,7 @@ import weakref
 
 import torch.distributed as dist
 
-from pipecore.executor.program import forward_only, labels_of
+from pipecore.executor.program import labels_of
 from pipecore.schedule.action import Action
 
 ANSWER_WITHIN = 3.0  # seconds the asking rank waits for the others' records
@@ -42,8 +42,10 @@ def _answer_key(question: int, rank: int) -> str:
 class Doctor:
     """One Pipeline's side: its record for the watcher, the question and the diagnosis."""
 
-    def __init__(self, pipe):
-        self._pipe = weakref.ref(pipe)  # (the watcher holds doctors; a doctor must not hold its Pipeline)
+    def __init__(self, pipe, lowered: dict):
+        """`lowered`: the schedule the ranks agreed on, lowered, per mode (True: training)."""
+        self._pipe = weakref.ref(pipe)
+        self._lowered = lowered  # (the watcher holds doctors; a doctor must not hold its Pipeline)
         self.comm = pipe.comm
         self.executor = pipe.executor
         self.step_thread: int | None = None  # the thread running a step now (for its Python stack)
@@ -104,8 +106,11 @@ class Doctor:
             if asker == me:
                 text = "(no diagnosis: asking the other ranks failed)"
                 try:
-                    text = diagnose(dist.get_rank(), self._ask(store), self.comm.timeout, step, self._lowered(),
-                                    dist.get_process_group_ranks(self.comm.group))
+                    pipe = self._pipe()
+                    mode = pipe.plans.loaded_mode if pipe is not None else None
+                    group = self.comm.group  # (global ranks in group rank order)
+                    text = diagnose(dist.get_rank(), self._ask(store), self.comm.timeout, step,
+                                    self._lowered.get(mode), [dist.get_global_rank(group, g) for g in range(group.size())])
                 finally:  # (the other ranks wait for it)
                     store.set(f"{key}/diagnosis", text)
                 # ranks that learn of the failure from an "aborted" message read the step's error here
@@ -119,13 +124,6 @@ class Doctor:
             return store.get(f"{key}/diagnosis").decode()
         except Exception as exc:  # noqa: BLE001 - the step's own error is raised anyway
             return f"(no diagnosis: asking the other ranks failed: {type(exc).__name__}: {exc})"
-
-    def _lowered(self):
-        """The schedule the ranks agreed on, lowered, in the mode of this rank's program (None: no Pipeline)."""
-        pipe = self._pipe()
-        if pipe is None or pipe.plans.loaded_mode is None:
-            return None
-        return pipe.schedule.lower() if pipe.plans.loaded_mode else forward_only(pipe.schedule).lower()
 
     def _ask(self, store) -> dict[int, dict | None]:
         """Every rank's record of this Pipeline (None: no answer within ANSWER_WITHIN)."""
@@ -336,11 +334,15 @@ def _state(rank: int, record: dict | None, timeout: float, step: int | None) -> 
     return f"rank {rank} is in step {record.get('step')}, phase {phase}", None, None
 
 
+# the messages a wait can be for, by the kind of send that sends them (the executor's words: message_name in
+# csrc/program.h, and discovery's)
+_SENT_BY = {"activations": "F", "shapes of the activations": "F", "output gradients": "B", "shapes of its outputs": "B"}
 _LOCAL_ONLY = ("UNSHARD", "RESHARD")  # actions a rank adds to its own row after the ranks agreed (FSDP2's)
 
 
-def _comparable(labels: list[str]) -> list[str]:
-    return [label for label in labels if not any(kind in label for kind in _LOCAL_ONLY)]
+def _comparable(labels: list[str]) -> list[int]:
+    """The indices of `labels` that every rank's program has alike."""
+    return [i for i, label in enumerate(labels) if not any(kind in label for kind in _LOCAL_ONLY)]
 
 
 def _against_schedule(cycle: list[int], records: dict, lowered, ranks: list[int]) -> str:
@@ -354,12 +356,14 @@ def _against_schedule(cycle: list[int], records: dict, lowered, ranks: list[int]
             continue
         expected = labels_of(lowered, group_rank[c])
         ran = record.get("program")
-        if ran is not None and _comparable(ran) != _comparable(expected):
-            ran, wanted = _comparable(ran), _comparable(expected)
-            i = next((k for k, (a, b) in enumerate(zip(ran, wanted)) if a != b), min(len(ran), len(wanted)))
-            differ.append(f"rank {c}'s program is not the schedule's: its action {i} is "
-                          f"{ran[i] if i < len(ran) else 'the end'} where the schedule has "
-                          f"{wanted[i] if i < len(wanted) else 'the end'}")
+        if ran is not None:
+            mine = _comparable(ran)  # (indices into the program as it runs, which the flight record counts in)
+            wanted = [expected[i] for i in _comparable(expected)]
+            i = next((k for k, (a, b) in enumerate(zip(mine, wanted)) if ran[a] != b), min(len(mine), len(wanted)))
+            if i < max(len(mine), len(wanted)):
+                at, has = (mine[i], ran[mine[i]]) if i < len(mine) else (len(ran), "the end")
+                differ.append(f"rank {c}'s program is not the schedule's: its action {at} is {has} where the "
+                              f"schedule has {wanted[i] if i < len(wanted) else 'the end'}")
         wait, label = _wait_of(record)
         if wait is None or wait["send"] or wait["peer"] not in group_rank:
             continue
@@ -367,7 +371,9 @@ def _against_schedule(cycle: list[int], records: dict, lowered, ranks: list[int]
             stage = Action.parse(label.removeprefix("PP:")).stage
         except Exception:  # noqa: BLE001 - no action's label ("the step's end"): nothing to say
             continue
-        activations = wait["what"] == "activations"
+        if wait["what"] not in _SENT_BY:  # (a send's budget, the step's end: no one message)
+            continue
+        activations = _SENT_BY[wait["what"]] == "F"
         sender = (lowered.topology.prev_stage if activations else lowered.topology.next_stage)[stage]
         send = f"PP:{sender}{'SEND_F' if activations else 'SEND_B'}{wait['microbatch']}"
         theirs = labels_of(lowered, group_rank[wait["peer"]])
@@ -405,7 +411,10 @@ def diagnose(me: int, records: dict[int, dict | None], timeout: float, step: int
             cycle = cycle[cycle.index(min(cycle)):] + cycle[:cycle.index(min(cycle))]  # (alike on every rank)
             cause = "a wait-for cycle: " + "; ".join(states[c][0] for c in cycle)
             if lowered is not None and ranks is not None:
-                cause += _against_schedule(cycle, records, lowered, ranks)
+                try:
+                    cause += _against_schedule(cycle, records, lowered, ranks)
+                except Exception as exc:  # noqa: BLE001 - the cycle is said anyway
+                    cause += f" (comparing it with the schedule failed: {type(exc).__name__}: {exc})"
     if cause is None:  # the chain ended nowhere telling: any rank that is a cause
         cause = next((s[1] for s in states.values() if s[1] is not None), None)
     if cause is None:

@@ -271,7 +271,7 @@ class Pipeline:
             self._dp.attach(self.executor, self.programs[True], summary)
         if self._wrappers is not None:
             self._wrappers.attach(self.executor)
-        self._doctor = Doctor(self)  # says why a step failed on a wait (pipecore/runtime/doctor.py)
+        self._doctor = Doctor(self, lowered)  # says why a step failed on a wait (pipecore/runtime/doctor.py)
 
     def _set_weight_builders(self) -> None:
         """Stages with torch's dw_builder: whole backward at I, the builder's runner at W."""
