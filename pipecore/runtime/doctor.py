@@ -44,8 +44,8 @@ class Doctor:
 
     def __init__(self, pipe, lowered: dict):
         """`lowered`: the schedule the ranks agreed on, lowered, per mode (True: training)."""
-        self._pipe = weakref.ref(pipe)
-        self._lowered = lowered  # (the watcher holds doctors; a doctor must not hold its Pipeline)
+        self._pipe = weakref.ref(pipe)  # (the watcher holds doctors; a doctor must not hold its Pipeline)
+        self._lowered = lowered
         self.comm = pipe.comm
         self.executor = pipe.executor
         self.step_thread: int | None = None  # the thread running a step now (for its Python stack)
@@ -75,7 +75,6 @@ class Doctor:
         out["pipeline"] = self.comm.uid
         out["discovery"] = bool(pipe is not None and pipe.plans.discovery is not None)
         mode = pipe.plans.loaded_mode if pipe is not None else None
-        out["training"] = mode
         out["program"] = pipe.programs[mode].labels if mode is not None else None  # (as run: its own order)
         thread = self.step_thread
         frame = sys._current_frames().get(thread) if stack and thread is not None else None
