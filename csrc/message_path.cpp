@@ -234,9 +234,7 @@ Outcome MessagePath::finish_step() {
 }
 
 void MessagePath::check_sends() {
-  if (!sends_->failed()) return;
-  CommError failure("");
-  if (sends_->failure(&failure)) throw failure;
+  if (sends_->failed()) sends_->raise_failure();
 }
 
 void MessagePath::drain_sends() {

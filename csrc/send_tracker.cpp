@@ -171,11 +171,9 @@ bool SendTracker::drain(std::chrono::milliseconds timeout) {
   return changed_.wait_for(lock, timeout, [&] { return pending_ == 0; });
 }
 
-bool SendTracker::failure(CommError* out) const {
+void SendTracker::raise_failure() const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (failure_.text.empty()) return false;
-  *out = CommError(failure_.text, failure_.cause);
-  return true;
+  if (!failure_.text.empty()) throw CommError(failure_.text, failure_.cause);
 }
 
 void SendTracker::clear_failure() {

@@ -57,9 +57,9 @@ class SendTracker {
              bool aside = false);
   // Blocks until every tracked send completed or failed; false if `timeout` passed first.
   bool drain(std::chrono::milliseconds timeout);
-  // The first send that failed (timed out, broke, or could not be posted), as the CommError to raise (its
-  // cause: the backend's text); false while none failed.
-  bool failure(CommError* out) const;
+  // Throws the first send that failed (timed out, broke, or could not be posted) as a CommError (its cause:
+  // the backend's text), if one did.
+  void raise_failure() const;
   // Sends that failed or timed out: their parts and Works are held until this tracker goes (a transfer
   // the backend still runs may read them until its communicator is aborted, which comes first).
   int64_t held_failed() const;
