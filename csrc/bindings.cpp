@@ -240,9 +240,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("timeout"), py::arg("what"), py::call_guard<py::gil_scoped_release>(),
         "every rank's `tensor` reduced elementwise (op 'sum' or 'max'), a new tensor equal on every rank; CommError "
         "on failure");
-  m.def("exchange", &pipecore::exchange, py::arg("group"), py::arg("tensor"), py::arg("peer"), py::arg("timeout"),
-        py::arg("what"), py::call_guard<py::gil_scoped_release>(),
-        "sends `tensor` to group rank `peer`, returns what `peer` sends (same size); CommError on failure");
 
   py::class_<pipecore::GradReducer, std::shared_ptr<pipecore::GradReducer>>(
       m, "GradReducer", "data-parallel gradient buckets of plain stages (csrc/grad_reduce.h)")
@@ -363,8 +360,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_reverse_channel", &pipecore::Executor::set_reverse_channel, py::arg("channel"))
       .def("set_follow_up_channels", &pipecore::Executor::set_follow_up_channels, py::arg("up"), py::arg("down"))
       .def("connect_communicators", &pipecore::Executor::connect_communicators, py::arg("pair_channels"),
-           py::arg("peers"), py::call_guard<py::gil_scoped_release>(),
+           py::arg("peers"), py::arg("exchange_peers"), py::call_guard<py::gil_scoped_release>(),
            "before the first step, on every rank at once: connects every communicator the message path posts on")
+      .def("exchange", &pipecore::Executor::exchange, py::arg("tensor"), py::arg("peer"), py::arg("what"),
+           py::call_guard<py::gil_scoped_release>(),
+           "between steps: sends `tensor` to group rank `peer` and returns what `peer` sends (the same size), on the "
+           "communicators the messages use; CommError on failure")
       .def("run", &run, py::arg("forward"), py::arg("on_abort"), py::arg("discover") = py::none(),
            "runs the program; `discover(stage, mb, op, may_wait) -> 0 set / 1 absent / 2 timed out` makes it a "
            "discovery run (see SpecFn in executor.h)")

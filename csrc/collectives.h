@@ -28,8 +28,9 @@ at::Tensor all_reduce_tensor(const c10::intrusive_ptr<c10d::ProcessGroup>& group
                              const std::string& op, double timeout_s, const std::string& what);
 
 // `tensor` to group rank `peer` and the same-sized tensor `peer` gives, returned (copies made here,
-// for the reason above). The lower rank sends first: also safe on backends whose send waits for its
-// receive (NCCL).
+// for the reason above): the host path's MessagePath::exchange (the device path sends both in one group,
+// DeviceComm::exchange). The lower rank sends first: also safe on backends whose send waits for its
+// receive.
 at::Tensor exchange(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at::Tensor& tensor, int64_t peer,
                     double timeout_s, const std::string& what);
 

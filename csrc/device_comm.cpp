@@ -2,6 +2,7 @@
 // NCCL run them on a GPU, the CPU model of tests (testing/host_device_comm.cpp) runs them on the host.
 #include "device_comm.h"
 
+#include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -125,24 +126,54 @@ bool DeviceComm::finish_step(std::chrono::milliseconds timeout, int64_t& status,
 std::vector<std::string> DeviceComm::contract_violations() const { return ops_->violations(); }
 
 void DeviceComm::connect(c10d::Backend& group, const std::vector<c10d::Backend*>& pair_channels, int rank,
-                         const std::vector<int>& peers) {
+                         const std::vector<int>& peers, const std::vector<int>& exchange_peers) {
   const OnDevice on_device(*ops_);
   const ComputeStream on = ops_->compute_stream();
-  // this rank's pairs in ascending (lower rank, higher rank) order, which is its peers' ascending order
-  // ((p, rank) < (rank, q) for every p < rank < q)
-  std::vector<int> order;
-  for (int peer : peers) {
-    if (peer != rank) order.push_back(peer);  // (a send to self goes in a group, with its receive)
-  }
-  std::sort(order.begin(), order.end());
-  order.erase(std::unique(order.begin(), order.end()), order.end());
-  ops_->connect(group, order, on);  // (every rank at once; its peers' connections in one group)
+  // ascending, without this rank (a send to self goes in a group, with its receive); for pairs, the
+  // ascending (lower rank, higher rank) order ((p, rank) < (rank, q) for every p < rank < q)
+  const auto others = [rank](std::vector<int> ranks) {
+    ranks.erase(std::remove(ranks.begin(), ranks.end(), rank), ranks.end());
+    std::sort(ranks.begin(), ranks.end());
+    ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+    return ranks;
+  };
+  const std::vector<int> order = others(peers);
+  std::vector<int> paths = order;
+  paths.insert(paths.end(), exchange_peers.begin(), exchange_peers.end());
+  // (every rank at once; its paths in one group: each rank's list names the ranks that name it)
+  ops_->connect(group, others(paths), on);
   for (int peer : order) {
     for (c10d::Backend* channel : pair_channels) ops_->connect_pair(*channel, peer, on);
   }
 }
 
 ConnectionCounts DeviceComm::connection_counts() const { return ops_->connection_counts(); }
+
+at::Tensor DeviceComm::exchange(c10d::ProcessGroup& group, const at::Tensor& tensor, int peer,
+                                std::chrono::milliseconds timeout, const std::string& what) {
+  auto send = std::make_shared<CommTask>();
+  auto recv = std::make_shared<CommTask>();
+  send->parts = {tensor.contiguous()};
+  recv->send = false;
+  recv->parts = {at::empty_like(send->parts[0])};
+  for (const auto& task : {send, recv}) {
+    task->peer = peer;
+    task->group = &group;
+  }
+  const ComputeStream on = compute_stream();
+  const std::shared_ptr<StreamMarker> ready = post_batch({send, recv}, on);
+  bool done = false;
+  try {
+    done = ops_->host_wait(*ready, timeout);
+  } catch (const CommError& e) {  // (the CPU model says what did not complete)
+    throw CommError(what + ": " + e.what(), e.cause);
+  }
+  if (!done) throw CommError(failed_waiting(what, timeout, "the exchange did not complete: its peer did not come"));
+  const OnDevice on_device(*ops_);
+  before_read(*ops_, on, *recv, *ready);
+  on_release(*ops_, on, *recv, *ready, /*consumed=*/true);
+  return recv->parts[0];
+}
 
 c10::intrusive_ptr<c10d::Work> DeviceComm::post_group(c10d::Backend& backend,
                                                       const std::vector<std::shared_ptr<CommTask>>& tasks) {

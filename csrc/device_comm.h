@@ -81,10 +81,12 @@
 // boundary's description in a discovery run; a header before a follow-up). So the device path connects
 // every communicator it will post on before the Pipeline's first step runs (DeviceComm::connect, at its
 // first agreement, which every rank of the group reaches): the group's communicator of all ranks
-// (where its batches go), then the communicators of two ranks that operations posted alone go on (the
-// follow-ups', the descriptions'), pair by pair in one order all ranks share, (lower rank, higher
-// rank) ascending. Each rank meets its pairs in that order, so the least pair not yet connected always
-// has both ranks waiting at it: no cycle.
+// (where its batches go) with its paths to the peers of its messages and of its exchanges (a tie's or a
+// dualpipe mirror's sum after a step, sent as one group there: DeviceComm::exchange; c10d would post a
+// send alone on a communicator of the two ranks, made inside the step), then the communicators of two
+// ranks that operations posted alone go on (the follow-ups', the descriptions'), pair by pair in one
+// order all ranks share, (lower rank, higher rank) ascending. Each rank meets its pairs in that order, so
+// the least pair not yet connected always has both ranks waiting at it: no cycle.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -153,12 +155,18 @@ class DeviceComm {
   bool finish_step(std::chrono::milliseconds timeout, int64_t& status, const ComputeStream& on);
   // The stream contract's violations seen so far (the CPU model's checker; none on a device).
   std::vector<std::string> contract_violations() const;
-  // Connects, before the first step, every communicator the path posts on: `group`'s of all ranks, then
-  // the communicator of this rank (`rank`) and each of `peers` on each of `pair_channels`, in the order
-  // of [Note: connecting before the first step]. Every rank of the group calls it at the same point.
+  // Connects, before the first step, every communicator the path posts on: `group`'s of all ranks with its
+  // paths to `peers` and `exchange_peers` (exchange's), then the communicator of this rank (`rank`) and each
+  // of `peers` on each of `pair_channels`, in the order of [Note: connecting before the first step]. Every
+  // rank of the group calls it at the same point.
   void connect(c10d::Backend& group, const std::vector<c10d::Backend*>& pair_channels, int rank,
-               const std::vector<int>& peers);
+               const std::vector<int>& peers, const std::vector<int>& exchange_peers);
   ConnectionCounts connection_counts() const;
+  // `tensor` sent to group rank `peer` of `group` and what `peer` sends (the same size), as one group on the
+  // communicator of all ranks (connect made its path to `peer` ahead), waited for on the host within
+  // `timeout` (CommError "<what> failed ..."); the compute stream current reads the result.
+  at::Tensor exchange(c10d::ProcessGroup& group, const at::Tensor& tensor, int peer, std::chrono::milliseconds timeout,
+                      const std::string& what);
 
  private:
   c10::intrusive_ptr<c10d::Work> post_group(c10d::Backend& backend,

@@ -30,10 +30,18 @@ class DevicePath final : public MessagePath {
 
   std::vector<std::string> stream_violations() const override { return device_->contract_violations(); }
 
-  void connect(const std::vector<c10d::Backend*>& pair_channels, const std::vector<int>& peers) override {
-    device_->connect(*ctx_.pg->getBackend(device_->device_type()), pair_channels, static_cast<int>(ctx_.rank), peers);
+  void connect(const std::vector<c10d::Backend*>& pair_channels, const std::vector<int>& peers,
+               const std::vector<int>& exchange_peers) override {
+    device_->connect(*ctx_.pg->getBackend(device_->device_type()), pair_channels, static_cast<int>(ctx_.rank), peers,
+                     exchange_peers);
   }
   ConnectionCounts connection_counts() const override { return device_->connection_counts(); }
+
+  at::Tensor exchange(const at::Tensor& tensor, int64_t peer, const std::string& what) override {
+    if (tensor.device().type() != device_->device_type()) return MessagePath::exchange(tensor, peer, what);
+    return device_->exchange(*ctx_.pg, tensor, static_cast<int>(peer), ctx_.timeout,
+                             "rank " + std::to_string(ctx_.rank) + ": " + what);
+  }
 
   void reset(size_t recv_count) override {
     MessagePath::reset(recv_count);

@@ -116,10 +116,11 @@ std::vector<int64_t> Executor::connection_counts() const {
 #endif
 
 void Executor::connect_communicators(const std::vector<c10::intrusive_ptr<c10d::Backend>>& pair_channels,
-                                     const std::vector<int64_t>& peers) {
+                                     const std::vector<int64_t>& peers, const std::vector<int64_t>& exchange_peers) {
   std::vector<c10d::Backend*> channels;
   for (const auto& channel : pair_channels) channels.push_back(channel.get());
-  path_->connect(channels, std::vector<int>(peers.begin(), peers.end()));
+  path_->connect(channels, std::vector<int>(peers.begin(), peers.end()),
+                 std::vector<int>(exchange_peers.begin(), exchange_peers.end()));
 }
 
 std::string Executor::where(const Instr& in) const {

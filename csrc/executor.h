@@ -163,9 +163,15 @@ class Executor final : private PathOwner {
   // Before the first step, on every rank of the group at the same point: connects every communicator the
   // message path will post on (NCCL connects one at its first operation, which inside a step can close a
   // cycle: [Note: connecting before the first step], device_comm.h). `pair_channels`: the communicators
-  // whose operations go alone; `peers`: the ranks this rank's programs exchange messages with.
+  // whose operations go alone; `peers`: the ranks this rank's programs exchange messages with;
+  // `exchange_peers`: those `exchange` goes to (ties, dualpipe's mirrors).
   void connect_communicators(const std::vector<c10::intrusive_ptr<c10d::Backend>>& pair_channels,
-                             const std::vector<int64_t>& peers);
+                             const std::vector<int64_t>& peers, const std::vector<int64_t>& exchange_peers);
+  // Between steps (a tie's or a dualpipe mirror's sum): `tensor` sent to group rank `peer`, and what `peer`
+  // sends, on the communicators the messages use (MessagePath::exchange); CommError naming `what`.
+  at::Tensor exchange(const at::Tensor& tensor, int64_t peer, const std::string& what) {
+    return path_->exchange(tensor, peer, what);
+  }
 #ifdef PIPECORE_TESTING
   // Tests on CPU: the device path's protocol run by the host over gloo (make_host_device_comm;
   // `all_ranks_connected`: as a group made with a device id; `eager_bytes`: sends of at most that many

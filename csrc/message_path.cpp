@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <thread>
 
+#include "collectives.h"
 #include "comm_task.h"
 #include "device_comm.h"
 #include "diagnostics.h"
@@ -87,6 +88,10 @@ std::shared_ptr<CommTask> MessagePath::make_recv(const Instr& in, bool aborted) 
   }
   ctx_.owner.inbox_of(in).task = task;
   return task;
+}
+
+at::Tensor MessagePath::exchange(const at::Tensor& tensor, int64_t peer, const std::string& what) {
+  return pipecore::exchange(ctx_.pg, tensor, peer, std::chrono::duration<double>(ctx_.timeout).count(), what);
 }
 
 std::vector<at::Tensor> MessagePath::take(Inbox& inbox, const Instr& in, const std::vector<TensorSpec>& specs) {

@@ -210,9 +210,16 @@ class MessagePath {
   virtual void apply_settings() {}  // after a setting changed (the comm worker made or ended)
   // Before the first step: connects every communicator the path will post on, with this rank's `peers`
   // ([Note: connecting before the first step], device_comm.h); `pair_channels`: those whose operations go
-  // alone (c10d posts them on a communicator of the two ranks). Nothing on the host path: gloo connects
-  // every pair when its group is made.
-  virtual void connect(const std::vector<c10d::Backend*>& /*pair_channels*/, const std::vector<int>& /*peers*/) {}
+  // alone (c10d posts them on a communicator of the two ranks); `exchange_peers`: the ranks `exchange` goes
+  // to. Nothing on the host path: gloo connects every pair when its group is made.
+  virtual void connect(const std::vector<c10d::Backend*>& /*pair_channels*/, const std::vector<int>& /*peers*/,
+                       const std::vector<int>& /*exchange_peers*/) {}
+  // Between steps: `tensor` sent to group rank `peer` and what `peer` sends back (the same size), within the
+  // timeout (CommError naming `what`). The host path sends and receives on the group (collectives.h); the
+  // device path sends both as one group on the communicator its messages use, whose connection with `peer`
+  // the Pipeline made ahead (a tie's or a dualpipe mirror's partner is among `connect`'s peers), not on a
+  // communicator of the two ranks that c10d would make at the first operation.
+  virtual at::Tensor exchange(const at::Tensor& tensor, int64_t peer, const std::string& what);
   virtual ConnectionCounts connection_counts() const { return {}; }
 #ifdef PIPECORE_TESTING
   // Tests: sleep a random 0..max_us before every send and receive.

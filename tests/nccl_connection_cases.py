@@ -15,33 +15,50 @@ from said import said
 
 
 def connections_over_steps(rank: int, world: int, name: str, all_ranks_connected: bool, connect_ahead: bool = True,
-                           timeout: float = 60, steps: int = len(LENGTHS)) -> dict:
+                           timeout: float = 60, steps: int = len(LENGTHS), tie: bool = False,
+                           exchanges_ahead: bool = True) -> dict:
     """`name` on `world` ranks on the emulated device path, shapes in the messages, the steps of
     shaped_message_cases.LENGTHS (step 2 outgrows every capacity: follow-ups). `all_ranks_connected`: the
     group's communicator connected when the group was made (as with init_process_group(device_id=...));
-    `connect_ahead` False: the Pipeline's connecting at its first agreement left out, as before it existed.
+    `connect_ahead` False: the Pipeline's connecting at its first agreement left out, as before it existed;
+    `tie`: the first and last model stages' weights tied; `exchanges_ahead` False: the partners of the ties'
+    and dualpipe mirrors' exchanges left out of that connecting, as before they were in it.
     Returns the first failure, the largest gradient difference from one process, the connection counts
     (ahead, inside steps, store operations) after every step, the follow-ups sent, each step's seconds,
     and the c10d timeouts of the channels and of the group."""
-    pipe, stages, reference = _emulated_pipeline(rank, world, name, all_ranks_connected, timeout)
+    pipe, stages, reference = _emulated_pipeline(rank, world, name, all_ranks_connected, timeout, tie)
     if not connect_ahead:
         pipe.comm.connect = lambda *args: None
     out: dict = {"counts": []}
+    exchange_peers = pipe.gradients.exchange_peers  # (the ties' are learnt at the first agreement)
+    if not exchanges_ahead:
+        pipe.gradients.exchange_peers = lambda: set()
     run_steps(pipe, stages, reference, steps_for(LENGTHS, world)[:steps], out, 8000,
               lambda: out["counts"].append(pipe.executor._connection_counts()))
+    out["exchange_peers"] = sorted(exchange_peers())
     out["channel_timeouts"] = [c.options._timeout.total_seconds() for c in pipe.comm.channels]
     out["group_timeout"] = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
     return out
 
 
-def _emulated_pipeline(rank: int, world: int, name: str, all_ranks_connected: bool, timeout: float):
+def _emulated_pipeline(rank: int, world: int, name: str, all_ranks_connected: bool, timeout: float,
+                       tie: bool = False):
     """MaskedStage's stages of `name` (2 microbatches per rank) on the emulated device path, shapes in the
-    messages; with the whole model, for the reference."""
+    messages; with the whole model, for the reference (dualpipe: its mirrors copies of the model's stages;
+    `tie`: the first and last model stages' weights one tied weight)."""
     sched = pc.build_schedule(name, world, 2 * world)
+    model_stage = sched.topology.model_stage
     torch.manual_seed(0)
-    modules = [MaskedStage(s == 0) for s in range(sched.num_stages)]
-    reference = copy.deepcopy(modules)
-    stages = [pc.PipelineStage(modules[s], s, sched.num_stages) for s in sched.rank_stages(rank)]
+    reference = [MaskedStage(m == 0) for m in range(max(model_stage) + 1)]
+    if tie:
+        reference[-1].lin.weight = reference[0].lin.weight
+    model = copy.deepcopy(reference)  # (copied together: a tie stays one Parameter in the model)
+
+    def stage(s):
+        module = copy.deepcopy(model[model_stage[s]])
+        tied = {"w": module.lin.weight} if tie and model_stage[s] in (0, len(model) - 1) else None
+        return pc.PipelineStage(module, s, sched.num_stages, tied=tied)
+    stages = [stage(s) for s in sched.rank_stages(rank)]
     pipe = pc.Pipeline(stages, sched, sched.num_microbatches, loss_fn=sum_loss, timeout=timeout)
     pipe.executor._emulate_device_comm(all_ranks_connected)
     pipe.executor.set_shapes_travel(True)
@@ -69,7 +86,7 @@ def run_steps(pipe, stages, reference, lengths: list[list[int]], out: dict, text
         out["seconds"].append(time.monotonic() - started)
         after_step()
         out["grown"] += pipe.executor.message_counts[2]
-        out["grad"] = max(out["grad"], _difference(stages, reference, data))
+        out["grad"] = max(out["grad"], _difference(stages, reference, data, pipe.schedule.topology.model_stage))
     out["violations"] = pipe.executor._stream_violations()
     return out
 

@@ -267,13 +267,13 @@ def reverse_channel(rank, world):
     group = dist.new_group(backend="gloo")
     before = loop_threads()
     pipe, _ = _pipe(rank, world, "1f1b", group=group)
-    assert pipe.reverse_channel is None
+    assert pipe.comm.reverse_channel is None
     x, y = make_batch(8)
     pipeline_step(pipe, x, y)
-    channel = pipe.reverse_channel
+    channel = pipe.comm.reverse_channel
     assert channel is not None and channel.size() == world and channel.rank() == rank
     pipeline_step(pipe, x, y)
-    assert pipe.reverse_channel is channel
+    assert pipe.comm.reverse_channel is channel
     assert loop_threads() == before
     assert pipe.executor.reverse_posts > 0
     dist.destroy_process_group(group)

@@ -74,9 +74,10 @@ def _pipeline(rank: int, world: int, name: str, **options):
                                           **options)
 
 
-def _difference(stages, reference, data) -> float:
+def _difference(stages, reference, data, model_stage=None) -> float:
     """The largest relative difference between this rank's gradients and one process's on `data`;
-    both zeroed after."""
+    both zeroed after. `model_stage`: the model stage of each stage index (dualpipe's mirrors: two stages
+    run one), if not the stage itself."""
     tokens = float(sum(y.numel() for _, y in data))
     for x, y in data:
         h = (x,)
@@ -85,7 +86,8 @@ def _difference(stages, reference, data) -> float:
         (sum_loss(h, y) / tokens).backward()
     worst = 0.0
     for s in stages:
-        for q, r in zip(s.module.parameters(), reference[s.stage_index].parameters()):
+        model = s.stage_index if model_stage is None else model_stage[s.stage_index]
+        for q, r in zip(s.module.parameters(), reference[model].parameters()):
             worst = max(worst, difference(q.grad, r.grad))
         s.module.zero_grad(set_to_none=True)
     for mod in reference:

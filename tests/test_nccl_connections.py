@@ -10,17 +10,18 @@ from exactness import FLOAT64_BOUND
 from nccl_connection_cases import channels_end_with_the_world, connections_over_steps
 from soak import SOAK
 
-# (dualpipe's second direction starts at another stage than MaskedStage's first: not this model); on 4 ranks the
-# suite runs the issue's four and 1F1B, `make soak` every one
-SCHEDULES = [name for name in pc.SCHEDULES if name not in ("forward_only", "dualpipe")]
+# on 4 ranks the suite runs the issue's four, 1F1B and dualpipe (its mirrors' exchange), `make soak` every one;
+# dualpipe needs an even number of ranks
+SCHEDULES = [name for name in pc.SCHEDULES if name != "forward_only"]
 WORLDS = [(name, world) for name in SCHEDULES for world in (3, 4)
-          if world == 3 or SOAK or name in ("1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")]
+          if (world == 3 and name != "dualpipe") or world == 4 and (
+              SOAK or name in ("1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev", "dualpipe"))]
 
 
 @pytest.mark.parametrize("all_ranks_connected", [False, True], ids=["lazy_group", "group_with_device_id"])
 @pytest.mark.parametrize("name, world", WORLDS)
 def test_no_step_connects_a_communicator(name, world, all_ranks_connected):
-    """Every schedule but dualpipe on 3 and 4 ranks (2 microbatches per rank; on 4, the suite runs five of them
+    """Every schedule on 3 and 4 ranks (dualpipe on 4; 2 microbatches per rank; on 4, the suite runs six of them
     and `make soak` all), on a group whose communicator connects
     lazily ("cpu:gloo,cuda:nccl" without device_id) and on one connected when it was made (with
     device_id), shapes in the messages and step 2 outgrowing every capacity (follow-ups): every step
@@ -34,6 +35,33 @@ def test_no_step_connects_a_communicator(name, world, all_ranks_connected):
         assert r["channel_timeouts"] and set(r["channel_timeouts"]) == {r["group_timeout"]} and \
             r["group_timeout"] > 60, (rank, r)
     assert sum(r["grown"] for r in results) > 0, results
+
+
+@pytest.mark.parametrize("name, world, partners, unlinked", [
+    ("1f1b", 3, {0: [2], 2: [0]}, {0, 2}),  # the tie's holders, ranks 0 and 2
+    # mirrors and the tie (0 and 3: the same partner); ranks 1 and 2 send each other messages too
+    ("dualpipe", 4, {0: [3], 1: [2], 2: [1], 3: [0]}, {0, 3}),
+])
+def test_exchanges_of_ties_and_mirrors_connect_no_communicator_inside_a_step(name, world, partners, unlinked):
+    """A tied weight's holders, and dualpipe's mirrored partners, sum gradients after each step with an exchange
+    (Comm.exchange). On NCCL it goes as one group on the group's communicator, whose path to the partner the
+    Pipeline connects at its first agreement with its messages' (c10d would post a lone send on a
+    communicator of the two ranks, made there, inside the step). On the CPU model: no connection inside a
+    step, every step exact; with the partners left out of that connecting (as before), the model counts the
+    exchange's connection inside the first step, on every rank whose partner sends it no message (`unlinked`). (Fresh processes: the model
+    keeps a communicator's connections in its backend, as c10d does, so the pool's earlier tests may have
+    connected the partners' path.)"""
+    for ahead in (True, False):
+        p = fresh_pool(world)
+        try:
+            results = p.run(connections_over_steps, name, True, True, 60, 3, True, ahead, timeout=240)
+        finally:
+            p.close()
+        for rank, r in enumerate(results):
+            assert not r["failed"] and r["grad"] <= FLOAT64_BOUND and r["violations"] == [], (ahead, rank, r)
+            assert r["exchange_peers"] == partners.get(rank, []), (rank, r["exchange_peers"])
+            in_steps = [counts[1] for counts in r["counts"]]
+            assert in_steps == ([0, 0, 0] if ahead or rank not in unlinked else [1, 1, 1]), (ahead, rank, r["counts"])
 
 
 @pytest.mark.parametrize("name, world, all_ranks_connected, step, communicator", [

@@ -35,7 +35,7 @@ class NcclModel {
     for (int r = 0; r < group_->getSize(); ++r) {
       if (r != group_->getRank()) peers.push_back(r);
     }
-    comm_->connect(*group_->getBackend(c10::DeviceType::CPU), {}, group_->getRank(), peers);
+    comm_->connect(*group_->getBackend(c10::DeviceType::CPU), {}, group_->getRank(), peers, {});
   }
 
   // Posts one batch of (send, peer, tensor) operations, in that order, as the executor posts a run of

@@ -46,6 +46,7 @@ class Comm:
         self._connected = False  # the communicators the messages go on (open_channels)
         self.descriptions: Descriptions | None = None  # where discovery steps send boundaries (open_descriptions)
         self.step = -1  # the step in progress: its failures are left under its key
+        self._messages = None  # the executor (attach)
 
     # -- the small collectives ---------------------------------------------------------------
     def all_reduce_sum(self, values: list[int], what: str, group=None) -> list[int]:
@@ -58,8 +59,19 @@ class Comm:
         return self._call(C.all_reduce_tensor, tensor, op, what=what, group=group)
 
     def exchange(self, tensor: torch.Tensor, peer: int, what: str) -> torch.Tensor:
-        """Sends `tensor` to group rank `peer` and returns what `peer` sends."""
-        return self._call(C.exchange, tensor, peer, what=what)
+        """Sends `tensor` to group rank `peer` and returns what `peer` sends, between steps (a tie's or a
+        dualpipe mirror's sum), on the communicators the executor's messages use (`attach`): on NCCL one
+        group on the pipeline's communicator, whose path to `peer` was connected at the first agreement
+        (`exchange_peers`), not a communicator of the two ranks made inside the step."""
+        try:
+            return self._messages.exchange(tensor, peer, what)
+        except CommError as exc:
+            raise self._failed(exc) from exc.__cause__
+
+    def attach(self, executor):
+        """The executor whose message path carries `exchange` (made after this Comm); returns it."""
+        self._messages = executor
+        return executor
 
     def gather_objects(self, obj: Any, what: str, group=None) -> list[Any]:
         """Every rank's picklable `obj`, in group rank order (the int64 all-gather twice: sizes, then
@@ -103,8 +115,12 @@ class Comm:
             return fn(group, *args, timeout=self.timeout, what=what,
                       **({"device": str(self.device_for(group))} if on_device else {}))
         except CommError as exc:
-            aborted = self.mark_broken(str(exc), group)
-            raise CommunicationError(f"{exc}; a rank hung or died: {aborted}rebuild the process group") from exc.__cause__
+            raise self._failed(exc, group) from exc.__cause__
+
+    def _failed(self, exc: CommError, group=None) -> CommunicationError:
+        """A small collective or an exchange failed (on `group`, default the pipeline's): the group is broken."""
+        aborted = self.mark_broken(str(exc), group)
+        return CommunicationError(f"{exc}; a rank hung or died: {aborted}rebuild the process group")
 
     def device_for(self, group=None) -> torch.device:
         """Where small collectives over `group` run: CPU when it has a CPU backend (gloo, also in
@@ -256,11 +272,12 @@ class Comm:
                                                  self.device)
         return self.descriptions
 
-    def open_channels(self, executor, gloo: bool, peers: list[int]) -> None:
+    def open_channels(self, executor, gloo: bool, peers: list[int], exchange_peers: list[int]) -> None:
         """At an agreement (every rank of the group is there): the channels `executor`'s messages need that
         are not open yet, then every communicator they go on connected, before any step posts on it
         ([Note: connecting before the first step], csrc/device_comm.h). `gloo`: the messages go through
-        gloo; `peers`: the ranks this rank's programs exchange messages with."""
+        gloo; `peers`: the ranks this rank's programs exchange messages with; `exchange_peers`: those `exchange`
+        goes to."""
         if self.world == 1:
             return
         opened = len(self.channels)
@@ -272,17 +289,17 @@ class Comm:
             executor.set_follow_up_channels(*self.open_follow_up_channels())
         self.open_descriptions()  # (the first step of each batch signature sends boundaries there)
         if not self._connected or len(self.channels) > opened:
-            self.connect(executor, self.channels[opened:], peers)
+            self.connect(executor, self.channels[opened:], peers, exchange_peers)
             self._connected = True
 
-    def connect(self, executor, channels: list, peers: list[int]) -> None:
+    def connect(self, executor, channels: list, peers: list[int], exchange_peers: list[int]) -> None:
         """At an agreement, every rank of the group here: the communicators the executor's messages go on
         connected now, not by a step's first operation on them (csrc/executor.h, connect_communicators).
         `channels`: those opened since the last call; `peers`: the ranks this rank's programs exchange
-        messages with. One that fails breaks the group. (On a GPU nothing bounds a connection whose peers
+        messages with; `exchange_peers`: those `exchange` goes to. One that fails breaks the group. (On a GPU nothing bounds a connection whose peers
         never come: NCCL's has no timeout, which is why it is made here, where every rank just agreed.)"""
         try:
-            executor.connect_communicators(channels, peers)
+            executor.connect_communicators(channels, peers, exchange_peers)
         except RuntimeError as exc:  # (CommError; c10d's DistBackendError, DistStoreError)
             raise CommunicationError(f"{self.who}: connecting the group's communicators failed ({exc}); a rank hung "
                                      f"or died: {self.mark_broken(str(exc))}rebuild the process group") from None

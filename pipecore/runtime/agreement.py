@@ -88,7 +88,7 @@ class Agreement:
         comm.uid = f"{dist.distributed_c10d._get_process_group_name(comm.group)}/{rows[0][2]:x}"
         if any(r[4:] != rows[0][4:] for r in rows):
             self._refuse(self._mismatch([r[4:] for r in rows]))
-        try:  # every rank learns the ties and the copies are made equal, before any forward
+        try:  # every rank learns the ties (their copies are made equal once the communicators are connected)
             self._on_first(any_ties)
         except InputError as exc:
             self._refuse(str(exc))

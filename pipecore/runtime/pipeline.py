@@ -223,7 +223,8 @@ class Pipeline:
                                                   unshard_lookahead)
             run[True] = Schedule.from_codes(rows, lowered[True].topology, lowered[True].name)
         self.programs = {training: encode(v, self.rank, local_index) for training, v in run.items()}
-        self.executor = C.Executor(self.group, len(self.stages), num_microbatches, self.timeout, self.who)
+        self.executor = self.comm.attach(C.Executor(self.group, len(self.stages), num_microbatches, self.timeout,
+                                                    self.who))  # (Comm.exchange goes on its messages' path)
         for s in self.stages:
             nxt, prv = topo.next_stage[s.stage_index], topo.prev_stage[s.stage_index]
             self.executor.set_links(
@@ -580,12 +581,10 @@ class Pipeline:
         sig, failed = self.plans.agree(desc, training, self.has_first, rows)
         if failed:  # another rank's input checks failed on the first step of this mode
             raise InputError(f"{self.who}: step {step} not run: {self.comm.peer_error()}")
-        self.comm.open_channels(self.executor, self._gloo, sorted({p for v in self.programs.values() for p in v.peers()}))
+        self.comm.open_channels(self.executor, self._gloo, sorted({p for v in self.programs.values() for p in v.peers()}),
+                                sorted(self.gradients.exchange_peers()))
+        self.gradients.make_ties_equal()  # (once: its exchanges go on the communicators just connected)
         self.plans.plan(sig, training)
-
-    @property
-    def reverse_channel(self):
-        return self.comm.reverse_channel
 
     def _run_aborted(self, status: int) -> None:
         try:

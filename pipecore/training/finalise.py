@@ -59,6 +59,17 @@ class GradFinalisation:
         """The data-parallel replicas (None without dp_group)."""
         return self._dp
 
+    def exchange_peers(self) -> set[int]:
+        """The ranks this rank exchanges gradients with after a step (Comm.exchange): its dualpipe mirror's
+        partner, its ties' other holders. Known at the first agreement (the ties are learnt there)."""
+        peers = {self._comm.world - 1 - self._comm.rank} if self._mirrored and self._comm.world > 1 else set()
+        return peers | (self.ties.exchange_peers() if self.ties else set())
+
+    def make_ties_equal(self) -> None:
+        """At the first agreement, once the communicators are connected: every tie's copies equal (once)."""
+        if self.ties:
+            self.ties.make_copies_equal()
+
     def begin_step(self) -> None:
         self._active = True
         if self._dp is not None:

@@ -52,7 +52,8 @@ class TiedWeights:
     """The tied weights of one Pipeline: which copies exist on which ranks, and the step's sum."""
 
     def __init__(self, comm: Comm, stages: list, topology):
-        """Learns every rank's ties (a collective over the pipeline's group) and makes the copies equal."""
+        """Learns every rank's ties (a collective over the pipeline's group); `make_copies_equal` then
+        makes the copies equal, once the communicators its exchanges go on are connected."""
         self._comm = comm
         mine = [TiedCopy(key, s.stage_index, topology.model_stage[s.stage_index], comm.rank, tuple(p.shape),
                          str(p.dtype), tuple(local_part(p).shape), rows_held(p))
@@ -73,7 +74,20 @@ class TiedWeights:
         # why the copies of a tie differ (found at a step's gradient sum): every later step fails with it,
         # until the Pipeline is built again (its first agreement makes the copies equal)
         self.parted: str | None = None
-        self._sync_values()
+        self._unequal = True  # until make_copies_equal
+
+    def exchange_peers(self) -> set[int]:
+        """The ranks this rank exchanges a tie's values or gradients with (`_reduce`: a tie of two holders)."""
+        rank = self._comm.rank
+        holders = [sorted({c.rank for c in copies}) for copies in self.copies.values()]
+        return {h[1] if rank == h[0] else h[0] for h in holders if len(h) == 2 and rank in h}
+
+    def make_copies_equal(self) -> None:
+        """Every copy of a tie := its owner's value (the lowest stage's), once, at the first agreement after
+        the Pipeline connected its communicators (Comm.open_channels), before any forward."""
+        if self._unequal:
+            self._sync_values()
+            self._unequal = False
 
     def __bool__(self) -> bool:
         return bool(self.copies)
