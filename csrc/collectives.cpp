@@ -24,11 +24,13 @@ std::vector<int64_t> to_values(const at::Tensor& t) {
   return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
 }
 
-void wait(const c10::intrusive_ptr<c10d::Work>& work, const c10d::ProcessGroup& group, double timeout_s,
-          const std::string& what) {
+// Posts one operation (`post`: its Work) and waits for it: what either throws (gloo refuses to post on
+// a pair a timed-out wait closed) is a CommError, the backend's text its cause.
+template <typename Post>
+void post_and_wait(Post&& post, const c10d::ProcessGroup& group, double timeout_s, const std::string& what) {
   const std::chrono::milliseconds timeout = timeout_of(timeout_s);
   try {
-    work->wait(timeout);
+    post()->wait(timeout);
   } catch (const std::exception& e) {
     throw CommError(failed_waiting("rank " + std::to_string(group.getRank()) + ": " + what, timeout), error_text(e));
   }
@@ -39,7 +41,7 @@ std::vector<int64_t> all_reduce_sum(const c10::intrusive_ptr<c10d::ProcessGroup>
                                     const std::vector<int64_t>& values, const std::string& device, double timeout_s,
                                     const std::string& what) {
   std::vector<at::Tensor> tensors{to_tensor(values, device)};
-  wait(group->allreduce(tensors), *group, timeout_s, what);
+  post_and_wait([&] { return group->allreduce(tensors); }, *group, timeout_s, what);
   return to_values(tensors[0]);
 }
 
@@ -49,7 +51,7 @@ std::vector<std::vector<int64_t>> all_gather(const c10::intrusive_ptr<c10d::Proc
   std::vector<at::Tensor> inputs{to_tensor(values, device)};
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int r = 0; r < group->getSize(); ++r) outputs[0].push_back(at::empty_like(inputs[0]));
-  wait(group->allgather(outputs, inputs), *group, timeout_s, what);
+  post_and_wait([&] { return group->allgather(outputs, inputs); }, *group, timeout_s, what);
   std::vector<std::vector<int64_t>> rows;
   for (const auto& t : outputs[0]) rows.push_back(to_values(t));
   return rows;
@@ -66,7 +68,7 @@ at::Tensor all_reduce_tensor(const c10::intrusive_ptr<c10d::ProcessGroup>& group
     throw std::invalid_argument("all_reduce_tensor: op must be 'sum' or 'max', got '" + op + "'");
   }
   std::vector<at::Tensor> tensors{tensor.contiguous().clone()};
-  wait(group->allreduce(tensors, options), *group, timeout_s, what);
+  post_and_wait([&] { return group->allreduce(tensors, options); }, *group, timeout_s, what);
   return tensors[0].clone();
 }
 
@@ -75,12 +77,14 @@ at::Tensor exchange(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const a
   std::vector<at::Tensor> mine{tensor.clone()};
   std::vector<at::Tensor> theirs{at::empty_like(tensor)};
   const int dst = static_cast<int>(peer);
+  const auto send = [&] { return group->send(mine, dst, 0); };
+  const auto recv = [&] { return group->recv(theirs, dst, 0); };
   if (group->getRank() < peer) {
-    wait(group->send(mine, dst, 0), *group, timeout_s, what);
-    wait(group->recv(theirs, dst, 0), *group, timeout_s, what);
+    post_and_wait(send, *group, timeout_s, what);
+    post_and_wait(recv, *group, timeout_s, what);
   } else {
-    wait(group->recv(theirs, dst, 0), *group, timeout_s, what);
-    wait(group->send(mine, dst, 0), *group, timeout_s, what);
+    post_and_wait(recv, *group, timeout_s, what);
+    post_and_wait(send, *group, timeout_s, what);
   }
   return theirs[0].clone();
 }

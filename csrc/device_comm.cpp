@@ -161,14 +161,22 @@ at::Tensor DeviceComm::exchange(c10d::ProcessGroup& group, const at::Tensor& ten
     task->group = &group;
   }
   const ComputeStream on = compute_stream();
-  const std::shared_ptr<StreamMarker> ready = post_batch({send, recv}, on);
+  std::shared_ptr<StreamMarker> ready;
   bool done = false;
-  try {
+  try {  // every failure is the group's (the caller marks it broken, which aborts the communicator)
+    ready = post_batch({send, recv}, on);
     done = ops_->host_wait(*ready, timeout);
   } catch (const CommError& e) {  // (the CPU model says what did not complete)
+    unfinished_.insert(unfinished_.end(), {send, recv});
     throw CommError(what + ": " + e.what(), e.cause);
+  } catch (const std::exception& e) {  // (c10d's, from the group's end: a connection that failed)
+    unfinished_.insert(unfinished_.end(), {send, recv});
+    throw CommError(failed_waiting(what, timeout, "posting the exchange failed"), error_text(e));
   }
-  if (!done) throw CommError(failed_waiting(what, timeout, "the exchange did not complete: its peer did not come"));
+  if (!done) {
+    unfinished_.insert(unfinished_.end(), {send, recv});
+    throw CommError(failed_waiting(what, timeout, "the exchange did not complete: its peer did not come"));
+  }
   const OnDevice on_device(*ops_);
   before_read(*ops_, on, *recv, *ready);
   on_release(*ops_, on, *recv, *ready, /*consumed=*/true);

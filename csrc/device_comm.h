@@ -178,6 +178,9 @@ class DeviceComm {
   void copy_headers(const std::vector<std::shared_ptr<CommTask>>& tasks, const ComputeStream& on);
 
   std::unique_ptr<DeviceOps> ops_;
+  // Exchanges that failed: the communicator may still read and write their buffers until the group is
+  // aborted, so they are let go of with this object (stream_contract.h, rules 3 and 4), before ops_.
+  std::vector<std::shared_ptr<CommTask>> unfinished_;
 };
 
 // A DeviceComm for `device`, or null where this build has none (CPU devices; builds without CUDA).

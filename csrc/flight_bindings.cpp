@@ -15,7 +15,8 @@ namespace pipecore {
 
 namespace {
 
-constexpr const char* kPhaseNames[] = {"idle", "agreement", "run", "abort", "finalise"};
+constexpr const char* kPhaseNames[] = {"idle",  "agreement", "run", "discovery", "abort", "finalise",
+                                       "data-parallel reduction"};
 static_assert(sizeof(kPhaseNames) / sizeof(kPhaseNames[0]) == FlightRecord::kPhases);
 
 double seconds_since(int64_t then_ns, int64_t now_ns) { return then_ns ? (now_ns - then_ns) * 1e-9 : 0.0; }

@@ -114,6 +114,7 @@ void GradReducer::begin_step() {
   succeeded_ = true;
   early_ = 0;
   late_.clear();
+  post_failure_.clear();
   for (size_t k = 0; k < all_params_.size(); ++k) {
     set_aside_[k] = std::exchange(all_params_[k].mutable_grad(), at::Tensor());
   }
@@ -185,7 +186,12 @@ void GradReducer::send(Bucket& b, bool failed) {
   }
   std::vector<at::Tensor> tensors{b.flat};
   b.start_us = now_us();
-  b.work = group_->allreduce(tensors);
+  try {
+    b.work = group_->allreduce(tensors);
+  } catch (const std::exception& e) {  // (gloo refuses to post on pairs a timed-out wait closed): finish says it
+    if (post_failure_.empty()) post_failure_ = error_text(e);
+    return;
+  }
   if (b.early) ++early_;
   // The completion time, for traces: gloo completes the Work's future when the all-reduce is done
   // (NCCL's when it is enqueued: there finish() takes the time after its wait instead).
@@ -206,10 +212,10 @@ bool GradReducer::finish(bool failed, double scale) {
   failing_ = failed;
   for (auto& b : buckets_) b.forced = true;
   send_in_order();
-  std::string broken;
+  std::string broken = post_failure_;
   for (auto& b : buckets_) {
     try {
-      b.work->wait(std::chrono::milliseconds(timeout_ms_));
+      if (b.work) b.work->wait(std::chrono::milliseconds(timeout_ms_));
     } catch (const std::exception& e) {
       if (broken.empty()) broken = error_text(e);
     }

@@ -63,7 +63,7 @@ void Executor::begin_run(const ForwardFn& forward) {
   reset();
   if (path_->format().shaped) specs_.widen_to_capacities();
   profile_.begin(profile_on_);
-  flight_.set_phase(FlightRecord::kRun);
+  flight_.set_phase(run_.discovering() ? FlightRecord::kDiscovery : FlightRecord::kRun);
   flight_.begin_run();
   comm_failure_.clear();
 #ifdef PIPECORE_TESTING

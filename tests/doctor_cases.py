@@ -98,3 +98,31 @@ def wait_for_cycle(rank: int, world: int) -> tuple:
         pipe.programs[True] = encode(Schedule.from_codes(rows, lowered.topology, lowered.name), 0, {0: 0})
         pipe.plans._set_program(True)
     return _step(pipe)
+
+
+def phases_seen(rank: int, world: int) -> list[list[str]]:
+    """2 replicas of a 2-rank 1F1B pipeline (4 ranks): the flight record's phase, read from inside each step's
+    first forward and the replicas' reduction, over two steps (the first learns its messages' shapes)."""
+    from data_parallel_cases import data_parallel_mesh
+
+    m = data_parallel_mesh(2, 2)
+    sched = pc.build_schedule("1f1b", 2, 4)
+    pp = m.get_group("pp")
+    stages = [pc.PipelineStage(Troubled(), s, 2) for s in sched.rank_stages(dist.get_rank(pp))]
+    pipe = pc.Pipeline(stages, sched, 4, loss_fn=lambda y, t: y.sum(), group=pp, dp_group=m.get_group("dp"),
+                       timeout=60)
+    seen: list[list[str]] = []
+    stages[0].module.register_forward_pre_hook(
+        lambda module, args: seen[-1].append(pipe.flight_record()["phase"]) if len(seen[-1]) == 0 else None)
+    reducer = pipe.gradients.dp
+    finish = reducer.finish
+
+    def finishing():
+        seen[-1].append(pipe.flight_record()["phase"])
+        finish()
+    reducer.finish = finishing
+    for _ in range(2):
+        seen.append([])
+        pipe.step(torch.randn(8, 4), target=torch.zeros(8))
+        seen[-1].append(pipe.flight_record()["phase"])
+    return seen

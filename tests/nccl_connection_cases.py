@@ -45,7 +45,8 @@ def _emulated_pipeline(rank: int, world: int, name: str, all_ranks_connected: bo
                        tie: bool = False):
     """MaskedStage's stages of `name` (2 microbatches per rank) on the emulated device path, shapes in the
     messages; with the whole model, for the reference (dualpipe: its mirrors copies of the model's stages;
-    `tie`: the first and last model stages' weights one tied weight)."""
+    `tie`: the first and last model stages' weights one tied weight, whose copies of the last model stage start
+    off its value: the Pipeline's first agreement makes them equal)."""
     sched = pc.build_schedule(name, world, 2 * world)
     model_stage = sched.topology.model_stage
     torch.manual_seed(0)
@@ -57,6 +58,9 @@ def _emulated_pipeline(rank: int, world: int, name: str, all_ranks_connected: bo
     def stage(s):
         module = copy.deepcopy(model[model_stage[s]])
         tied = {"w": module.lin.weight} if tie and model_stage[s] in (0, len(model) - 1) else None
+        if tied and model_stage[s] > 0:
+            with torch.no_grad():
+                module.lin.weight.add_(1.0)
         return pc.PipelineStage(module, s, sched.num_stages, tied=tied)
     stages = [stage(s) for s in sched.rank_stages(rank)]
     pipe = pc.Pipeline(stages, sched, sched.num_microbatches, loss_fn=sum_loss, timeout=timeout)
@@ -114,3 +118,33 @@ def channels_end_with_the_world(rank: int, world: int, port: int) -> dict:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     return {"opened": len(recorders), "ended": sum(r.ended for r in recorders), "listed": len(pipe.comm.channels),
             "c10d_finalises": isinstance(getattr(dist.distributed_c10d._world, "comms", None), list)}
+
+
+def exchange_times_out(rank: int, world: int, device: bool) -> dict:
+    """dualpipe on 2 ranks (its mirrors' gradients exchanged after each step), `timeout` 3 s, rank 1 entering
+    that exchange 6 s late; `device`: on the emulated device path. What each rank's step raised, after how
+    long, and whether its group is broken."""
+    sched = pc.build_schedule("dualpipe", world, 2 * world)
+    torch.manual_seed(0)
+    model = [MaskedStage(m == 0) for m in range(world)]
+    stages = [pc.PipelineStage(copy.deepcopy(model[sched.topology.model_stage[s]]), s, sched.num_stages)
+              for s in sched.rank_stages(rank)]
+    pipe = pc.Pipeline(stages, sched, sched.num_microbatches, loss_fn=sum_loss, timeout=3)
+    if device:
+        pipe.executor._emulate_device_comm(True)
+    if rank == 1:
+        sum_mirrors = pipe.gradients._sum_mirrors
+
+        def late():
+            time.sleep(6)
+            sum_mirrors()
+        pipe.gradients._sum_mirrors = late
+    data = [batch(0, mb, 3) for mb in range(sched.num_microbatches)]
+    started = time.monotonic()
+    try:
+        pipe.step_microbatches([(x,) for x, _ in data] if pipe.has_first else None,
+                               target_mbs=[y for _, y in data] if pipe.has_last else None)
+        raised = ""
+    except Exception as exc:  # noqa: BLE001 - the case reports it
+        raised = f"{type(exc).__name__}: {exc}"
+    return {"raised": raised, "seconds": time.monotonic() - started, "broken": pipe.comm.broken is not None}

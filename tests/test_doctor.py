@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from dist_pool import RankPool, fresh_pool
+from dist_pool import RankPool, fresh_pool, pool
 from doctor_cases import TIMEOUT, dead_rank, lone_collective, missing_step, slow_forward, wait_for_cycle
 from pipecore.runtime.doctor import ANSWER_WITHIN, diagnose
 
@@ -83,6 +83,15 @@ def test_a_wait_for_cycle_is_named_on_every_rank():
                "PP:0SEND_F0" in text, text
         assert "rank 1's program" not in text, text
         assert seconds < SAID_WITHIN, results
+
+
+def test_the_flight_record_names_the_phase_of_the_step():
+    """The phase as a hang would report it: a step's first run learns its messages' shapes ("discovery"), later
+    runs "run"; the replicas' reduction that ends a training step is a phase of its own; between steps, "idle"."""
+    from doctor_cases import phases_seen
+    results = pool(4).run(phases_seen, timeout=120)
+    assert all(seen == [["discovery", "data-parallel reduction", "idle"], ["run", "data-parallel reduction", "idle"]]
+               for seen in results), results
 
 
 def _waiting(peer, mb=0, what="activations", label="PP:0F0"):
@@ -181,7 +190,7 @@ def test_the_files_of_a_failed_step_give_the_whole_picture(tmp_path, monkeypatch
     assert text.startswith("step 0: rank 1 has been in PP:1F2, its forward (user code)"), text
     assert "rank 0 when its step failed: step 0, phase abort" in text and "failed wait: PP:0B2 for the output " \
         "gradients of microbatch 2 from rank 1 after 3." in text, text
-    assert "rank 1 when asked: step 0, phase run, in PP:1F2 (forward) for 3." in text, text
+    assert "rank 1 when asked: step 0, phase discovery, in PP:1F2 (forward) for 3." in text, text
     assert "time.sleep(2 * TIMEOUT)" in text, text  # (its stack when asked)
     longest = re.search(r"longest of its last \d+ actions: PP:1F2, (\d+\.\d{3}) ms", text)
     assert longest and float(longest.group(1)) >= 2000 * TIMEOUT, text  # (it slept 6 s)

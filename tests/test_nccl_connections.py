@@ -7,7 +7,7 @@ import pytest
 import pipecore as pc
 from dist_pool import free_port, fresh_pool, pool
 from exactness import FLOAT64_BOUND
-from nccl_connection_cases import channels_end_with_the_world, connections_over_steps
+from nccl_connection_cases import channels_end_with_the_world, connections_over_steps, exchange_times_out
 from soak import SOAK
 
 # on 4 ranks the suite runs the issue's four, 1F1B and dualpipe (its mirrors' exchange), `make soak` every one;
@@ -46,9 +46,11 @@ def test_exchanges_of_ties_and_mirrors_connect_no_communicator_inside_a_step(nam
     """A tied weight's holders, and dualpipe's mirrored partners, sum gradients after each step with an exchange
     (Comm.exchange). On NCCL it goes as one group on the group's communicator, whose path to the partner the
     Pipeline connects at its first agreement with its messages' (c10d would post a lone send on a
-    communicator of the two ranks, made there, inside the step). On the CPU model: no connection inside a
-    step, every step exact; with the partners left out of that connecting (as before), the model counts the
-    exchange's connection inside the first step, on every rank whose partner sends it no message (`unlinked`). (Fresh processes: the model
+    communicator of the two ranks, made there, inside the step). The tie's copies start unequal: the first
+    agreement makes them equal, after that connecting. On the CPU model: no connection by an operation,
+    every step exact; with the partners left out of that connecting (as before), the model counts one made by
+    an operation (the copies' equalisation, the first exchange) on every rank whose partner sends it no
+    message (`unlinked`). (Fresh processes: the model
     keeps a communicator's connections in its backend, as c10d does, so the pool's earlier tests may have
     connected the partners' path.)"""
     for ahead in (True, False):
@@ -101,3 +103,20 @@ def test_destroy_process_group_ends_the_channels():
     if not results[0]["c10d_finalises"]:
         pytest.skip("this torch's c10d keeps no list of communicators to finalise: the channels end when let go of")
     assert all(r["opened"] >= 2 and r["ended"] == r["opened"] and r["listed"] == 0 for r in results), results
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["host_path", "device_path"])
+def test_an_exchange_that_times_out_breaks_the_group_on_both_ranks(device):
+    """dualpipe's mirrors' exchange, rank 1 coming 6 s late with `timeout` 3 s: rank 0 raises a
+    CommunicationError naming the exchange within the timeout and a few seconds, rank 1 one of its own once it
+    comes (on gloo the timed-out wait closed the pair, which refuses rank 1's posting: that too is pipecore's
+    error, gloo's text only its cause); both groups are broken (no later step may run on them)."""
+    p = fresh_pool(2)
+    try:
+        results = p.run(exchange_times_out, device, timeout=120)
+    finally:
+        p.close()
+    assert all(r["raised"].startswith("CommunicationError") and r["broken"] and "gloo" not in r["raised"]
+               for r in results), results
+    assert "summing mirrored dualpipe gradients with rank 1" in results[0]["raised"], results
+    assert results[0]["seconds"] < 3 + 5, results

@@ -118,8 +118,8 @@ class Pipeline:
     `comm` (its communication service, pipecore/executor/comm.py), `gradients` (the gradient
     finalisation: `.dp` the data-parallel replicas, `.ties` the tied weights), `programs` ({True:
     training, False: eval} the executor's program of this rank), `plans` (what crosses each stage
-    boundary, per batch signature: plans.py), `executor` (this rank's `pipecore._C.Executor`: not a stable API) and
-    `reverse_channel` (gloo's second connection, once opened: `comm.reverse_channel`).
+    boundary, per batch signature: plans.py) and `executor` (this rank's `pipecore._C.Executor`: not a stable API);
+    gloo's second connection, once opened, is `comm.reverse_channel`.
     """
 
     @shares_build_failure(lambda **arguments: groups_named(**arguments))  # its error reaches the other ranks
@@ -548,7 +548,7 @@ class Pipeline:
             # the replicas', mirrors' and ties' sums (pipecore/training/finalise.py). Once they are in,
             # the step happened on every rank: what fails below (merging outputs, a warning raised as an
             # error) leaves .grad with the step's gradients, as on the other ranks
-            self.gradients.finish()
+            self.gradients.finish(self._doctor.set_phase)
             warn_new_fallbacks(self.executor, self.stages, self._warned_fallbacks, stacklevel=_STEP_CALLER + 1)
             self._pairs.warn_fallbacks(stacklevel=_STEP_CALLER + 1)
 

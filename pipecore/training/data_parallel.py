@@ -267,12 +267,13 @@ class DataParallel:
             self.refused = (f"rank {dist.get_rank()} (pp rank {comm.rank}, dp rank {self.rank}): "
                             f"{problem or f'pp rank {said[0][0]} of this pipeline says: {said[0][1]}'}")
             raise InputError(self.refused)
-        # the replicas' communicator for the stages' device, made here where every replica just met: NCCL
-        # makes one at its first collective (c10d: a store round trip, then ncclCommInitRank, which no
-        # timeout bounds), which on a "cpu:gloo,cuda:nccl" group would be the first step's first bucket
-        # ([Note: connecting before the first step] in csrc/device_comm.h); on gloo, 8 bytes once
-        comm.all_reduce_tensor(torch.zeros(1, device=comm.device), "sum",
-                               "connecting the data-parallel replicas' communicator", group=self.group)
+        # the replicas' communicator for the stages' device (their buckets'), made here where every replica
+        # just met: NCCL makes one at its first collective (c10d: a store round trip, then ncclCommInitRank,
+        # which no timeout bounds), which on a "cpu:gloo,cuda:nccl" group would be the first step's first
+        # bucket ([Note: connecting before the first step] in csrc/device_comm.h); on gloo, 4 bytes once
+        if self.layout:
+            comm.all_reduce_tensor(torch.zeros(1, device=comm.device), "sum",
+                                   "connecting the data-parallel replicas' communicator", group=self.group)
         self.agreed = True  # until then no bucket goes: replicas that disagree must not exchange them
 
     def cannot_agree(self, why: str) -> None:

@@ -66,9 +66,17 @@ class GradFinalisation:
         return peers | (self.ties.exchange_peers() if self.ties else set())
 
     def make_ties_equal(self) -> None:
-        """At the first agreement, once the communicators are connected: every tie's copies equal (once)."""
-        if self.ties:
+        """At the first agreement, once the communicators are connected: every tie's copies equal (once).
+        Whatever fails there breaks the group: the ranks agreed, so a later step would not come back here
+        and would run with a copy left unequal."""
+        if not self.ties:
+            return
+        try:
             self.ties.make_copies_equal()
+        except Exception as exc:
+            if self._comm.broken is None:  # (an exchange that failed broke it already, saying why)
+                self._comm.mark_broken(f"making the tied weights' copies equal failed: {exc!r}")
+            raise
 
     def begin_step(self) -> None:
         self._active = True
@@ -94,11 +102,14 @@ class GradFinalisation:
         if self.ties:
             self._tie_stash = self.ties.stash()
 
-    def finish(self) -> None:
+    def finish(self, set_phase=lambda phase: None) -> None:
         """The step ran on this rank. Raises (PeerFailedError: another replica failed) with the
-        step's gradients still set aside: the caller then calls abandon()."""
+        step's gradients still set aside: the caller then calls abandon(). `set_phase`: the flight
+        record's phase (Doctor.set_phase), told where the replicas' reduction ends."""
         if self._dp is not None:
+            set_phase("data-parallel reduction")
             self._dp.finish()
+            set_phase("finalise")
         if self._mirror_stash is not None:
             self._sum_mirrors()
         if self._tie_stash is not None:

@@ -252,7 +252,7 @@ class TiedWeights:
         c = self.copies[key][0]
         here = [p for (k, _), p in self._params.items() if k == key]
         return torch.zeros(c.local_shape, dtype=getattr(torch, c.dtype.removeprefix("torch.")),
-                           device=here[0].device if here else self._comm.device_for())
+                           device=here[0].device if here else self._comm.device)
 
     def _reduce(self, key: str, holders: list[int], mine: torch.Tensor | None, what: str) -> torch.Tensor:
         """The sum of the holders' tensors (zeros from a rank that gives None), equal on every holder:
