@@ -329,13 +329,15 @@ def helper_threads(rank, world):
     return found
 
 
-def own_error_then_peer_hangs(rank, world):
-    """Rank 0's forward of microbatch 1 raises while rank 1 hangs longer than the timeout: rank 0
+def own_error_then_peer_hangs(rank, world, messages="default", m=4, hang=4):
+    """Rank 0's forward of microbatch 1 raises while rank 1 hangs longer than the timeout (for `hang` s): rank 0
     cannot release rank 1 (its wait for rank 1's gradients times out), so its own error must not
     hide that the group broke, and the group's communicator is aborted (the Pipeline's group taken
-    for an NCCL one: the abort is recorded, as in comm_error_aborts_an_nccl_group)."""
+    for an NCCL one: the abort is recorded, as in comm_error_aborts_an_nccl_group). `messages`:
+    set_messages' (on "device" a timed-out wait leaves the connection open, as on NCCL)."""
     group = dist.new_group(backend="gloo")
-    pipe, _ = _pipe(rank, world, "1f1b", group=group, timeout=2)
+    pipe, _ = _pipe(rank, world, "1f1b", m=m, group=group, timeout=2)
+    set_messages(pipe, messages)
     pipe.comm.p2p_is_nccl = lambda: True
     asked = []
     real = dist.distributed_c10d._abort_process_group
@@ -349,7 +351,7 @@ def own_error_then_peer_hangs(rank, world):
         if rank == 0 and calls["n"] == 2:
             raise RuntimeError("boom on rank 0")
         if rank == 1 and calls["n"] == 1:
-            time.sleep(4)
+            time.sleep(hang)
     pipe.stages[0].module.register_forward_pre_hook(fault)
     t0 = time.monotonic()
     try:

@@ -63,9 +63,12 @@ def test_a_communication_error_on_nccl_aborts_the_groups_communicator():
     assert posted_at[0] >= 0 and posted_at[-1] == -1, posted_at
 
 
-def test_a_ranks_own_error_does_not_hide_that_releasing_its_peers_failed():
+@pytest.mark.parametrize("messages, m, hang", [("default", 4, 4), ("device", 8, 8)])
+def test_a_ranks_own_error_does_not_hide_that_releasing_its_peers_failed(messages, m, hang):
+    """On the device path (issue 62, every wait bounded) the rest of rank 0's program, 8 microbatches, does not
+    wait a timeout per receive while rank 1 hangs: one timeout, its sends', and rank 0 raises."""
     p = pool(2)
-    results = p.run(own_error_then_peer_hangs, timeout=90)
+    results = p.run(own_error_then_peer_hangs, messages, m, hang, timeout=90)
     p.broken = True  # its subgroup is broken by design
     (kind, msg, cause), seconds, after, asked = results[0]
     # its own error once, as the cause; what else went wrong, in pipecore's sentences
