@@ -171,7 +171,7 @@ at::Tensor DeviceComm::exchange(c10d::ProcessGroup& group, const at::Tensor& ten
     throw CommError(what + ": " + e.what(), e.cause);
   } catch (const std::exception& e) {  // (c10d's, from the group's end: a connection that failed)
     unfinished_.insert(unfinished_.end(), {send, recv});
-    throw CommError(failed_waiting(what, timeout, "posting the exchange failed"), error_text(e));
+    throw CommError(what + " failed: the group refused to post it", error_text(e));
   }
   if (!done) {
     unfinished_.insert(unfinished_.end(), {send, recv});

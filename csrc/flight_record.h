@@ -21,9 +21,9 @@ namespace pipecore {
 class FlightRecord {
  public:
   static constexpr int kKept = 32;  // actions kept, the newest last
-  // where the step is; the phases around the run are the Python layer's (Executor.set_flight_phase):
-  // kDiscovery is a run that learns its messages' shapes, kReduce the data-parallel replicas' reduction
-  // that ends a training step (its buckets' reductions the run started)
+  // where the step is: the run's phases (kRun, or kDiscovery for a run that learns its messages' shapes, then
+  // kAbort) are the executor's, those around it the Python layer's (Executor.set_flight_phase); kReduce is
+  // the data-parallel replicas' reduction that ends a training step (its buckets' reductions the run started)
   enum Phase : int64_t { kIdle = 0, kAgreement, kRun, kDiscovery, kAbort, kFinalise, kReduce, kPhases };
 
   static int64_t now_ns() {

@@ -164,6 +164,8 @@ void GradReducer::send_in_order() {
 }
 
 void GradReducer::send(Bucket& b, bool failed) {
+  // after a bucket the group refused, none goes: a later one would pair with the peers' refused one
+  if (!post_failure_.empty()) return;
   at::NoGradGuard no_grad;
   const auto n = static_cast<int64_t>(b.params.size());
   at::Tensor flags = b.flat.narrow(0, b.payload, n + 1);
@@ -185,13 +187,14 @@ void GradReducer::send(Bucket& b, bool failed) {
     }
   }
   std::vector<at::Tensor> tensors{b.flat};
-  b.start_us = now_us();
+  const double start_us = now_us();
   try {
     b.work = group_->allreduce(tensors);
-  } catch (const std::exception& e) {  // (gloo refuses to post on pairs a timed-out wait closed): finish says it
-    if (post_failure_.empty()) post_failure_ = error_text(e);
+  } catch (const std::exception& e) {  // (the group refused it: an aborted NCCL communicator): finish says it
+    post_failure_ = error_text(e);
     return;
   }
+  b.start_us = start_us;
   if (b.early) ++early_;
   // The completion time, for traces: gloo completes the Work's future when the all-reduce is done
   // (NCCL's when it is enqueued: there finish() takes the time after its wait instead).

@@ -110,7 +110,7 @@ class GradReducer {
   bool succeeded_ = true;
   int64_t early_ = 0;
   std::string late_;  // a parameter accumulated again after its bucket was sent
-  std::string post_failure_;  // the first bucket whose all-reduce the group refused to post (finish raises it)
+  std::string post_failure_;  // why the group refused a bucket's all-reduce (finish raises it; none goes after)
   std::vector<Accumulator> accumulators_;
   std::vector<std::pair<size_t, uintptr_t>> hooks_;  // (accumulator, hook key)
   std::vector<at::Tensor> all_params_;

@@ -501,3 +501,30 @@ def build_fails_then(rank, world, name, bad_rank, then, dp=1):
         pipe.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None)
         rebuilt = "ok"
     return seconds, built, first, rebuilt
+
+
+def tie_copies_not_made_equal(rank, world):
+    """1F1B, the first and last stages' weights tied, `timeout` 2 s; on the last rank making the copies equal at the
+    first agreement fails (out of memory, say). What each rank's first step raised, whether its group was broken
+    then, and what its second step raised."""
+    from pipecore.training.ties import TiedWeights
+
+    group = dist.new_group(backend="gloo")
+    sched = pc.build_schedule("1f1b", world, 4)
+    torch.manual_seed(0)
+    model = [nn.Linear(4, 4) for _ in range(world)]
+    stages = [pc.PipelineStage(model[s], s, world, tied={"w": model[s].weight} if s in (0, world - 1) else None)
+              for s in sched.rank_stages(rank)]
+    pipe = pc.Pipeline(stages, sched, 4, loss_fn=lambda y, t: y.sum(), group=group, timeout=2)
+    real = TiedWeights.make_copies_equal
+
+    def refused(self):
+        raise RuntimeError("out of memory while making the copies equal")
+    if rank == world - 1:
+        TiedWeights.make_copies_equal = refused
+    try:
+        first = _outcome(lambda: pipe.step(torch.randn(8, 4), target=torch.zeros(8)))
+    finally:
+        TiedWeights.make_copies_equal = real
+    broken = pipe.comm.broken is not None
+    return first, broken, _outcome(lambda: pipe.step(torch.randn(8, 4), target=torch.zeros(8)))

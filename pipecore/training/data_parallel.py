@@ -270,7 +270,9 @@ class DataParallel:
         # the replicas' communicator for the stages' device (their buckets'), made here where every replica
         # just met: NCCL makes one at its first collective (c10d: a store round trip, then ncclCommInitRank,
         # which no timeout bounds), which on a "cpu:gloo,cuda:nccl" group would be the first step's first
-        # bucket ([Note: connecting before the first step] in csrc/device_comm.h); on gloo, 4 bytes once
+        # bucket ([Note: connecting before the first step] in csrc/device_comm.h); on gloo, 4 bytes once.
+        # Without buckets (every stage wrapped) the failure flag goes on device_for(group), whose
+        # communicator the gather above connected
         if self.layout:
             comm.all_reduce_tensor(torch.zeros(1, device=comm.device), "sum",
                                    "connecting the data-parallel replicas' communicator", group=self.group)

@@ -67,8 +67,8 @@ class GradFinalisation:
 
     def make_ties_equal(self) -> None:
         """At the first agreement, once the communicators are connected: every tie's copies equal (once).
-        Whatever fails there breaks the group: the ranks agreed, so a later step would not come back here
-        and would run with a copy left unequal."""
+        Whatever fails there breaks the group: the other holders may have made their copies equal already,
+        and a later step would come back here on this rank alone (or run with a copy left unequal)."""
         if not self.ties:
             return
         try:
