@@ -296,8 +296,9 @@ class Comm:
         """At an agreement, every rank of the group here: the communicators the executor's messages go on
         connected now, not by a step's first operation on them (csrc/executor.h, connect_communicators).
         `channels`: those opened since the last call; `peers`: the ranks this rank's programs exchange
-        messages with; `exchange_peers`: those `exchange` goes to. One that fails breaks the group. (On a GPU nothing bounds a connection whose peers
-        never come: NCCL's has no timeout, which is why it is made here, where every rank just agreed.)"""
+        messages with; `exchange_peers`: those `exchange` goes to. One that fails breaks the group. (On a
+        GPU nothing bounds a connection whose peers never come: NCCL's has no timeout, which is why it is
+        made here, where every rank just agreed.)"""
         try:
             executor.connect_communicators(channels, peers, exchange_peers)
         except RuntimeError as exc:  # (CommError; c10d's DistBackendError, DistStoreError)

@@ -581,8 +581,8 @@ class Pipeline:
         sig, failed = self.plans.agree(desc, training, self.has_first, rows)
         if failed:  # another rank's input checks failed on the first step of this mode
             raise InputError(f"{self.who}: step {step} not run: {self.comm.peer_error()}")
-        self.comm.open_channels(self.executor, self._gloo, sorted({p for v in self.programs.values() for p in v.peers()}),
-                                sorted(self.gradients.exchange_peers()))
+        messages = sorted({p for v in self.programs.values() for p in v.peers()})
+        self.comm.open_channels(self.executor, self._gloo, messages, sorted(self.gradients.exchange_peers()))
         self.gradients.make_ties_equal()  # (once: its exchanges go on the communicators just connected)
         self.plans.plan(sig, training)
 
