@@ -42,9 +42,10 @@ def connections_over_steps(rank: int, world: int, name: str, all_ranks_connected
 
 
 def _emulated_pipeline(rank: int, world: int, name: str, all_ranks_connected: bool, timeout: float,
-                       tie: bool = False):
-    """MaskedStage's stages of `name` (2 microbatches per rank) on the emulated device path, shapes in the
-    messages; with the whole model, for the reference (dualpipe: its mirrors copies of the model's stages;
+                       tie: bool = False, device: bool = True):
+    """MaskedStage's stages of `name` (2 microbatches per rank) on the emulated device path (`device` False: the
+    host path), shapes in the messages; with the whole model, for the reference (dualpipe: its mirrors copies of
+    the model's stages;
     `tie`: the first and last model stages' weights one tied weight, whose copies of the last model stage start
     off its value: the Pipeline's first agreement makes them equal)."""
     sched = pc.build_schedule(name, world, 2 * world)
@@ -64,7 +65,8 @@ def _emulated_pipeline(rank: int, world: int, name: str, all_ranks_connected: bo
         return pc.PipelineStage(module, s, sched.num_stages, tied=tied)
     stages = [stage(s) for s in sched.rank_stages(rank)]
     pipe = pc.Pipeline(stages, sched, sched.num_microbatches, loss_fn=sum_loss, timeout=timeout)
-    pipe.executor._emulate_device_comm(all_ranks_connected)
+    if device:
+        pipe.executor._emulate_device_comm(all_ranks_connected)
     pipe.executor.set_shapes_travel(True)
     return pipe, stages, reference
 
@@ -124,14 +126,7 @@ def exchange_times_out(rank: int, world: int, device: bool) -> dict:
     """dualpipe on 2 ranks (its mirrors' gradients exchanged after each step), `timeout` 3 s, rank 1 entering
     that exchange 6 s late; `device`: on the emulated device path. What each rank's step raised, after how
     long, and whether its group is broken."""
-    sched = pc.build_schedule("dualpipe", world, 2 * world)
-    torch.manual_seed(0)
-    model = [MaskedStage(m == 0) for m in range(world)]
-    stages = [pc.PipelineStage(copy.deepcopy(model[sched.topology.model_stage[s]]), s, sched.num_stages)
-              for s in sched.rank_stages(rank)]
-    pipe = pc.Pipeline(stages, sched, sched.num_microbatches, loss_fn=sum_loss, timeout=3)
-    if device:
-        pipe.executor._emulate_device_comm(True)
+    pipe, _, _ = _emulated_pipeline(rank, world, "dualpipe", True, 3, device=device)
     if rank == 1:
         sum_mirrors = pipe.gradients._sum_mirrors
 
@@ -139,7 +134,7 @@ def exchange_times_out(rank: int, world: int, device: bool) -> dict:
             time.sleep(6)
             sum_mirrors()
         pipe.gradients._sum_mirrors = late
-    data = [batch(0, mb, 3) for mb in range(sched.num_microbatches)]
+    data = [batch(0, mb, 3) for mb in range(pipe.num_microbatches)]
     started = time.monotonic()
     try:
         pipe.step_microbatches([(x,) for x, _ in data] if pipe.has_first else None,

@@ -50,9 +50,8 @@ def test_exchanges_of_ties_and_mirrors_connect_no_communicator_inside_a_step(nam
     agreement makes them equal, after that connecting. On the CPU model: no connection by an operation,
     every step exact; with the partners left out of that connecting (as before), the model counts one made by
     an operation (the copies' equalisation, the first exchange) on every rank whose partner sends it no
-    message (`unlinked`). (Fresh processes: the model
-    keeps a communicator's connections in its backend, as c10d does, so the pool's earlier tests may have
-    connected the partners' path.)"""
+    message (`unlinked`). (Fresh processes: the model keeps a communicator's connections in its backend, as
+    c10d does, so the pool's earlier tests may have connected the partners' path.)"""
     for ahead in (True, False):
         p = fresh_pool(world)
         try:
