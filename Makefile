@@ -79,6 +79,7 @@ $(INSTALLED): $(BUILD_INPUTS)
 		$(PYTHON) -c "import torch"; \
 	fi
 	@mkdir -p build
+	@touch build/build-started  # (a source changed while building makes the next make build again: below)
 	@echo "building pipecore._C (log: build/install.log)"
 	@start=$$(date +%s); \
 	$(PIP) install -v --no-deps --no-build-isolation -e . 2>&1 | tee build/install.log | sed -un \
@@ -95,6 +96,8 @@ $(INSTALLED): $(BUILD_INPUTS)
 	@rm -f $(INSTALLED)
 	@$(PYTHON) -c "import sys, torch; print(f'Python {sys.version.split()[0]} at {sys.prefix}, torch {torch.__version__}')" \
 		> build/installed-$$($(ENV_KEY_CMD))
+	@if [ -n "$$(find csrc setup.py pyproject.toml Makefile -newer build/build-started -type f | head -n 1)" ]; then \
+		rm -f build/installed-$$($(ENV_KEY_CMD)); echo "pipecore: sources changed during the build: the next make builds again"; fi
 
 # the test variant of the extension (PIPECORE_TESTING: the executor's test hooks compiled in; its objects
 # have their own build/obj-*-testing folder, so switching back and forth only links)

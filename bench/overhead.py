@@ -9,13 +9,22 @@ callbacks, split/merge).
 Each of `--runs` runs is a fresh process timing `--repeats` alternating steps of each side; the
 table gives the median run and the spread (lowest-highest) of the runs.
 
+The flight record's own writes (csrc/flight_record.h, always on) cost less than those runs resolve:
+a second table times them alone, in a native loop (bench/flight_record_cost.cpp, built with this
+machine's C++ compiler at the extension's -O2), per compute action and per message, with and without
+them in one run.
+
     python bench/overhead.py [--stages 4] [--microbatches 64] [--width 8] [--runs 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
 
 import _harness  # noqa: F401
@@ -73,6 +82,22 @@ def _measure(rank, world, name, V, m, width, repeats):
     return med["pipecore"], med["plain"], n_actions
 
 
+def flight_record_cost(iterations: int = 2_000_000, reps: int = 7) -> tuple[float, float] | None:
+    """Nanoseconds the flight record's writes add per compute action and per message (the native loop
+    with them, less without them; best of `reps`); None where no C++ compiler is found."""
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        return None
+    here = os.path.dirname(os.path.abspath(__file__))
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = os.path.join(tmp, "flight_record_cost")
+        subprocess.run([compiler, "-O2", "-std=c++17", "-pthread", "-I", os.path.join(here, "..", "csrc"),
+                        os.path.join(here, "flight_record_cost.cpp"), "-o", exe], check=True)
+        out = subprocess.run([exe, str(iterations), str(reps)], check=True, capture_output=True, text=True).stdout
+    words = out.split()
+    return float(words[1]), float(words[3])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stages", type=int, default=4, help="stages on the one rank")
@@ -81,6 +106,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--runs", type=int, default=3, help="fresh processes; the table gives their median and spread")
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--flight-iterations", type=int, default=2_000_000, help="the flight record's native loop")
     a = ap.parse_args(argv)
     names = ("interleaved_1f1b", "interleaved_zb", "looped_bfs")
     runs = {name: [] for name in names}
@@ -99,6 +125,12 @@ def main(argv=None):
              f"median of {a.repeats} steps; median and spread of {a.runs} runs")
     print(table(["schedule", "actions/step", "pipecore ms", "plain torch ms", "overhead us/action", "spread"],
                 rows, title))
+    cost = flight_record_cost(a.flight_iterations)
+    if cost is not None:
+        print()
+        print(table(["flight record", "ns per compute action", "ns per message"], [["its writes alone", *cost]],
+                    f"native loop with and without the record's writes, best of 7 x {a.flight_iterations:,}; "
+                    "a message: posted, waited for, completed (below 0: not measurable)"))
     if a.plot:
         bar_plot(a.plot, [r[0] for r in rows], {"plain PyTorch": [r[3] for r in rows], "pipecore": [r[2] for r in rows]},
                  "ms / step", title)

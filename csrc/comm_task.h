@@ -30,6 +30,7 @@ struct CommTask {
   bool queued = false;                  // posted by the comm worker (else by the thread that made it)
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::exception_ptr error;
+  int64_t flight_ticket = 0;  // its entry among the flight record's messages in flight (FlightRecord::posted)
   // shaped receives (comm.h), once settled: the header's status and shapes, and the capacity the parts
   // are laid out by (a grown message's: its own shapes)
   int64_t action = -1;  // the program index of its RECV

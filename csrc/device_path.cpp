@@ -269,7 +269,9 @@ at::Tensor DevicePath::header_on_host(CommTask& task, int peer, const Instr& con
   SpentOn spent(ctx_.profile, Spent::kWait);
   const WaitingOn waiting(ctx_.flight, peer, consumer.mb, what);
   try {
-    return device_->read_header(task, ctx_.timeout);
+    at::Tensor header = device_->read_header(task, ctx_.timeout);
+    ctx_.flight.completed(task.flight_ticket);  // (its header is copied once the whole message arrived)
+    return header;
   } catch (const CommError& e) {
     throw CommError(wait_failure(where(consumer), what, consumer.mb, peer, ctx_.timeout, e.what()), e.cause);
   }

@@ -68,6 +68,19 @@ py::dict flight_record(const FlightRecord& f, const std::function<std::string(in
                                (d.end_ns - d.start_ns) * 1e-9));
   });
   out["last"] = last;
+  py::list in_flight;
+  const int64_t unlisted = f.for_each_in_flight([&](const FlightRecord::InFlight& m) {
+    py::dict d;
+    d["label"] = label(m.action);
+    d["peer"] = m.peer;
+    d["send"] = m.send;
+    d["follow_up"] = m.follow_up;
+    d["bytes"] = m.bytes;
+    d["seconds"] = seconds_since(m.posted_ns, now);
+    in_flight.append(d);
+  });
+  out["in_flight"] = in_flight;
+  out["in_flight_unlisted"] = unlisted;
   return out;
 }
 

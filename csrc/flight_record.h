@@ -1,10 +1,10 @@
 // What this rank is doing now and did last (issue 62): the phase of the step, the action running and
-// since when, what part of it (user code, autograd, posting, waiting), what message it waits for, and
-// the last kKept actions with their times. Always on. The thread that runs the program writes it with
-// relaxed atomic stores and a clock read per action (no lock, no allocation); any thread reads it at
-// any time (Executor::flight_record), as the watcher does while that thread is stuck in a step
-// (pipecore/runtime/doctor.py). A read may pair one action's fields with its neighbour's: a diagnosis
-// needs them recent, not consistent to the nanosecond.
+// since when, what part of it (user code, autograd, posting, waiting), what message it waits for, the
+// last kKept actions with their times, and the messages posted and not seen complete. Always on. The
+// threads that run the program write it with relaxed atomic stores and a clock read per action (no lock,
+// no allocation); any thread reads it at any time (Executor::flight_record), as the watcher does while
+// that thread is stuck in a step (pipecore/runtime/doctor.py). A read may pair one action's fields with
+// its neighbour's: a diagnosis needs them recent, not consistent to the nanosecond.
 #pragma once
 
 #include <algorithm>
@@ -32,26 +32,37 @@ class FlightRecord {
   }
 
   void set_phase(Phase phase) {
-    phase_since_.store(now_ns(), std::memory_order_relaxed);
+    const int64_t now = mark();
+    phase_since_.store(now, std::memory_order_relaxed);
     phase_.store(phase, std::memory_order_relaxed);
+  }
+  // The time an action that starts next starts at: one clock read per action, at its end (a clock read
+  // costs 20-65 ns; bench/overhead.py). What runs between two actions (the host path's receives posted
+  // ahead) counts to the second; a run of actions starts with a mark (a phase set, or this).
+  int64_t mark() {
+    const int64_t now = now_ns();
+    mark_ns_.store(now, std::memory_order_relaxed);
+    return now;
   }
   void begin_step(int64_t step) { step_.store(step, std::memory_order_relaxed); }
 
-  // program[index] starts (a pair of halves: its bracket); ends at end_action, which keeps it among the
-  // last actions unless `kept` is false (an aborted run's actions, which only release the peers)
+  // program[index] starts (a pair of halves: its bracket), at the last mark; ends at end_action, which
+  // keeps it among the last actions unless `kept` is false (an aborted run's actions, which only release
+  // the peers)
   void begin_action(int64_t index) {
-    action_since_.store(now_ns(), std::memory_order_relaxed);
+    action_since_.store(mark_ns_.load(std::memory_order_relaxed), std::memory_order_relaxed);
     action_.store(index, std::memory_order_relaxed);
   }
   void end_action(bool kept = true) {
     const int64_t index = action_.load(std::memory_order_relaxed);  // (one writer: no read-modify-write)
+    const int64_t now = mark();
     action_.store(-1, std::memory_order_relaxed);
     if (!kept) return;
     const int64_t n = kept_.load(std::memory_order_relaxed);
     Kept& slot = last_[static_cast<size_t>(n % kKept)];
     slot.index.store(index, std::memory_order_relaxed);
     slot.start_ns.store(action_since_.load(std::memory_order_relaxed), std::memory_order_relaxed);
-    slot.end_ns.store(now_ns(), std::memory_order_relaxed);
+    slot.end_ns.store(now, std::memory_order_relaxed);
     kept_.store(n + 1, std::memory_order_release);
   }
 
@@ -65,9 +76,10 @@ class FlightRecord {
     bool send = false;           // for a send of this rank's to complete (else: for the peer's message)
     int64_t since_ns = 0;
   };
-  // The slot holds the latest wait, and once it ended, when (the last wait, for a run that fails after
-  // it: its message said the sender's step was aborted). The two halves of an OVERLAP_F_B pair wait on
-  // two threads: a wait ending marks the slot only if it is still its own (`since`, its start, tells).
+  // The slot holds the latest wait, and whether it ended (the last wait, for a run that fails after it:
+  // its message said the sender's step was aborted). One clock read per wait, at its start. The two
+  // halves of an OVERLAP_F_B pair wait on two threads: a wait ending marks the slot only if it is still
+  // its own (`since`, its start, tells).
   void begin_wait(const Waiting& w) {
     wait_send_.store(w.send, std::memory_order_relaxed);
     wait_peer_.store(w.peer, std::memory_order_relaxed);
@@ -77,16 +89,16 @@ class FlightRecord {
     wait_since_.store(w.since_ns, std::memory_order_release);
   }
   void end_wait(int64_t since) {
-    if (wait_since_.load(std::memory_order_relaxed) == since) wait_ended_.store(now_ns(), std::memory_order_release);
+    if (wait_since_.load(std::memory_order_relaxed) == since) wait_ended_.store(1, std::memory_order_release);
   }
   // Wait `w` ended in an error (a timeout, a broken connection), or the run failed right after it
   // (keep_last_wait): kept as the run's failed wait, with the action running, until the next run; the
   // diagnosis starts from it (the abort runs other actions). (Off the hot path, and both halves of a
   // pair may fail at once: under a lock.)
-  void keep_failed_wait(Waiting w, int64_t ended_ns = 0) {
+  void keep_failed_wait(Waiting w) {
     std::lock_guard<std::mutex> lock(failed_mu_);
     if (failed_.since_ns != 0) return;  // (the first failure is the run's)
-    w.since_ns = std::max<int64_t>((ended_ns ? ended_ns : now_ns()) - w.since_ns, 1);  // (kept as its duration)
+    w.since_ns = std::max<int64_t>(now_ns() - w.since_ns, 1);  // (kept as its duration, to the failure)
     failed_action_ = action();
     failed_ = w;
   }
@@ -95,7 +107,7 @@ class FlightRecord {
   void keep_last_wait(int64_t action_started_ns) {
     const int64_t ended = wait_ended_.load(std::memory_order_acquire);
     Waiting w = slot();
-    if (ended != 0 && w.since_ns >= action_started_ns) keep_failed_wait(w, ended);
+    if (ended != 0 && w.since_ns >= action_started_ns) keep_failed_wait(w);
   }
   void begin_run() {
     std::lock_guard<std::mutex> lock(failed_mu_);
@@ -123,6 +135,70 @@ class FlightRecord {
   struct Done {
     int64_t index, start_ns, end_ns;
   };
+
+  // --- messages posted and not completed (the doctor's dump lists them)
+  // Message `action` (its SEND/RECV's program index; `follow_up`: a grown message's second sending) was
+  // posted to or from `peer`: its ticket (from 1), which completed() takes. Called by the threads that post
+  // (both halves of an OVERLAP_F_B pair may): a fetch_add and relaxed stores, no lock, no clock read (its
+  // time is the last mark's: the action posting it started then, or the one before, for a receive posted
+  // ahead). A reader skips a slot being written (its ticket 0 meanwhile, as a sequence lock).
+  int64_t posted(int64_t action, int64_t peer, int64_t bytes, bool send, bool follow_up) {
+    const int64_t ticket = next_ticket_.fetch_add(1, std::memory_order_relaxed) + 1;
+    Message& m = messages_[static_cast<size_t>(ticket % kMessagesKept)];
+    const int64_t old = m.ticket.load(std::memory_order_relaxed);
+    if (old >= settled_below_.load(std::memory_order_relaxed) && m.done.load(std::memory_order_relaxed) != old) {
+      unlisted_.fetch_add(1, std::memory_order_relaxed);  // pushed out while in flight
+    }
+    m.ticket.store(0, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_release);
+    m.action.store(action, std::memory_order_relaxed);
+    m.peer.store(peer, std::memory_order_relaxed);
+    m.bytes.store(bytes, std::memory_order_relaxed);
+    m.flags.store((send ? 1 : 0) | (follow_up ? 2 : 0), std::memory_order_relaxed);
+    m.posted_ns.store(mark_ns_.load(std::memory_order_relaxed), std::memory_order_relaxed);
+    m.ticket.store(ticket, std::memory_order_release);
+    return ticket;
+  }
+  // The host saw message `ticket` complete (a wait returned, the send tracker released it), from any
+  // thread. `done` keeps the largest ticket completed in the slot: a late completion of the slot's previous
+  // message does not mark the present one.
+  void completed(int64_t ticket) {
+    if (ticket <= 0) return;
+    std::atomic<int64_t>& done = messages_[static_cast<size_t>(ticket % kMessagesKept)].done;
+    int64_t seen = done.load(std::memory_order_relaxed);
+    while (seen < ticket && !done.compare_exchange_weak(seen, ticket, std::memory_order_release)) {
+    }
+  }
+  // Every message posted so far is past (a run starts, or one finished: its sends drained, its status read).
+  void settle_messages() {
+    unlisted_.store(0, std::memory_order_relaxed);
+    settled_below_.store(next_ticket_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+  }
+  struct InFlight {
+    int64_t action, peer, bytes, posted_ns;
+    bool send, follow_up;
+  };
+  // The messages posted since the run's start and not seen complete, oldest first; returns how many more
+  // were in flight when later ones took their slots (not listed).
+  template <typename Fn>
+  int64_t for_each_in_flight(Fn&& fn) const {
+    const int64_t from = settled_below_.load(std::memory_order_relaxed);
+    const int64_t last = next_ticket_.load(std::memory_order_relaxed);
+    for (int64_t t = std::max<int64_t>(from, last - kMessagesKept + 1); t <= last; ++t) {
+      const Message& m = messages_[static_cast<size_t>(t % kMessagesKept)];
+      if (m.ticket.load(std::memory_order_acquire) != t) continue;  // being written, or taken since
+      const InFlight f{m.action.load(std::memory_order_relaxed), m.peer.load(std::memory_order_relaxed),
+                       m.bytes.load(std::memory_order_relaxed), m.posted_ns.load(std::memory_order_relaxed),
+                       (m.flags.load(std::memory_order_relaxed) & 1) != 0,
+                       (m.flags.load(std::memory_order_relaxed) & 2) != 0};
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (m.ticket.load(std::memory_order_relaxed) != t || m.done.load(std::memory_order_acquire) == t) continue;
+      fn(f);
+    }
+    return unlisted_.load(std::memory_order_relaxed);
+  }
+  static constexpr int kMessagesKept = 256;  // messages in flight listed, the newest
+
  private:
   Waiting slot() const {
     Waiting w;
@@ -156,6 +232,7 @@ class FlightRecord {
   std::atomic<int64_t> phase_since_{0};
   std::atomic<int64_t> action_{-1};
   std::atomic<int64_t> action_since_{0};
+  std::atomic<int64_t> mark_ns_{0};
   std::atomic<int> part_{0};
   std::atomic<int64_t> wait_peer_{-1}, wait_mb_{-1}, wait_since_{0}, wait_ended_{0};
   std::atomic<const char*> wait_what_{nullptr};
@@ -165,6 +242,12 @@ class FlightRecord {
   Waiting failed_;
   int64_t failed_action_ = -1;
   std::array<Kept, kKept> last_{};
+  struct Message {
+    std::atomic<int64_t> ticket{0}, done{0}, action{-1}, peer{-1}, bytes{0}, posted_ns{0};
+    std::atomic<int> flags{0};
+  };
+  std::atomic<int64_t> next_ticket_{0}, settled_below_{1}, unlisted_{0};
+  std::array<Message, kMessagesKept> messages_{};
 };
 
 // A wait for a message (or for sends to complete), in the flight record for its duration.

@@ -33,7 +33,7 @@ MessagePath::MessagePath(PathContext context, MessageFormat format, PathSettings
       program_(context.program),
       format_(std::move(format)),
       settings_(std::move(settings)),
-      sends_(std::make_unique<SendTracker>()) {
+      sends_(std::make_unique<SendTracker>(context.flight)) {
 #ifdef PIPECORE_TESTING
   rng_.seed(settings_.delay_seed);
 #endif
@@ -144,6 +144,7 @@ void MessagePath::wait_task(CommTask& task, const Instr& in, const char* what) {
     work.reset();
   }
   task.works.clear();
+  ctx_.flight.completed(task.flight_ticket);
 }
 
 void MessagePath::settle(CommTask& task, const Instr& action, const char* what, bool draining) {
@@ -287,6 +288,11 @@ void MessagePath::post_tasks(const std::vector<std::shared_ptr<CommTask>>& tasks
   const bool follow_up_receive = tag != 0 && !tasks.front()->send;
   if (!follow_up_receive) maybe_delay();  // (posted under settle_mu_: the other half would wait out the delay)
   submit(tasks, actions, here_if_idle, inboxes, channel, on);
+  for (size_t k = 0; k < tasks.size(); ++k) {  // (before the tracker, which completes them, has the sends)
+    CommTask& task = *tasks[k];
+    task.flight_ticket = ctx_.flight.posted(static_cast<int64_t>(actions[k]), task.peer, message_bytes(task.parts),
+                                            task.send, /*follow_up=*/tag != 0);
+  }
   for (size_t k = 0; k < tasks.size(); ++k) {
     if (!tasks[k]->send) continue;
     const Instr& in = program_[actions[k]];

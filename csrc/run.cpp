@@ -65,6 +65,7 @@ void Executor::begin_run(const ForwardFn& forward) {
   profile_.begin(profile_on_);
   flight_.set_phase(run_.discovering() ? FlightRecord::kDiscovery : FlightRecord::kRun);
   flight_.begin_run();
+  flight_.settle_messages();
   comm_failure_.clear();
 #ifdef PIPECORE_TESTING
   freed_outputs_ = 0;
@@ -104,6 +105,7 @@ Outcome Executor::execute_program() {
 }
 
 void Executor::end_step() {
+  flight_.settle_messages();  // (every send completed and, on the device path, the step's status was read)
   clear_slots();  // the step is done: drop graphs, buffers, received tensors
   kept_.clear();
   path_->drop_scratch(/*receives_too=*/false);  // (grown device messages' parts: sends in flight keep theirs)
@@ -141,6 +143,7 @@ std::string Executor::finish_aborted(size_t from, bool wait, int64_t status) {
   // The rest of the program without compute: receives posted and drained, sends carry `status`.
   std::string comm_failure;
   run_.may_wait = wait;
+  flight_.mark();  // (the aborted rest's first action starts now)
   for (size_t j = from; j < program_.size(); ++j) {
     flight_.begin_action(static_cast<int64_t>(j));
     try {

@@ -152,6 +152,7 @@ void SendTracker::loop(int key) {
       failed_sends_.push_back(std::move(e.task));
     } else {
       lock.unlock();
+      flight_.completed(e.task->flight_ticket);
       // the buffers go with the last references: the task's parts and its Works (which hold the
       // tensors); freed before the bytes count as released, outside the lock
       e.task->works.clear();

@@ -31,6 +31,7 @@
 
 #include "comm_task.h"
 #include "errors.h"
+#include "flight_record.h"
 
 namespace pipecore {
 
@@ -39,7 +40,8 @@ constexpr int64_t kUncollectedBytes = 1 << 20;
 
 class SendTracker {
  public:
-  SendTracker() = default;
+  // Completed sends are marked in `flight` (FlightRecord::completed).
+  explicit SendTracker(FlightRecord& flight) : flight_(flight) {}
   // Aborts the waits still in flight (after a failure) and joins the threads.
   ~SendTracker();
   SendTracker(const SendTracker&) = delete;
@@ -94,6 +96,7 @@ class SendTracker {
   Failure wait_entry(const Entry& e);  // never throws
   Failure wait_posted_and_sent(const Entry& e);
 
+  FlightRecord& flight_;
   mutable std::mutex mu_;
   std::condition_variable changed_;
   std::map<int, PeerQueue> queues_;

@@ -40,10 +40,10 @@ def _pipeline(rank: int, world: int, trouble=None) -> pc.Pipeline:
     return pc.Pipeline(stages, sched, 4, loss_fn=lambda y, t: y.sum(), timeout=TIMEOUT)
 
 
-def _step(pipe) -> tuple[str, str, float, str]:
+def _step(pipe, rows: int = 8) -> tuple[str, str, float, str]:
     started = time.monotonic()
     try:
-        pipe.step(torch.randn(8, 4), target=torch.zeros(8))
+        pipe.step(torch.randn(rows, 4), target=torch.zeros(rows))
         return "passed", "", time.monotonic() - started, ""
     except Exception as exc:  # noqa: BLE001 - the case reports it
         cause = exc.__cause__
@@ -126,3 +126,21 @@ def phases_seen(rank: int, world: int) -> list[list[str]]:
         pipe.step(torch.randn(8, 4), target=torch.zeros(8))
         seen[-1].append(pipe.flight_record()["phase"])
     return seen
+
+
+def in_flight_seen(rank: int, world: int, microbatches: int) -> tuple[dict | None, dict]:
+    """GPipe with every receive posted ahead (recv_window = microbatches): the flight record of the last rank
+    read in its forward of microbatch 1 of step 1 (step 0 learns the shapes, posting each receive at its
+    action), and each rank's record after that step."""
+    sched = pc.build_schedule("gpipe", world, microbatches)
+    stages = [pc.PipelineStage(Troubled(), s, world) for s in sched.rank_stages(rank)]
+    pipe = pc.Pipeline(stages, sched, microbatches, loss_fn=lambda y, t: y.sum(), timeout=60,
+                       recv_window=microbatches)
+    seen: list[dict] = []
+    module = stages[0].module
+    module.register_forward_pre_hook(
+        lambda mod, args: seen.append(pipe.flight_record()) if mod.calls == microbatches + 1 else None)
+    for _ in range(2):
+        outcome = _step(pipe, rows=microbatches)
+        assert outcome[0] == "passed", outcome
+    return (seen[0] if rank == world - 1 else None), pipe.flight_record()

@@ -16,7 +16,8 @@ CASES = {
             "--memory-blocks", "1"],
     "build": ["--schedules", "1f1b", "zbv", "--ranks", "4", "--microbatches", "8", "--repeats", "1"],
     "schedules": ["--ranks", "4", "--microbatches", "8"],
-    "overhead": ["--stages", "2", "--microbatches", "4", "--repeats", "2", "--runs", "1"],
+    "overhead": ["--stages", "2", "--microbatches", "4", "--repeats", "2", "--runs", "1",
+                 "--flight-iterations", "1000"],
     "vs_torch": ["--schedules", "zbv", "--microbatches", "4", "--blocks", "1", "--steps", "1"],
     "memory": ["--schedules", "1f1b", "--microbatches", "2", "--rows", "64", "--width", "64", "--steps", "1"],
     "zero_bubble": ["--schedules", "zbv", "--ranks", "2", "--microbatches", "4", "--ms", "1", "1", "1",
@@ -30,8 +31,8 @@ CASES = {
 # pictures a bench writes beyond its --plot ({out}: a folder that does not exist yet)
 PICTURES = {"data_parallel": "{out}/timeline.png"}
 # what a bench prints beyond its first table: overlap's OVERLAP_F_B table, with its lockstep rows (the bench
-# itself fails unless every pair of concurrent and lockstep ran overlapped)
-PRINTS = {"overlap": "lockstep"}
+# itself fails unless every pair of concurrent and lockstep ran overlapped); overhead's flight record table
+PRINTS = {"overlap": "lockstep", "overhead": "its writes alone"}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -6,7 +6,8 @@ import re
 import pytest
 
 from dist_pool import RankPool, fresh_pool, pool
-from doctor_cases import TIMEOUT, dead_rank, lone_collective, missing_step, slow_forward, wait_for_cycle
+from doctor_cases import (TIMEOUT, dead_rank, in_flight_seen, lone_collective, missing_step, slow_forward,
+                          wait_for_cycle)
 from pipecore.runtime.doctor import ANSWER_WITHIN, diagnose
 
 SAID_WITHIN = TIMEOUT + 5  # the issue's bound: the timeout, then a few seconds to ask and answer
@@ -85,6 +86,21 @@ def test_a_wait_for_cycle_is_named_on_every_rank():
         assert seconds < SAID_WITHIN, results
 
 
+def test_the_flight_record_lists_the_messages_posted_and_not_seen_complete():
+    """300 receives posted at once (GPipe, recv_window 300): in its forward of microbatch 1 the last rank's
+    record lists the newest 256 of them, those of microbatches 44 to 299 (tickets 45 to 300 of a ring of 256),
+    not microbatch 0's and 1's, waited for, and counts the 44 whose slots later ones took while they were in
+    flight. After the step nothing is listed on either rank."""
+    during, after = zip(*pool(2).run(in_flight_seen, 300, timeout=120))
+    record = during[1]
+    listed = record["in_flight"]
+    assert [m["label"] for m in listed] == [f"PP:1RECV_F{k}" for k in range(44, 300)], [m["label"] for m in listed]
+    assert record["in_flight_unlisted"] == 44, record["in_flight_unlisted"]
+    assert all(m["peer"] == 0 and not m["send"] and not m["follow_up"] and m["bytes"] > 0 and m["seconds"] >= 0
+               for m in listed), listed[:3]
+    assert all(r["in_flight"] == [] and r["in_flight_unlisted"] == 0 for r in after), after
+
+
 def test_the_flight_record_names_the_phase_of_the_step():
     """The phase as a hang would report it: a step's first run learns its messages' shapes ("discovery"), later
     runs "run"; the replicas' reduction that ends a training step is a phase of its own; between steps, "idle"."""
@@ -120,6 +136,14 @@ def _failed(peer, label="PP:0F0"):  # a rank whose wait failed: its abort waits 
     ({0: _waiting(1), 1: _waiting(2, label="PP:1F0"), 2: _waiting(0, label="PP:2B0")},
      "a wait-for cycle: rank 0 waits in PP:0F0 for the activations of microbatch 0 from rank 1 (9.0 s); rank 1 "
      "waits in PP:1F0"),
+    # a wait at the step's end (no one peer) follows its oldest send not complete (listed oldest first)
+    ({0: dict(_waiting(-1, what="the step's work on the device", label="PP:0B3"), in_flight=[
+        {"label": "PP:0RECV_B3", "peer": 2, "send": False},
+        {"label": "PP:0SEND_F3", "peer": 1, "send": True}, {"label": "PP:0SEND_F4", "peer": 2, "send": True}]),
+      1: {"phase": "run", "step": 3, "action": {"label": "PP:1F3", "seconds": 9.0, "part": "forward"}, "stack": []}},
+     "rank 1 has been in PP:1F3, its forward (user code), for 9.0 s. Also: rank 0 waits in PP:0B3 for the step's "
+     "work on the device (9.0 s), the oldest not complete its PP:0SEND_F3 to rank 1"),
+    ({0: _waiting(-1, what="the step's last sends", label="PP:0B3")}, "no rank is stuck in user code or missing"),
     # a rank in user code for less than half the timeout is not the cause; nothing is
     ({0: _waiting(1), 1: {"phase": "run", "step": 3, "action": {"label": "PP:1F0", "seconds": 1.0, "part": "forward"},
                           "waiting": None, "stack": []}}, "no rank is stuck in user code or missing"),
@@ -195,3 +219,7 @@ def test_the_files_of_a_failed_step_give_the_whole_picture(tmp_path, monkeypatch
     longest = re.search(r"longest of its last \d+ actions: PP:1F2, (\d+\.\d{3}) ms", text)
     assert longest and float(longest.group(1)) >= 2000 * TIMEOUT, text  # (it slept 6 s)
     assert "rank 1 when its step failed: step 0, phase abort" in text, text
+    # the receive whose wait timed out is still posted; those of microbatches 0 and 1 completed
+    assert re.search(r"\n  posted and not seen complete \(\d+\):\n(  .*\n)*?\s+PP:0RECV_B2  from rank 1, \d+ bytes, "
+                     r"posted \d+\.\d s before", text), text
+    assert not re.search(r"PP:0RECV_B[01]  from", text), text

@@ -68,10 +68,10 @@ class Doctor:
         out = self.executor.flight_record()
         pipe = self._pipe()
         out["rank"] = dist.get_rank() if dist.is_initialized() else 0
-        for key in ("waiting", "failed_wait"):  # (the executor's peers are ranks of the group; the doctor's, global)
-            wait = out[key]
-            if wait is not None and wait["peer"] >= 0 and self.comm.world > 1:
-                wait["peer"] = dist.get_global_rank(self.comm.group, wait["peer"])
+        # (the executor's peers are ranks of the group; the doctor's, global)
+        for entry in [out["waiting"], out["failed_wait"], *out["in_flight"]]:
+            if entry is not None and entry["peer"] >= 0 and self.comm.world > 1:
+                entry["peer"] = dist.get_global_rank(self.comm.group, entry["peer"])
         out["pipeline"] = self.comm.uid
         out["discovery"] = bool(pipe is not None and pipe.plans.discovery is not None)
         mode = pipe.plans.loaded_mode if pipe is not None else None
@@ -249,6 +249,7 @@ def read_dumps(folder: str) -> str:
                          (f", in {action['label']} ({action['part']}) for {action['seconds']:.1f} s" if action else ""))
             for frame in then.get("stack", [])[-3:]:
                 lines.append(f"  {frame[0]}:{frame[1]} in {frame[2]}: {frame[3]}")
+            lines += _in_flight_lines(then)
         rec = records[r]
         if rec is None:
             lines.append(f"rank {r}: no file of a failed step (its process died, or its step did not fail)")
@@ -260,6 +261,7 @@ def read_dumps(folder: str) -> str:
         elif wait:
             lines.append(f"  failed wait: {wait['action']} for the {wait['what']} of microbatch {wait['microbatch']} "
                          f"{'to' if wait['send'] else 'from'} rank {wait['peer']} after {wait['seconds']:.1f} s")
+        lines += _in_flight_lines(rec)
         last = rec.get("last", [])
         if last:
             label, ago, seconds = max(last, key=lambda a: a[2])
@@ -267,6 +269,26 @@ def read_dumps(folder: str) -> str:
         for label, ago, seconds in last[-5:]:
             lines.append(f"  {label:>14}  {seconds * 1e3:9.3f} ms, ended {ago - seconds:.1f} s before the file")
     return "\n".join(lines)
+
+
+IN_FLIGHT_SHOWN = 8  # messages in flight a rank's part of the picture lists, the oldest
+
+
+def _in_flight_lines(record: dict) -> list[str]:
+    """The messages `record`'s rank posted in its run and had not seen complete, oldest first. A small send on
+    gloo is seen complete only when its peer's send thread next wakes (csrc/send_tracker.h): it may be listed
+    after it arrived."""
+    messages = record.get("in_flight") or []
+    more = len(messages) - IN_FLIGHT_SHOWN + record.get("in_flight_unlisted", 0)
+    if not messages:
+        return []
+    lines = [f"  posted and not seen complete ({len(messages)}" + (f", {more} more not listed" if more > 0 else "")
+             + "):"]
+    for m in messages[:IN_FLIGHT_SHOWN]:
+        lines.append(f"  {m['label']:>14}  {'to' if m['send'] else 'from'} rank {m['peer']}, {m['bytes']} bytes"
+                     + (" (a grown message's second sending)" if m["follow_up"] else "")
+                     + f", posted {m['seconds']:.1f} s before")
+    return lines
 
 
 # -- the diagnosis (a pure function of the records: tests feed it records) ----------------------------
@@ -317,8 +339,14 @@ def _state(rank: int, record: dict | None, timeout: float, step: int | None) -> 
     wait, label = _wait_of(record)
     phase = record.get("phase")
     if wait is not None:
-        if wait["peer"] < 0:
-            return f"rank {rank} waits in {label} for {wait['what']} ({wait['seconds']:.1f} s)", None, None
+        if wait["peer"] < 0:  # (the step's last sends, or its work on the device: its oldest send not complete)
+            text = f"rank {rank} waits in {label} for {wait['what']} ({wait['seconds']:.1f} s)"
+            sends = [m for m in record.get("in_flight") or [] if m["send"] and m["peer"] >= 0]
+            if not sends:
+                return text, None, None
+            oldest = sends[0]
+            return (f"{text}, the oldest not complete its {oldest['label']} to rank {oldest['peer']}", None,
+                    int(oldest["peer"]))
         whose = (f"its send of the {wait['what']} of microbatch {wait['microbatch']} to rank {wait['peer']} to "
                  "complete") if wait["send"] else \
             f"the {wait['what']} of microbatch {wait['microbatch']} from rank {wait['peer']}"
