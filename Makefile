@@ -96,7 +96,8 @@ $(INSTALLED): $(BUILD_INPUTS)
 	@rm -f $(INSTALLED)
 	@$(PYTHON) -c "import sys, torch; print(f'Python {sys.version.split()[0]} at {sys.prefix}, torch {torch.__version__}')" \
 		> build/installed-$$($(ENV_KEY_CMD))
-	@if [ -n "$$(find csrc setup.py pyproject.toml Makefile -newer build/build-started -type f | head -n 1)" ]; then \
+	@if [ -n "$$(find csrc setup.py pyproject.toml Makefile -newer build/build-started -type f \
+		\( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.py' -o -name '*.toml' -o -name Makefile \) | head -n 1)" ]; then \
 		rm -f build/installed-$$($(ENV_KEY_CMD)); echo "pipecore: sources changed during the build: the next make builds again"; fi
 
 # the test variant of the extension (PIPECORE_TESTING: the executor's test hooks compiled in; its objects

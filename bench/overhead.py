@@ -84,15 +84,20 @@ def _measure(rank, world, name, V, m, width, repeats):
 
 def flight_record_cost(iterations: int = 2_000_000, reps: int = 7) -> tuple[float, float] | None:
     """Nanoseconds the flight record's writes add per compute action and per message (the native loop
-    with them, less without them; best of `reps`); None where no C++ compiler is found."""
+    with them, less without them; best of `reps`); None where no C++ compiler builds it (said why)."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if compiler is None:
+        print("no C++ compiler found (c++, g++, clang++ or $CXX): the flight record's loop is not timed")
         return None
     here = os.path.dirname(os.path.abspath(__file__))
     with tempfile.TemporaryDirectory() as tmp:
         exe = os.path.join(tmp, "flight_record_cost")
-        subprocess.run([compiler, "-O2", "-std=c++17", "-pthread", "-I", os.path.join(here, "..", "csrc"),
-                        os.path.join(here, "flight_record_cost.cpp"), "-o", exe], check=True)
+        command = [compiler, "-O2", "-std=c++17", "-pthread", "-I", os.path.join(here, "..", "csrc"),
+                   os.path.join(here, "flight_record_cost.cpp"), "-o", exe]
+        built = subprocess.run(command, capture_output=True, text=True)
+        if built.returncode != 0:
+            print(f"the flight record's loop did not build with {compiler}:\n{built.stderr[-2000:]}")
+            return None
         out = subprocess.run([exe, str(iterations), str(reps)], check=True, capture_output=True, text=True).stdout
     words = out.split()
     return float(words[1]), float(words[3])

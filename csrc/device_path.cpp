@@ -127,6 +127,9 @@ class DevicePath final : public MessagePath {
       const WaitingOn waiting(ctx_.flight, task.peer, in.mb, what);
       device_->consume(task, *inbox.ready, device_->compute_stream());
       inbox.consumed = true;
+      // the host's part is done: its arrival is the device's to see (a hang there is the wait for the step's
+      // work on the device, at its end)
+      ctx_.flight.completed(task.flight_ticket);
     } catch (const CommError& e) {  // a consume that waits on the host (host_device_comm.cpp)
       throw CommError(wait_failure(where(in), what, in.mb, task.peer, ctx_.timeout, e.what()), e.cause);
     }

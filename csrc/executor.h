@@ -303,11 +303,11 @@ class Executor final : private PathOwner {
   void begin_run(const ForwardFn& forward);
   Outcome execute_program();
   void tell_abort(const Outcome& outcome, const AbortFn& on_abort);
-  std::string release_peers(const Outcome& outcome);
-  [[noreturn]] void rethrow(const Outcome& outcome, const std::string& comm_failure);
+  CommError release_peers(const Outcome& outcome);
+  [[noreturn]] void rethrow(const Outcome& outcome, const CommError& comm_failure);
   void end_step();
-  // Runs program[from..] aborted; returns the first communication failure met (empty if none).
-  std::string finish_aborted(size_t from, bool wait, int64_t status);
+  // Runs program[from..] aborted; returns the first communication failure met (its text empty if none).
+  CommError finish_aborted(size_t from, bool wait, int64_t status);
   std::string action_name(size_t index) const;
 
   // --- dispatch.cpp

@@ -47,6 +47,12 @@ py::dict flight_record(const FlightRecord& f, const std::function<std::string(in
     a["seconds"] = seconds_since(f.action_since_ns(), now);
     const int part = f.part();
     a["part"] = part >= 0 && part < static_cast<int>(Spent::kParts) ? kSpentNames[part].said : "unknown";
+    // the other half of an OVERLAP_F_B pair, on a thread of its own (`half_thread`: its id), if one runs
+    const int half = f.half_part();
+    a["half_part"] = half >= 0 && half < static_cast<int>(Spent::kParts) ? py::object(py::str(kSpentNames[half].said))
+                                                                           : py::object(py::none());
+    a["half_seconds"] = seconds_since(f.half_since_ns(), now);
+    out["half_thread"] = f.half_thread();
     out["action"] = a;
   } else {
     out["action"] = py::none();

@@ -16,6 +16,8 @@
 #include <mutex>
 #include <utility>
 
+#include <pthread.h>
+
 namespace pipecore {
 
 class FlightRecord {
@@ -68,6 +70,21 @@ class FlightRecord {
 
   // The part of the action running now (step_profile.h's Spent, as an int): set by its SpentOn scopes.
   void set_part(int part) { part_.store(part, std::memory_order_relaxed); }
+  // The part of the other half of an OVERLAP_F_B pair, on a thread of its own (-1: none runs), since
+  // when, and that thread's id as Python's threading.get_ident() gives it (the doctor reads its stack);
+  // returns the part before.
+  int enter_half_part(int part) {
+    half_thread_.store(static_cast<uint64_t>(pthread_self()), std::memory_order_relaxed);
+    half_since_.store(now_ns(), std::memory_order_relaxed);
+    return half_part_.exchange(part, std::memory_order_relaxed);
+  }
+  void set_half_part(int part) {
+    half_since_.store(now_ns(), std::memory_order_relaxed);
+    half_part_.store(part, std::memory_order_relaxed);
+  }
+  int half_part() const { return half_part_.load(std::memory_order_relaxed); }
+  int64_t half_since_ns() const { return half_since_.load(std::memory_order_relaxed); }
+  uint64_t half_thread() const { return half_thread_.load(std::memory_order_relaxed); }
 
   struct Waiting {
     int64_t peer = -1;  // -1: no one peer (the step's last sends)
@@ -95,21 +112,23 @@ class FlightRecord {
   // (keep_last_wait): kept as the run's failed wait, with the action running, until the next run; the
   // diagnosis starts from it (the abort runs other actions). (Off the hot path, and both halves of a
   // pair may fail at once: under a lock.)
-  void keep_failed_wait(Waiting w) {
+  void keep_failed_wait(Waiting w, int64_t ended_ns = 0) {
     std::lock_guard<std::mutex> lock(failed_mu_);
     if (failed_.since_ns != 0) return;  // (the first failure is the run's)
-    w.since_ns = std::max<int64_t>(now_ns() - w.since_ns, 1);  // (kept as its duration, to the failure)
+    w.since_ns = std::max<int64_t>((ended_ns ? ended_ns : now_ns()) - w.since_ns, 1);  // (kept as its duration)
     failed_action_ = action();
     failed_ = w;
   }
-  // The run failed on a peer's "aborted" message (no wait failed): its last wait, if it ended in the
-  // failing action, is kept as the failed one.
-  void keep_last_wait(int64_t action_started_ns) {
+  // The run failed at `failed_ns` on a peer's "aborted" message (no wait failed): its last wait, if it
+  // ended in the failing action, is kept as the failed one, its duration up to the failure (a wait's end
+  // reads no clock; the failure is found as the wait returns).
+  void keep_last_wait(int64_t action_started_ns, int64_t failed_ns) {
     const int64_t ended = wait_ended_.load(std::memory_order_acquire);
     Waiting w = slot();
-    if (ended != 0 && w.since_ns >= action_started_ns) keep_failed_wait(w);
+    if (ended != 0 && w.since_ns >= action_started_ns) keep_failed_wait(w, failed_ns);
   }
   void begin_run() {
+    half_part_.store(-1, std::memory_order_relaxed);
     std::lock_guard<std::mutex> lock(failed_mu_);
     failed_ = Waiting();
     failed_action_ = -1;
@@ -141,7 +160,8 @@ class FlightRecord {
   // posted to or from `peer`: its ticket (from 1), which completed() takes. Called by the threads that post
   // (both halves of an OVERLAP_F_B pair may): a fetch_add and relaxed stores, no lock, no clock read (its
   // time is the last mark's: the action posting it started then, or the one before, for a receive posted
-  // ahead). A reader skips a slot being written (its ticket 0 meanwhile, as a sequence lock).
+  // ahead), except for a follow-up, posted once its header was read, in the middle of an action. A reader
+  // skips a slot being written (its ticket 0 meanwhile, as a sequence lock).
   int64_t posted(int64_t action, int64_t peer, int64_t bytes, bool send, bool follow_up) {
     const int64_t ticket = next_ticket_.fetch_add(1, std::memory_order_relaxed) + 1;
     Message& m = messages_[static_cast<size_t>(ticket % kMessagesKept)];
@@ -155,7 +175,7 @@ class FlightRecord {
     m.peer.store(peer, std::memory_order_relaxed);
     m.bytes.store(bytes, std::memory_order_relaxed);
     m.flags.store((send ? 1 : 0) | (follow_up ? 2 : 0), std::memory_order_relaxed);
-    m.posted_ns.store(mark_ns_.load(std::memory_order_relaxed), std::memory_order_relaxed);
+    m.posted_ns.store(follow_up ? now_ns() : mark_ns_.load(std::memory_order_relaxed), std::memory_order_relaxed);
     m.ticket.store(ticket, std::memory_order_release);
     return ticket;
   }
@@ -179,7 +199,7 @@ class FlightRecord {
     bool send, follow_up;
   };
   // The messages posted since the run's start and not seen complete, oldest first; returns how many more
-  // were in flight when later ones took their slots (not listed).
+  // were still in flight when later ones took their slots (not listed; some may have completed since).
   template <typename Fn>
   int64_t for_each_in_flight(Fn&& fn) const {
     const int64_t from = settled_below_.load(std::memory_order_relaxed);
@@ -234,6 +254,9 @@ class FlightRecord {
   std::atomic<int64_t> action_since_{0};
   std::atomic<int64_t> mark_ns_{0};
   std::atomic<int> part_{0};
+  std::atomic<int> half_part_{-1};
+  std::atomic<uint64_t> half_thread_{0};
+  std::atomic<int64_t> half_since_{0};
   std::atomic<int64_t> wait_peer_{-1}, wait_mb_{-1}, wait_since_{0}, wait_ended_{0};
   std::atomic<const char*> wait_what_{nullptr};
   std::atomic<bool> wait_send_{false};
@@ -242,7 +265,7 @@ class FlightRecord {
   Waiting failed_;
   int64_t failed_action_ = -1;
   std::array<Kept, kKept> last_{};
-  struct Message {
+  struct alignas(64) Message {  // (a cache line each: the send tracker's threads complete them)
     std::atomic<int64_t> ticket{0}, done{0}, action{-1}, peer{-1}, bytes{0}, posted_ns{0};
     std::atomic<int> flags{0};
   };

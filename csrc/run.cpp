@@ -7,6 +7,15 @@
 
 namespace pipecore {
 
+namespace {
+bool failed(const CommError& comm_failure) { return comm_failure.what()[0] != '\0'; }
+// A failure while releasing the peers: a CommError as it is (its cause apart), any other as its text.
+CommError as_comm_error(const std::exception& e) {
+  if (const auto* comm = dynamic_cast<const CommError*>(&e)) return *comm;
+  return CommError(error_text(e));
+}
+}  // namespace
+
 void Slot::drop_compute() {
   out_edges.clear();
   loss_edge = torch::autograd::Edge();
@@ -34,10 +43,11 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const Spec
   begin_run(forward);
   Outcome outcome = execute_program();
   if (outcome.ok()) return end_step();
+  const int64_t failed_ns = FlightRecord::now_ns();  // (explaining it may wait for the step's status)
   const std::string failed_action = action_name(outcome.at);
   outcome = path_->explained(std::move(outcome), failed_action);
   if (outcome.kind != Outcome::kOrigin) {  // (a peer's "aborted" message ended the wait: that wait failed)
-    flight_.keep_last_wait(flight_.action_since_ns());
+    flight_.keep_last_wait(flight_.action_since_ns(), failed_ns);
   }
   flight_.set_phase(FlightRecord::kAbort);
   tell_abort(outcome, on_abort);
@@ -47,9 +57,10 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const Spec
 void Executor::run_aborted(int64_t status) {
   stepped_ = true;
   reset();
+  flight_.settle_messages();  // (a run of its own: the last run's messages are past)
   if (path_->format().shaped) specs_.widen_to_capacities();
-  const std::string comm_failure = finish_aborted(0, /*wait=*/true, status);
-  if (!comm_failure.empty()) throw CommError(comm_failure);
+  const CommError comm_failure = finish_aborted(0, /*wait=*/true, status);
+  if (failed(comm_failure)) throw comm_failure;
 }
 
 void Executor::reset() {
@@ -119,29 +130,31 @@ void Executor::tell_abort(const Outcome& outcome, const AbortFn& on_abort) {
   }
 }
 
-std::string Executor::release_peers(const Outcome& outcome) {
+CommError Executor::release_peers(const Outcome& outcome) {
   for (auto& s : slots_) s.drop_compute();  // graphs and activations are not needed any more
   // After a broken connection or a timeout, waiting again could take a timeout per receive: only the
   // sends are posted then. The failed action runs again aborted: it may have failed before posting.
   // Where the path may not post after it (the device path's wedged communicator), nothing more goes.
-  const std::string comm_failure = finish_aborted(path_->may_post_after(outcome) ? outcome.at : program_.size(),
+  CommError comm_failure = finish_aborted(path_->may_post_after(outcome) ? outcome.at : program_.size(),
                                                   /*wait=*/outcome.kind != Outcome::kComm, outcome.status_for_peers());
   kept_.clear();
   return comm_failure;
 }
 
-void Executor::rethrow(const Outcome& outcome, const std::string& comm_failure) {
+void Executor::rethrow(const Outcome& outcome, const CommError& comm_failure) {
   if (outcome.kind == Outcome::kOrigin) {
-    comm_failure_ = comm_failure;  // (last_comm_failure: this rank's own error stands)
-  } else if (outcome.kind != Outcome::kComm && !comm_failure.empty()) {
-    throw CommError(outcome.text + "; then: " + comm_failure);  // releasing the peers broke the group
+    // (last_comm_failure: this rank's own error stands)
+    comm_failure_ = failed(comm_failure) ? error_text(comm_failure) : "";
+  } else if (outcome.kind != Outcome::kComm && failed(comm_failure)) {
+    // releasing the peers broke the group: pipecore's sentences, the backend's text as the cause
+    throw CommError(outcome.text + "; then: " + comm_failure.what(), comm_failure.cause);
   }
   outcome.raise();
 }
 
-std::string Executor::finish_aborted(size_t from, bool wait, int64_t status) {
+CommError Executor::finish_aborted(size_t from, bool wait, int64_t status) {
   // The rest of the program without compute: receives posted and drained, sends carry `status`.
-  std::string comm_failure;
+  CommError comm_failure("");
   run_.may_wait = wait;
   flight_.mark();  // (the aborted rest's first action starts now)
   for (size_t j = from; j < program_.size(); ++j) {
@@ -149,7 +162,7 @@ std::string Executor::finish_aborted(size_t from, bool wait, int64_t status) {
     try {
       exec(j, RunMode{/*aborted=*/true, run_.may_wait, status});  // (after learn_specs timed out, no action waits)
     } catch (const std::exception& e) {
-      if (comm_failure.empty()) comm_failure = error_text(e);
+      if (!failed(comm_failure)) comm_failure = as_comm_error(e);
     }
     flight_.end_action(/*kept=*/false);
   }
@@ -157,7 +170,7 @@ std::string Executor::finish_aborted(size_t from, bool wait, int64_t status) {
     try {
       path_->drain_sends();
     } catch (const std::exception& e) {
-      if (comm_failure.empty()) comm_failure = error_text(e);
+      if (!failed(comm_failure)) comm_failure = as_comm_error(e);
     }
   }
   clear_slots();

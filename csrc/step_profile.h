@@ -3,7 +3,8 @@
 // runs now (flight_record.h: a thread id compare and a relaxed store).
 //
 // Only the thread that runs the program is counted: the other half of an OVERLAP_F_B pair runs on
-// a thread of its own, and its time shows as the time the running thread waited for it.
+// a thread of its own, and its time shows as the time the running thread waited for it; its parts go
+// to the flight record as the other half's.
 #pragma once
 
 #include <array>
@@ -53,10 +54,10 @@ class StepProfile {
     total_ = last_ - start_;
     on_ = false;
   }
-  // Charges the time so far to the current part and makes `part` current; returns the part to go
-  // back to (kParts: nothing to do on leaving).
+  bool on_owner_thread() const { return std::this_thread::get_id() == owner_; }
+  // On the thread that runs the program: charges the time so far to the current part and makes `part`
+  // current; returns the part to go back to.
   Spent enter(Spent part) {
-    if (std::this_thread::get_id() != owner_) return Spent::kParts;
     if (on_) charge();
     const Spent previous = current_;
     current_ = part;
@@ -64,11 +65,13 @@ class StepProfile {
     return previous;
   }
   void leave(Spent previous) {
-    if (previous == Spent::kParts) return;
     if (on_) charge();
     current_ = previous;
     flight_.set_part(static_cast<int>(previous));
   }
+  // On another thread (the other half of a pair): only the flight record's part of the other half.
+  int enter_half(Spent part) { return flight_.enter_half_part(static_cast<int>(part)); }
+  void leave_half(int previous) { flight_.set_half_part(previous); }
   double us(Spent part) const { return micro(spent_[static_cast<int>(part)]); }
   double total_us() const { return micro(total_); }
 
@@ -92,14 +95,28 @@ class StepProfile {
 // Charges the scope's time to `part` (exclusive of the parts of scopes inside it).
 class SpentOn {
  public:
-  SpentOn(StepProfile& profile, Spent part) : profile_(profile), previous_(profile.enter(part)) {}
-  ~SpentOn() { profile_.leave(previous_); }
+  SpentOn(StepProfile& profile, Spent part) : profile_(profile), half_(!profile.on_owner_thread()) {
+    if (half_) {
+      previous_half_ = profile.enter_half(part);
+    } else {
+      previous_ = profile.enter(part);
+    }
+  }
+  ~SpentOn() {
+    if (half_) {
+      profile_.leave_half(previous_half_);
+    } else {
+      profile_.leave(previous_);
+    }
+  }
   SpentOn(const SpentOn&) = delete;
   SpentOn& operator=(const SpentOn&) = delete;
 
  private:
   StepProfile& profile_;
-  Spent previous_;
+  bool half_;
+  Spent previous_ = Spent::kLoop;
+  int previous_half_ = -1;
 };
 
 }  // namespace pipecore

@@ -144,3 +144,27 @@ def in_flight_seen(rank: int, world: int, microbatches: int) -> tuple[dict | Non
         outcome = _step(pipe, rows=microbatches)
         assert outcome[0] == "passed", outcome
     return (seen[0] if rank == world - 1 else None), pipe.flight_record()
+
+
+def slow_backward_half(rank: int, world: int) -> tuple:
+    """dualpipev with its OVERLAP_F_B pairs' halves at once (overlap_f_b="concurrent": the backward half on a
+    thread of its own). At step 1 a backward hook of rank 0's sleeps for twice the timeout, the first time it
+    runs off the step's thread, i.e. in a pair's backward half; meanwhile the forward half may wait for a
+    peer that waits for that half's gradients."""
+    import threading
+
+    m = 2 * world
+    sched = pc.build_schedule("dualpipev", world, m, 2)
+    stages = [pc.PipelineStage(nn.Linear(4, 4), s, sched.num_stages) for s in sched.rank_stages(rank)]
+    pipe = pc.Pipeline(stages, sched, m, loss_fn=lambda y, t: y.sum(), timeout=TIMEOUT, overlap_f_b="concurrent")
+    assert _step(pipe)[0] == "passed"  # (the first step learns the shapes, its pairs in sequence)
+    if rank == 0:
+        slept = []
+
+        def slow_hook(module, grad_in, grad_out):
+            if not slept and threading.current_thread() is not threading.main_thread():
+                slept.append(True)
+                time.sleep(2 * TIMEOUT)
+        for stage in stages:
+            stage.module.register_full_backward_hook(slow_hook)
+    return _step(pipe)

@@ -6,8 +6,8 @@ import re
 import pytest
 
 from dist_pool import RankPool, fresh_pool, pool
-from doctor_cases import (TIMEOUT, dead_rank, in_flight_seen, lone_collective, missing_step, slow_forward,
-                          wait_for_cycle)
+from doctor_cases import (TIMEOUT, dead_rank, in_flight_seen, lone_collective, missing_step, slow_backward_half,
+                          slow_forward, wait_for_cycle)
 from pipecore.runtime.doctor import ANSWER_WITHIN, diagnose
 
 SAID_WITHIN = TIMEOUT + 5  # the issue's bound: the timeout, then a few seconds to ask and answer
@@ -41,6 +41,24 @@ def test_a_slow_user_forward_is_named_on_every_rank(world):
     assert waited[3].startswith("RuntimeError: [") and "Timed out waiting 3000ms for recv" in waited[3], waited
     assert all(seconds < SAID_WITHIN for _, _, seconds, _ in results[:-1]), results
     assert results[-1][2] < 3 * TIMEOUT + 5, results  # (it raises once its forward returned, a timeout later at most)
+
+
+def test_a_slow_backward_in_a_pairs_other_half_is_named():
+    """An OVERLAP_F_B pair's backward half runs on a thread of its own; a hook of the user's sleeps there.
+    Before, the flight record saw only the step's thread (in the pair, waiting for it or for a peer) and
+    the diagnosis said "no rank is stuck in user code or missing", and rank 0 pasted gloo's text of its failed release
+    into its message. Now every rank names rank 0's other half, its time in the backward and the hook's
+    line (that thread's Python stack)."""
+    results = _run(slow_backward_half)
+    for kind, text, seconds, cause in results:
+        assert kind in ("CommunicationError", "PeerFailedError"), results
+        assert re.search(r"rank 0 has been in PP:\(0F\d+;\d+B\d+\)OVERLAP_F_B, its other half \(on a thread of its "
+                         r"own\) in a backward \(autograd, and the user's hooks\) for \d+\.\d s", text), text
+        assert "doctor_cases.py" in text and "in slow_hook: time.sleep(2 * TIMEOUT)" in text, text
+        # (rank 0 learns of it from an "aborted" message, and its release of rank 1 fails: gloo's text is the
+        # cause, not pasted into the message)
+        assert "gloo" not in text and ".cc:" not in text and "GLHF" not in text, text
+    assert results[1][2] < SAID_WITHIN, results
 
 
 def test_a_dead_rank_is_named():
@@ -99,6 +117,21 @@ def test_the_flight_record_lists_the_messages_posted_and_not_seen_complete():
     assert all(m["peer"] == 0 and not m["send"] and not m["follow_up"] and m["bytes"] > 0 and m["seconds"] >= 0
                for m in listed), listed[:3]
     assert all(r["in_flight"] == [] and r["in_flight_unlisted"] == 0 for r in after), after
+
+
+@pytest.mark.parametrize("listed, unlisted, head", [
+    (3, 10, "  posted and not seen complete (3, 10 more not listed):"),
+    (12, 0, "  posted and not seen complete (12, 4 more not listed):"),
+    (0, 5, "  posted and not seen complete (0, 5 more not listed):"),
+    (2, 0, "  posted and not seen complete (2):"),
+])
+def test_the_picture_counts_the_messages_it_does_not_list(listed, unlisted, head):
+    from pipecore.runtime.doctor import IN_FLIGHT_SHOWN, _in_flight_lines
+    messages = [{"label": f"PP:0SEND_F{k}", "peer": 1, "send": True, "follow_up": False, "bytes": 64, "seconds": 1.0}
+                for k in range(listed)]
+    lines = _in_flight_lines({"in_flight": messages, "in_flight_unlisted": unlisted})
+    assert lines[0] == head and len(lines) == 1 + min(listed, IN_FLIGHT_SHOWN), lines
+    assert _in_flight_lines({"in_flight": [], "in_flight_unlisted": 0}) == []
 
 
 def test_the_flight_record_names_the_phase_of_the_step():

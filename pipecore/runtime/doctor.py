@@ -35,6 +35,13 @@ _ASKS = "pipecore/doctor/asks"  # a counter on the default store: the questions 
 _LIBRARIES = (os.sep + "torch" + os.sep, os.sep + "pipecore" + os.sep)  # not the user's frames
 
 
+def _stack(frame) -> list[list]:
+    """The innermost 8 frames from `frame` (none: []) as [file, line, function, source]."""
+    if frame is None:
+        return []
+    return [[f.filename, f.lineno, f.name, f.line or ""] for f in traceback.extract_stack(frame)[-8:]]
+
+
 def _answer_key(question: int, rank: int) -> str:
     return f"pipecore/doctor/{question}/{rank}"
 
@@ -76,10 +83,11 @@ class Doctor:
         out["discovery"] = bool(pipe is not None and pipe.plans.discovery is not None)
         mode = pipe.plans.loaded_mode if pipe is not None else None
         out["program"] = pipe.programs[mode].labels if mode is not None else None  # (as run: its own order)
-        thread = self.step_thread
-        frame = sys._current_frames().get(thread) if stack and thread is not None else None
-        out["stack"] = [[f.filename, f.lineno, f.name, f.line or ""]
-                        for f in traceback.extract_stack(frame)[-8:]] if frame is not None else []
+        frames = sys._current_frames() if stack else {}
+        out["stack"] = _stack(frames.get(self.step_thread))
+        half = out.pop("half_thread", None)  # (the other half of an OVERLAP_F_B pair, on a thread of its own)
+        if out["action"] is not None and out["action"]["half_part"] is not None:
+            out["half_stack"] = _stack(frames.get(half))
         return out
 
     # -- the question and the diagnosis -----------------------------------------------------------
@@ -279,10 +287,10 @@ def _in_flight_lines(record: dict) -> list[str]:
     gloo is seen complete only when its peer's send thread next wakes (csrc/send_tracker.h): it may be listed
     after it arrived."""
     messages = record.get("in_flight") or []
-    more = len(messages) - IN_FLIGHT_SHOWN + record.get("in_flight_unlisted", 0)
-    if not messages:
+    more = max(0, len(messages) - IN_FLIGHT_SHOWN) + record.get("in_flight_unlisted", 0)
+    if not messages and not more:
         return []
-    lines = [f"  posted and not seen complete ({len(messages)}" + (f", {more} more not listed" if more > 0 else "")
+    lines = [f"  posted and not seen complete ({len(messages)}" + (f", {more} more not listed" if more else "")
              + "):"]
     for m in messages[:IN_FLIGHT_SHOWN]:
         lines.append(f"  {m['label']:>14}  {'to' if m['send'] else 'from'} rank {m['peer']}, {m['bytes']} bytes"
@@ -338,6 +346,14 @@ def _state(rank: int, record: dict | None, timeout: float, step: int | None) -> 
     action = record.get("action")
     wait, label = _wait_of(record)
     phase = record.get("phase")
+    half = (action or {}).get("half_part")
+    if half in _USER_PARTS and action["half_seconds"] >= timeout / 2:
+        # an OVERLAP_F_B pair's other half, on a thread of its own, in user code (this thread may wait for a
+        # peer that waits for that half's message)
+        where = _where_in_python({"stack": record.get("half_stack")})
+        text = (f"rank {rank} has been in {action['label']}, its other half (on a thread of its own) in "
+                f"{_USER_PARTS[half]} for {action['half_seconds']:.1f} s" + (f", at {where}" if where else ""))
+        return text, text, None
     if wait is not None:
         if wait["peer"] < 0:  # (the step's last sends, or its work on the device: its oldest send not complete)
             text = f"rank {rank} waits in {label} for {wait['what']} ({wait['seconds']:.1f} s)"

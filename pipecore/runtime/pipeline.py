@@ -383,14 +383,14 @@ class Pipeline:
     def flight_record(self) -> dict:
         """What this rank does now and did last, always kept (callable from any thread, as while a step
         is stuck): `step`; `phase` (idle, agreement, discovery, run, abort, finalise, data-parallel
-        reduction) and `phase_seconds`; `action` (None, or its `label`, `seconds` and `part`: executor,
-        forward, backward, posting, waiting); `waiting` (None, or the message it waits for: `peer`,
-        `microbatch`, `what`, `send`, `seconds`); `failed_wait` (the last run's wait that failed, with its
-        `action`); `last` (the last 32 actions: label, seconds ago, seconds); `in_flight` (the messages
-        this run posted and has not seen complete, oldest first: `label`, `peer`, `send`, `follow_up`,
-        `bytes`, `seconds` since posted; `in_flight_unlisted`: more, older than the last 256 posted);
-        `discovery` (a run learning shapes); `stack` (where the step's thread is in Python). A step that
-        fails on a wait says, on every rank, what these say together (pipecore/runtime/doctor.py)."""
+        reduction), `phase_seconds`; `action` (None, or `label`, `seconds`, `part`: executor, forward,
+        backward, posting, waiting; `half_part`, `half_seconds`: an OVERLAP_F_B pair's other half's, on its
+        own thread, whose stack is `half_stack`); `waiting` (None, or `peer`, `microbatch`, `what`, `send`,
+        `seconds`); `failed_wait` (the run's failed wait, with its `action`); `last` (the last 32 actions:
+        label, seconds ago, seconds); `in_flight` (messages this run posted, not seen complete, oldest
+        first: `label`, `peer`, `send`, `follow_up`, `bytes`, `seconds` since posted; `in_flight_unlisted`:
+        more, pushed out by the last 256); `discovery`; `stack` (the step's thread in Python). A step failing
+        on a wait says on every rank what these say together (pipecore/runtime/doctor.py)."""
         return self._doctor.record()
 
     def _end_profile(self) -> None:
