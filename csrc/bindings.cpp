@@ -439,7 +439,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("rank", &pipecore::Executor::rank)
       .def_property_readonly("last_comm_failure", &pipecore::Executor::last_comm_failure,
                              "after a run that rethrew this rank's own error: how communication failed while "
-                             "releasing the peers (empty if it did not)");
+                             "releasing the peers (empty if it did not)")
+      .def_property_readonly("last_comm_failure_cause", &pipecore::Executor::last_comm_failure_cause,
+                             "what the backend said of that failure (empty if nothing)");
 #ifdef PIPECORE_TESTING
   // hooks and records of test builds only (`make test`; csrc/executor.h)
   executor.def("set_delays", &pipecore::Executor::set_delays, py::arg("max_us"), py::arg("seed"))

@@ -262,7 +262,7 @@ class Executor final : private PathOwner {
   // peer is left waiting; then the original error is rethrown (PeerAbort on ranks that were told
   // by a message, CommError where a wait timed out or a connection broke). When this rank's own
   // error is rethrown and communication failed too while releasing the peers, last_comm_failure()
-  // says how (the group cannot be trusted then).
+  // says how (the group cannot be trusted then), and last_comm_failure_cause() what the backend said.
   // With `discover` (a discovery step, see SpecFn): the shapes not set are asked for as the step
   // reaches them; no receive is posted ahead (its sender's forward may not have run before) and
   // the host waits for and reads each message. On the device path its batches still go as groups,
@@ -275,7 +275,8 @@ class Executor final : private PathOwner {
   void reset();
 
   int64_t rank() const { return rank_; }
-  const std::string& last_comm_failure() const { return comm_failure_; }
+  const std::string& last_comm_failure() const { return comm_failure_.text; }
+  const std::string& last_comm_failure_cause() const { return comm_failure_.cause; }
   // Per stage, since construction: microbatches whose I computed weight gradients (or all of its
   // backward) because of a node that cannot be split, by (node, why).
   const std::vector<std::map<SplitFallback, int64_t>>& split_fallbacks() const { return split_fallbacks_; }
@@ -388,7 +389,9 @@ class Executor final : private PathOwner {
 #ifdef PIPECORE_TESTING
   int64_t freed_outputs_ = 0;  // sent outputs the last run let go of (zeroed when a run begins)
 #endif
-  std::string comm_failure_;  // see last_comm_failure()
+  struct {
+    std::string text, cause;
+  } comm_failure_;  // see last_comm_failure()
 
   // The kind of the run under way (run() sets it, and puts it back however the run ends): one place for
   // "is this a discovery run" and "may the aborted rest wait".

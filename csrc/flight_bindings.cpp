@@ -47,12 +47,16 @@ py::dict flight_record(const FlightRecord& f, const std::function<std::string(in
     a["seconds"] = seconds_since(f.action_since_ns(), now);
     const int part = f.part();
     a["part"] = part >= 0 && part < static_cast<int>(Spent::kParts) ? kSpentNames[part].said : "unknown";
-    // the other half of an OVERLAP_F_B pair, on a thread of its own (`half_thread`: its id), if one runs
-    const int half = f.half_part();
-    a["half_part"] = half >= 0 && half < static_cast<int>(Spent::kParts) ? py::object(py::str(kSpentNames[half].said))
-                                                                           : py::object(py::none());
-    a["half_seconds"] = seconds_since(f.half_since_ns(), now);
-    out["half_thread"] = f.half_thread();
+    // the threads other than this one that run its actions (an OVERLAP_F_B pair's other half)
+    py::list halves;
+    f.for_each_half([&](const FlightRecord::HalfState& h) {
+      py::dict d;
+      d["part"] = h.part < static_cast<int>(Spent::kParts) ? kSpentNames[h.part].said : "unknown";
+      d["seconds"] = seconds_since(h.since_ns, now);
+      d["thread"] = h.thread;
+      halves.append(d);
+    });
+    a["halves"] = halves;
     out["action"] = a;
   } else {
     out["action"] = py::none();

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <mutex>
 #include <utility>
@@ -70,21 +71,60 @@ class FlightRecord {
 
   // The part of the action running now (step_profile.h's Spent, as an int): set by its SpentOn scopes.
   void set_part(int part) { part_.store(part, std::memory_order_relaxed); }
-  // The part of the other half of an OVERLAP_F_B pair, on a thread of its own (-1: none runs), since
-  // when, and that thread's id as Python's threading.get_ident() gives it (the doctor reads its stack);
-  // returns the part before.
-  int enter_half_part(int part) {
-    half_thread_.store(static_cast<uint64_t>(pthread_self()), std::memory_order_relaxed);
-    half_since_.store(now_ns(), std::memory_order_relaxed);
-    return half_part_.exchange(part, std::memory_order_relaxed);
+  // Threads other than the step's that run the program's actions (an OVERLAP_F_B pair's other half, or
+  // halves a user's overlap hook runs on threads of its own): a slot each while they do (kHalves at once;
+  // more are not recorded), with the part each runs, since when, and its id as Python's
+  // threading.get_ident() gives it (the doctor reads its stack). A thread's outermost scope takes a slot
+  // and gives it back.
+  static constexpr int kHalves = 4;
+  struct HalfScope {
+    int slot = -1;      // -1: not recorded
+    int previous = -1;  // the part to go back to (-1: the thread's outermost scope)
+  };
+  HalfScope enter_half(int part) {
+    const uint64_t me = thread_ident();
+    HalfScope scope;
+    for (int k = 0; k < kHalves && scope.slot < 0; ++k) {
+      if (halves_[k].thread.load(std::memory_order_relaxed) == me) scope.slot = k;
+    }
+    for (int k = 0; k < kHalves && scope.slot < 0; ++k) {
+      uint64_t free = 0;
+      if (halves_[k].thread.compare_exchange_strong(free, me, std::memory_order_relaxed)) scope.slot = k;
+    }
+    if (scope.slot < 0) return scope;
+    Half& h = halves_[scope.slot];
+    scope.previous = h.part.load(std::memory_order_relaxed);
+    h.since_ns.store(now_ns(), std::memory_order_relaxed);
+    h.part.store(part, std::memory_order_release);
+    return scope;
   }
-  void set_half_part(int part) {
-    half_since_.store(now_ns(), std::memory_order_relaxed);
-    half_part_.store(part, std::memory_order_relaxed);
+  void leave_half(const HalfScope& scope) {
+    if (scope.slot < 0) return;
+    Half& h = halves_[scope.slot];
+    if (scope.previous >= 0) h.since_ns.store(now_ns(), std::memory_order_relaxed);
+    h.part.store(scope.previous, std::memory_order_release);
+    if (scope.previous < 0) h.thread.store(0, std::memory_order_release);  // (its outermost scope ended)
   }
-  int half_part() const { return half_part_.load(std::memory_order_relaxed); }
-  int64_t half_since_ns() const { return half_since_.load(std::memory_order_relaxed); }
-  uint64_t half_thread() const { return half_thread_.load(std::memory_order_relaxed); }
+  struct HalfState {
+    int part;
+    int64_t since_ns;
+    uint64_t thread;
+  };
+  template <typename Fn>
+  void for_each_half(Fn&& fn) const {
+    for (const Half& h : halves_) {
+      const int part = h.part.load(std::memory_order_acquire);
+      const uint64_t thread = h.thread.load(std::memory_order_relaxed);
+      if (part >= 0 && thread != 0) fn(HalfState{part, h.since_ns.load(std::memory_order_relaxed), thread});
+    }
+  }
+  // This thread's id as Python's threading.get_ident() has it (pthread_self's value, as CPython casts it).
+  static uint64_t thread_ident() {
+    const pthread_t self = pthread_self();
+    uint64_t id = 0;
+    std::memcpy(&id, &self, std::min(sizeof(self), sizeof(id)));
+    return id;
+  }
 
   struct Waiting {
     int64_t peer = -1;  // -1: no one peer (the step's last sends)
@@ -128,7 +168,6 @@ class FlightRecord {
     if (ended != 0 && w.since_ns >= action_started_ns) keep_failed_wait(w, failed_ns);
   }
   void begin_run() {
-    half_part_.store(-1, std::memory_order_relaxed);
     std::lock_guard<std::mutex> lock(failed_mu_);
     failed_ = Waiting();
     failed_action_ = -1;
@@ -254,9 +293,12 @@ class FlightRecord {
   std::atomic<int64_t> action_since_{0};
   std::atomic<int64_t> mark_ns_{0};
   std::atomic<int> part_{0};
-  std::atomic<int> half_part_{-1};
-  std::atomic<uint64_t> half_thread_{0};
-  std::atomic<int64_t> half_since_{0};
+  struct Half {
+    std::atomic<uint64_t> thread{0};  // 0: free
+    std::atomic<int> part{-1};
+    std::atomic<int64_t> since_ns{0};
+  };
+  std::array<Half, kHalves> halves_{};
   std::atomic<int64_t> wait_peer_{-1}, wait_mb_{-1}, wait_since_{0}, wait_ended_{0};
   std::atomic<const char*> wait_what_{nullptr};
   std::atomic<bool> wait_send_{false};

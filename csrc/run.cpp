@@ -77,7 +77,7 @@ void Executor::begin_run(const ForwardFn& forward) {
   flight_.set_phase(run_.discovering() ? FlightRecord::kDiscovery : FlightRecord::kRun);
   flight_.begin_run();
   flight_.settle_messages();
-  comm_failure_.clear();
+  comm_failure_ = {};
 #ifdef PIPECORE_TESTING
   freed_outputs_ = 0;
 #endif
@@ -144,7 +144,8 @@ CommError Executor::release_peers(const Outcome& outcome) {
 void Executor::rethrow(const Outcome& outcome, const CommError& comm_failure) {
   if (outcome.kind == Outcome::kOrigin) {
     // (last_comm_failure: this rank's own error stands)
-    comm_failure_ = failed(comm_failure) ? error_text(comm_failure) : "";
+    comm_failure_.text = comm_failure.what();
+    comm_failure_.cause = comm_failure.cause;
   } else if (outcome.kind != Outcome::kComm && failed(comm_failure)) {
     // releasing the peers broke the group: pipecore's sentences, the backend's text as the cause
     throw CommError(outcome.text + "; then: " + comm_failure.what(), comm_failure.cause);

@@ -70,8 +70,8 @@ class StepProfile {
     flight_.set_part(static_cast<int>(previous));
   }
   // On another thread (the other half of a pair): only the flight record's part of the other half.
-  int enter_half(Spent part) { return flight_.enter_half_part(static_cast<int>(part)); }
-  void leave_half(int previous) { flight_.set_half_part(previous); }
+  FlightRecord::HalfScope enter_half(Spent part) { return flight_.enter_half(static_cast<int>(part)); }
+  void leave_half(const FlightRecord::HalfScope& scope) { flight_.leave_half(scope); }
   double us(Spent part) const { return micro(spent_[static_cast<int>(part)]); }
   double total_us() const { return micro(total_); }
 
@@ -116,7 +116,7 @@ class SpentOn {
   StepProfile& profile_;
   bool half_;
   Spent previous_ = Spent::kLoop;
-  int previous_half_ = -1;
+  FlightRecord::HalfScope previous_half_;
 };
 
 }  // namespace pipecore

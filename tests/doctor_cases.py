@@ -168,3 +168,40 @@ def slow_backward_half(rank: int, world: int) -> tuple:
         for stage in stages:
             stage.module.register_full_backward_hook(slow_hook)
     return _step(pipe)
+
+
+class _Failing(nn.Module):
+    """A linear stage whose forward, from step 1 on (`on`), at its `at`-th call raises (`fail`) or sleeps."""
+
+    def __init__(self, at: int, fail: bool):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.at, self.fail, self.calls, self.on = at, fail, 0, False
+
+    def forward(self, x):
+        self.calls += 1
+        if self.on and self.calls == self.at:
+            if self.fail:
+                raise RuntimeError("boom in the user's forward")
+            time.sleep(2 * TIMEOUT)
+        return self.lin(x)
+
+
+def own_error_while_peer_sleeps(rank: int, world: int) -> tuple:
+    """2 ranks, 1F1B, 4 microbatches. In step 1 the last stage's forward of microbatch 0 raises; the first
+    stage's forward of microbatch 1 sleeps for twice the timeout, so the last rank's release of its peer
+    times out, and the first rank's next send finds the connection closed. Returns what `_step` does, and the
+    notes of the error."""
+    m = 4
+    sched = pc.build_schedule("1f1b", world, m)
+    modules = [_Failing(m + (1 if s == world - 1 else 2), fail=s == world - 1) for s in sched.rank_stages(rank)]
+    stages = [pc.PipelineStage(mod, s, world) for mod, s in zip(modules, sched.rank_stages(rank))]
+    pipe = pc.Pipeline(stages, sched, m, loss_fn=lambda y, t: y.sum(), timeout=TIMEOUT)
+    assert _step(pipe)[0] == "passed"
+    for mod in modules:
+        mod.on = True
+    try:
+        pipe.step(torch.randn(8, 4), target=torch.zeros(8))
+    except Exception as exc:  # noqa: BLE001 - the case reports it
+        return type(exc).__name__, str(exc), getattr(exc, "__notes__", []), repr(exc.__cause__)
+    return "passed", "", [], ""

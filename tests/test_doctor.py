@@ -6,8 +6,8 @@ import re
 import pytest
 
 from dist_pool import RankPool, fresh_pool, pool
-from doctor_cases import (TIMEOUT, dead_rank, in_flight_seen, lone_collective, missing_step, slow_backward_half,
-                          slow_forward, wait_for_cycle)
+from doctor_cases import (TIMEOUT, dead_rank, in_flight_seen, lone_collective, missing_step,
+                          own_error_while_peer_sleeps, slow_backward_half, slow_forward, wait_for_cycle)
 from pipecore.runtime.doctor import ANSWER_WITHIN, diagnose
 
 SAID_WITHIN = TIMEOUT + 5  # the issue's bound: the timeout, then a few seconds to ask and answer
@@ -59,6 +59,26 @@ def test_a_slow_backward_in_a_pairs_other_half_is_named():
         # cause, not pasted into the message)
         assert "gloo" not in text and ".cc:" not in text and "GLHF" not in text, text
     assert results[1][2] < SAID_WITHIN, results
+
+
+def test_a_ranks_own_error_is_named_when_its_peer_fails_later():
+    """Rank 1's forward raises; rank 0 is asleep in its forward meanwhile, so rank 1's release of it times out
+    and rank 0's next send finds the connection closed. Before, rank 0 said "rank 1 is in no step of this
+    Pipeline ...: every rank must call step() together" (rank 1's step had ended), and rank 1 pasted gloo's
+    text of the failed release into its message. Now rank 0 names rank 1's error, which rank 1 left in the
+    store; rank 1 raises with its error as the cause and gloo's text as a note."""
+    (kind0, text0, _, _), (kind1, text1, notes1, cause1) = _run(own_error_while_peer_sleeps)
+    assert kind0 == "CommunicationError" and text0.startswith(
+        "rank 0: step 1 failed: rank 1 failed in PP:1F0: RuntimeError: boom in the user's forward (its own error"), \
+        text0
+    assert "room in its send budget to rank 1" in text0 or "PP:0SEND_F1" in text0, text0
+    assert kind1 == "CommunicationError" and "failed on this rank (its error is the cause, above), and telling the " \
+        "other ranks failed too: pipecore rank 1, action PP:1F1: waiting for activations of microbatch 1 from rank 0 " \
+        "failed (timeout 3 s)" in text1, text1
+    assert "gloo" not in text1 and ".cc:" not in text1 and "Timed out waiting" not in text1, text1
+    assert cause1.startswith("RuntimeError(\"boom in the user's forward"), cause1
+    assert any(n.startswith("what the backend said of telling the other ranks: [") and "Timed out waiting 3000ms" in n
+               for n in notes1), notes1
 
 
 def test_a_dead_rank_is_named():
@@ -155,6 +175,11 @@ def _failed(peer, label="PP:0F0"):  # a rank whose wait failed: its abort waits 
                             "action": label}, "stack": []}
 
 
+def _pair(part, seconds):  # the action of a rank in an OVERLAP_F_B pair whose other half is in `part`
+    return {"label": "PP:(1F0;2B1)OVERLAP_F_B", "seconds": seconds, "part": "executor",
+            "halves": [{"part": part, "seconds": seconds, "stack": []}]}
+
+
 @pytest.mark.parametrize("records, cause", [
     # the chain from rank 0 ends at a rank that is the cause
     ({0: _waiting(1), 1: _waiting(2), 2: None}, "rank 2 gave no answer"),
@@ -177,12 +202,31 @@ def _failed(peer, label="PP:0F0"):  # a rank whose wait failed: its abort waits 
      "rank 1 has been in PP:1F3, its forward (user code), for 9.0 s. Also: rank 0 waits in PP:0B3 for the step's "
      "work on the device (9.0 s), the oldest not complete its PP:0SEND_F3 to rank 1"),
     ({0: _waiting(-1, what="the step's last sends", label="PP:0B3")}, "no rank is stuck in user code or missing"),
+    # an OVERLAP_F_B pair's other half in user code: the cause where the step's thread does not wait, or where
+    # its wait comes back round; a wait of the step's thread is followed first (rank 1 gave no answer)
+    ({0: _waiting(1), 1: dict(_waiting(0, label="PP:1F0"), action=_pair("backward", 9.0))},
+     "rank 1 has been in PP:(1F0;2B1)OVERLAP_F_B, its other half (on a thread of its own) in a backward (autograd, "
+     "and the user's hooks) for 9.0 s (a wait-for cycle: rank 0 waits in PP:0F0"),
+    ({0: dict(_waiting(1), action=_pair("backward", 9.0)), 1: None}, "rank 1 gave no answer"),
+    ({0: {"phase": "run", "step": 3, "action": _pair("forward", 9.0), "waiting": None, "stack": []}},
+     "rank 0 has been in PP:(1F0;2B1)OVERLAP_F_B, its other half (on a thread of its own) in its forward"),
+    ({0: {"phase": "run", "step": 3, "action": _pair("backward", 1.0), "waiting": None, "stack": []}},
+     "no rank is stuck in user code or missing"),
     # a rank in user code for less than half the timeout is not the cause; nothing is
     ({0: _waiting(1), 1: {"phase": "run", "step": 3, "action": {"label": "PP:1F0", "seconds": 1.0, "part": "forward"},
                           "waiting": None, "stack": []}}, "no rank is stuck in user code or missing"),
 ])
 def test_the_diagnosis_follows_the_wait_for_chain(records, cause):
     assert diagnose(0, records, timeout=10.0, step=3).startswith(cause)
+
+
+def test_an_error_a_rank_left_in_the_store_is_the_cause():
+    """A rank whose step failed on its own error told its peers through the store and left its step: its error
+    is the cause, not its being in no step."""
+    records = {0: _waiting(1), 1: {"phase": "idle", "step": 3}}
+    text = diagnose(0, records, 10.0, 3, published="rank 1 failed in PP:1F0: RuntimeError: boom")
+    assert text.startswith("rank 1 failed in PP:1F0: RuntimeError: boom (its own error: its step ended on it). "
+                           "Also: rank 0 waits in PP:0F0"), text
 
 
 def test_a_cycle_is_told_against_the_schedule():

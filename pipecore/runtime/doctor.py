@@ -85,9 +85,8 @@ class Doctor:
         out["program"] = pipe.programs[mode].labels if mode is not None else None  # (as run: its own order)
         frames = sys._current_frames() if stack else {}
         out["stack"] = _stack(frames.get(self.step_thread))
-        half = out.pop("half_thread", None)  # (the other half of an OVERLAP_F_B pair, on a thread of its own)
-        if out["action"] is not None and out["action"]["half_part"] is not None:
-            out["half_stack"] = _stack(frames.get(half))
+        for half in (out["action"] or {}).get("halves", []):  # (an OVERLAP_F_B pair's other half, on its thread)
+            half["stack"] = _stack(frames.get(half.pop("thread")))
         return out
 
     # -- the question and the diagnosis -----------------------------------------------------------
@@ -116,8 +115,10 @@ class Doctor:
                     pipe = self._pipe()
                     mode = pipe.plans.loaded_mode if pipe is not None else None
                     group = self.comm.group  # (global ranks in group rank order)
-                    text = diagnose(dist.get_rank(), self._ask(store), self.comm.timeout, step,
-                                    self._lowered.get(mode), [dist.get_global_rank(group, g) for g in range(group.size())])
+                    error = self.comm.error_key(step)  # (a rank that failed on its own error left it there)
+                    published = store.get(error).decode() if error is not None and store.check([error]) else None
+                    text = diagnose(dist.get_rank(), self._ask(store), self.comm.timeout, step, self._lowered.get(mode),
+                                    [dist.get_global_rank(group, g) for g in range(group.size())], published)
                 finally:  # (the other ranks wait for it)
                     store.set(f"{key}/diagnosis", text)
                 # ranks that learn of the failure from an "aborted" message read the step's error here
@@ -300,6 +301,7 @@ def _in_flight_lines(record: dict) -> list[str]:
 
 
 # -- the diagnosis (a pure function of the records: tests feed it records) ----------------------------
+_BUDGET = "room in its send budget"  # (csrc/host_path.cpp's wait for it)
 _USER_PARTS = {"forward": "its forward (user code)", "backward": "a backward (autograd, and the user's hooks)"}
 
 
@@ -328,6 +330,19 @@ def _wait_of(record: dict) -> tuple[dict | None, str]:
     return wait, wait.get("action") or (record.get("action") or {}).get("label") or "the step's end"
 
 
+def _half_in_user_code(rank: int, record: dict | None, timeout: float) -> str | None:
+    """What a thread other than the step's (an OVERLAP_F_B pair's other half) does, if it has been in user code
+    for over half the timeout: the longest of them."""
+    action = (record or {}).get("action") or {}
+    slow = [h for h in action.get("halves", []) if h["part"] in _USER_PARTS and h["seconds"] >= timeout / 2]
+    if not slow:
+        return None
+    half = max(slow, key=lambda h: h["seconds"])
+    where = _where_in_python({"stack": half.get("stack")})
+    return (f"rank {rank} has been in {action['label']}, its other half (on a thread of its own) in "
+            f"{_USER_PARTS[half['part']]} for {half['seconds']:.1f} s" + (f", at {where}" if where else ""))
+
+
 def _state(rank: int, record: dict | None, timeout: float, step: int | None) -> tuple[str, str | None, int | None]:
     """(what `rank` is doing, the cause if it is one, the rank it waits for if it waits), in step `step`."""
     if record is None:
@@ -346,14 +361,9 @@ def _state(rank: int, record: dict | None, timeout: float, step: int | None) -> 
     action = record.get("action")
     wait, label = _wait_of(record)
     phase = record.get("phase")
-    half = (action or {}).get("half_part")
-    if half in _USER_PARTS and action["half_seconds"] >= timeout / 2:
-        # an OVERLAP_F_B pair's other half, on a thread of its own, in user code (this thread may wait for a
-        # peer that waits for that half's message)
-        where = _where_in_python({"stack": record.get("half_stack")})
-        text = (f"rank {rank} has been in {action['label']}, its other half (on a thread of its own) in "
-                f"{_USER_PARTS[half]} for {action['half_seconds']:.1f} s" + (f", at {where}" if where else ""))
-        return text, text, None
+    half = _half_in_user_code(rank, record, timeout)
+    if half is not None and wait is None:  # (this thread waits for the half, or is done; a wait is followed)
+        return half, half, None
     if wait is not None:
         if wait["peer"] < 0:  # (the step's last sends, or its work on the device: its oldest send not complete)
             text = f"rank {rank} waits in {label} for {wait['what']} ({wait['seconds']:.1f} s)"
@@ -363,9 +373,13 @@ def _state(rank: int, record: dict | None, timeout: float, step: int | None) -> 
             oldest = sends[0]
             return (f"{text}, the oldest not complete its {oldest['label']} to rank {oldest['peer']}", None,
                     int(oldest["peer"]))
-        whose = (f"its send of the {wait['what']} of microbatch {wait['microbatch']} to rank {wait['peer']} to "
-                 "complete") if wait["send"] else \
-            f"the {wait['what']} of microbatch {wait['microbatch']} from rank {wait['peer']}"
+        if wait["what"] == _BUDGET:
+            whose = f"{_BUDGET} to rank {wait['peer']} (sends to it have not completed)"
+        elif wait["send"]:
+            whose = (f"its send of the {wait['what']} of microbatch {wait['microbatch']} to rank {wait['peer']} to "
+                     "complete")
+        else:
+            whose = f"the {wait['what']} of microbatch {wait['microbatch']} from rank {wait['peer']}"
         return f"rank {rank} waits in {label} for {whose} ({wait['seconds']:.1f} s)", None, int(wait["peer"])
     if action is not None:
         part = action.get("part")
@@ -431,13 +445,17 @@ def _against_schedule(cycle: list[int], records: dict, lowered, ranks: list[int]
 
 
 def diagnose(me: int, records: dict[int, dict | None], timeout: float, step: int | None = None, lowered=None,
-             ranks: list[int] | None = None) -> str:
+             ranks: list[int] | None = None, published: str | None = None) -> str:
     """The cause first, then what the cause does not say of the other ranks: the wait-for chain followed
     from rank `me`'s failed wait (global ranks) until a rank that is the cause (no answer, in no step or
     another than `step`, in user code for over half the timeout) or a rank met again (a wait-for cycle:
     with `lowered`, the schedule the ranks agreed on, and `ranks`, the global rank of each of its ranks,
-    what the schedule says of it)."""
+    what the schedule says of it). `published`: the error a rank's step failed on, which it left in the
+    store for its peers (Comm.publish_error: its own error, or its inputs'): the cause, whatever the
+    others do now (that rank may have left its step, or died, since)."""
     states = {r: _state(r, rec, timeout, step) for r, rec in records.items()}
+    # a pair's other half in user code while the step's thread waits: the cause if the wait comes back round
+    halves = {r: text for r, rec in records.items() if (text := _half_in_user_code(r, rec, timeout)) is not None}
     chain, r, cause = [], me, None
     while r in states and r not in chain:
         chain.append(r)
@@ -453,13 +471,18 @@ def diagnose(me: int, records: dict[int, dict | None], timeout: float, step: int
             cycle = chain[chain.index(r):]
             cycle = cycle[cycle.index(min(cycle)):] + cycle[:cycle.index(min(cycle))]  # (alike on every rank)
             cause = "a wait-for cycle: " + "; ".join(states[c][0] for c in cycle)
-            if lowered is not None and ranks is not None:
+            stuck = next((halves[c] for c in cycle if c in halves), None)
+            if stuck is not None:
+                cause = f"{stuck} ({cause})"
+            elif lowered is not None and ranks is not None:
                 try:
                     cause += _against_schedule(cycle, records, lowered, ranks)
                 except Exception as exc:  # noqa: BLE001 - the cycle is said anyway
                     cause += f" (comparing it with the schedule failed: {type(exc).__name__}: {exc})"
+    if published is not None:
+        cause = f"{published.rstrip('.')} (its own error: its step ended on it)"
     if cause is None:  # the chain ended nowhere telling: any rank that is a cause
-        cause = next((s[1] for s in states.values() if s[1] is not None), None)
+        cause = next((s[1] for s in states.values() if s[1] is not None), next(iter(halves.values()), None))
     if cause is None:
         return "no rank is stuck in user code or missing. Every rank: " + "; ".join(s[0] for s in states.values())
     others = [states[r][0] for r in sorted(states) if states[r][0] not in cause]  # (those the cause does not say)

@@ -49,8 +49,12 @@ def own_error(step: int, error: BaseException, rollback_note: str, comm, plans, 
     if also:  # this rank's own error, and releasing its peers failed too: the group broke
         aborted = comm.mark_broken(also)
         plans.forget_discovery()
-        return CommunicationError(f"{comm.who}: step {step} failed on this rank (its error is the cause, above), and "
-                                  f"telling the other ranks failed too: {also}. A peer hung or died: {aborted}rebuild "
-                                  "the process group and the Pipeline.")
+        broke = CommunicationError(f"{comm.who}: step {step} failed on this rank (its error is the cause, above), "
+                                   f"and telling the other ranks failed too: {also}. A peer hung or died: {aborted}"
+                                   "rebuild the process group and the Pipeline.")
+        backend = executor.last_comm_failure_cause  # (its error is the cause: the backend's text as a note)
+        if backend:
+            broke.add_note(f"what the backend said of telling the other ranks: {backend}")
+        return broke
     plans.end_discovery(failed=True)
     return None

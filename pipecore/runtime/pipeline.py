@@ -384,8 +384,8 @@ class Pipeline:
         """What this rank does now and did last, always kept (callable from any thread, as while a step
         is stuck): `step`; `phase` (idle, agreement, discovery, run, abort, finalise, data-parallel
         reduction), `phase_seconds`; `action` (None, or `label`, `seconds`, `part`: executor, forward,
-        backward, posting, waiting; `half_part`, `half_seconds`: an OVERLAP_F_B pair's other half's, on its
-        own thread, whose stack is `half_stack`); `waiting` (None, or `peer`, `microbatch`, `what`, `send`,
+        backward, posting, waiting; `halves`: an OVERLAP_F_B pair's other half, on a thread of its own,
+        as its `part`, `seconds` in it and `stack`); `waiting` (None, or `peer`, `microbatch`, `what`, `send`,
         `seconds`); `failed_wait` (the run's failed wait, with its `action`); `last` (the last 32 actions:
         label, seconds ago, seconds); `in_flight` (messages this run posted, not seen complete, oldest
         first: `label`, `peer`, `send`, `follow_up`, `bytes`, `seconds` since posted; `in_flight_unlisted`:
