@@ -397,7 +397,8 @@ class Executor final : private PathOwner {
   // "is this a discovery run" and "may the aborted rest wait".
   struct RunContext {
     const SpecFn* discover = nullptr;  // a discovery run: asked for the shapes it does not know (learn_specs)
-    bool may_wait = true;  // the aborted rest's RunMode.wait (false once a wait for shapes timed out: learn_specs)
+    bool may_wait = true;  // the aborted rest's RunMode.wait (false once a wait in it failed, or one for shapes
+                           // timed out: learn_specs)
     bool discovering() const { return discover != nullptr; }
   } run_;
 

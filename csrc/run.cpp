@@ -164,10 +164,13 @@ CommError Executor::finish_aborted(size_t from, bool wait, int64_t status) {
       exec(j, RunMode{/*aborted=*/true, run_.may_wait, status});  // (after learn_specs timed out, no action waits)
     } catch (const std::exception& e) {
       if (!failed(comm_failure)) comm_failure = as_comm_error(e);
+      // a wait or a posting failed: the group is broken, and each later wait could take a timeout of its own
+      // (a peer that is silent, not dead): the rest only posts, so the release takes one timeout at most
+      if (dynamic_cast<const CommError*>(&e) != nullptr) run_.may_wait = false;
     }
     flight_.end_action(/*kept=*/false);
   }
-  if (wait) {
+  if (run_.may_wait) {
     try {
       path_->drain_sends();
     } catch (const std::exception& e) {

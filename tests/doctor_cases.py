@@ -171,19 +171,20 @@ def slow_backward_half(rank: int, world: int) -> tuple:
 
 
 class _Failing(nn.Module):
-    """A linear stage whose forward, from step 1 on (`on`), at its `at`-th call raises (`fail`) or sleeps."""
+    """A linear stage whose forward, from step 1 on (`on`), at its `at`-th call raises (`fail`) or sleeps for
+    `sleep` seconds."""
 
-    def __init__(self, at: int, fail: bool):
+    def __init__(self, at: int, fail: bool, sleep: float = 2 * TIMEOUT):
         super().__init__()
         self.lin = nn.Linear(4, 4)
-        self.at, self.fail, self.calls, self.on = at, fail, 0, False
+        self.at, self.fail, self.sleep, self.calls, self.on = at, fail, sleep, 0, False
 
     def forward(self, x):
         self.calls += 1
         if self.on and self.calls == self.at:
             if self.fail:
                 raise RuntimeError("boom in the user's forward")
-            time.sleep(2 * TIMEOUT)
+            time.sleep(self.sleep)
         return self.lin(x)
 
 
@@ -205,3 +206,21 @@ def own_error_while_peer_sleeps(rank: int, world: int) -> tuple:
     except Exception as exc:  # noqa: BLE001 - the case reports it
         return type(exc).__name__, str(exc), getattr(exc, "__notes__", []), repr(exc.__cause__)
     return "passed", "", [], ""
+
+
+def own_error_between_two_silent_peers(rank: int, world: int) -> tuple:
+    """3 ranks, 1F1B, 4 microbatches. In step 1 the middle stage's forward of microbatch 0 raises, while rank 0
+    sleeps in its forward of microbatch 1 and rank 2 calls step() only after 3 timeouts: the middle rank's
+    release of its peers meets a wait on each of them that cannot end. Returns what `_step` does."""
+    m = 4
+    sched = pc.build_schedule("1f1b", world, m)
+    late = 3 * TIMEOUT
+    modules = [_Failing(m + (1 if s == 1 else 2), fail=s == 1, sleep=late) for s in sched.rank_stages(rank)]
+    stages = [pc.PipelineStage(mod, s, world) for mod, s in zip(modules, sched.rank_stages(rank))]
+    pipe = pc.Pipeline(stages, sched, m, loss_fn=lambda y, t: y.sum(), timeout=TIMEOUT)
+    assert _step(pipe)[0] == "passed"
+    for mod in modules:
+        mod.on = rank != world - 1
+    if rank == world - 1:
+        time.sleep(late)
+    return _step(pipe)

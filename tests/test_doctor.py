@@ -7,7 +7,8 @@ import pytest
 
 from dist_pool import RankPool, fresh_pool, pool
 from doctor_cases import (TIMEOUT, dead_rank, in_flight_seen, lone_collective, missing_step,
-                          own_error_while_peer_sleeps, slow_backward_half, slow_forward, wait_for_cycle)
+                          own_error_between_two_silent_peers, own_error_while_peer_sleeps, slow_backward_half,
+                          slow_forward, wait_for_cycle)
 from pipecore.runtime.doctor import ANSWER_WITHIN, diagnose
 
 SAID_WITHIN = TIMEOUT + 5  # the issue's bound: the timeout, then a few seconds to ask and answer
@@ -79,6 +80,23 @@ def test_a_ranks_own_error_is_named_when_its_peer_fails_later():
     assert cause1.startswith("RuntimeError(\"boom in the user's forward"), cause1
     assert any(n.startswith("what the backend said of telling the other ranks: [") and "Timed out waiting 3000ms" in n
                for n in notes1), notes1
+
+
+def test_releasing_the_peers_takes_one_timeout_however_many_are_silent():
+    """The middle of 3 ranks fails on its own error while rank 0 sleeps in its forward and rank 2 has not
+    called step() yet: its release of them meets a wait on each. Before, each wait took a timeout of its own
+    (rank 1 raised after 6.0 s, two timeouts; the aborted rest restarted the timeout per wait); now the rest
+    only posts once a wait failed. Every rank names rank 1's error."""
+    results = _run(own_error_between_two_silent_peers, world=3)
+    for kind, text, seconds, cause in results:
+        assert kind == "CommunicationError", results
+    assert results[1][1].startswith("rank 1: step 1 failed on this rank (its error is the cause, above), and "
+                                    "telling the other ranks failed too"), results[1]
+    assert results[1][3].startswith("RuntimeError: boom in the user's forward"), results[1]
+    assert results[1][2] < 2 * TIMEOUT, results[1]  # (one timeout, and what posting costs)
+    for kind, text, seconds, cause in (results[0], results[2]):
+        assert text.split(": ", 1)[1].startswith("step 1 failed: rank 1 failed in PP:1F0: RuntimeError: boom in the "
+                                                 "user's forward (its own error"), text
 
 
 def test_a_dead_rank_is_named():
