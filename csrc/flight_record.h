@@ -114,8 +114,11 @@ class FlightRecord {
   void for_each_half(Fn&& fn) const {
     for (const Half& h : halves_) {
       const int part = h.part.load(std::memory_order_acquire);
-      const uint64_t thread = h.thread.load(std::memory_order_relaxed);
-      if (part >= 0 && thread != 0) fn(HalfState{part, h.since_ns.load(std::memory_order_relaxed), thread});
+      const uint64_t thread = h.thread.load(std::memory_order_acquire);
+      const int64_t since = h.since_ns.load(std::memory_order_relaxed);
+      // (a slot one thread gave back and another took meanwhile: skipped, not paired with the wrong stack)
+      if (part < 0 || thread == 0 || h.part.load(std::memory_order_acquire) != part) continue;
+      fn(HalfState{part, since, thread});
     }
   }
   // This thread's id as Python's threading.get_ident() has it (pthread_self's value, as CPython casts it).

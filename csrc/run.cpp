@@ -158,15 +158,23 @@ CommError Executor::finish_aborted(size_t from, bool wait, int64_t status) {
   CommError comm_failure("");
   run_.may_wait = wait;
   flight_.mark();  // (the aborted rest's first action starts now)
-  for (size_t j = from; j < program_.size(); ++j) {
+  bool may_post = true;
+  for (size_t j = from; j < program_.size() && may_post; ++j) {
     flight_.begin_action(static_cast<int64_t>(j));
     try {
       exec(j, RunMode{/*aborted=*/true, run_.may_wait, status});  // (after learn_specs timed out, no action waits)
     } catch (const std::exception& e) {
       if (!failed(comm_failure)) comm_failure = as_comm_error(e);
       // a wait or a posting failed: the group is broken, and each later wait could take a timeout of its own
-      // (a peer that is silent, not dead): the rest only posts, so the release takes one timeout at most
-      if (dynamic_cast<const CommError*>(&e) != nullptr) run_.may_wait = false;
+      // (a peer that is silent, not dead): the rest only posts, so the release takes one timeout at most; and
+      // nothing more where posting onto the broken communicator could block (the device path's)
+      if (const auto* comm = dynamic_cast<const CommError*>(&e)) {
+        run_.may_wait = false;
+        Outcome broken;
+        broken.kind = Outcome::kComm;
+        broken.cause = comm->cause;
+        may_post = path_->may_post_after(broken);
+      }
     }
     flight_.end_action(/*kept=*/false);
   }

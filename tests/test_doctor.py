@@ -245,6 +245,16 @@ def test_an_error_a_rank_left_in_the_store_is_the_cause():
     text = diagnose(0, records, 10.0, 3, published="rank 1 failed in PP:1F0: RuntimeError: boom")
     assert text.startswith("rank 1 failed in PP:1F0: RuntimeError: boom (its own error: its step ended on it). "
                            "Also: rank 0 waits in PP:0F0"), text
+    # a chain that meets it, or ends at a rank that gave no answer: still its error first
+    records = {0: _waiting(1), 1: _waiting(2, label="PP:1F0"), 2: None}
+    for published in ("rank 1 failed in PP:1F0: RuntimeError: boom", "rank 2 failed in PP:2F0: RuntimeError: boom"):
+        assert diagnose(0, records, 10.0, 3, published=published).startswith(published), published
+    # a chain that ends at a rank in user code it does not meet: that rank first, the error after
+    records = {0: _waiting(1), 1: {"phase": "run", "step": 3, "stack": [],
+                                   "action": {"label": "PP:1F0", "seconds": 9.0, "part": "forward"}}, 2: None}
+    text = diagnose(0, records, 10.0, 3, published="rank 2 failed in PP:2F0: RuntimeError: boom")
+    assert text.startswith("rank 1 has been in PP:1F0, its forward (user code), for 9.0 s. Also: rank 2 failed in "
+                           "PP:2F0: RuntimeError: boom (its own error: its step ended on it)"), text
 
 
 def test_a_cycle_is_told_against_the_schedule():

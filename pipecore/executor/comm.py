@@ -194,13 +194,22 @@ class Comm:
             return None
         return f"pipecore/{self.uid}/step{self.step if step is None else step}/error"
 
-    def publish_error(self, error: str, action: str) -> None:
-        """The first failing rank of this step: leave its error where the other ranks will look."""
+    def publish_error(self, error: str, action: str, own: bool = True) -> None:
+        """The first failing rank of this step: leave its error where the other ranks will look. `own`: an
+        error of its own (its forward's, its inputs'), not what it learnt of a broken group, which the
+        doctor also keeps apart (`own_error_key`) as the cause of a hang the others see."""
         key = self.error_key()
         if self.world == 1 or key is None:
             return
         text = f"{who(self.group)} failed in {action}: {error.strip().splitlines()[0] if error.strip() else error}"
         leave_first(self.store, [key], text)
+        if own:
+            leave_first(self.store, [self.own_error_key()], text)
+
+    def own_error_key(self, step: int | None = None) -> str | None:
+        """Where the first error of a rank's own in step `step` (default: this step) is left (publish_error)."""
+        key = self.error_key(step)
+        return None if key is None else key + "/own"
 
     def meet(self, kind: str, what: str, group=None) -> str | None:
         """Every rank of `group` (default: the pipeline's) reaches its next `kind` meeting point (the

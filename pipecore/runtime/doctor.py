@@ -17,6 +17,7 @@ store; every other rank whose step fails reads it there, so each says the same.
 from __future__ import annotations
 
 import json
+import re
 import os
 import sys
 import threading
@@ -115,14 +116,15 @@ class Doctor:
                     pipe = self._pipe()
                     mode = pipe.plans.loaded_mode if pipe is not None else None
                     group = self.comm.group  # (global ranks in group rank order)
-                    error = self.comm.error_key(step)  # (a rank that failed on its own error left it there)
+                    records = self._ask(store)
+                    error = self.comm.own_error_key(step)  # (a rank that failed on its own error left it there)
                     published = store.get(error).decode() if error is not None and store.check([error]) else None
-                    text = diagnose(dist.get_rank(), self._ask(store), self.comm.timeout, step, self._lowered.get(mode),
+                    text = diagnose(dist.get_rank(), records, self.comm.timeout, step, self._lowered.get(mode),
                                     [dist.get_global_rank(group, g) for g in range(group.size())], published)
                 finally:  # (the other ranks wait for it)
                     store.set(f"{key}/diagnosis", text)
                 # ranks that learn of the failure from an "aborted" message read the step's error here
-                self.comm.publish_error(text, "a wait")
+                self.comm.publish_error(text, "a wait", own=False)
                 return text
             deadline = time.monotonic() + ANSWER_WITHIN + 3
             while not store.check([f"{key}/diagnosis"]):
@@ -301,6 +303,7 @@ def _in_flight_lines(record: dict) -> list[str]:
 
 
 # -- the diagnosis (a pure function of the records: tests feed it records) ----------------------------
+_LEFT = re.compile(r"is in no step|gave no answer|is in step \d+ of this Pipeline, not step|has not called step")
 _BUDGET = "room in its send budget"  # (csrc/host_path.cpp's wait for it)
 _USER_PARTS = {"forward": "its forward (user code)", "backward": "a backward (autograd, and the user's hooks)"}
 
@@ -450,9 +453,10 @@ def diagnose(me: int, records: dict[int, dict | None], timeout: float, step: int
     from rank `me`'s failed wait (global ranks) until a rank that is the cause (no answer, in no step or
     another than `step`, in user code for over half the timeout) or a rank met again (a wait-for cycle:
     with `lowered`, the schedule the ranks agreed on, and `ranks`, the global rank of each of its ranks,
-    what the schedule says of it). `published`: the error a rank's step failed on, which it left in the
-    store for its peers (Comm.publish_error: its own error, or its inputs'): the cause, whatever the
-    others do now (that rank may have left its step, or died, since)."""
+    what the schedule says of it). `published`: the error of its own a rank's step failed on, which it left
+    in the store for its peers (Comm.publish_error: its forward's, its inputs'): the cause where the chain
+    meets that rank, or ends nowhere telling, or at a rank in no step or that gave no answer (that rank
+    may have left its step, or died, since); else said after the cause."""
     states = {r: _state(r, rec, timeout, step) for r, rec in records.items()}
     # a pair's other half in user code while the step's thread waits: the cause if the wait comes back round
     halves = {r: text for r, rec in records.items() if (text := _half_in_user_code(r, rec, timeout)) is not None}
@@ -479,11 +483,17 @@ def diagnose(me: int, records: dict[int, dict | None], timeout: float, step: int
                     cause += _against_schedule(cycle, records, lowered, ranks)
                 except Exception as exc:  # noqa: BLE001 - the cycle is said anyway
                     cause += f" (comparing it with the schedule failed: {type(exc).__name__}: {exc})"
+    also = []
     if published is not None:
-        cause = f"{published.rstrip('.')} (its own error: its step ended on it)"
+        said = f"{published.rstrip('.')} (its own error: its step ended on it)"
+        origin = re.match(r"rank (\d+)", published)
+        if cause is None or _LEFT.search(cause) or (origin is not None and int(origin.group(1)) in chain):
+            cause = said
+        else:
+            also.append(said)
     if cause is None:  # the chain ended nowhere telling: any rank that is a cause
         cause = next((s[1] for s in states.values() if s[1] is not None), next(iter(halves.values()), None))
     if cause is None:
         return "no rank is stuck in user code or missing. Every rank: " + "; ".join(s[0] for s in states.values())
-    others = [states[r][0] for r in sorted(states) if states[r][0] not in cause]  # (those the cause does not say)
-    return cause + (f". Also: {'; '.join(others)}" if others else "")
+    also += [states[r][0] for r in sorted(states) if states[r][0] not in cause]  # (those the cause does not say)
+    return cause + (f". Also: {'; '.join(also)}" if also else "")
