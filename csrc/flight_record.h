@@ -170,7 +170,9 @@ class FlightRecord {
     Waiting w = slot();
     if (ended != 0 && w.since_ns >= action_started_ns) keep_failed_wait(w, failed_ns);
   }
+  // A run starts: no failed wait, and the messages posted before are past.
   void begin_run() {
+    settle_messages();
     std::lock_guard<std::mutex> lock(failed_mu_);
     failed_ = Waiting();
     failed_action_ = -1;

@@ -57,7 +57,7 @@ void Executor::run(const ForwardFn& forward, const AbortFn& on_abort, const Spec
 void Executor::run_aborted(int64_t status) {
   stepped_ = true;
   reset();
-  flight_.settle_messages();  // (a run of its own: the last run's messages are past)
+  flight_.begin_run();  // (a run of its own: the last run's failed wait and messages are past)
   if (path_->format().shaped) specs_.widen_to_capacities();
   const CommError comm_failure = finish_aborted(0, /*wait=*/true, status);
   if (failed(comm_failure)) throw comm_failure;
@@ -76,7 +76,6 @@ void Executor::begin_run(const ForwardFn& forward) {
   profile_.begin(profile_on_);
   flight_.set_phase(run_.discovering() ? FlightRecord::kDiscovery : FlightRecord::kRun);
   flight_.begin_run();
-  flight_.settle_messages();
   comm_failure_ = {};
 #ifdef PIPECORE_TESTING
   freed_outputs_ = 0;
@@ -136,7 +135,7 @@ CommError Executor::release_peers(const Outcome& outcome) {
   // sends are posted then. The failed action runs again aborted: it may have failed before posting.
   // Where the path may not post after it (the device path's wedged communicator), nothing more goes.
   CommError comm_failure = finish_aborted(path_->may_post_after(outcome) ? outcome.at : program_.size(),
-                                                  /*wait=*/outcome.kind != Outcome::kComm, outcome.status_for_peers());
+                                         /*wait=*/outcome.kind != Outcome::kComm, outcome.status_for_peers());
   kept_.clear();
   return comm_failure;
 }
@@ -168,12 +167,10 @@ CommError Executor::finish_aborted(size_t from, bool wait, int64_t status) {
       // a wait or a posting failed: the group is broken, and each later wait could take a timeout of its own
       // (a peer that is silent, not dead): the rest only posts, so the release takes one timeout at most; and
       // nothing more where posting onto the broken communicator could block (the device path's)
-      if (const auto* comm = dynamic_cast<const CommError*>(&e)) {
+      const Outcome failure = Outcome::of_current_exception();
+      if (failure.kind == Outcome::kComm) {
         run_.may_wait = false;
-        Outcome broken;
-        broken.kind = Outcome::kComm;
-        broken.cause = comm->cause;
-        may_post = path_->may_post_after(broken);
+        may_post = path_->may_post_after(failure);
       }
     }
     flight_.end_action(/*kept=*/false);
